@@ -1,0 +1,142 @@
+"""The ``local`` backend: a real trial, ``torchrun --nproc-per-node N -m trials.runner`` on this node.
+
+Every trial runs in its own process group (session) with a deadline; on timeout the whole group is killed,
+so a hung collective cannot outlive its trial. Each rank writes its own record; they are merged here:
+the peak is the max over ranks, the status the worst one (oom > error > ok), and a rank that died without
+writing a record (killed by a signal, segfault) becomes ``error`` with its last lines of output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from autotune.backends import Backend, Evaluation
+from autotune.record import ResultRecord
+
+_STATUS_RANK = {"ok": 0, "error": 1, "timeout": 2, "oom": 3}
+
+
+class LocalBackend(Backend):
+    """Real trials on this machine (CUDA+NCCL when there are GPUs, else CPU+gloo with a tracked capacity)."""
+
+    name = "local"
+
+    def __init__(self, steps: int = 2, warmup: int = 1, timeout_s: float = 600.0,
+                 memory_gib: float | None = None, seed: int = 0, keep_logs: str | None = None):
+        self.steps, self.warmup, self.timeout_s = steps, warmup, timeout_s
+        self.memory_gib, self.seed, self.keep_logs = memory_gib, seed, keep_logs
+
+    def command(self, gpus: int, spec_path: Path, out_dir: Path) -> list[str]:
+        if gpus == 1:
+            return [sys.executable, "-m", "trials.runner", str(spec_path), str(out_dir)]
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
+                "-m", "trials.runner", str(spec_path), str(out_dir)]
+
+    def capacity_bytes(self, evaluation: Evaluation) -> int | None:
+        import torch
+
+        if torch.cuda.is_available():
+            return None  # the card's own capacity raises OOM
+        if self.memory_gib is not None:
+            return int(self.memory_gib * 1024**3)
+        return None
+
+    def evaluate(self, evaluation: Evaluation) -> ResultRecord:
+        spec = {
+            "model_config": evaluation.model_config, "techniques": evaluation.techniques.to_dict(),
+            "seq_len": evaluation.seq_len, "steps": self.steps, "warmup": self.warmup,
+            "capacity_bytes": self.capacity_bytes(evaluation), "seed": self.seed,
+        }
+        work = Path(tempfile.mkdtemp(prefix="autotune-trial-"))
+        try:
+            spec_path = work / "spec.json"
+            spec_path.write_text(json.dumps(spec))
+            return self._run(evaluation, spec_path, work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    def _run(self, evaluation: Evaluation, spec_path: Path, work: Path) -> ResultRecord:
+        log_path = work / "output.log"
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // evaluation.gpus)))
+        repo_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = repo_root + os.pathsep + env.get("PYTHONPATH", "")
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(self.command(evaluation.gpus, spec_path, work), stdout=log,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            try:
+                returncode = proc.wait(timeout=self.timeout_s)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                returncode = None
+            finally:
+                _kill_group(proc)
+        tail = _tail(log_path)
+        ranks = [json.loads(p.read_text()) for p in sorted(work.glob("rank*.json"))]
+        return merge_rank_records(evaluation, ranks, returncode, timed_out, tail, self.timeout_s)
+
+
+def merge_rank_records(evaluation: Evaluation, ranks: list[dict], returncode, timed_out: bool, tail: str,
+                       timeout_s: float) -> ResultRecord:
+    """One record from the per-rank ones (see module docstring)."""
+    base = {"source": "measured", "seq_len": evaluation.seq_len}
+    if timed_out:
+        peaks = [r.get("peak_device_bytes") or 0 for r in ranks]
+        return ResultRecord(status="timeout", **base, peak_device_bytes=max(peaks, default=None),
+                            error=f"trial exceeded its {timeout_s:g} s deadline; last output:\n{tail}")
+    worst = max(ranks, key=lambda r: _STATUS_RANK.get(r.get("status"), 1), default=None)
+    if worst is None or (len(ranks) < evaluation.gpus and worst.get("status") == "ok"):
+        reason = _signal_reason(returncode)
+        return ResultRecord(status="error", **base,
+                            error=f"trial process ended ({reason}) without a record from every rank; "
+                                  f"last output:\n{tail}")
+    status = worst["status"]
+    if status == "ok" and returncode not in (0, None):
+        status = "error"
+        worst = dict(worst, error=f"exit code {returncode}; last output:\n{tail}")
+    peaks = [r.get("peak_device_bytes") or 0 for r in ranks]
+    peak_rank = max(ranks, key=lambda r: r.get("peak_device_bytes") or 0)
+    first = next((r for r in ranks if r.get("rank") == 0), ranks[0])
+    error = worst.get("error")
+    if status == "error" and error and tail and "rank" not in error[:20]:
+        error = f"rank {worst.get('rank')}: {error}"
+    return ResultRecord(
+        status=status, **base,
+        tokens_per_s=first.get("tokens_per_s") if status == "ok" else None,
+        step_time_s=first.get("step_time_s") if status == "ok" else None,
+        peak_device_bytes=max(peaks), host_bytes=max((r.get("host_bytes") or 0) for r in ranks),
+        breakdown=peak_rank.get("breakdown") or {}, loss=first.get("loss"), grad_norm=first.get("grad_norm"),
+        device=first.get("device"), error=error,
+    )
+
+
+def _signal_reason(returncode) -> str:
+    if returncode is not None and returncode < 0:
+        return f"killed by signal {signal.Signals(-returncode).name}"
+    return f"exit code {returncode}"
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the trial's whole process group (torchrun and every rank)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    kept = [line for line in text.splitlines() if "Setting OMP_NUM_THREADS" not in line and line.strip("* ")]
+    return "\n".join(kept[-lines:])

@@ -1,0 +1,91 @@
+"""Process groups for a trial: one flat FSDP mesh over all ranks, Ulysses groups of consecutive ranks.
+
+    world = dp_size * sp_degree;  rank = dp_rank * sp_degree + sp_rank
+    Ulysses group of replica d: ranks [d*sp_degree, (d+1)*sp_degree)
+
+CPU -> gloo, CUDA -> NCCL. World size 1 needs no process group at all (``Mesh.single()``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Mesh:
+    rank: int
+    world_size: int
+    sp_degree: int
+    device: torch.device
+    sp_group: "dist.ProcessGroup | None" = None
+    device_mesh: "object | None" = None  # torch DeviceMesh over all ranks (FSDP), None when world is 1
+
+    @property
+    def sp_rank(self) -> int:
+        return self.rank % self.sp_degree
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.sp_degree
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.sp_degree
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> "Mesh":
+        return cls(rank=0, world_size=1, sp_degree=1, device=torch.device(device))
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_mesh(sp_degree: int, device: torch.device | None = None, timeout_s: float = 600) -> Mesh:
+    """Join the torchrun job (or stay single-process) and build the groups."""
+    device = device or default_device()
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if world_size == 1 and not dist.is_initialized():
+        if sp_degree != 1:
+            raise ValueError(f"ulysses_degree {sp_degree} needs {sp_degree} ranks, have 1")
+        return Mesh.single(device)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return build_mesh(sp_degree, device)
+
+
+def build_mesh(sp_degree: int, device: torch.device) -> Mesh:
+    """Groups over an initialised default process group (real or fake)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if world_size % sp_degree:
+        raise ValueError(f"ulysses_degree {sp_degree} does not divide world size {world_size}")
+    sp_group = None
+    # every rank must create every group, in the same order
+    for start in range(0, world_size, sp_degree):
+        group = dist.new_group(list(range(start, start + sp_degree)))
+        if start <= rank < start + sp_degree:
+            sp_group = group
+    device_mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",))
+    if sp_degree > 1:
+        import deepspeed.comm
+
+        if not deepspeed.comm.is_initialized():
+            deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), verbose=False)
+    return Mesh(rank=rank, world_size=world_size, sp_degree=sp_degree, device=device,
+                sp_group=sp_group, device_mesh=device_mesh)

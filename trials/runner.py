@@ -1,0 +1,125 @@
+"""Run one trial: build, apply the stack, train warm-up + measured steps, write this rank's record.
+
+Launched by the local backend as ``torchrun --nproc-per-node N -m trials.runner SPEC OUT_DIR`` (or plain
+``python -m trials.runner`` for one rank). SPEC is a JSON file:
+    {"model_config": {...}, "techniques": {...}, "seq_len": int, "steps": int, "warmup": int,
+     "capacity_bytes": int | null, "seed": int}
+Each rank writes ``OUT_DIR/rank{r}.json``: status, timings, its peak device bytes and breakdown, and the
+loss / grad norm of the first step. A rank that fails writes its record and exits non-zero at once, so
+torchrun tears the job down instead of leaving peers blocked in a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+
+def _device_peak(device: torch.device, tracker) -> tuple[int, dict, int]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), {}, 0
+    return tracker.peak_device_bytes, dict(tracker.peak_breakdown), tracker.peak_host_bytes
+
+
+def run_trial(spec: dict, mesh=None) -> dict:
+    """Run the trial on this rank and return its record (a dict, DESIGN.md's result record fields)."""
+    from autotune.config import Techniques
+    from trials.data import make_batch, synthetic_sample
+    from trials.dist import init_mesh
+    from trials.memory import DeviceMemoryTracker
+    from trials.model import build_model
+    from trials.stack import apply
+    from trials.step import train_step
+
+    techniques = Techniques.from_dict(spec["techniques"])
+    seq_len, steps, warmup = spec["seq_len"], spec.get("steps", 2), spec.get("warmup", 1)
+    seed = spec.get("seed", 0)
+    mesh = mesh or init_mesh(techniques.ulysses_degree)
+    device = mesh.device
+    use_tracker = device.type != "cuda"
+    tracker = DeviceMemoryTracker(spec.get("capacity_bytes")) if use_tracker else None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    record = {"status": "ok", "source": "measured", "seq_len": seq_len, "device": _describe(device, mesh),
+              "rank": mesh.rank, "loss": None, "grad_norm": None, "error": None}
+    step_times = []
+    try:
+        with tracker if tracker is not None else _nullcontext():
+            model = build_model(spec["model_config"], seed=seed, device=device)
+            apply(model, techniques, mesh)
+            if tracker is not None:
+                tracker.retag(model.parameters(), "params")
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=False)
+            tokens = synthetic_sample(mesh.dp_rank, seq_len, model.config.vocab_size, seed)
+            batch = make_batch(tokens, mesh.sp_rank, mesh.sp_degree, device)
+            for index in range(warmup + steps):
+                start = time.perf_counter()
+                result = train_step(model, optimizer, batch, mesh, tracker)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                elapsed = time.perf_counter() - start
+                if index == 0:
+                    record["loss"], record["grad_norm"] = result.loss, result.grad_norm
+                if index >= warmup:
+                    step_times.append(elapsed)
+    except torch.OutOfMemoryError as exc:
+        record.update(status="oom", error=str(exc).splitlines()[0][:500])
+    except Exception as exc:  # recorded, classified by the launcher
+        if "out of memory" in str(exc).lower():
+            record.update(status="oom", error=str(exc).splitlines()[0][:500])
+        else:
+            record.update(status="error", error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}")
+    peak, breakdown, host = _device_peak(device, tracker)
+    record.update(peak_device_bytes=int(peak), breakdown=breakdown, host_bytes=int(host))
+    if step_times:
+        step_time = sum(step_times) / len(step_times)
+        record.update(step_time_s=step_time, tokens_per_s=seq_len * mesh.dp_size / step_time)
+    return record
+
+
+def _describe(device: torch.device, mesh) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} x{mesh.world_size}"
+    return f"cpu (gloo) x{mesh.world_size}"
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec_path, out_dir = Path(argv[0]), Path(argv[1])
+    spec = json.loads(spec_path.read_text())
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        record = run_trial(spec)
+    except Exception as exc:  # failure before the trial could even start (groups, imports)
+        record = {"status": "error", "source": "measured", "seq_len": spec.get("seq_len"), "rank": rank,
+                  "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"}
+    path = out_dir / f"rank{record.get('rank', rank)}.json"
+    path.write_text(json.dumps(record))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if record["status"] != "ok":
+        os._exit(1)  # let torchrun stop the peers now
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

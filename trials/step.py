@@ -1,0 +1,68 @@
+"""One training step with gradients that match the plain single-process model.
+
+Loss scaling: every rank computes ``sum of its tokens' cross-entropy * scale``. Gradients are then averaged
+over all ``world = dp * sp`` ranks (FSDP's reduce-scatter, or ``allreduce_grads``). With
+``scale = sp / valid_tokens`` that average is ``(1/dp) * sum over replicas of grad(replica mean loss)``:
+exactly the plain model's gradient when dp = 1, and the data-parallel mean otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from trials.data import Batch
+from trials.fsdp import allreduce_grads
+
+
+@dataclass
+class StepResult:
+    loss: float       # mean token loss over the whole global batch
+    grad_norm: float  # L2 norm of the full (reduced) gradient
+
+
+def loss_scale(batch: Batch, mesh) -> float:
+    return mesh.sp_degree / batch.valid_tokens
+
+
+def grad_norm(model) -> float:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads)
+    if hasattr(total, "full_tensor"):
+        total = total.full_tensor()
+    return float(total)
+
+
+def train_step(model, optimizer, batch: Batch, mesh, tracker=None) -> StepResult:
+    phase = tracker.in_phase if tracker is not None else _no_phase
+    scale = loss_scale(batch, mesh)
+    with phase("forward"):
+        scaled_loss = model(batch.input_ids, batch.position_ids, batch.labels, scale=scale)
+    with phase("backward"):
+        scaled_loss.backward()
+        allreduce_grads(model, mesh)
+    if tracker is not None:
+        tracker.retag((p.grad for p in model.parameters()), "grads")
+    norm = grad_norm(model)
+    with phase("optimizer"):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    # scaled_loss = local_sum * sp / valid; the global mean loss is sum over ranks / (sp * dp)
+    loss = scaled_loss.detach().clone()
+    if mesh.distributed:
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+    return StepResult(loss=float(loss) / (mesh.sp_degree * mesh.dp_size), grad_norm=norm)
+
+
+class _NullPhase:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _no_phase(_name):
+    return _NullPhase()
