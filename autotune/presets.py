@@ -103,5 +103,6 @@ def load_hardware(name: str) -> Hardware:
     if not path.exists():
         raise UserError(f"unknown hardware {name!r}: choose one of {', '.join(hardware_names())}")
     data = yaml.safe_load(path.read_text())
-    known = {f.name for f in fields(Hardware)}
-    return Hardware(**{k: v for k, v in data.items() if k in known})
+    # YAML 1.1 reads 989.0e12 (no exponent sign) as a string: coerce to each field's declared type
+    casts = {"int": lambda v: int(float(v)), "float": float, "str": str}
+    return Hardware(**{f.name: casts[f.type](data[f.name]) for f in fields(Hardware) if f.name in data})

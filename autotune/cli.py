@@ -1,0 +1,368 @@
+"""The ``autotune`` command line (typer). Bad input exits 2 with one line on stderr, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from typer._click import exceptions as click_exceptions  # typer vendors click; its errors live here
+from rich.console import Console
+from rich.table import Table
+
+from autotune.errors import UserError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Find the memory/throughput configuration for multi-million-token training.")
+console = Console(stderr=True)
+out_console = Console()
+
+TARGET_HELP = "tokens: an integer or K/M suffix (K=1024, M=1024^2; 5M = 5,242,880)"
+
+
+def fail(message: str) -> None:
+    raise UserError(message)
+
+
+def _positive_gpus(gpus: int) -> int:
+    if gpus < 1:
+        fail(f"--gpus must be at least 1, got {gpus}")
+    return gpus
+
+
+def _memory(memory_gib: Optional[float]) -> Optional[float]:
+    if memory_gib is not None and not (0 < memory_gib < 1e6):
+        fail(f"--memory-gib must be a positive number of GiB, got {memory_gib}")
+    return memory_gib
+
+
+def _out_dir(out: Path) -> Path:
+    if out.exists() and not out.is_dir():
+        fail(f"--out {str(out)!r} is a file, not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        fail(f"--out {str(out)!r} cannot be created: {exc.strerror}")
+    if not os.access(out, os.W_OK):
+        fail(f"--out {str(out)!r} is not writable")
+    return out
+
+
+def _hardware_for(backend_name: str, hardware: str, memory_gib: Optional[float]):
+    """Local trials on a CPU-only machine run on the ``cpu`` preset with ``--memory-gib`` per rank."""
+    import torch
+
+    from autotune.presets import load_hardware
+
+    preset = load_hardware(hardware)
+    if backend_name == "local" and not torch.cuda.is_available():
+        preset = load_hardware("cpu")
+    return preset.with_memory_gib(memory_gib)
+
+
+def _print_record(record: dict, as_json: bool, title: str) -> None:
+    if as_json:
+        print(json.dumps(record))
+        return
+    table = Table(title=title, show_header=False)
+    for key, value in record.items():
+        if key == "breakdown":
+            value = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in (value or {}).items())
+        elif key.endswith("_bytes") and isinstance(value, int):
+            value = f"{value:,} ({value / 2**30:.2f} GiB)"
+        elif key == "seq_len":
+            from autotune.sizes import format_tokens
+
+            value = format_tokens(value)
+        table.add_row(key, str(value))
+    out_console.print(table)
+
+
+@app.command()
+def search(
+    model: str = typer.Option(..., help="preset name or path to a Hugging Face config.json"),
+    target: str = typer.Option(..., help=TARGET_HELP),
+    gpus: int = typer.Option(8, help="devices on the node"),
+    hardware: str = typer.Option("h100-sxm", help="hardware preset (autotune hardware)"),
+    backend: str = typer.Option("auto", help="auto | plan | local"),
+    space: Optional[Path] = typer.Option(None, help="search space YAML (default: search_spaces/default.yaml)"),
+    trials: int = typer.Option(40, help="finished trials the study should hold (resumes count)"),
+    timeout: Optional[float] = typer.Option(None, help="stop starting new trials after this many seconds"),
+    out: Path = typer.Option(Path("autotune-out"), help="output folder (study.db, trials.parquet, ...)"),
+    storage: Optional[str] = typer.Option(None, help="Optuna RDB URL or journal file shared by workers"),
+    study: Optional[str] = typer.Option(None, help="study name (workers sharing --storage use the same)"),
+    seed: int = typer.Option(0, help="sampler seed"),
+    memory_gib: Optional[float] = typer.Option(None, help="per-rank capacity in GiB (CPU trials; overrides preset)"),
+    trial_timeout: float = typer.Option(900.0, help="seconds before a real trial is killed as hung"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object (the summary)"),
+):
+    """Search the technique space for the Pareto front of sequence length vs tokens/s."""
+    from autotune import report
+    from autotune import search as search_mod
+    from autotune.backends import make_backend, resolve_backend
+    from autotune.presets import load_model_config
+    from autotune.sizes import format_tokens, parse_tokens
+    from autotune.space import load_space
+
+    target_tokens = parse_tokens(target, "--target")
+    model_config = load_model_config(model)
+    _positive_gpus(gpus)
+    _memory(memory_gib)
+    if trials < 1:
+        fail(f"--trials must be at least 1, got {trials}")
+    backend_name = resolve_backend(backend, gpus)
+    if backend_name not in ("plan", "local"):
+        fail(f"unknown backend {backend!r}: choose auto, plan or local")
+    hw = _hardware_for(backend_name, hardware, memory_gib)
+    out = _out_dir(out)
+    flash_ok = backend_name == "plan" and hw.name != "cpu" or _flash_installed()
+    search_space = load_space(space, model_config, gpus, target_tokens, flash_ok=flash_ok)
+    if backend_name == "local":
+        chosen = make_backend("local", memory_gib=memory_gib, timeout_s=trial_timeout, seed=seed)
+        prefilter = _plan_or_none()
+    else:
+        chosen, prefilter = make_backend("plan"), None
+    job = search_mod.SearchJob(model=model, model_config=model_config, target=target_tokens, gpus=gpus,
+                               hardware=hw, space=search_space, backend=chosen, out=out, trials=trials,
+                               timeout_s=timeout, storage=storage, study_name=study, seed=seed, prefilter=prefilter)
+    from autotune.progress import SearchProgress
+
+    console.print(f"autotune: {model} on {gpus}x {hw.name}, target {format_tokens(target_tokens)}, "
+                  f"backend {backend_name}, out {out}")
+    interrupted = False
+    with SearchProgress(job, console=console, enabled=not as_json) as progress:
+        try:
+            result_study = search_mod.run(job, on_record=progress.on_record)
+        except KeyboardInterrupt:
+            interrupted = True
+            result_study = search_mod.create_study(job)
+    summary = report.write_outputs(job, result_study)
+    summary["avoided"] = dict(job.avoided)
+    if as_json:
+        print(json.dumps({k: summary[k] for k in ("rows", "best", "message", "avoided")}))
+    else:
+        _print_front(summary["front"], target_tokens)
+        if summary["best"]:
+            best = summary["best"]
+            out_console.print(f"best for {format_tokens(target_tokens)}: {format_tokens(best['seq_len'])} at "
+                              f"{(best['predicted'] or best['measured'])['tokens_per_s']:,.0f} tokens/s -> {out / 'best.json'}")
+    if interrupted:
+        console.print("interrupted: finished trials are saved; run the same command to resume")
+        raise typer.Exit(130)
+    if summary["message"]:
+        console.print(summary["message"])
+        raise typer.Exit(1)
+
+
+def _flash_installed() -> bool:
+    import torch
+
+    from trials.attention import flash_attn_func
+
+    return flash_attn_func is not None and torch.cuda.is_available()
+
+
+def _plan_or_none():
+    try:
+        from autotune.backends import make_backend
+
+        return make_backend("plan")
+    except (ImportError, NotImplementedError):
+        return None
+
+
+def _print_front(front: list[dict], target: int) -> None:
+    from autotune.plots import _knob_label
+
+    table = Table(title="Pareto front (sequence length vs tokens/s)")
+    for column in ("trial", "seq_len", "tokens/s", "peak GiB", "source", "config"):
+        table.add_column(column)
+    for entry in front:
+        record = entry["record"]
+        table.add_row(str(entry["trial"]), f"{entry['seq_len']:,}" + (" *" if entry["seq_len"] >= target else ""),
+                      f"{entry['tokens_per_s']:,.0f}", f"{(record.get('peak_device_bytes') or 0) / 2**30:.2f}",
+                      record["source"], _knob_label(entry["techniques"]))
+    out_console.print(table)
+
+
+@app.command()
+def estimate(
+    model: str = typer.Option(...), seq: Optional[str] = typer.Option(None, help=TARGET_HELP),
+    config: str = typer.Option(..., help="config file (config-v1 JSON) or 'baseline'"),
+    gpus: Optional[int] = typer.Option(None), hardware: Optional[str] = typer.Option(None),
+    max_seq: bool = typer.Option(False, "--max-seq", help="bisect for the longest sequence that fits"),
+    plot: Optional[Path] = typer.Option(None, help="write the memory (and time) breakdown as a PNG"),
+    memory_gib: Optional[float] = typer.Option(None),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Predict peak memory per rank and step time for one config (plan backend, no GPU needed)."""
+    from autotune.backends import Evaluation, make_backend
+    from autotune.presets import load_hardware, load_model_config
+    from autotune.sizes import parse_tokens
+
+    model_config = load_model_config(model)
+    techniques, file_gpus, file_hw, file_seq = _load_config_arg(config, model_config)
+    gpus = _positive_gpus(gpus if gpus is not None else file_gpus)
+    hw = load_hardware(hardware or file_hw).with_memory_gib(_memory(memory_gib))
+    if seq is None and file_seq is None and not max_seq:
+        fail("--seq is required (or --max-seq, or a config file with seq_len)")
+    seq_len = parse_tokens(seq, "--seq") if seq is not None else file_seq
+    techniques.validate(model_config, gpus, seq_len if not max_seq else None)
+    plan = make_backend("plan")
+    if max_seq:
+        from autotune.oracle import find_max_seq
+
+        record = find_max_seq(Evaluation(model_config, techniques, seq_len or 0, gpus, hw))
+    else:
+        record = plan.evaluate(Evaluation(model_config, techniques, seq_len, gpus, hw))
+    if plot is not None:
+        from autotune.oracle import plot_memory
+
+        plot_memory([record], hw.device_memory_bytes, plot)
+    _print_record(record.to_dict(), as_json, f"{model} on {gpus}x {hw.name} (predicted)")
+
+
+def _load_config_arg(config: str, model_config: dict):
+    from autotune.config import BASELINE, load_config_file
+
+    if config == "baseline":
+        return BASELINE, 8, "h100-sxm", None
+    loaded = load_config_file(config)
+    return loaded.techniques, loaded.gpus, loaded.hardware, loaded.seq_len
+
+
+@app.command()
+def trial(
+    model: str = typer.Option(...), seq: str = typer.Option(..., help=TARGET_HELP),
+    config: str = typer.Option(..., help="config file (config-v1 JSON) or 'baseline'"),
+    gpus: int = typer.Option(1), steps: int = typer.Option(2, help="measured steps after one warm-up"),
+    memory_gib: Optional[float] = typer.Option(None, help="per-rank capacity on CPU (GiB)"),
+    timeout: float = typer.Option(900.0, help="seconds before the trial is killed as hung"),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Run one real training trial on this node and print its measured record."""
+    from autotune.backends import Evaluation, make_backend
+    from autotune.presets import load_model_config
+    from autotune.sizes import parse_tokens
+
+    model_config = load_model_config(model)
+    seq_len = parse_tokens(seq, "--seq")
+    _positive_gpus(gpus)
+    if steps < 1:
+        fail(f"--steps must be at least 1, got {steps}")
+    techniques = _load_config_arg(config, model_config)[0]
+    techniques.validate(model_config, gpus, seq_len)
+    hw = _hardware_for("local", "h100-sxm", _memory(memory_gib))
+    backend = make_backend("local", steps=steps, memory_gib=memory_gib, timeout_s=timeout)
+    record = backend.evaluate(Evaluation(model_config, techniques, seq_len, gpus, hw))
+    _print_record(record.to_dict(), as_json, f"{model} x{gpus} (measured)")
+
+
+@app.command()
+def export(
+    directory: Path = typer.Argument(..., help="a search output folder"),
+    target: Optional[str] = typer.Option(None, help="export the fastest front config reaching this length"),
+    format: str = typer.Option("autotune", help="autotune | deepspeed | arctic | torchrun"),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="write here instead of stdout"),
+):
+    """Export a config from a search's front in a format your training already reads."""
+    from autotune.exporters import export_config
+
+    text = export_config(directory, target, format)
+    if output is None:
+        print(text)
+    else:
+        output.write_text(text + "\n")
+        console.print(f"wrote {output}")
+
+
+@app.command()
+def plot(directory: Path = typer.Argument(...), output: Optional[Path] = typer.Option(None, "-o", "--output")):
+    """Redraw pareto.png from a search folder's trials.parquet and pareto.json."""
+    from autotune.exporters import load_front
+    from autotune.plots import plot_pareto
+    import pyarrow.parquet as pq
+
+    front_doc = load_front(directory)
+    rows = pq.read_table(directory / "trials.parquet").to_pylist()
+    path = output or directory / "pareto.png"
+    plot_pareto(rows, front_doc["front"], front_doc["target"], path, title=f"{front_doc['model']}")
+    console.print(f"wrote {path}")
+
+
+@app.command()
+def show(directory: Path = typer.Argument(...)):
+    """Print a search folder's Pareto front as a table."""
+    from autotune.exporters import load_front
+
+    front_doc = load_front(directory)
+    _print_front(front_doc["front"], front_doc["target"])
+
+
+@app.command()
+def models():
+    """List model presets."""
+    from autotune.presets import load_model_config, model_names
+
+    table = Table(title="model presets (or pass a path to a Hugging Face config.json)")
+    for column in ("name", "type", "layers", "hidden", "heads", "kv heads", "vocab", "params"):
+        table.add_column(column)
+    for name in model_names():
+        c = load_model_config(name)
+        table.add_row(name, c["model_type"], str(c["num_hidden_layers"]), str(c["hidden_size"]),
+                      str(c["num_attention_heads"]), str(c["num_key_value_heads"]), str(c["vocab_size"]),
+                      f"{_param_count(c) / 1e9:.2f} B")
+    out_console.print(table)
+
+
+def _param_count(c: dict) -> int:
+    h, layers, inter, vocab = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
+    d, hq, hkv = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
+    attn = h * d * (2 * hq + 2 * hkv)
+    per_layer = attn + 3 * h * inter + 2 * h
+    head = 0 if c.get("tie_word_embeddings") else vocab * h
+    return layers * per_layer + vocab * h + head + h
+
+
+@app.command()
+def hardware():
+    """List hardware presets."""
+    from autotune.presets import hardware_names, load_hardware
+
+    table = Table(title="hardware presets")
+    for column in ("name", "memory GiB", "bf16 TFLOP/s", "HBM TB/s", "link GB/s/dir", "host GB/s/dir", "description"):
+        table.add_column(column)
+    for name in hardware_names():
+        hw = load_hardware(name)
+        table.add_row(name, f"{hw.device_memory_bytes / 2**30:.0f}", f"{hw.bf16_flops / 1e12:.0f}",
+                      f"{hw.hbm_bytes_per_s / 1e12:.2f}", f"{hw.intra_node_bytes_per_s / 1e9:.0f}",
+                      f"{hw.host_bytes_per_s / 1e9:.0f}", hw.description)
+    out_console.print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: one line and exit 2 for bad input (ours or the parser's), never a traceback."""
+    try:
+        app(args=argv, standalone_mode=False)
+    except UserError as exc:
+        print(f"autotune: error: {exc}", file=sys.stderr)
+        return 2
+    except typer.Exit as exc:
+        return exc.exit_code
+    except click_exceptions.NoArgsIsHelpError as exc:
+        print(exc.format_message(), file=sys.stderr)
+        return 2
+    except (typer.Abort, KeyboardInterrupt):
+        print("autotune: aborted", file=sys.stderr)
+        return 130
+    except click_exceptions.ClickException as exc:  # the parser's own usage errors
+        print(f"autotune: error: {exc.format_message()}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Plots (matplotlib, Agg): the Pareto front of sequence length vs tokens/s."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _knob_label(techniques: dict) -> str:
+    parts = []
+    if techniques.get("fsdp"):
+        parts.append("fsdp" + ("+optoff" if techniques.get("optimizer_offload") else ""))
+    if techniques.get("ulysses_degree", 1) > 1:
+        chunk = techniques.get("head_chunk")
+        parts.append(f"sp{techniques['ulysses_degree']}" + (f"/hc{chunk}" if chunk else ""))
+    if techniques.get("activation_checkpointing"):
+        parts.append("ac" + (f"+off{techniques['activation_offload_layers']}" if techniques.get("activation_offload_layers") else ""))
+    if techniques.get("mlp_tile_tokens") or techniques.get("loss_tile_tokens"):
+        parts.append("tiled")
+    return " ".join(parts) or "baseline"
+
+
+def plot_pareto(rows: list[dict], front: list[dict], target: int, path: Path, title: str = "") -> int:
+    """Every trial (measured = circles, predicted = squares; infeasible = grey x on the floor), the
+    front highlighted and labelled with its key knobs, and the target as a vertical line. Returns the
+    number of points drawn."""
+    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
+    ok = [r for r in rows if r["status"] == "ok" and r.get("tokens_per_s")]
+    failed = [r for r in rows if r not in ok]
+    for source, marker in (("measured", "o"), ("predicted", "s")):
+        pts = [r for r in ok if r["source"] == source]
+        if pts:
+            ax.scatter([r["seq_len"] for r in pts], [r["tokens_per_s"] for r in pts], marker=marker, alpha=0.3,
+                       color="tab:blue", label=f"{source} (fits)")
+    if failed:
+        floor = min((r["tokens_per_s"] for r in ok), default=1.0) * 0.5
+        ax.scatter([r["seq_len"] for r in failed], [floor] * len(failed), marker="x", color="grey", alpha=0.6,
+                   label="out of memory / failed")
+    if front:
+        xs = [f["seq_len"] for f in front]
+        ys = [f["tokens_per_s"] for f in front]
+        ax.plot(xs, ys, "-o", color="tab:red", label="Pareto front", zorder=3)
+        for f in front:
+            ax.annotate(_knob_label(f["techniques"]), (f["seq_len"], f["tokens_per_s"]), fontsize=7,
+                        textcoords="offset points", xytext=(4, 4))
+    ax.axvline(target, color="tab:green", linestyle="--", label=f"target {target:,}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("tokens / s")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return len(rows)

@@ -1,0 +1,46 @@
+"""Live progress for a search: trials done / answered without running / failed, and the best so far."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from autotune.sizes import format_tokens
+
+
+class SearchProgress:
+    """A rich progress bar fed by the search's per-trial callback."""
+
+    def __init__(self, job, console: Console, enabled: bool = True):
+        self.job, self.console, self.enabled = job, console, enabled
+        self.counts = {"ok": 0, "oom": 0, "error": 0, "timeout": 0, "skipped": 0}
+        self.best: tuple[int, float] | None = None
+        self._progress = Progress(TextColumn("[bold]trials"), BarColumn(), MofNCompleteColumn(),
+                                  TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                                  disable=not enabled, transient=False)
+        self._task = None
+
+    def __enter__(self):
+        self._progress.__enter__()
+        self._task = self._progress.add_task(self._describe(), total=self.job.trials)
+        return self
+
+    def __exit__(self, *exc):
+        return self._progress.__exit__(*exc)
+
+    def _describe(self) -> str:
+        c = self.counts
+        best = (f"best >= target: {format_tokens(self.best[0])} at {self.best[1]:,.0f} tok/s"
+                if self.best else "no config reaches the target yet")
+        return (f"ok {c['ok']}  oom {c['oom']}  failed {c['error'] + c['timeout']}  "
+                f"answered without running {c['skipped']} | {best}")
+
+    def on_record(self, number: int, techniques, record, answered_by) -> None:
+        self.counts[record.status] = self.counts.get(record.status, 0) + 1
+        if answered_by is not None:
+            self.counts["skipped"] += 1
+        if record.status == "ok" and record.seq_len >= self.job.target and record.tokens_per_s:
+            if self.best is None or record.tokens_per_s > self.best[1]:
+                self.best = (record.seq_len, record.tokens_per_s)
+        if self._task is not None:
+            self._progress.update(self._task, advance=1, description=self._describe())

@@ -1,0 +1,104 @@
+"""The search's output folder: trials.parquet, pareto.json, pareto.png, best.json (DESIGN.md).
+
+``trials.parquet`` schema — one row per finished trial, one column per knob and per record field:
+    trial (int), answered_by (str: local | plan | cache | monotone | oracle),
+    fsdp, optimizer_offload (bool), ulysses_degree (int), head_chunk (int, null = plain Ulysses),
+    activation_checkpointing (bool), activation_offload_layers, mlp_tile_tokens, loss_tile_tokens (int),
+    attention (str), seq_len (int), status, source (str), tokens_per_s, step_time_s (float),
+    peak_device_bytes, host_bytes (int), breakdown_<category> (int, one per category of
+    autotune.record.BREAKDOWN_CATEGORIES), loss, grad_norm (float), device, error (str).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from autotune import search
+from autotune.config import TrialConfig
+from autotune.record import BREAKDOWN_CATEGORIES, ResultRecord
+from autotune.space import KNOBS
+
+_SCHEMA = pa.schema(
+    [("trial", pa.int64()), ("answered_by", pa.string())]
+    + [("fsdp", pa.bool_()), ("optimizer_offload", pa.bool_()), ("ulysses_degree", pa.int64()),
+       ("head_chunk", pa.int64()), ("activation_checkpointing", pa.bool_()),
+       ("activation_offload_layers", pa.int64()), ("mlp_tile_tokens", pa.int64()),
+       ("loss_tile_tokens", pa.int64()), ("attention", pa.string())]
+    + [("seq_len", pa.int64()), ("status", pa.string()), ("source", pa.string()),
+       ("tokens_per_s", pa.float64()), ("step_time_s", pa.float64()), ("peak_device_bytes", pa.int64()),
+       ("host_bytes", pa.int64())]
+    + [(f"breakdown_{c}", pa.int64()) for c in BREAKDOWN_CATEGORIES]
+    + [("loss", pa.float64()), ("grad_norm", pa.float64()), ("device", pa.string()), ("error", pa.string())]
+)
+
+
+def trial_rows(study) -> list[dict]:
+    rows = []
+    for trial in search.finished_trials(study):
+        record = trial.user_attrs["record"]
+        row = {"trial": trial.number, "answered_by": trial.user_attrs.get("answered_by")}
+        row.update({k: trial.user_attrs["techniques"][k] for k in KNOBS})
+        row.update({k: record.get(k) for k in ("seq_len", "status", "source", "tokens_per_s", "step_time_s",
+                                                "peak_device_bytes", "host_bytes", "loss", "grad_norm",
+                                                "device", "error")})
+        breakdown = record.get("breakdown") or {}
+        row.update({f"breakdown_{c}": breakdown.get(c) for c in BREAKDOWN_CATEGORIES})
+        rows.append(row)
+    return rows
+
+
+def write_parquet(study, path: Path) -> int:
+    rows = trial_rows(study)
+    table = pa.Table.from_pylist(rows, schema=_SCHEMA)
+    pq.write_table(table, path)
+    return table.num_rows
+
+
+def front_entries(study) -> list[dict]:
+    return [{"trial": t.number, "seq_len": int(t.values[0]), "tokens_per_s": t.values[1],
+             "techniques": t.user_attrs["techniques"], "record": t.user_attrs["record"]}
+            for t in search.pareto_front(study)]
+
+
+def write_outputs(job: "search.SearchJob", study) -> dict:
+    """Write every output file; returns a summary (best trial or why there is none)."""
+    out = job.out
+    rows = write_parquet(study, out / "trials.parquet")
+    front = front_entries(study)
+    (out / "pareto.json").write_text(json.dumps(
+        {"model": job.model, "hardware": job.hardware.name, "gpus": job.gpus, "target": job.target,
+         "front": front}, indent=2) + "\n")
+    from autotune.plots import plot_pareto
+
+    plot_pareto(trial_rows(study), front, job.target, out / "pareto.png",
+                title=f"{job.model} on {job.gpus}x {job.hardware.name}")
+    best = search.best_for_target(study, job.target)
+    summary = {"rows": rows, "front": front, "best": None, "message": None}
+    best_path = out / "best.json"
+    if best is None:
+        longest = max((f["seq_len"] for f in front), default=0)
+        summary["message"] = (f"no config reached the target {job.target:,} tokens; the longest that fits is "
+                              f"{longest:,} tokens; {search.what_bound(study)}")
+        if best_path.exists():  # a stale best from another target must not survive
+            best_path.unlink()
+        return summary
+    record = ResultRecord.from_dict(best.user_attrs["record"])
+    config = TrialConfig(
+        model=job.model, hardware=job.hardware.name, gpus=job.gpus, seq_len=int(best.values[0]),
+        techniques=_techniques(best.user_attrs["techniques"]),
+        predicted=record.to_dict() if record.source == "predicted" else None,
+        measured=record.to_dict() if record.source == "measured" else None,
+    )
+    config.write(best_path)
+    summary["best"] = config.to_dict()
+    return summary
+
+
+def _techniques(values: dict):
+    from autotune.config import Techniques
+
+    return Techniques.from_dict(values)

@@ -1,0 +1,249 @@
+"""The search: a multi-objective Optuna study (maximize seq_len, maximize tokens/s) over a search space.
+
+Each Optuna trial samples a technique set and a sequence length, then gets its record the cheapest
+honest way:
+    1. cache      the same config and length was already evaluated in this study: reuse its record;
+    2. monotone   the same config OOMed at a length <= this one: it cannot fit here either;
+    3. oracle     (local backend) the plan backend predicts OOM: no real trial is launched;
+    4. backend    a plan prediction or a real local trial.
+A config that does not fit (or fails) is reported to Optuna as a violated constraint
+(``trial.set_constraint``), so TPE learns where the memory wall is instead of ignoring failures.
+The study lives in storage (SQLite in the out dir by default), so re-running the same command resumes,
+and several workers may share one study.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import optuna
+from optuna.trial import TrialState
+
+from autotune.backends import Backend, Evaluation
+from autotune.config import Techniques
+from autotune.errors import UserError
+from autotune.presets import Hardware
+from autotune.record import ResultRecord
+from autotune.space import SearchSpace
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+# heartbeats and metric names are marked experimental; the CLI should not print that on every run
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+
+
+@dataclass
+class SearchJob:
+    model: str
+    model_config: dict
+    target: int
+    gpus: int
+    hardware: Hardware
+    space: SearchSpace
+    backend: Backend
+    out: Path
+    trials: int
+    timeout_s: float | None = None
+    storage: str | None = None
+    study_name: str | None = None
+    seed: int = 0
+    prefilter: Backend | None = None  # the plan backend in front of real trials
+    avoided: dict = field(default_factory=lambda: {"cache": 0, "monotone": 0, "oracle": 0})
+
+
+def open_storage(storage: str | None, out: Path):
+    """SQLite in ``out`` by default; an RDB URL; or a journal file (path ending .log/.jsonl or ``journal:PATH``)."""
+    try:
+        if storage is None:
+            url = f"sqlite:///{(out / 'study.db').resolve()}"
+            return _rdb(url)
+        if storage.startswith("journal:") or storage.endswith((".log", ".jsonl", ".journal")):
+            from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+            path = storage.removeprefix("journal:")
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            return JournalStorage(JournalFileBackend(path))
+        if "://" not in storage:
+            raise UserError(f"--storage {storage!r} is neither a database URL nor a journal file (.log)")
+        return _rdb(storage)
+    except UserError:
+        raise
+    except Exception as exc:  # sqlalchemy/driver errors: a bad URL or unreachable server
+        raise UserError(f"--storage {storage!r} cannot be opened: {str(exc).splitlines()[0]}") from None
+
+
+def _rdb(url: str):
+    from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+
+    # heartbeats: a trial whose worker was killed is marked FAIL after the grace period and retried once
+    return RDBStorage(url, heartbeat_interval=10, grace_period=30,
+                      heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1))
+
+
+def study_name_for(job: SearchJob) -> str:
+    return job.study_name or f"autotune-{Path(job.model).stem}-{job.gpus}x{job.hardware.name}-{job.target}"
+
+
+def create_study(job: SearchJob) -> optuna.Study:
+    sampler = optuna.samplers.TPESampler(seed=job.seed, multivariate=True, group=True, constant_liar=True,
+                                         n_startup_trials=8, warn_independent_sampling=False)
+    storage = open_storage(job.storage, job.out)
+    try:
+        study = optuna.create_study(storage=storage, sampler=sampler, study_name=study_name_for(job),
+                                    directions=["maximize", "maximize"], load_if_exists=True)
+    except Exception as exc:
+        raise UserError(f"cannot open the study in {job.storage or job.out}: {str(exc).splitlines()[0]}") from None
+    study.set_metric_names(["seq_len", "tokens_per_s"])
+    if not study.trials:
+        for params in seed_params(job):
+            study.enqueue_trial(params, skip_if_exists=True)
+    return study
+
+
+def seed_params(job: SearchJob) -> list[dict]:
+    """Known-good starting points: plain baseline, ALST-like, UPipe-like (DESIGN.md techniques)."""
+    space, choices = job.space, job.space.choices
+    degree = max(choices["ulysses_degree"])
+    kernel = "flash" if "flash" in choices["attention"] else choices["attention"][0]
+    target_len = min((s for s in space.seq_lens if s >= job.target and s % degree == 0), default=space.seq_lens[-1])
+    base = {"fsdp": False, "ulysses_degree": 1, "activation_checkpointing": False, "mlp_tile_tokens": 0,
+            "loss_tile_tokens": 0, "attention": kernel, "seq_len": space.seq_lens[0]}
+    alst = {"fsdp": True, "ulysses_degree": degree, "activation_checkpointing": True,
+            "mlp_tile_tokens": max(choices["mlp_tile_tokens"]), "loss_tile_tokens": max(choices["loss_tile_tokens"]),
+            "attention": kernel, "seq_len": target_len}
+    if True in choices["optimizer_offload"]:
+        alst["optimizer_offload"] = True
+    if "all" in choices["activation_offload_layers"]:
+        alst["activation_offload_layers"] = "all"
+    seeds = [_only_valid(base, choices), _only_valid(alst, choices)]
+    chunks = space.head_chunks(degree)
+    if degree > 1 and len(chunks) > 1:  # head_chunk_u{degree} is only a parameter when there is a choice
+        if None in chunks:
+            seeds[1][f"head_chunk_u{degree}"] = None  # ALST: plain Ulysses
+        seeds.append({**seeds[1], f"head_chunk_u{degree}": min(c for c in chunks if c is not None)})
+    return seeds
+
+
+def _only_valid(params: dict, choices: dict) -> dict:
+    return {k: v for k, v in params.items() if k == "seq_len" or k not in choices or v in choices[k]}
+
+
+def _same_config(trial: optuna.trial.FrozenTrial, techniques: dict) -> bool:
+    return trial.user_attrs.get("techniques") == techniques
+
+
+def infer_record(study: optuna.Study, techniques: Techniques, seq_len: int) -> tuple[ResultRecord, str] | None:
+    """Answer from finished trials without running: an identical evaluation, or an OOM at a shorter length."""
+    wanted = techniques.to_dict()
+    for past in study.get_trials(deepcopy=False, states=FINISHED):
+        if not _same_config(past, wanted) or "record" not in past.user_attrs:
+            continue
+        record = ResultRecord.from_dict(past.user_attrs["record"])
+        if record.seq_len == seq_len and record.status in ("ok", "oom"):
+            return record, "cache"
+        if record.status == "oom" and record.seq_len <= seq_len:
+            inferred = ResultRecord(status="oom", source=record.source, seq_len=seq_len,
+                                    error=f"inferred: the same config is out of memory at {record.seq_len:,} "
+                                          f"tokens (trial {past.number})")
+            return inferred, "monotone"
+    return None
+
+
+def constraint_value(record: ResultRecord, capacity_bytes: int) -> float:
+    """<= 0 feasible. OOM: how far over capacity (at least a little); failures: 1."""
+    if record.status == "ok":
+        if record.peak_device_bytes:
+            return min(0.0, record.peak_device_bytes / capacity_bytes - 1.0)
+        return 0.0
+    if record.status == "oom" and record.peak_device_bytes:
+        return max(0.01, record.peak_device_bytes / capacity_bytes - 1.0)
+    return 1.0
+
+
+def make_objective(job: SearchJob, study: optuna.Study, on_record: Callable | None = None):
+    layers = job.model_config["num_hidden_layers"]
+    capacity = job.hardware.device_memory_bytes
+
+    def objective(trial: optuna.Trial):
+        techniques, seq_len = job.space.sample(trial, layers)
+        techniques.validate(job.model_config, job.gpus, seq_len)
+        trial.set_user_attr("techniques", techniques.to_dict())
+        evaluation = Evaluation(job.model_config, techniques, seq_len, job.gpus, job.hardware)
+        answered = infer_record(study, techniques, seq_len)
+        how = None
+        if answered is not None:
+            record, how = answered
+        elif job.prefilter is not None:
+            predicted = job.prefilter.evaluate(evaluation)
+            if predicted.status == "oom":
+                record, how = predicted, "oracle"
+        if how is None:
+            record = job.backend.evaluate(evaluation)
+        else:
+            job.avoided[how] += 1
+        trial.set_user_attr("record", record.to_dict())
+        trial.set_user_attr("answered_by", how or job.backend.name)
+        trial.set_constraint("memory", constraint_value(record, capacity))
+        if on_record is not None:
+            on_record(trial.number, techniques, record, how)
+        return float(seq_len), float(record.tokens_per_s or 0.0) if record.status == "ok" else 0.0
+
+    return objective
+
+
+def run(job: SearchJob, on_record: Callable | None = None) -> optuna.Study:
+    """Run (or resume) the study until it holds ``job.trials`` finished trials or the timeout passes."""
+    study = create_study(job)
+    done = len(study.get_trials(deepcopy=False, states=FINISHED))
+    remaining = max(0, job.trials - done)
+    if remaining:
+        stop_at_total = optuna.study.MaxTrialsCallback(job.trials, states=FINISHED)
+        study.optimize(make_objective(job, study, on_record), n_trials=remaining, timeout=job.timeout_s,
+                       callbacks=[stop_at_total], catch=())
+    return study
+
+
+def finished_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    return [t for t in study.get_trials(deepcopy=False, states=FINISHED) if "record" in t.user_attrs]
+
+
+def pareto_front(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """Feasible non-dominated trials (seq_len up, tokens/s up), longest first."""
+    feasible = [t for t in finished_trials(study) if t.user_attrs["record"]["status"] == "ok"]
+    front = [t for t in feasible if not any(_dominates(o, t) for o in feasible)]
+    unique = {}
+    for t in sorted(front, key=lambda t: (-t.values[0], -t.values[1], t.number)):
+        unique.setdefault((t.values[0], t.values[1]), t)
+    return list(unique.values())
+
+
+def _dominates(a, b) -> bool:
+    return a.values[0] >= b.values[0] and a.values[1] >= b.values[1] and tuple(a.values) != tuple(b.values)
+
+
+def best_for_target(study: optuna.Study, target: int):
+    """The fastest feasible trial whose seq_len reaches the target, or None."""
+    reaching = [t for t in pareto_front(study) if t.values[0] >= target]
+    return max(reaching, key=lambda t: (t.values[1], -t.values[0]), default=None)
+
+
+def what_bound(study: optuna.Study) -> str:
+    """Which memory category dominated the OOM just past the longest feasible length."""
+    trials = finished_trials(study)
+    ooms = [t for t in trials if t.user_attrs["record"]["status"] == "oom" and t.user_attrs["record"].get("breakdown")]
+    if not ooms:
+        return "no out-of-memory trial recorded a breakdown"
+    shortest = min(ooms, key=lambda t: t.values[0])
+    breakdown = shortest.user_attrs["record"]["breakdown"]
+    category = max(breakdown, key=breakdown.get)
+    return (f"the shortest OOM ({shortest.values[0]:,.0f} tokens, trial {shortest.number}) was dominated by "
+            f"{category} ({breakdown[category] / 2**30:.1f} GiB)")
+
+
+def dumps(obj) -> str:
+    return json.dumps(obj, indent=2, default=str)
