@@ -118,6 +118,7 @@ def search(
         fail(f"unknown backend {backend!r}: choose auto, plan or local")
     hw = _hardware_for(backend_name, hardware, memory_gib)
     out = _out_dir(out)
+    opened_storage = search_mod.open_storage(storage, out)
     flash_ok = backend_name == "plan" and hw.name != "cpu" or _flash_installed()
     search_space = load_space(space, model_config, gpus, target_tokens, flash_ok=flash_ok)
     if backend_name == "local":
@@ -130,15 +131,15 @@ def search(
                                timeout_s=timeout, storage=storage, study_name=study, seed=seed, prefilter=prefilter)
     from autotune.progress import SearchProgress
 
+    result_study = search_mod.create_study(job, opened_storage)
     console.print(f"autotune: {model} on {gpus}x {hw.name}, target {format_tokens(target_tokens)}, "
                   f"backend {backend_name}, out {out}")
     interrupted = False
     with SearchProgress(job, console=console, enabled=not as_json) as progress:
         try:
-            result_study = search_mod.run(job, on_record=progress.on_record)
+            search_mod.run(job, on_record=progress.on_record, study=result_study)
         except KeyboardInterrupt:
             interrupted = True
-            result_study = search_mod.create_study(job)
     summary = report.write_outputs(job, result_study)
     summary["avoided"] = dict(job.avoided)
     if as_json:

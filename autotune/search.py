@@ -89,10 +89,11 @@ def study_name_for(job: SearchJob) -> str:
     return job.study_name or f"autotune-{Path(job.model).stem}-{job.gpus}x{job.hardware.name}-{job.target}"
 
 
-def create_study(job: SearchJob) -> optuna.Study:
+def create_study(job: SearchJob, storage=None) -> optuna.Study:
+    """Create or load the job's study (``storage``: an already opened Optuna storage, else opened here)."""
     sampler = optuna.samplers.TPESampler(seed=job.seed, multivariate=True, group=True, constant_liar=True,
                                          n_startup_trials=8, warn_independent_sampling=False)
-    storage = open_storage(job.storage, job.out)
+    storage = storage or open_storage(job.storage, job.out)
     try:
         study = optuna.create_study(storage=storage, sampler=sampler, study_name=study_name_for(job),
                                     directions=["maximize", "maximize"], load_if_exists=True)
@@ -120,12 +121,15 @@ def seed_params(job: SearchJob) -> list[dict]:
         alst["optimizer_offload"] = True
     if "all" in choices["activation_offload_layers"]:
         alst["activation_offload_layers"] = "all"
-    seeds = [_only_valid(base, choices), _only_valid(alst, choices)]
+    # the plain model at the shortest length keeps the front non-empty; at the longest it finds the wall
+    # without techniques (cheap: an OOM aborts at the allocation that crosses capacity, or is predicted)
+    seeds = [_only_valid(base, choices), _only_valid(alst, choices),
+             _only_valid({**base, "seq_len": space.seq_lens[-1]}, choices)]
     chunks = space.head_chunks(degree)
     if degree > 1 and len(chunks) > 1:  # head_chunk_u{degree} is only a parameter when there is a choice
         if None in chunks:
             seeds[1][f"head_chunk_u{degree}"] = None  # ALST: plain Ulysses
-        seeds.append({**seeds[1], f"head_chunk_u{degree}": min(c for c in chunks if c is not None)})
+        seeds.insert(2, {**seeds[1], f"head_chunk_u{degree}": min(c for c in chunks if c is not None)})
     return seeds
 
 
@@ -196,9 +200,9 @@ def make_objective(job: SearchJob, study: optuna.Study, on_record: Callable | No
     return objective
 
 
-def run(job: SearchJob, on_record: Callable | None = None) -> optuna.Study:
+def run(job: SearchJob, on_record: Callable | None = None, study: optuna.Study | None = None) -> optuna.Study:
     """Run (or resume) the study until it holds ``job.trials`` finished trials or the timeout passes."""
-    study = create_study(job)
+    study = study or create_study(job)
     done = len(study.get_trials(deepcopy=False, states=FINISHED))
     remaining = max(0, job.trials - done)
     if remaining:

@@ -59,6 +59,7 @@ def run_trial(spec: dict, mesh=None) -> dict:
             tokens = synthetic_sample(mesh.dp_rank, seq_len, model.config.vocab_size, seed)
             batch = make_batch(tokens, mesh.sp_rank, mesh.sp_degree, device)
             for index in range(warmup + steps):
+                _inject_fault(mesh.rank)
                 start = time.perf_counter()
                 result = train_step(model, optimizer, batch, mesh, tracker)
                 if device.type == "cuda":
@@ -81,6 +82,24 @@ def run_trial(spec: dict, mesh=None) -> dict:
         step_time = sum(step_times) / len(step_times)
         record.update(step_time_s=step_time, tokens_per_s=seq_len * mesh.dp_size / step_time)
     return record
+
+
+def _inject_fault(rank: int) -> None:
+    """Test hook: ``AUTOTUNE_TEST_FAULT=kind:rank`` makes that rank crash, hang or die by a signal, so the
+    launcher's failure classification can be tested with trials built to fail each way."""
+    fault = os.environ.get("AUTOTUNE_TEST_FAULT")
+    if not fault:
+        return
+    kind, _, fault_rank = fault.partition(":")
+    if int(fault_rank or 0) != rank:
+        return
+    if kind == "crash":
+        print(f"injected failure on rank {rank}", file=sys.stderr, flush=True)
+        raise RuntimeError(f"injected crash on rank {rank}")
+    if kind == "hang":
+        time.sleep(10**6)
+    if kind == "signal":
+        os.kill(os.getpid(), 9)
 
 
 def _describe(device: torch.device, mesh) -> str:
@@ -107,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # failure before the trial could even start (groups, imports)
         record = {"status": "error", "source": "measured", "seq_len": spec.get("seq_len"), "rank": rank,
                   "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"}
+    record["finished_at"] = time.time()  # the launcher reports the earliest failure as the root cause
     path = out_dir / f"rank{record.get('rank', rank)}.json"
     path.write_text(json.dumps(record))
     sys.stdout.flush()

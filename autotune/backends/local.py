@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -20,7 +21,9 @@ from pathlib import Path
 from autotune.backends import Backend, Evaluation
 from autotune.record import ResultRecord
 
-_STATUS_RANK = {"ok": 0, "error": 1, "timeout": 2, "oom": 3}
+
+_PEER_LOST = re.compile(r"Connection closed by peer|Connection reset|Read error|pair\.cc|NCCL.*(remote|closed)",
+                        re.IGNORECASE)
 
 
 class LocalBackend(Backend):
@@ -86,35 +89,45 @@ class LocalBackend(Backend):
 
 def merge_rank_records(evaluation: Evaluation, ranks: list[dict], returncode, timed_out: bool, tail: str,
                        timeout_s: float) -> ResultRecord:
-    """One record from the per-rank ones (see module docstring)."""
+    """One record from the per-rank ones, root cause first: an OOM anywhere makes the trial ``oom``; else the
+    earliest error a rank wrote itself; else a rank that died without writing its record (a signal, a
+    segfault) -- its peers' "connection closed" errors are only symptoms of it."""
     base = {"source": "measured", "seq_len": evaluation.seq_len}
+    peak = max((r.get("peak_device_bytes") or 0 for r in ranks), default=None)
     if timed_out:
-        peaks = [r.get("peak_device_bytes") or 0 for r in ranks]
-        return ResultRecord(status="timeout", **base, peak_device_bytes=max(peaks, default=None),
+        return ResultRecord(status="timeout", **base, peak_device_bytes=peak,
                             error=f"trial exceeded its {timeout_s:g} s deadline; last output:\n{tail}")
-    worst = max(ranks, key=lambda r: _STATUS_RANK.get(r.get("status"), 1), default=None)
-    if worst is None or (len(ranks) < evaluation.gpus and worst.get("status") == "ok"):
-        reason = _signal_reason(returncode)
-        return ResultRecord(status="error", **base,
-                            error=f"trial process ended ({reason}) without a record from every rank; "
+    ooms = [r for r in ranks if r.get("status") == "oom"]
+    missing = sorted(set(range(evaluation.gpus)) - {r.get("rank") for r in ranks})
+    errors = sorted((r for r in ranks if r.get("status") == "error"), key=lambda r: r.get("finished_at", 0))
+    # a peer's broken connection is a symptom: report the rank that caused it
+    primary = [r for r in errors if not _PEER_LOST.search(r.get("error") or "")]
+    errors = primary if (primary or not missing) else []
+    if ooms:
+        cause = ooms[0]
+        return ResultRecord(status="oom", **base, peak_device_bytes=peak, breakdown=cause.get("breakdown") or {},
+                            host_bytes=cause.get("host_bytes"), device=cause.get("device"),
+                            error=f"rank {cause.get('rank')}: {cause.get('error')}")
+    if errors:
+        cause = errors[0]
+        return ResultRecord(status="error", **base, peak_device_bytes=peak,
+                            error=f"rank {cause.get('rank')}: {cause.get('error')}\n"
+                                  f"--- last lines of the trial's output ---\n{tail}")
+    if missing:
+        return ResultRecord(status="error", **base, peak_device_bytes=peak,
+                            error=f"rank(s) {missing} ended without a record from every rank "
+                                  f"({_signal_reason(returncode)}); last output:\n{tail}")
+    if returncode not in (0, None):
+        return ResultRecord(status="error", **base, peak_device_bytes=peak,
+                            error=f"trial exited with code {returncode} after every rank reported ok; "
                                   f"last output:\n{tail}")
-    status = worst["status"]
-    if status == "ok" and returncode not in (0, None):
-        status = "error"
-        worst = dict(worst, error=f"exit code {returncode}; last output:\n{tail}")
-    peaks = [r.get("peak_device_bytes") or 0 for r in ranks]
+    first = next(r for r in ranks if r.get("rank") == 0)
     peak_rank = max(ranks, key=lambda r: r.get("peak_device_bytes") or 0)
-    first = next((r for r in ranks if r.get("rank") == 0), ranks[0])
-    error = worst.get("error")
-    if status == "error" and error and tail and "rank" not in error[:20]:
-        error = f"rank {worst.get('rank')}: {error}"
     return ResultRecord(
-        status=status, **base,
-        tokens_per_s=first.get("tokens_per_s") if status == "ok" else None,
-        step_time_s=first.get("step_time_s") if status == "ok" else None,
-        peak_device_bytes=max(peaks), host_bytes=max((r.get("host_bytes") or 0) for r in ranks),
+        status="ok", **base, tokens_per_s=first.get("tokens_per_s"), step_time_s=first.get("step_time_s"),
+        peak_device_bytes=peak, host_bytes=max((r.get("host_bytes") or 0) for r in ranks),
         breakdown=peak_rank.get("breakdown") or {}, loss=first.get("loss"), grad_norm=first.get("grad_norm"),
-        device=first.get("device"), error=error,
+        device=first.get("device"),
     )
 
 

@@ -1,0 +1,26 @@
+"""Shared test helpers: run the CLI in-process or as a subprocess, and model presets."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``autotune ARGS`` as a user runs it (a fresh process), capturing stdout and stderr."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "autotune.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=full_env)
+
+
+@pytest.fixture
+def tiny_llama():
+    from autotune.presets import load_model_config
+
+    return load_model_config("tiny-llama")

@@ -1,0 +1,86 @@
+"""The local backend: real trials, OOM through the capacity, and failures classified (issue 2, issue 8)."""
+
+import json
+import os
+import subprocess
+
+import psutil
+import pytest
+
+from autotune.backends import Evaluation
+from autotune.backends.local import LocalBackend
+from autotune.config import Techniques
+from autotune.presets import load_hardware
+from conftest import run_cli
+
+
+def evaluation(model_config, gpus=1, seq_len=1024, **techniques):
+    return Evaluation(model_config, Techniques(**techniques), seq_len, gpus, load_hardware("cpu"))
+
+
+def test_trial_measures_a_real_step(tiny_llama):
+    record = LocalBackend(steps=1).evaluate(evaluation(tiny_llama))
+    assert record.status == "ok", record.error
+    assert record.source == "measured" and record.tokens_per_s > 0 and record.step_time_s > 0
+    # loss of an untrained model over a 1024-token vocabulary is about ln(1024) = 6.93
+    assert 6.5 < record.loss < 7.5
+    assert record.peak_device_bytes > record.breakdown["params"] > 0
+
+
+def test_capacity_turns_into_oom_at_the_crossing_allocation(tiny_llama):
+    record = LocalBackend(steps=1, memory_gib=0.02).evaluate(evaluation(tiny_llama, seq_len=2048))
+    assert record.status == "oom"
+    assert "capacity" in record.error
+    # it stopped right after crossing: the peak is just over the 0.02 GiB capacity, not the full step's
+    assert 0.02 * 2**30 < record.peak_device_bytes < 0.03 * 2**30
+
+
+@pytest.mark.parametrize("fault, status, expected", [
+    ("crash:0", "error", "injected crash on rank 0"),
+    ("signal:0", "error", "without a record from every rank"),
+])
+def test_failures_are_classified_one_rank(tiny_llama, monkeypatch, fault, status, expected):
+    monkeypatch.setenv("AUTOTUNE_TEST_FAULT", fault)
+    record = LocalBackend(steps=1, timeout_s=120).evaluate(evaluation(tiny_llama))
+    assert record.status == status
+    assert expected in record.error
+
+
+def test_hang_becomes_timeout_and_leaves_no_process(tiny_llama, monkeypatch):
+    monkeypatch.setenv("AUTOTUNE_TEST_FAULT", "hang:0")
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    record = LocalBackend(steps=1, timeout_s=15).evaluate(evaluation(tiny_llama))
+    assert record.status == "timeout"
+    assert "deadline" in record.error
+    after = {p.pid for p in psutil.Process().children(recursive=True)}
+    assert after <= before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault, status, expected", [
+    ("crash:1", "error", "injected crash on rank 1"),
+    ("signal:1", "error", "without a record from every rank"),
+])
+def test_failures_are_classified_two_ranks(tiny_llama, monkeypatch, fault, status, expected):
+    monkeypatch.setenv("AUTOTUNE_TEST_FAULT", fault)
+    record = LocalBackend(steps=1, timeout_s=300).evaluate(evaluation(tiny_llama, gpus=2))
+    assert record.status == status
+    assert expected in record.error
+
+
+@pytest.mark.slow
+def test_one_rank_and_two_ranks_see_the_same_sequence(tmp_path):
+    """DESIGN.md data rule: FSDP + checkpointing + Ulysses 2 on 2 ranks trains on the 1-rank sequence."""
+    config = {"schema": "autotune/config-v1", "model": "tiny-llama", "hardware": "cpu", "gpus": 2,
+              "seq_len": 2048, "techniques": {"fsdp": True, "activation_checkpointing": True, "ulysses_degree": 2},
+              "predicted": None, "measured": None}
+    (tmp_path / "stack.json").write_text(json.dumps(config))
+    one = run_cli("trial", "--model", "tiny-llama", "--seq", "2048", "--gpus", "1", "--config", "baseline", "--json")
+    two = run_cli("trial", "--model", "tiny-llama", "--seq", "2048", "--gpus", "2", "--config",
+                  str(tmp_path / "stack.json"), "--json")
+    assert one.returncode == 0, one.stderr
+    assert two.returncode == 0, two.stderr
+    one, two = json.loads(one.stdout), json.loads(two.stdout)
+    assert one["status"] == two["status"] == "ok"
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
