@@ -272,12 +272,50 @@ def export(
     """Export a config from a search's front in a format your training already reads."""
     from autotune.exporters import export_config
 
-    text = export_config(directory, target, format)
+    text, extras = export_config(directory, target, format)
     if output is None:
         print(text)
+        for body in extras.values():
+            console.print(body, markup=False, highlight=False)
     else:
         output.write_text(text + "\n")
         console.print(f"wrote {output}")
+        for suffix, body in extras.items():
+            extra_path = output.with_suffix(suffix)
+            extra_path.write_text(body + "\n")
+            console.print(f"wrote {extra_path}")
+
+
+@app.command()
+def run(
+    config: Path = typer.Option(..., help="config-v1 JSON (best.json) to train with"),
+    steps: int = typer.Option(10, help="training steps"),
+    data: Optional[Path] = typer.Option(None, help="Parquet/Arrow file of token ids (column input_ids or tokens)"),
+    seed: int = typer.Option(0),
+):
+    """Train with a tuned config through the same runner as trials (synthetic tokens or --data)."""
+    import subprocess
+
+    from autotune.config import load_config_file
+    from autotune.exporters import torchrun_command
+
+    loaded = load_config_file(config)
+    if loaded.seq_len is None:
+        fail(f"config {str(config)!r} has no seq_len to train at")
+    if steps < 1:
+        fail(f"--steps must be at least 1, got {steps}")
+    if data is not None and not data.is_file():
+        fail(f"--data {str(data)!r} does not exist")
+    command = torchrun_command(str(config), loaded.gpus, str(steps)).split()
+    if data is not None:
+        command += ["--data", str(data)]
+    command += ["--seed", str(seed)]
+    if command[0] == "python":
+        command[0] = sys.executable
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", *command[1:]]
+    console.print(" ".join(command), markup=False, highlight=False)
+    raise typer.Exit(subprocess.call(command))
 
 
 @app.command()

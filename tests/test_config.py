@@ -87,7 +87,7 @@ def test_truncated_json(tmp_path):
 def test_presets_load():
     tiny = load_model_config("tiny-llama")
     assert (tiny["hidden_size"], tiny["num_hidden_layers"], tiny["num_attention_heads"], tiny["num_key_value_heads"],
-            tiny["vocab_size"]) == (128, 4, 8, 2, 1024)
+            tiny["vocab_size"]) == (128, 4, 8, 2, 4096)
     h100 = load_hardware("h100-sxm")
     assert h100.device_memory_bytes == 80 * 2**30 and h100.bf16_flops == 989e12
 

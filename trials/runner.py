@@ -3,7 +3,7 @@
 Launched by the local backend as ``torchrun --nproc-per-node N -m trials.runner SPEC OUT_DIR`` (or plain
 ``python -m trials.runner`` for one rank). SPEC is a JSON file:
     {"model_config": {...}, "techniques": {...}, "seq_len": int, "steps": int, "warmup": int,
-     "capacity_bytes": int | null, "seed": int}
+     "capacity_bytes": int | null, "seed": int, "compute_dtype": "bf16" | "fp32" (optional)}
 Each rank writes ``OUT_DIR/rank{r}.json``: status, timings, its peak device bytes and breakdown, and the
 loss / grad norm of the first step. A rank that fails writes its record and exits non-zero at once, so
 torchrun tears the job down instead of leaving peers blocked in a collective.
@@ -33,9 +33,7 @@ def run_trial(spec: dict, mesh=None) -> dict:
     from trials.data import make_batch, synthetic_sample
     from trials.dist import init_mesh
     from trials.memory import DeviceMemoryTracker
-    from trials.model import build_model
-    from trials.stack import apply
-    from trials.step import train_step
+    from trials.step import build_training, train_step
 
     techniques = Techniques.from_dict(spec["techniques"])
     seq_len, steps, warmup = spec["seq_len"], spec.get("steps", 2), spec.get("warmup", 1)
@@ -51,11 +49,8 @@ def run_trial(spec: dict, mesh=None) -> dict:
     step_times = []
     try:
         with tracker if tracker is not None else _nullcontext():
-            model = build_model(spec["model_config"], seed=seed, device=device)
-            apply(model, techniques, mesh)
-            if tracker is not None:
-                tracker.retag(model.parameters(), "params")
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=False)
+            model, optimizer = build_training(spec["model_config"], techniques, mesh, seed, tracker,
+                                              compute_dtype=_compute_dtype(spec.get("compute_dtype")))
             tokens = synthetic_sample(mesh.dp_rank, seq_len, model.config.vocab_size, seed)
             batch = make_batch(tokens, mesh.sp_rank, mesh.sp_degree, device)
             for index in range(warmup + steps):
@@ -82,6 +77,15 @@ def run_trial(spec: dict, mesh=None) -> dict:
         step_time = sum(step_times) / len(step_times)
         record.update(step_time_s=step_time, tokens_per_s=seq_len * mesh.dp_size / step_time)
     return record
+
+
+def _compute_dtype(name: str | None) -> torch.dtype | None:
+    """Spec key ``compute_dtype``: ``bf16`` / ``fp32``, or absent = the device's default (bf16 on CUDA,
+    fp32 on CPU). bf16 on CPU lets the oracle's GPU precision model be checked against real CPU trials."""
+    if name is None:
+        return None
+    return {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
+            "float32": torch.float32}[name]
 
 
 def _inject_fault(rank: int) -> None:

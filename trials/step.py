@@ -23,6 +23,25 @@ class StepResult:
     grad_norm: float  # L2 norm of the full (reduced) gradient
 
 
+def build_training(model_config: dict, techniques, mesh, seed: int = 0, tracker=None, lr: float = 1e-5,
+                   compute_dtype: torch.dtype | None = None):
+    """Model from the preset (seeded), the technique stack applied, and its AdamW optimizer.
+
+    ``compute_dtype``: None = bf16 on CUDA, fp32 on CPU; fp32 master weights either way (see
+    ``trials.model.set_compute_dtype``)."""
+    from trials.model import build_model, default_compute_dtype, set_compute_dtype
+    from trials.stack import apply
+
+    compute_dtype = compute_dtype or default_compute_dtype(mesh.device)
+    model = build_model(model_config, seed=seed, device=mesh.device)
+    apply(model, techniques, mesh, param_dtype=None if compute_dtype == torch.float32 else compute_dtype)
+    set_compute_dtype(model, compute_dtype)
+    if tracker is not None:
+        tracker.retag(model.parameters(), "params")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
+    return model, optimizer
+
+
 def loss_scale(batch: Batch, mesh) -> float:
     return mesh.sp_degree / batch.valid_tokens
 
