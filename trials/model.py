@@ -57,6 +57,7 @@ class TrainingModel(nn.Module):
         super().__init__()
         self.lm = lm
         self.loss_fn = plain_loss
+        self.autocast_dtype: torch.dtype | None = None  # set by ``set_compute_dtype``
 
     @property
     def config(self):
@@ -67,5 +68,35 @@ class TrainingModel(nn.Module):
         return self.lm.model.layers
 
     def forward(self, input_ids, position_ids, labels, scale: float = 1.0):
+        if self.autocast_dtype is None:
+            return self._forward(input_ids, position_ids, labels, scale)
+        with torch.autocast(input_ids.device.type, dtype=self.autocast_dtype):
+            return self._forward(input_ids, position_ids, labels, scale)
+
+    def _forward(self, input_ids, position_ids, labels, scale):
         hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
         return self.loss_fn(hidden, self.lm.lm_head, labels, scale)
+
+
+def default_compute_dtype(device: torch.device | str) -> torch.dtype:
+    """bf16 on GPUs, fp32 on CPU (what CPU trials and the ``cpu`` hardware preset model)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def set_compute_dtype(model: "TrainingModel", compute_dtype: torch.dtype) -> None:
+    """Mixed precision, one scheme for every configuration: fp32 master weights, fp32 gradients, fp32 AdamW
+    states; matmuls and activations in ``compute_dtype``.
+
+    - FSDP-sharded model: ``trials.fsdp.apply_fsdp(param_dtype=compute_dtype)`` already gives FSDP2's
+      ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: fp32 shards, bf16 all-gathered
+      parameters, fp32 reduce-scatter into fp32 sharded gradients. Nothing to add here.
+    - Not sharded (one rank, or replicated): the fp32 model runs its forward (loss included) under
+      ``torch.autocast(dtype=compute_dtype)`` (AMP). Parameters, gradients and optimizer states stay fp32;
+      autocast casts each weight to bf16 when used (its cache keeps the casts until the forward ends).
+
+    Call after ``trials.stack.apply``; fp32 turns autocast off.
+    """
+    from trials.fsdp import is_sharded
+
+    low = compute_dtype is not None and compute_dtype != torch.float32
+    model.autocast_dtype = compute_dtype if low and not is_sharded(model) else None
