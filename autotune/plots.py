@@ -25,21 +25,23 @@ def _knob_label(techniques: dict) -> str:
 
 
 def plot_pareto(rows: list[dict], front: list[dict], target: int, path: Path, title: str = "") -> int:
-    """Every trial (measured = circles, predicted = squares; infeasible = grey x on the floor), the
+    """Every trial (measured = circles, predicted = squares; OOM = red x, failed = grey x, on the floor), the
     front highlighted and labelled with its key knobs, and the target as a vertical line. Returns the
     number of points drawn."""
     fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
     ok = [r for r in rows if r["status"] == "ok" and r.get("tokens_per_s")]
-    failed = [r for r in rows if r not in ok]
+    floor = min((r["tokens_per_s"] for r in ok), default=1.0) * 0.5  # where points without a rate are drawn
     for source, marker in (("measured", "o"), ("predicted", "s")):
         pts = [r for r in ok if r["source"] == source]
         if pts:
             ax.scatter([r["seq_len"] for r in pts], [r["tokens_per_s"] for r in pts], marker=marker, alpha=0.3,
                        color="tab:blue", label=f"{source} (fits)")
-    if failed:
-        floor = min((r["tokens_per_s"] for r in ok), default=1.0) * 0.5
-        ax.scatter([r["seq_len"] for r in failed], [floor] * len(failed), marker="x", color="grey", alpha=0.6,
-                   label="out of memory / failed")
+    for statuses, color, label in ((("oom",), "tab:red", "out of memory"),
+                                   (("error", "timeout"), "grey", "failed (error / timeout)")):
+        pts = [r for r in rows if r["status"] in statuses]
+        if pts:
+            ax.scatter([r["seq_len"] for r in pts], [floor] * len(pts), marker="x", color=color, alpha=0.5,
+                       label=label)
     if front:
         xs = [f["seq_len"] for f in front]
         ys = [f["tokens_per_s"] for f in front]

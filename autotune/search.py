@@ -15,6 +15,8 @@ and several workers may share one study.
 from __future__ import annotations
 
 import json
+import os
+import socket
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,11 +32,15 @@ from autotune.presets import Hardware
 from autotune.record import ResultRecord
 from autotune.space import SearchSpace
 
-optuna.logging.set_verbosity(optuna.logging.WARNING)
+optuna.logging.set_verbosity(optuna.logging.ERROR)  # our own progress display says what happens
 # heartbeats and metric names are marked experimental; the CLI should not print that on every run
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+
+
+class SurplusTrial(Exception):
+    """Raised (and caught, leaving a FAIL trial outside every report) when the study is already full."""
 
 
 @dataclass
@@ -81,7 +87,7 @@ def _rdb(url: str):
     from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 
     # heartbeats: a trial whose worker was killed is marked FAIL after the grace period and retried once
-    return RDBStorage(url, heartbeat_interval=10, grace_period=30,
+    return RDBStorage(url, heartbeat_interval=5, grace_period=20,
                       heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1))
 
 
@@ -100,10 +106,40 @@ def create_study(job: SearchJob, storage=None) -> optuna.Study:
     except Exception as exc:
         raise UserError(f"cannot open the study in {job.storage or job.out}: {str(exc).splitlines()[0]}") from None
     study.set_metric_names(["seq_len", "tokens_per_s"])
+    reap_dead_trials(study)
     if not study.trials:
         for params in seed_params(job):
             study.enqueue_trial(params, skip_if_exists=True)
     return study
+
+
+WORKER = f"{socket.gethostname()}:{os.getpid()}"
+
+
+def reap_dead_trials(study: optuna.Study) -> list[int]:
+    """Trials left RUNNING by a worker of this host that no longer exists (kill -9, power loss) become FAIL
+    and are queued again, so a killed search resumes with nothing lost and nothing stuck. (RDB storages also
+    do this through heartbeats, for workers on any host; journal files only get this.)"""
+    reaped = []
+    host = socket.gethostname()
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        worker_host, _, pid = str(trial.user_attrs.get("worker", "")).partition(":")
+        if worker_host != host or not pid.isdigit() or _alive(int(pid)):
+            continue
+        study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+        study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
+        reaped.append(trial.number)
+    return reaped
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def seed_params(job: SearchJob) -> list[dict]:
@@ -174,6 +210,14 @@ def make_objective(job: SearchJob, study: optuna.Study, on_record: Callable | No
     capacity = job.hardware.device_memory_bytes
 
     def objective(trial: optuna.Trial):
+        # several workers share one study: the trial is surplus if the study already holds ``job.trials``
+        # trials created before it (finished or still running), so together they run exactly that many
+        ahead = sum(1 for t in study.get_trials(deepcopy=False, states=(*FINISHED, TrialState.RUNNING))
+                    if t.number < trial.number)
+        if ahead >= job.trials:
+            study.stop()
+            raise SurplusTrial(f"trial {trial.number}: the study already holds {job.trials} trials")
+        trial.set_user_attr("worker", WORKER)
         techniques, seq_len = job.space.sample(trial, layers)
         techniques.validate(job.model_config, job.gpus, seq_len)
         trial.set_user_attr("techniques", techniques.to_dict())
@@ -206,9 +250,8 @@ def run(job: SearchJob, on_record: Callable | None = None, study: optuna.Study |
     done = len(study.get_trials(deepcopy=False, states=FINISHED))
     remaining = max(0, job.trials - done)
     if remaining:
-        stop_at_total = optuna.study.MaxTrialsCallback(job.trials, states=FINISHED)
         study.optimize(make_objective(job, study, on_record), n_trials=remaining, timeout=job.timeout_s,
-                       callbacks=[stop_at_total], catch=())
+                       catch=(SurplusTrial,))
     return study
 
 
