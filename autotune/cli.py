@@ -97,6 +97,7 @@ def search(
     seed: int = typer.Option(0, help="sampler seed"),
     memory_gib: Optional[float] = typer.Option(None, help="per-rank capacity in GiB (CPU trials; overrides preset)"),
     trial_timeout: float = typer.Option(900.0, help="seconds before a real trial is killed as hung"),
+    prefilter: bool = typer.Option(True, help="local backend: skip real trials the oracle predicts to OOM"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object (the summary)"),
 ):
     """Search the technique space for the Pareto front of sequence length vs tokens/s."""
@@ -123,12 +124,12 @@ def search(
     search_space = load_space(space, model_config, gpus, target_tokens, flash_ok=flash_ok)
     if backend_name == "local":
         chosen = make_backend("local", memory_gib=memory_gib, timeout_s=trial_timeout, seed=seed)
-        prefilter = _plan_or_none()
+        oracle = _plan_or_none() if prefilter else None
     else:
-        chosen, prefilter = make_backend("plan"), None
+        chosen, oracle = make_backend("plan"), None
     job = search_mod.SearchJob(model=model, model_config=model_config, target=target_tokens, gpus=gpus,
                                hardware=hw, space=search_space, backend=chosen, out=out, trials=trials,
-                               timeout_s=timeout, storage=storage, study_name=study, seed=seed, prefilter=prefilter)
+                               timeout_s=timeout, storage=storage, study_name=study, seed=seed, prefilter=oracle)
     from autotune.progress import SearchProgress
 
     result_study = search_mod.create_study(job, opened_storage)
