@@ -71,3 +71,70 @@ def register() -> None:
 
     ALL_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, hf_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, _no_mask)
+
+
+# -- kernel-level forward/backward (for head-chunked attention, which saves out + logsumexp only) -------------
+#
+# Layout here is [batch, seq, heads, head_dim] ("bshd", what the all-to-alls produce and flash-attn takes).
+# ``attention_forward`` returns the output and the kernel's residuals (logsumexp, and RNG state where the kernel
+# has one); ``attention_backward`` takes them back, so a caller can drop q/k/v between forward and backward and
+# recompute them, without recomputing the attention itself.
+#   query [b, s, hq, d], key/value [b, s, hkv, d] (hq a multiple of hkv) -> out [b, s, hq, d], residuals
+
+
+def _repeat_kv(tensor, groups: int):
+    """[b, h, s, d] -> [b, h * groups, s, d] (the GQA expansion HF's ``repeat_kv`` does)."""
+    return tensor if groups == 1 else tensor.repeat_interleave(groups, dim=1)
+
+
+def _sum_kv_groups(grad, groups: int):
+    """Gradient of ``_repeat_kv``: [b, h * groups, s, d] -> [b, h, s, d]."""
+    if groups == 1:
+        return grad
+    b, h, s, d = grad.shape
+    return grad.view(b, h // groups, groups, s, d).sum(dim=2)
+
+
+def attention_forward(query, key, value, scaling: float, kernel: str = "sdpa"):
+    """Causal attention without autograd; returns (out [b, s, hq, d], residuals tuple)."""
+    groups = query.shape[2] // key.shape[2]
+    if kernel == "flash":
+        if not flash_available(query.device):
+            raise RuntimeError("attention 'flash' needs flash-attn installed and a CUDA device")
+        from flash_attn.flash_attn_interface import _wrapped_flash_attn_forward  # flash-attn >= 2.7
+
+        out, lse, _, rng_state = _wrapped_flash_attn_forward(
+            query, key, value, 0.0, scaling, True, -1, -1, 0.0, None, False)
+        return out, (lse, rng_state)
+    q, k, v = query.transpose(1, 2), _repeat_kv(key.transpose(1, 2), groups), _repeat_kv(value.transpose(1, 2), groups)
+    if query.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scaling)
+        return out.transpose(1, 2), (lse,)
+    # CUDA "sdpa": the memory-efficient kernel (any float dtype, returns logsumexp; the flash one is 16-bit only)
+    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, None, True, 0.0, True, scale=scaling)
+    return out.transpose(1, 2), (lse, seed, offset)
+
+
+def attention_backward(grad_out, query, key, value, out, residuals, scaling: float, kernel: str = "sdpa"):
+    """Gradients (dq [b, s, hq, d], dk, dv [b, s, hkv, d]) of ``attention_forward``."""
+    groups = query.shape[2] // key.shape[2]
+    if kernel == "flash":
+        from flash_attn.flash_attn_interface import _wrapped_flash_attn_backward
+
+        lse, rng_state = residuals
+        dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+        _wrapped_flash_attn_backward(grad_out, query, key, value, out, lse, dq, dk, dv, 0.0, scaling, True,
+                                     -1, -1, 0.0, None, False, rng_state)
+        return dq, dk, dv
+    q, k, v = query.transpose(1, 2), _repeat_kv(key.transpose(1, 2), groups), _repeat_kv(value.transpose(1, 2), groups)
+    g, o = grad_out.transpose(1, 2), out.transpose(1, 2)
+    if query.device.type == "cpu":
+        (lse,) = residuals
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            g, q, k, v, o, lse, 0.0, True, scale=scaling)
+    else:
+        lse, seed, offset = residuals
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            g, q, k, v, None, o, lse, seed, offset, 0.0, [True, True, True, False], True, scale=scaling)
+    return dq.transpose(1, 2), _sum_kv_groups(dk, groups).transpose(1, 2), _sum_kv_groups(dv, groups).transpose(1, 2)

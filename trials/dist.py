@@ -3,7 +3,9 @@
     world = dp_size * sp_degree;  rank = dp_rank * sp_degree + sp_rank
     Ulysses group of replica d: ranks [d*sp_degree, (d+1)*sp_degree)
 
-CPU -> gloo, CUDA -> NCCL. World size 1 needs no process group at all (``Mesh.single()``).
+CPU -> gloo, CUDA -> NCCL. World size 1 needs no process group at all (``Mesh.single()``), except for FSDP
+(``fsdp``/``optimizer_offload`` on one rank): ``ensure_device_mesh`` then starts a 1-rank group in this process
+(an in-memory store, no port, no torchrun) so ``fully_shard`` has a mesh.
 """
 
 from __future__ import annotations
@@ -66,6 +68,21 @@ def init_mesh(sp_degree: int, device: torch.device | None = None, timeout_s: flo
             torch.cuda.set_device(device)
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     return build_mesh(sp_degree, device)
+
+
+def ensure_device_mesh(mesh: Mesh) -> Mesh:
+    """Give a 1-rank mesh a device mesh (for FSDP), initialising a 1-rank process group if there is none."""
+    if mesh.device_mesh is not None:
+        return mesh
+    if not dist.is_initialized():
+        if mesh.world_size != 1:
+            raise ValueError("a multi-rank mesh without a process group")
+        backend = "nccl" if mesh.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh.device_mesh = init_device_mesh(mesh.device.type, (dist.get_world_size(),), mesh_dim_names=("fsdp",))
+    return mesh
 
 
 def build_mesh(sp_degree: int, device: torch.device) -> Mesh:

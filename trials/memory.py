@@ -7,7 +7,10 @@ storage is freed (weakref finalizer), and follows ``UntypedStorage.resize_`` (FS
 unsharded parameters that way, invisibly to dispatch). When the live total crosses ``capacity_bytes`` it
 raises ``torch.OutOfMemoryError`` right after the op that allocated it, so OOM, early abort and pruning are
 real on CPU too. Tensors explicitly moved to the host (activation offload) are ``mark_host``-ed: they leave
-the device count and are summed as host bytes.
+the device count and are summed as host bytes. Code that moves tensors to the host finds the tracker with
+``active_tracker()`` (the innermost one entered, or None). With optimizer offload, ``host_phases`` holds
+"optimizer": every storage created while stepping the optimizer is host memory (states, temporaries), as on a
+GPU node where the step runs on the CPU.
 
 Categories (DESIGN.md breakdown): params, grads, optimizer, activations, temporaries, other. A new storage
 is categorised by the phase it appears in (forward -> activations, backward -> temporaries, optimizer step
@@ -28,6 +31,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries", "other")
 _PHASE_CATEGORY = {"forward": "activations", "backward": "temporaries", "optimizer": "optimizer"}
+_ACTIVE_TRACKERS: list["DeviceMemoryTracker"] = []
+
+
+def active_tracker() -> "DeviceMemoryTracker | None":
+    """The innermost ``DeviceMemoryTracker`` currently entered (None outside any, e.g. on CUDA)."""
+    return _ACTIVE_TRACKERS[-1] if _ACTIVE_TRACKERS else None
 
 
 @dataclass
@@ -52,6 +61,7 @@ class DeviceMemoryTracker(TorchDispatchMode):
         self.peak_device_bytes = 0
         self.peak_host_bytes = 0
         self.peak_breakdown = dict(self.current)
+        self.host_phases: set[str] = set()  # phases whose new storages live on the host
         self._orig_resize = None
 
     # -- bookkeeping ---------------------------------------------------------------------------------
@@ -74,7 +84,8 @@ class DeviceMemoryTracker(TorchDispatchMode):
         storage = tensor.untyped_storage()
         info = self._storages.get(storage)
         if info is None:
-            info = _StorageInfo(storage.nbytes(), category or _PHASE_CATEGORY.get(self.phase, "other"))
+            info = _StorageInfo(storage.nbytes(), category or _PHASE_CATEGORY.get(self.phase, "other"),
+                                host=self.phase in self.host_phases)
             self._storages[storage] = info
             weakref.finalize(storage, self._on_free, info, None)
             self._add(info, +1)
@@ -144,8 +155,11 @@ class DeviceMemoryTracker(TorchDispatchMode):
             return result
 
         torch.UntypedStorage.resize_ = resize_
+        _ACTIVE_TRACKERS.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
         torch.UntypedStorage.resize_ = self._orig_resize
+        if self in _ACTIVE_TRACKERS:
+            _ACTIVE_TRACKERS.remove(self)
         return super().__exit__(*exc)

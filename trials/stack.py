@@ -3,41 +3,60 @@
     from trials.stack import apply
     apply(model, techniques, mesh)          # model: trials.model.TrainingModel
 
-Order matters and mirrors torchtitan's ``parallelize``: attention swaps (Ulysses, head chunking) first,
-then the sequence tiling of MLP and loss, then activation checkpointing (and its offload) per layer, then
-sharding, which must see the final module tree.
+Order matters and mirrors torchtitan's ``parallelize``: attention swaps first (plain Ulysses, or head-chunked
+Ulysses which replaces the whole attention computation), then the sequence tiling of MLP and loss (they replace
+module forwards / the loss function, so they must sit inside the checkpoint wrappers), then activation
+checkpointing and its offload per layer, then sharding, which must see the final module tree.
+
+Every knob is exact: the model trains the same loss and gradients (to rounding) as the plain single-process model.
+
+    knob                        module              what it changes
+    ulysses_degree > 1          trials.ulysses      DeepSpeed UlyssesSPAttentionHF around the attention op
+    head_chunk                  trials.upipe        attention forward -> untied Ulysses (any degree, 1 included)
+    mlp_tile_tokens             trials.tiling       each MLP forward -> DeepSpeed TiledMLP
+    loss_tile_tokens            trials.tiling       model.loss_fn -> TiledLogitsLoss
+    activation_checkpointing    trials.checkpointing  checkpoint_wrapper per decoder layer
+    activation_offload_layers   trials.offload      the first N checkpointed inputs live on the host
+    fsdp / optimizer_offload    trials.fsdp         fully_shard per layer + root; CPUOffloadPolicy
 """
 
 from __future__ import annotations
 
 from autotune.config import Techniques
 from trials.checkpointing import apply_activation_checkpointing
-from trials.dist import Mesh
+from trials.dist import Mesh, ensure_device_mesh
 from trials.fsdp import apply_fsdp
+from trials.tiling import apply_loss_tiling, apply_mlp_tiling
 from trials.ulysses import apply_ulysses, attention_modules
+from trials.upipe import apply_head_chunking
 
 
 def apply(model, techniques: Techniques, mesh: Mesh, param_dtype=None):
-    """Apply ``techniques`` to ``model`` in place; returns the model."""
+    """Apply ``techniques`` to ``model`` in place; returns the model.
+
+    With ``fsdp`` on a single rank (no process group), a 1-rank process group is started in this process so
+    FSDP2 (and ``optimizer_offload``) work as on several ranks.
+    """
     if techniques.ulysses_degree != mesh.sp_degree:
         raise ValueError(f"techniques ask for ulysses_degree {techniques.ulysses_degree}, "
                          f"the mesh has {mesh.sp_degree}")
+    if techniques.optimizer_offload and not techniques.fsdp:
+        raise ValueError("optimizer_offload needs fsdp (the host keeps the sharded optimizer states)")
+    if techniques.activation_offload_layers and not techniques.activation_checkpointing:
+        raise ValueError("activation_offload_layers needs activation_checkpointing")
     for attn_module in attention_modules(model):
         attn_module.autotune_kernel = techniques.attention
-    if techniques.ulysses_degree > 1:
-        apply_ulysses(model, mesh, kernel=techniques.attention)
     if techniques.head_chunk is not None:
-        raise NotImplementedError("head_chunk (untied Ulysses) is not implemented yet")
+        apply_head_chunking(model, mesh, techniques.head_chunk, kernel=techniques.attention)
+    elif techniques.ulysses_degree > 1:
+        apply_ulysses(model, mesh, kernel=techniques.attention)
     if techniques.mlp_tile_tokens:
-        raise NotImplementedError("mlp_tile_tokens is not implemented yet")
+        apply_mlp_tiling(model, techniques.mlp_tile_tokens)
     if techniques.loss_tile_tokens:
-        raise NotImplementedError("loss_tile_tokens is not implemented yet")
+        apply_loss_tiling(model, techniques.loss_tile_tokens)
     if techniques.activation_checkpointing:
-        apply_activation_checkpointing(model)
-    if techniques.activation_offload_layers:
-        raise NotImplementedError("activation_offload_layers is not implemented yet")
-    if techniques.fsdp and mesh.distributed:
+        apply_activation_checkpointing(model, offload_layers=techniques.activation_offload_layers)
+    if techniques.fsdp:
+        ensure_device_mesh(mesh)
         apply_fsdp(model, mesh, optimizer_offload=techniques.optimizer_offload, param_dtype=param_dtype)
-    elif techniques.optimizer_offload:
-        raise NotImplementedError("optimizer_offload on one rank is not implemented yet")
     return model

@@ -54,7 +54,11 @@ def grad_norm(model) -> float:
     return float(total)
 
 
-def train_step(model, optimizer, batch: Batch, mesh, tracker=None) -> StepResult:
+def forward_backward(model, batch: Batch, mesh, tracker=None) -> torch.Tensor:
+    """Forward + backward + gradient reduction, no optimizer step; returns this rank's scaled loss (detached).
+
+    After it every rank holds the reduced gradient (sharded DTensors under FSDP: ``.full_tensor()`` gathers).
+    """
     phase = tracker.in_phase if tracker is not None else _no_phase
     scale = loss_scale(batch, mesh)
     with phase("forward"):
@@ -64,15 +68,26 @@ def train_step(model, optimizer, batch: Batch, mesh, tracker=None) -> StepResult
         allreduce_grads(model, mesh)
     if tracker is not None:
         tracker.retag((p.grad for p in model.parameters()), "grads")
+    return scaled_loss.detach()
+
+
+def global_loss(scaled_loss: torch.Tensor, mesh) -> float:
+    """Mean token loss over the global batch from each rank's ``local_sum * sp / valid`` (a collective)."""
+    loss = scaled_loss.detach().clone()
+    if mesh.distributed:
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+    return float(loss) / (mesh.sp_degree * mesh.dp_size)
+
+
+def train_step(model, optimizer, batch: Batch, mesh, tracker=None) -> StepResult:
+    phase = tracker.in_phase if tracker is not None else _no_phase
+    scaled_loss = forward_backward(model, batch, mesh, tracker)
     norm = grad_norm(model)
     with phase("optimizer"):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     # scaled_loss = local_sum * sp / valid; the global mean loss is sum over ranks / (sp * dp)
-    loss = scaled_loss.detach().clone()
-    if mesh.distributed:
-        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-    return StepResult(loss=float(loss) / (mesh.sp_degree * mesh.dp_size), grad_norm=norm)
+    return StepResult(loss=global_loss(scaled_loss, mesh), grad_norm=norm)
 
 
 class _NullPhase:

@@ -1,0 +1,165 @@
+"""Exactness harness for the technique stack: many configurations in ONE process group launch.
+
+    torchrun --nproc-per-node N tests/stack_harness.py CASES.json OUT.json      (N > 1)
+    python tests/stack_harness.py CASES.json OUT.json                            (one rank)
+
+CASES.json: {"seq_len": int, "cases": [{"name", "model", "techniques": {...}, "step": bool}]}. Every rank builds,
+for each (model, data-parallel size), the plain single-process reference itself (cheap at these sizes): the loss
+and parameter gradients of ``dp`` replicas (sample r for replica r, DESIGN.md's data rule) averaged, plus the loss
+after one AdamW step. Then, per case: a fresh model with the techniques applied on the real mesh, one forward +
+backward (``trials.step.forward_backward``), full gradients gathered (``DTensor.full_tensor()`` under FSDP) and
+compared with the reference; with ``"step": true`` also one optimizer step and the loss after it.
+
+Rank 0 writes OUT.json: {"world_size", "results": [{"name", "loss_rel", "grad_rel", "grad_rel_param",
+"grad_maxabs_rel", "step_loss_rel"?, "seconds"}]}, where
+    loss_rel       |loss - ref| / |ref|
+    grad_rel       max over parameters of ||g - g_ref|| / ||g_ref|| (the parameter: grad_rel_param)
+    grad_maxabs_rel  max over parameters of max|g - g_ref| / max|g_ref| (informational)
+A failing case stops the job (exit 1, the traceback in OUT.json) rather than leave peers blocked in a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+# exact comparisons: no thread-count changes between runs (MKL/OpenMP dynamic threading reorders reductions)
+os.environ.setdefault("MKL_DYNAMIC", "FALSE")
+os.environ.setdefault("OMP_DYNAMIC", "FALSE")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+LR = 1e-2
+
+
+def full_grads(model) -> dict[str, torch.Tensor]:
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad
+        if grad is None:
+            continue
+        if hasattr(grad, "full_tensor"):
+            grad = grad.full_tensor()
+        grads[name.replace("_checkpoint_wrapped_module.", "")] = grad.detach().float().clone()
+    return grads
+
+
+def reference(model_config: dict, seq_len: int, dp: int) -> dict:
+    """Plain model, one process: dp replicas' mean gradients, mean loss, and mean loss after one AdamW step."""
+    from trials.data import make_batch, synthetic_sample
+    from trials.dist import Mesh
+    from trials.model import build_model
+    from trials.step import forward_backward
+
+    mesh = Mesh.single()
+    model = build_model(model_config)
+    batches = [make_batch(synthetic_sample(r, seq_len, model.config.vocab_size, 0), 0, 1, "cpu") for r in range(dp)]
+    loss = sum(float(forward_backward(model, batch, mesh)) for batch in batches) / dp
+    for param in model.parameters():
+        param.grad /= dp
+    grads = full_grads(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+    optimizer.step()
+    with torch.no_grad():
+        step_loss = sum(float(model(b.input_ids, b.position_ids, b.labels, scale=1.0 / b.valid_tokens))
+                        for b in batches) / dp
+    return {"loss": loss, "grads": grads, "step_loss": step_loss}
+
+
+def run_case(case: dict, seq_len: int, refs: dict, meshes: dict) -> dict:
+    from autotune.config import Techniques
+    from autotune.presets import load_model_config
+    from trials.data import make_batch, synthetic_sample
+    from trials.dist import build_mesh
+    from trials.model import build_model
+    from trials.stack import apply
+    from trials.step import forward_backward, global_loss
+    import torch.distributed as dist
+
+    start = time.perf_counter()
+    model_config = load_model_config(case["model"])
+    techniques = Techniques.from_dict(case["techniques"], model_config["num_hidden_layers"])
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    techniques.validate(model_config, world, seq_len)
+    sp = techniques.ulysses_degree
+    if sp not in meshes:
+        from trials.dist import init_mesh
+
+        meshes[sp] = build_mesh(sp, torch.device("cpu")) if dist.is_initialized() else init_mesh(sp)
+    mesh = meshes[sp]
+    key = (case["model"], mesh.dp_size)
+    if key not in refs:
+        refs[key] = reference(model_config, seq_len, mesh.dp_size)
+    ref = refs[key]
+
+    model = build_model(model_config)
+    apply(model, techniques, mesh)
+    tokens = synthetic_sample(mesh.dp_rank, seq_len, model.config.vocab_size, 0)
+    batch = make_batch(tokens, mesh.sp_rank, mesh.sp_degree, mesh.device)
+    loss = global_loss(forward_backward(model, batch, mesh), mesh)
+    grads = full_grads(model)
+    result = {"name": case["name"], "loss": loss, "loss_rel": abs(loss - ref["loss"]) / abs(ref["loss"])}
+    if set(grads) != set(ref["grads"]):
+        missing = sorted(set(ref["grads"]) ^ set(grads))
+        raise AssertionError(f"{case['name']}: gradients differ in names: {missing[:4]}")
+    worst, worst_name, worst_abs = 0.0, None, 0.0
+    for name, expected in ref["grads"].items():
+        diff = grads[name] - expected
+        rel = float(diff.norm() / expected.norm().clamp_min(1e-30))
+        worst_abs = max(worst_abs, float(diff.abs().max() / expected.abs().max().clamp_min(1e-30)))
+        if rel > worst:
+            worst, worst_name = rel, name
+    result.update(grad_rel=worst, grad_rel_param=worst_name, grad_maxabs_rel=worst_abs)
+    if case.get("step"):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            scaled = model(batch.input_ids, batch.position_ids, batch.labels,
+                           scale=mesh.sp_degree / batch.valid_tokens)
+        step_loss = global_loss(scaled, mesh)
+        result["step_loss_rel"] = abs(step_loss - ref["step_loss"]) / abs(ref["step_loss"])
+    result["seconds"] = round(time.perf_counter() - start, 3)
+    return result
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[0]).read_text())
+    out_path = Path(argv[1])
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:
+        torch.set_num_threads(1)  # ranks share the machine's cores
+    results, refs, meshes = [], {}, {}
+    try:
+        if world > 1:
+            from trials.dist import init_mesh
+
+            meshes[world] = init_mesh(world, timeout_s=300)
+        for case in spec["cases"]:
+            results.append(run_case(case, spec["seq_len"], refs, meshes))
+            if rank == 0:
+                print(json.dumps(results[-1]), flush=True)
+    except Exception as exc:
+        if rank == 0 or world == 1:
+            out_path.write_text(json.dumps({"world_size": world, "results": results,
+                                            "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}))
+        print(traceback.format_exc(), file=sys.stderr, flush=True)
+        os._exit(1)
+    if rank == 0:
+        out_path.write_text(json.dumps({"world_size": world, "results": results}, indent=1))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,372 @@
+"""Untied Ulysses (UPipe, arXiv 2602.21196): sequence-parallel attention processed a chunk of heads at a time.
+
+Plain DeepSpeed-Ulysses (``trials.ulysses``) projects q/k/v for *all* heads of this rank's sequence shard, swaps
+the sequence shard for a head shard with one all-to-all per tensor, runs attention over the full sequence for
+``H/P`` heads, and swaps back. Every intermediate is as large as the layer's full q/k/v: at 5M tokens that, not
+the weights, is what decides whether a layer fits. Untied Ulysses unties the projection from the all-to-all:
+the rank's ``L = H/P`` local heads are processed in ``L/c`` chunks of ``c = head_chunk`` heads each, and only
+one chunk's q/k/v/attention output is ever alive.
+
+Notation (per rank)::
+
+    b batch (1 here), s_l = s/P local tokens, s full sequence, P ulysses degree (1 allowed), h hidden size,
+    H query heads, K kv heads, g = H/K query heads per kv head, d head_dim, L = H/P local heads,
+    c = head_chunk, n = L/c chunks.
+
+Which heads form chunk i. Across the Ulysses group a chunk covers ``c*P`` *consecutive* global query heads,
+``[i*c*P, (i+1)*c*P)``; after the all-to-all, rank r attends to ``c`` of them, ``i*c*P + r*c + [0, c)``. So the q
+weight rows of a chunk are one contiguous slice of ``q_proj.weight`` (no weight copy), and the attention outputs
+come back as one contiguous column block of the output. (This assigns heads to ranks differently from plain
+Ulysses, where rank r owns heads ``[r*L, (r+1)*L)``; attention is independent per head, so the result is the
+same.)
+
+GQA and kv replication. Rank r's ``c`` query heads need the kv heads ``(i*c*P + r*c + j) // g``. Each rank gets
+``kc`` kv "slots" per chunk:
+    - ``g`` divides ``c``: ``kc = c/g`` distinct kv heads, query j uses slot ``j // g``;
+    - ``c`` divides ``g``: ``kc = 1``; several ranks (and, when ``c*P < g``, consecutive chunks) share a kv
+      head, which is then *replicated* into each rank's slot -- this is DeepSpeed's "kv heads < degree" case,
+      and chunks with identical slots reuse the k/v already exchanged instead of recomputing them;
+    - otherwise ``kc = c``, one slot per query head.
+The chunk projects its contiguous range of distinct kv heads once and ``index_select``-s them into the
+``P*kc`` slots (the gradient of that select sums the replicas back).
+
+One chunk, forward (shapes on rank r)::
+
+    hidden [b, s_l, h]
+      q = rope(norm(hidden @ Wq[rows of the chunk's c*P heads]^T))    [b, s_l, c*P, d]
+      k, v = slots(rope(norm(hidden @ Wk[kv rows]^T)), ...)           [b, s_l, kc*P, d]
+      all-to-all, sequence -> heads:
+        send  [P, b, s_l, c, d]   block r' = the c heads rank r' attends to (dim 0 is the peer)
+        recv  [P, b, s_l, c, d]   block r' = rank r''s tokens of *my* c heads
+        q_h = recv viewed as [b, s, c, d]   (peers' shards in rank order = the full sequence)
+      o_h, lse = causal attention(q_h, k_h, v_h)                      [b, s, c, d], [b, c, s]
+      all-to-all, heads -> sequence:
+        send  [P, b, s_l, c, d]   block r' = my heads' outputs for rank r''s tokens
+        recv  [P, b, s_l, c, d]   block r' = rank r''s c heads for my tokens
+      written straight into columns [i*c*P*d, (i+1)*c*P*d) of ONE output buffer [b, s_l, H*d]
+
+then ``o_proj(out)`` as usual. The all-to-all is DeepSpeed's ``deepspeed::dim_zero_all_to_all`` custom op (the
+one ``UlyssesSPAttentionHF`` uses: a registered fake, so it runs under FakeTensorMode too); with ``P = 1`` there
+is no exchange and this is plain head chunking.
+
+Autograd. Everything above runs inside one ``torch.autograd.Function`` under ``no_grad``: it saves only the
+layer input, the output buffer (which ``o_proj`` saves anyway -- same storage) and each chunk's logsumexp
+(``[b, c, s]`` fp32, 1/d of an output). Backward walks the chunks again: recompute that chunk's q/k/v (a local
+autograd graph through projection-free norm + rope), exchange them and the chunk's output and output gradient,
+call the attention kernel's *backward* directly with the saved logsumexp (no attention recompute, see
+``trials.attention.attention_backward``), exchange dq/dk/dv back, and push them through norm/rope (autograd) and
+the projection (explicit matmuls accumulating into d_hidden and into the weight-gradient rows of the chunk). So
+the attention's working set in forward *and* backward is one chunk's: ``~(c/L)`` of plain Ulysses'.
+The price is recomputing the q/k/v projection and re-exchanging q/k/v/out in backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from trials.attention import attention_backward, attention_forward
+
+# Attention modules whose forward is: q/k/v projections (optional per-head q_norm/k_norm over head_dim), HF rotary
+# (``x * cos + rotate_half(x) * sin``), causal attention, o_proj. Others are refused rather than silently changed.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    q_head: int                 # first global query head of the chunk (it covers c*P consecutive heads)
+    kv_lo: int                  # distinct kv heads projected for the chunk: [kv_lo, kv_hi)
+    kv_hi: int
+    kv_slots: tuple[int, ...]   # global kv head of each of the P*kc slots, rank-major
+    needs_select: bool          # False when the slots are exactly kv_lo..kv_hi-1 in order
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    degree: int
+    chunk: int                  # c, local heads per chunk
+    kv_slots_per_rank: int      # kc
+    chunks: tuple[Chunk, ...]
+
+    @classmethod
+    def build(cls, q_heads: int, kv_heads: int, head_dim: int, degree: int, chunk: int) -> "ChunkPlan":
+        if q_heads % degree or (kv_heads % degree and degree % kv_heads):
+            raise ValueError(f"ulysses_degree {degree} does not fit {q_heads} query / {kv_heads} kv heads")
+        local = q_heads // degree
+        if not 1 <= chunk <= local or local % chunk:
+            raise ValueError(f"head_chunk {chunk} must divide the {local} heads per rank")
+        group = q_heads // kv_heads
+        if chunk % group == 0:
+            kc = chunk // group
+        elif group % chunk == 0:
+            kc = 1
+        else:
+            kc = chunk
+        chunks = []
+        for index in range(local // chunk):
+            q_head = index * chunk * degree
+            slots = []
+            for rank in range(degree):
+                first = q_head + rank * chunk
+                if kc == chunk:
+                    slots += [(first + j) // group for j in range(chunk)]
+                else:  # the rank's c queries map onto kc consecutive kv heads
+                    slots += [first // group + j for j in range(kc)]
+            kv_lo, kv_hi = min(slots), max(slots) + 1
+            chunks.append(Chunk(q_head, kv_lo, kv_hi, tuple(slots), slots != list(range(kv_lo, kv_hi))))
+        return cls(q_heads, kv_heads, head_dim, degree, chunk, kc, tuple(chunks))
+
+    def kv_groups(self) -> list[list[Chunk]]:
+        """Consecutive chunks with identical kv slots: they share one exchanged k/v."""
+        groups: list[list[Chunk]] = []
+        for chunk in self.chunks:
+            if groups and groups[-1][0].kv_slots == chunk.kv_slots:
+                groups[-1].append(chunk)
+            else:
+                groups.append([chunk])
+        return groups
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope(x, cos, sin):
+    """HF rotary on [b, s, n, d] with cos/sin [b, s, d] (same arithmetic as ``apply_rotary_pos_emb``)."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return (x * cos) + (_rotate_half(x) * sin)
+
+
+# Parameter order of the autograd function (None where the model has no such parameter).
+_PARAM_NAMES = ("q_weight", "q_bias", "k_weight", "k_bias", "v_weight", "v_bias", "q_norm", "k_norm")
+
+
+class UPipeAttention:
+    """The head-chunked attention of one attention module (what its ``forward`` is replaced by)."""
+
+    def __init__(self, module, plan: ChunkPlan, group, kernel: str):
+        self.module = module
+        self.plan = plan
+        self.group_name = None
+        if plan.degree > 1:
+            from deepspeed.sequence.layer import register_all_to_all_group
+
+            self.group_name = register_all_to_all_group(group)
+        self.kernel = kernel
+        self.scaling = module.scaling
+        self.q_norm = getattr(module, "q_norm", None)
+        self.k_norm = getattr(module, "k_norm", None)
+
+    # -- called as the attention module's forward -----------------------------------------------------
+    def __call__(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+                 **kwargs):
+        if past_key_values is not None:
+            raise ValueError("head-chunked attention is for training; it has no kv cache")
+        cos, sin = position_embeddings
+        m = self.module
+        params = (m.q_proj.weight, m.q_proj.bias, m.k_proj.weight, m.k_proj.bias, m.v_proj.weight, m.v_proj.bias,
+                  None if self.q_norm is None else self.q_norm.weight,
+                  None if self.k_norm is None else self.k_norm.weight)
+        out = _HeadChunkedAttention.apply(self, hidden_states, cos, sin, *params)
+        return m.o_proj(out), None
+
+    # -- pieces shared by forward and backward ----------------------------------------------------------
+    def _norm(self, norm_module, weight, x):
+        if norm_module is None:
+            return x
+        return torch.func.functional_call(norm_module, {"weight": weight}, (x,))
+
+    def q_post(self, projected, cos, sin, q_norm_weight):
+        """[b, s_l, c*P, d] projection -> normed, rotated queries (same shape)."""
+        return _rope(self._norm(self.q_norm, q_norm_weight, projected), cos, sin)
+
+    def k_post(self, projected, cos, sin, k_norm_weight):
+        return _rope(self._norm(self.k_norm, k_norm_weight, projected), cos, sin)
+
+    def project(self, hidden, weight, bias, first_head: int, heads: int):
+        """hidden [b, s_l, h] -> [b, s_l, heads, d] for the contiguous heads [first_head, first_head + heads)."""
+        d = self.plan.head_dim
+        rows = slice(first_head * d, (first_head + heads) * d)
+        out = F.linear(hidden, weight[rows], None if bias is None else bias[rows])
+        return out.view(*hidden.shape[:-1], heads, d)
+
+    def select_slots(self, chunk: Chunk, kv):
+        """[b, s_l, kv_hi - kv_lo, d] -> [b, s_l, P*kc, d] (replicas where ranks share a kv head)."""
+        if not chunk.needs_select:
+            return kv
+        index = torch.tensor([slot - chunk.kv_lo for slot in chunk.kv_slots], device=kv.device)
+        return kv.index_select(2, index)
+
+    def seq_to_heads(self, local):
+        """All-to-all [b, s_l, P*n, d] (my tokens, the chunk's heads) -> [b, s, n, d] (all tokens, my n heads)."""
+        P = self.plan.degree
+        if P == 1:
+            return local
+        b, s_l, heads, d = local.shape
+        n = heads // P
+        send = local.reshape(b, s_l, P, n, d).permute(2, 0, 1, 3, 4).contiguous()   # [P, b, s_l, n, d]
+        recv = torch.ops.deepspeed.dim_zero_all_to_all(send, self.group_name)      # [P(tokens of peer), b, s_l, n, d]
+        return recv.permute(1, 0, 2, 3, 4).reshape(b, P * s_l, n, d)
+
+    def heads_to_seq(self, full, out=None):
+        """All-to-all [b, s, n, d] -> [b, s_l, P*n, d]; written into ``out`` (a view of that shape) if given."""
+        P = self.plan.degree
+        b, s, n, d = full.shape
+        if P == 1:
+            if out is None:
+                return full
+            return out.copy_(full)
+        s_l = s // P
+        send = full.reshape(b, P, s_l, n, d).transpose(0, 1).contiguous()           # [P, b, s_l, n, d]
+        recv = torch.ops.deepspeed.dim_zero_all_to_all(send, self.group_name)      # [P(heads of peer), b, s_l, n, d]
+        recv = recv.permute(1, 2, 0, 3, 4)                                          # [b, s_l, P, n, d]
+        if out is None:
+            return recv.reshape(b, s_l, P * n, d)
+        out.view(b, s_l, P, n, d).copy_(recv)
+        return out
+
+
+class _HeadChunkedAttention(torch.autograd.Function):
+    """hidden [b, s_l, h] -> attention output before o_proj [b, s_l, H*d]; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, layer: UPipeAttention, hidden, cos, sin, *params):
+        plan = layer.plan
+        q_w, q_b, k_w, k_b, v_w, v_b, qn_w, kn_w = params
+        b, s_l, _ = hidden.shape
+        width = plan.chunk * plan.degree  # global query heads per chunk
+        out = hidden.new_empty(b, s_l, plan.q_heads * plan.head_dim)
+        out_heads = out.view(b, s_l, plan.q_heads, plan.head_dim)
+        residuals: list[torch.Tensor] = []
+        for group in plan.kv_groups():
+            first = group[0]
+            n_kv = first.kv_hi - first.kv_lo
+            k = layer.k_post(layer.project(hidden, k_w, k_b, first.kv_lo, n_kv), cos, sin, kn_w)
+            k_heads = layer.seq_to_heads(layer.select_slots(first, k))               # [b, s, kc, d]
+            del k
+            v = layer.project(hidden, v_w, v_b, first.kv_lo, n_kv)
+            v_heads = layer.seq_to_heads(layer.select_slots(first, v))
+            del v
+            for chunk in group:
+                q = layer.q_post(layer.project(hidden, q_w, q_b, chunk.q_head, width), cos, sin, qn_w)
+                q_heads = layer.seq_to_heads(q)                                      # [b, s, c, d]
+                del q
+                o_heads, chunk_residuals = attention_forward(q_heads, k_heads, v_heads, layer.scaling, layer.kernel)
+                del q_heads
+                layer.heads_to_seq(o_heads, out=out_heads[:, :, chunk.q_head:chunk.q_head + width])
+                del o_heads
+                residuals += chunk_residuals
+            del k_heads, v_heads
+        ctx.layer = layer
+        ctx.residuals_per_chunk = len(residuals) // len(plan.chunks)
+        ctx.present = [p is not None for p in params]
+        ctx.save_for_backward(hidden, cos, sin, out, *residuals, *(p for p in params if p is not None))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        layer: UPipeAttention = ctx.layer
+        plan = layer.plan
+        hidden, cos, sin, out, *rest = ctx.saved_tensors
+        per_chunk = ctx.residuals_per_chunk
+        n_res = per_chunk * len(plan.chunks)
+        residuals, present = rest[:n_res], iter(rest[n_res:])
+        params = [next(present) if here else None for here in ctx.present]
+        q_w, q_b, k_w, k_b, v_w, v_b, qn_w, kn_w = params
+        b, s_l, h = hidden.shape
+        d, width = plan.head_dim, plan.chunk * plan.degree
+        out_heads = out.view(b, s_l, plan.q_heads, d)
+        grad_heads = grad_out.reshape(b, s_l, plan.q_heads, d)
+        x2d = hidden.reshape(-1, h)
+        d_hidden = torch.zeros_like(hidden)
+        d_x2d = d_hidden.view(-1, h)
+        grads = [None if p is None else torch.zeros_like(p) for p in params]
+        dq_w, dq_b, dk_w, dk_b, dv_w, dv_b, dqn_w, dkn_w = grads
+
+        def linear_backward(d_proj, weight, d_weight, d_bias, first_head, heads):
+            """d_proj [b, s_l, heads, d] -> accumulate into d_hidden and the weight rows of those heads."""
+            rows = slice(first_head * d, (first_head + heads) * d)
+            d2d = d_proj.reshape(-1, heads * d)
+            d_x2d.addmm_(d2d, weight[rows])
+            d_weight[rows].addmm_(d2d.t(), x2d)
+            if d_bias is not None:
+                d_bias[rows] += d2d.sum(0)
+
+        chunk_index = {chunk: i for i, chunk in enumerate(plan.chunks)}
+        for group in plan.kv_groups():
+            first = group[0]
+            n_kv = first.kv_hi - first.kv_lo
+            # recompute this group's k/v with a small local graph (norm, rope, slot replication) to backprop through
+            with torch.no_grad():
+                k_proj = layer.project(hidden, k_w, k_b, first.kv_lo, n_kv)
+                v_proj = layer.project(hidden, v_w, v_b, first.kv_lo, n_kv)
+            with torch.enable_grad():
+                k_proj.requires_grad_(True)
+                v_proj.requires_grad_(True)
+                kn_leaf = None if kn_w is None else kn_w.detach().requires_grad_(True)
+                k_slots = layer.select_slots(first, layer.k_post(k_proj, cos, sin, kn_leaf))
+                v_slots = layer.select_slots(first, v_proj)
+            k_heads = layer.seq_to_heads(k_slots.detach())
+            v_heads = layer.seq_to_heads(v_slots.detach())
+            dk_heads = dv_heads = None
+            for chunk in group:
+                with torch.no_grad():
+                    q_proj = layer.project(hidden, q_w, q_b, chunk.q_head, width)
+                with torch.enable_grad():
+                    q_proj.requires_grad_(True)
+                    qn_leaf = None if qn_w is None else qn_w.detach().requires_grad_(True)
+                    q = layer.q_post(q_proj, cos, sin, qn_leaf)
+                heads = slice(chunk.q_head, chunk.q_head + width)
+                q_heads = layer.seq_to_heads(q.detach())
+                o_heads = layer.seq_to_heads(out_heads[:, :, heads])
+                do_heads = layer.seq_to_heads(grad_heads[:, :, heads])
+                i = chunk_index[chunk]
+                dq_heads, dk_c, dv_c = attention_backward(
+                    do_heads, q_heads, k_heads, v_heads, o_heads,
+                    tuple(residuals[i * per_chunk:(i + 1) * per_chunk]), layer.scaling, layer.kernel)
+                del q_heads, o_heads, do_heads
+                dk_heads = dk_c if dk_heads is None else dk_heads.add_(dk_c)
+                dv_heads = dv_c if dv_heads is None else dv_heads.add_(dv_c)
+                del dk_c, dv_c
+                dq = layer.heads_to_seq(dq_heads)                                       # [b, s_l, c*P, d]
+                del dq_heads
+                inputs = [q_proj] + ([qn_leaf] if qn_leaf is not None else [])
+                got = torch.autograd.grad(q, inputs, dq)
+                del q, dq
+                linear_backward(got[0], q_w, dq_w, dq_b, chunk.q_head, width)
+                if qn_leaf is not None:
+                    dqn_w += got[1]
+                del got, q_proj
+            del k_heads, v_heads
+            dk_slots = layer.heads_to_seq(dk_heads)                                     # [b, s_l, P*kc, d]
+            dv_slots = layer.heads_to_seq(dv_heads)
+            del dk_heads, dv_heads
+            inputs = [k_proj, v_proj] + ([kn_leaf] if kn_leaf is not None else [])
+            got = torch.autograd.grad([k_slots, v_slots], inputs, [dk_slots, dv_slots])
+            del k_slots, v_slots, dk_slots, dv_slots
+            linear_backward(got[0], k_w, dk_w, dk_b, first.kv_lo, n_kv)
+            linear_backward(got[1], v_w, dv_w, dv_b, first.kv_lo, n_kv)
+            if kn_leaf is not None:
+                dkn_w += got[2]
+            del got, k_proj, v_proj
+        return (None, d_hidden, None, None, *grads)
+
+
+def apply_head_chunking(model, mesh, head_chunk: int, kernel: str = "sdpa") -> None:
+    """Replace every attention module's forward by ``UPipeAttention`` (Ulysses degree = ``mesh.sp_degree``)."""
+    from trials.ulysses import attention_modules
+
+    config = model.config
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"head_chunk supports {', '.join(SUPPORTED_MODEL_TYPES)} attention, "
+                         f"not {config.model_type!r}")
+    plan = ChunkPlan.build(config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                           mesh.sp_degree, head_chunk)
+    for module in attention_modules(model):
+        module.forward = UPipeAttention(module, plan, mesh.sp_group, kernel)
