@@ -1,0 +1,436 @@
+"""Calibrate the ``cpu`` hardware preset on this machine: measured rates for the time model.
+
+CPU trials (``trials.runner`` on gloo, fp32) run ``world_size`` processes that share this machine's cores,
+each with ``cpus // world_size`` threads (what the local backend sets). So the calibration is per world size:
+for each world size ``w`` (1 and, when there are at least two cores, 2), ``w`` worker processes run the same
+microbenchmarks at the same time, with the same thread count a trial rank gets, and rank 0's numbers are kept:
+
+- ``bf16_flops``: fp32 matmul FLOP/s over a handful of transformer-like GEMM shapes (total FLOPs / total time);
+- ``attention_by_head_dim``: the CPU flash-attention kernel's computed-FLOP rate, forward and backward, at head
+  dims 16/32/64/128, as a fraction of the matmul rate (computed = the tiles the kernel really runs: query tiles of
+  256 and key tiles of 512, ``aten/src/ATen/native/cpu/FlashAttentionKernel.cpp``);
+- ``hbm_bytes_per_s``: output bytes per second of a mix of elementwise ops (``elementwise_traffic_factor`` 1);
+- ``host_bytes_per_s``: memcpy bandwidth (``clone`` of 64 MiB) -- the CPU path's "host" copies are memcpys;
+- ``host_optimizer_bytes_per_s``: ``torch.optim.AdamW(foreach=False)`` output bytes per second (as counted by
+  ``StepCounter``) with the per-op overhead taken out;
+- ``op_overhead_s`` / ``view_overhead_s``: the host cost of one dispatched op / view under the trials' memory
+  tracker (``trials.memory.DeviceMemoryTracker``, a Python dispatch mode every CPU trial runs under);
+- ``intra_node_bytes_per_s`` (all-to-all), ``all_gather_efficiency`` / ``reduce_scatter_efficiency`` /
+  ``all_reduce_efficiency`` (relative to it), ``collective_latency_s`` (w > 1): gloo collectives over loopback
+  at several sizes, as ``latency + wire_bytes / bandwidth``.
+
+The result is cached as JSON under the user cache dir (``$AUTOTUNE_CACHE_DIR`` or
+``$XDG_CACHE_HOME/autotune`` or ``~/.cache/autotune``) keyed by machine, and re-measured when the machine,
+torch version or calibration version changes. ``python -m autotune.calibrate [--force]`` prints it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+VERSION = 4
+CPU_ATTENTION_TILE_Q = 256   # torch's CPU flash kernel: q split 256 for q_seq_len >= 768
+CPU_ATTENTION_TILE_KV = 512  # and kv split 512
+HEAD_DIMS = (16, 32, 64, 128)
+MATMUL_SHAPES = ((4096, 128, 128), (4096, 128, 352), (4096, 352, 128), (128, 4096, 352), (352, 4096, 128),
+                 (4096, 256, 1024), (4096, 1024, 256), (1024, 4096, 256), (4096, 128, 1024))
+
+
+def cache_path() -> Path:
+    base = os.environ.get("AUTOTUNE_CACHE_DIR")
+    if base:
+        return Path(base) / "cpu_calibration.json"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    root = Path(xdg) if xdg else Path.home() / ".cache"
+    return root / "autotune" / "cpu_calibration.json"
+
+
+def machine_key() -> dict:
+    import torch
+
+    model = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"version": VERSION, "host": socket.gethostname(), "cpu": model, "cpus": os.cpu_count() or 1,
+            "torch": torch.__version__}
+
+
+def world_sizes() -> list[int]:
+    cpus = os.cpu_count() or 1
+    return [1, 2] if cpus >= 2 else [1]
+
+
+def load_or_calibrate(force: bool = False, quiet: bool = True) -> dict:
+    """The cached calibration of this machine, measuring it first when missing or stale (~30 s)."""
+    path = cache_path()
+    key = machine_key()
+    if not force and path.exists():
+        try:
+            data = json.loads(path.read_text())
+            if data.get("machine") == key:
+                return data
+        except (OSError, json.JSONDecodeError):
+            pass
+    data = calibrate(quiet=quiet)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        tmp.replace(path)
+    except OSError:
+        pass
+    return data
+
+
+def rates_for(calibration: dict, world_size: int) -> dict:
+    """The ``Rates`` fields of the calibration for a trial of ``world_size`` ranks on this machine."""
+    per_world = calibration["worlds"]
+    keys = sorted(int(k) for k in per_world)
+    chosen = max((k for k in keys if k <= max(1, world_size)), default=keys[0])
+    m = per_world[str(chosen)]
+    matmul = m["matmul_flops"]
+    values = {
+        "bf16_flops": matmul,
+        "matmul_efficiency": 1.0,
+        "attention_by_head_dim": tuple(sorted((int(d), (fwd / matmul, bwd / matmul))
+                                              for d, (fwd, bwd) in m["attention_flops"].items())),
+        "attention_efficiency": m["attention_flops"][str(HEAD_DIMS[-1])][0] / matmul,
+        "attention_backward_efficiency": m["attention_flops"][str(HEAD_DIMS[-1])][1] / matmul,
+        "attention_tile_q": CPU_ATTENTION_TILE_Q,
+        "attention_tile_kv": CPU_ATTENTION_TILE_KV,
+        "hbm_bytes_per_s": m["elementwise_bytes_per_s"],
+        "elementwise_efficiency": 1.0,
+        "elementwise_traffic_factor": 1.0,
+        "host_bytes_per_s": m["memcpy_bytes_per_s"],
+        "host_copy_efficiency": 1.0,
+        "host_optimizer_bytes_per_s": m["optimizer_bytes_per_s"],
+        "op_overhead_s": m["op_overhead_s"],
+        "view_overhead_s": m["view_overhead_s"],
+        "launch_overlaps_compute": False,
+    }
+    # gloo: measured with 2 ranks; a 1-rank trial has no collectives, larger worlds reuse the 2-rank numbers
+    gloo = next((per_world[str(k)].get("gloo") for k in sorted(keys, reverse=True) if per_world[str(k)].get("gloo")),
+                None)
+    if gloo:
+        link = gloo["all_to_all"]["bytes_per_s"]
+        values.update({
+            "intra_node_bytes_per_s": link,
+            "all_to_all_efficiency": 1.0,
+            "all_gather_efficiency": gloo["all_gather"]["bytes_per_s"] / link,
+            "reduce_scatter_efficiency": gloo["reduce_scatter"]["bytes_per_s"] / link,
+            "all_reduce_efficiency": gloo["all_reduce"]["bytes_per_s"] / link,
+            "collective_latency_s": statistics.median(gloo[k]["latency_s"] for k in
+                                                      ("all_to_all", "all_gather", "reduce_scatter", "all_reduce")),
+        })
+    return values
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Measuring
+# ---------------------------------------------------------------------------------------------------------
+
+
+def calibrate(quiet: bool = True, repeats: int = 3) -> dict:
+    """Measure every world size ``repeats`` times (waiting for an idle machine first) and keep the best of each
+    number: other processes only ever make a measurement slower, so the best is the uncontended rate."""
+    result = {"machine": machine_key(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "worlds": {}}
+    cpus = os.cpu_count() or 1
+    for world in world_sizes():
+        threads = max(1, cpus // world)
+        runs = []
+        for index in range(repeats):
+            busy = wait_for_idle()
+            if not quiet:
+                print(f"calibrating {world} rank(s) x {threads} thread(s), run {index + 1}/{repeats} "
+                      f"(others busy {busy:.0%}) ...", file=sys.stderr, flush=True)
+            runs.append(_run_workers(world, threads))
+        result["worlds"][str(world)] = _best_of(runs)
+    return result
+
+
+_LOWER_IS_BETTER = ("op_overhead_s", "view_overhead_s", "latency_s")
+
+
+def _best_of(runs: list):
+    """Merge measurements: max of rates, min of overheads and latencies, recursively."""
+    first = runs[0]
+    if isinstance(first, dict):
+        out = {}
+        for key in first:
+            values = [r[key] for r in runs if key in r]
+            if key.startswith("points") or key in ("threads", "world_size"):
+                out[key] = values[0]
+            elif key in _LOWER_IS_BETTER:
+                out[key] = min(values)
+            else:
+                out[key] = _best_of(values)
+        return out
+    if isinstance(first, (list, tuple)):
+        return [_best_of([r[i] for r in runs]) for i in range(len(first))]
+    return max(runs)
+
+
+def cpu_busy_fraction(interval: float = 0.5) -> float:
+    """Fraction of this machine's CPU time used (by anyone) over ``interval`` seconds, from /proc/stat."""
+    def read():
+        with open("/proc/stat") as f:
+            parts = [float(x) for x in f.readline().split()[1:]]
+        idle = parts[3] + (parts[4] if len(parts) > 4 else 0.0)
+        return idle, sum(parts)
+
+    try:
+        idle0, total0 = read()
+        time.sleep(interval)
+        idle1, total1 = read()
+    except OSError:
+        return 0.0
+    total = total1 - total0
+    return 1.0 - (idle1 - idle0) / total if total > 0 else 0.0
+
+
+def wait_for_idle(threshold: float = 0.12, timeout_s: float = 60.0) -> float:
+    """Wait (up to ``timeout_s``) until other processes use less than ``threshold`` of the CPUs; returns the last
+    busy fraction seen. Timings on a shared machine are only meaningful when it is quiet."""
+    deadline = time.monotonic() + timeout_s
+    busy = cpu_busy_fraction()
+    while busy > threshold and time.monotonic() < deadline:
+        busy = cpu_busy_fraction()
+    return busy
+
+
+def _run_workers(world: int, threads: int) -> dict:
+    """``world`` concurrent worker processes (gloo group when world > 1); rank 0's measurements."""
+    with tempfile.TemporaryDirectory(prefix="autotune-calibrate-") as tmp:
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
+        repo_root = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = repo_root + os.pathsep + env.get("PYTHONPATH", "")
+        procs = []
+        for rank in range(world):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "autotune.calibrate", "--worker", str(rank), str(world), str(threads), tmp],
+                env=dict(env, RANK=str(rank)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        errors = []
+        for proc in procs:
+            _, err = proc.communicate(timeout=600)
+            if proc.returncode:
+                errors.append(err.decode(errors="replace")[-2000:])
+        if errors:
+            raise RuntimeError("cpu calibration worker failed:\n" + errors[0])
+        return json.loads((Path(tmp) / "rank0.json").read_text())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _best(fn, repeat: int = 5, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _barrier():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def measure_matmul() -> float:
+    import torch
+
+    flops = seconds = 0.0
+    for m, k, n in MATMUL_SHAPES:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        seconds += _best(lambda: torch.mm(a, b))
+        flops += 2.0 * m * k * n
+    return flops / seconds
+
+
+def measure_attention(head_dim: int, seq: int = 2048, heads: int = 8) -> tuple[float, float]:
+    """(forward, backward) computed FLOP/s of the CPU flash-attention kernel, causal, fp32."""
+    import torch
+
+    from autotune.throughput import tiled_pairs
+
+    q, k, v = (torch.randn(1, heads, seq, head_dim) for _ in range(3))
+    fwd_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    bwd_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    out, lse = fwd_op(q, k, v, 0.0, True)
+    grad = torch.randn_like(out)
+    t_fwd = _best(lambda: fwd_op(q, k, v, 0.0, True), repeat=3)
+    t_bwd = _best(lambda: bwd_op(grad, q, k, v, out, lse, 0.0, True), repeat=3)
+    pairs = heads * tiled_pairs(seq, seq, True, CPU_ATTENTION_TILE_Q, CPU_ATTENTION_TILE_KV)
+    return pairs * 4 * head_dim / t_fwd, pairs * 10 * head_dim / t_bwd
+
+
+def measure_elementwise() -> float:
+    """Output bytes per second of a mix of memory-bound ops on 1-8 MiB tensors (what a step's are)."""
+    import torch
+    import torch.nn.functional as F
+
+    total_bytes = seconds = 0.0
+    for numel in (1 << 18, 1 << 20, 1 << 21):
+        x, y = torch.randn(numel), torch.randn(numel)
+        ops = [lambda: x + y, lambda: x * y, lambda: F.silu(x), lambda: x.clone(), lambda: x.mul_(1.0),
+               lambda: torch.rsqrt(y), lambda: x.pow(2), lambda: x.float()]
+        for op in ops:
+            seconds += _best(op, repeat=5)
+            total_bytes += numel * 4
+    return total_bytes / seconds
+
+
+def measure_memcpy() -> float:
+    import torch
+
+    x = torch.randn(16 << 20)  # 64 MiB
+    return x.numel() * 4 / _best(lambda: x.clone(), repeat=5)
+
+
+def measure_dispatch_overhead() -> tuple[float, float]:
+    """(per op, per view) host seconds under the trials' memory tracker, net of the op itself."""
+    import torch
+
+    from trials.memory import DeviceMemoryTracker
+
+    x, y = torch.randn(16), torch.randn(16)
+    n = 3000
+
+    def ops():
+        for _ in range(n):
+            x + y
+
+    def views():
+        for _ in range(n):
+            x.view(-1)
+
+    tracker = DeviceMemoryTracker(None)
+    with tracker:
+        op, view = _best(ops, 3) / n, _best(views, 3) / n
+    return op, view
+
+
+def measure_optimizer(op_overhead_s: float, view_overhead_s: float) -> float:
+    """AdamW(foreach=False) output bytes per second on the host, per-op overhead (as counted) taken out."""
+    import torch
+
+    from autotune.throughput import StepCounter
+    from trials.memory import DeviceMemoryTracker
+
+    params = [torch.nn.Parameter(torch.randn(n)) for n in [1 << 16] * 24 + [1 << 17] * 4]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-5, foreach=False)
+    tracker = DeviceMemoryTracker(None)
+    with tracker:
+        optimizer.step()
+        counter = StepCounter(tracker)
+        with counter, tracker.in_phase("optimizer"):
+            optimizer.step()
+        seconds = _best(lambda: optimizer.step(), repeat=3)
+    pc = counter.counts.phases["optimizer"]
+    net = seconds - pc.ops * op_overhead_s - pc.views * view_overhead_s
+    return pc.elementwise_bytes / max(net, seconds * 0.05)
+
+
+def measure_gloo() -> dict:
+    """Per collective kind, ``latency + wire_bytes / bandwidth``: latency from the smallest message, bandwidth
+    from the large ones (wire bytes as ``StepCounter`` counts them)."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    factor = (world - 1) / world
+    sizes = [1 << 10, 1 << 18, 1 << 20, 1 << 21]  # fp32 elements per rank: 4 KiB .. 8 MiB
+
+    def run(kind, numel):
+        x = torch.randn(numel)
+        if kind == "all_to_all":
+            out = torch.empty_like(x)
+            return (lambda: dist.all_to_all_single(out, x)), numel * 4 * factor
+        if kind == "all_gather":
+            out = torch.empty(numel * world)
+            return (lambda: dist.all_gather_into_tensor(out, x)), numel * world * 4 * factor
+        if kind == "reduce_scatter":
+            big = torch.randn(numel * world)
+            return (lambda: dist.reduce_scatter_tensor(x, big)), numel * world * 4 * factor
+        return (lambda: dist.all_reduce(x)), numel * 4 * 2 * factor
+
+    result = {}
+    for kind in ("all_to_all", "all_gather", "reduce_scatter", "all_reduce"):
+        points = []
+        for numel in sizes:
+            fn, wire = run(kind, numel)
+            _barrier()
+            points.append((wire, _best(fn, repeat=5)))
+        latency = max(points[0][1] - points[0][0] / 1e9, 1e-6)
+        big = [(w, t) for w, t in points if w >= (1 << 20)]
+        bandwidth = sum(w for w, _ in big) / max(sum(t - latency for _, t in big), 1e-9)
+        result[kind] = {"latency_s": latency, "bytes_per_s": bandwidth, "points": points}
+    return result
+
+
+def _worker(rank: int, world: int, threads: int, out_dir: str) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    result = {"threads": threads, "world_size": world}
+    _barrier()
+    result["matmul_flops"] = measure_matmul()
+    _barrier()
+    result["attention_flops"] = {str(d): measure_attention(d) for d in HEAD_DIMS}
+    _barrier()
+    result["elementwise_bytes_per_s"] = measure_elementwise()
+    result["memcpy_bytes_per_s"] = measure_memcpy()
+    _barrier()
+    op, view = measure_dispatch_overhead()
+    result["op_overhead_s"], result["view_overhead_s"] = op, view
+    result["optimizer_bytes_per_s"] = measure_optimizer(op, view)
+    if world > 1:
+        result["gloo"] = measure_gloo()
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--worker":
+        _worker(int(argv[1]), int(argv[2]), int(argv[3]), argv[4])
+        return 0
+    data = load_or_calibrate(force="--force" in argv, quiet=False)
+    print(json.dumps(data, indent=2))
+    print(f"cached at {cache_path()}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
