@@ -84,6 +84,7 @@ class Trace:
     segments: dict[tuple, Segment] = field(default_factory=dict)
     elapsed_s: float = 0.0
     extras: list = field(default_factory=list)  # what ``modes`` returned, per traced depth (see ``trace``)
+    runs: list = field(default_factory=list)    # the traced decoder layers as runs (``layer_runs``)
 
 
 @dataclass
@@ -96,9 +97,9 @@ class Prediction:
     host_bytes: int
     overhead_bytes: int
     peak_segment: tuple | None
-    traces: list[Trace]
+    traces: list[Trace]                  # [base] or [base, one per extended run]
     elapsed_s: float
-
+    extension: list[int] = field(default_factory=list)  # per extended run: layers beyond the base trace
 
 # ---------------------------------------------------------------------------------------------------------
 # The fake world: process group, dispatch stubs, GPU kernels
@@ -106,11 +107,13 @@ class Prediction:
 
 
 @contextlib.contextmanager
-def fake_process_group(world_size: int):
-    """A fake default process group of ``world_size`` ranks (this process is rank 0); destroyed on exit."""
+def fake_process_group(world_size: int, needed: bool | None = None):
+    """A fake default process group of ``world_size`` ranks (this process is rank 0); destroyed on exit.
+
+    ``needed``: default ``world_size > 1``; one rank needs one too when FSDP runs there."""
     import torch.distributed as dist
 
-    if world_size <= 1:
+    if not (world_size > 1 if needed is None else needed):
         yield
         return
     if dist.is_initialized():
@@ -197,21 +200,67 @@ def _fake_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fal
     return _FakeFlashAttn.apply(q, k, v)
 
 
+def _fake_wrapped_flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left=-1,
+                                     window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False):
+    """flash-attn >= 2.7 ``_wrapped_flash_attn_forward``: (out, softmax_lse fp32 [b, h, s], S_dmask, rng_state)."""
+    b, s, h, d = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
+    rng_state = torch.empty((2,), dtype=torch.int64, device=q.device)
+    return out, lse, None, rng_state
+
+
+def _fake_wrapped_flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                                      window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                                      deterministic=False, rng_state=None):
+    """flash-attn's ``mha_bwd`` into dq/dk/dv, with its scratch (see ``_FakeFlashAttn``); returns softmax_d."""
+    b, s, h, d = q.shape
+    softmax_d = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
+    scratch = [torch.empty((b, s, h, d), dtype=torch.float32, device=q.device)]
+    if k.shape[2] != h:
+        groups = h // k.shape[2]
+        scratch += [torch.empty((b, k.shape[1], h, d), dtype=k.dtype, device=k.device),
+                    torch.empty((b, v.shape[1], h, d), dtype=v.dtype, device=v.device)]
+        torch.sum(scratch[1].unflatten(2, (k.shape[2], groups)), 3, out=dk)
+        torch.sum(scratch[2].unflatten(2, (v.shape[2], groups)), 3, out=dv)
+    else:
+        dq.zero_()
+    del scratch
+    return softmax_d
+
+
 @contextlib.contextmanager
 def _fake_flash_kernel(enabled: bool):
-    """Make ``trials.attention`` use the fake flash-attn op on the (fake) cpu device."""
+    """Make ``trials.attention`` (and ``flash_attn`` imports inside trial code) use fake flash-attn ops with
+    flash-attn 2's memory footprint, on the (fake) cpu device."""
     if not enabled:
         yield
         return
+    import sys
+    import types
+
     from trials import attention
 
+    package = types.ModuleType("flash_attn")
+    interface = types.ModuleType("flash_attn.flash_attn_interface")
+    package.flash_attn_func = interface.flash_attn_func = _fake_flash_attn_func
+    interface._wrapped_flash_attn_forward = _fake_wrapped_flash_attn_forward
+    interface._wrapped_flash_attn_backward = _fake_wrapped_flash_attn_backward
+    package.flash_attn_interface = interface
+    saved_modules = {name: sys.modules.get(name) for name in ("flash_attn", "flash_attn.flash_attn_interface")}
     saved = attention.flash_attn_func, attention.flash_available
+    sys.modules["flash_attn"], sys.modules["flash_attn.flash_attn_interface"] = package, interface
     attention.flash_attn_func = _fake_flash_attn_func
     attention.flash_available = lambda device: True
     try:
         yield
     finally:
         attention.flash_attn_func, attention.flash_available = saved
+        for name, module in saved_modules.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -254,16 +303,23 @@ def _segment_tracker_class():
     return SegmentTracker
 
 
-def _position(index: int, layers: int) -> str:
-    if index == 0:
-        return "first"
-    return "last" if index == layers - 1 else "middle"
+def _positions(runs: list[tuple[str, int]]) -> list[tuple[str, str]]:
+    """Each layer's segment label: (run kind, first | middle | last | only) -- its place inside its run."""
+    labels = []
+    for kind, count in runs:
+        for j in range(count):
+            pos = "only" if count == 1 else "first" if j == 0 else "last" if j == count - 1 else "middle"
+            labels.append((kind, pos))
+    return labels
 
 
-def _install_segment_hooks(model, tracker) -> list:
+def _install_segment_hooks(model, tracker, runs) -> list:
     """Forward pre-hooks and gradient hooks that move ``tracker.segment`` along the decoder layers."""
     layers = list(model.layers)
     count = len(layers)
+    labels = _positions(runs)
+    if len(labels) != count:
+        raise ValueError(f"runs {runs} do not cover the model's {count} layers")
     handles = []
 
     def set_segment(key):
@@ -282,7 +338,7 @@ def _install_segment_hooks(model, tracker) -> list:
         def pre(module, args, kwargs, index=index):
             if tracker.phase != "forward":
                 return
-            tracker.segment = ("forward", _position(index, count))
+            tracker.segment = ("forward", labels[index])
             if index == 0:
                 hidden = first_tensor(args[0] if args else kwargs.get("hidden_states"))
                 if hidden is not None and hidden.requires_grad:
@@ -295,7 +351,7 @@ def _install_segment_hooks(model, tracker) -> list:
                 tracker.segment = ("forward", "post")
             hidden = first_tensor(output)
             if hidden is not None and hidden.requires_grad:
-                hidden.register_hook(set_segment(("backward", _position(index, count))))
+                hidden.register_hook(set_segment(("backward", labels[index])))
 
         handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(layer.register_forward_hook(post, with_kwargs=True))
@@ -313,22 +369,36 @@ def compute_dtype_for(hardware) -> torch.dtype:
     return torch.float32 if name == "cpu" else torch.bfloat16
 
 
-def scaled_techniques(techniques, layers: int, num_layers: int):
-    """``techniques`` for a ``layers``-deep copy of a ``num_layers``-deep model."""
+def layer_runs(techniques, num_layers: int) -> list[tuple[str, int]]:
+    """The model's decoder layers as runs of identical layers: ``[(kind, count), ...]`` in model order.
+
+    All layers are alike except with a partial activation offload (the first N layers' inputs live on the
+    host, ``trials.checkpointing``): then an ``offload`` run and a ``device`` run.
+    """
     offload = techniques.activation_offload_layers
-    if offload in (0, num_layers):
-        return replace(techniques, activation_offload_layers=offload and layers)
-    raise NotImplementedError("partial activation offload needs the layer-kind extrapolation")
+    if 0 < offload < num_layers:
+        return [("offload", offload), ("device", num_layers - offload)]
+    return [("layers", num_layers)]
+
+
+def _techniques_for_runs(techniques, runs: list[tuple[str, int]]):
+    """``techniques`` for a model whose decoder layers are ``runs`` (a shallower copy of the real one)."""
+    if techniques.activation_offload_layers:
+        offloaded = sum(n for kind, n in runs if kind in ("offload", "layers"))
+        return replace(techniques, activation_offload_layers=offloaded)
+    return techniques
 
 
 def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
           compute_dtype: torch.dtype = torch.float32, gpu_kernels: bool = False, layers: int | None = None,
-          modes: Callable[[Any], Iterable] | None = None, prime_optimizer: bool = True, steps: int = 1,
-          seed: int = 0) -> Trace:
+          runs: list[tuple[str, int]] | None = None, modes: Callable[[Any], Iterable] | None = None,
+          prime_optimizer: bool = True, steps: int = 1, seed: int = 0) -> Trace:
     """Run ``steps`` training steps of the trial under FakeTensorMode on rank 0 of a fake world and return
     the tracked peak.
 
-    ``layers``: trace a copy of the model with this many decoder layers (default: the model's own).
+    ``layers``: trace a copy of the model with this many decoder layers (default: the model's own), all alike
+    (``activation_offload_layers`` must be 0 or all); ``runs``: the layers as runs of identical layers
+    (``layer_runs``) for a copy of the model, e.g. ``[("offload", 3), ("device", 4)]``.
     ``modes(tracker)``: extra ``TorchDispatchMode``s (e.g. ``autotune.throughput.StepCounter``) entered
     inside the tracker around the traced steps only (not the priming); they are returned in ``extras``.
     ``prime_optimizer``: create the AdamW states before the traced step (see module doc); with False, trace
@@ -337,26 +407,36 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from trials.data import make_batch
-    from trials.dist import Mesh, build_mesh
+    from trials.dist import Mesh, build_mesh, ensure_device_mesh
     from trials.step import build_training, train_step
 
     started = time.perf_counter()
     num_layers = model_config["num_hidden_layers"]
-    layers = layers or num_layers
+    if runs is None:
+        if layers is None or layers == num_layers:
+            runs = layer_runs(techniques, num_layers)
+        elif techniques.activation_offload_layers not in (0, num_layers):
+            raise ValueError("a partial activation offload needs ``runs`` to trace a shallower copy")
+        else:
+            runs = [("layers", layers)]
+    layers = sum(n for _, n in runs)
     config = dict(model_config, num_hidden_layers=layers)
-    techniques = scaled_techniques(techniques, layers, num_layers)
+    techniques = _techniques_for_runs(techniques, runs)
     device = torch.device("cpu")
     tracker = _segment_tracker_class()()
     extras: list = []
-    with fake_process_group(world_size), _fake_flash_kernel(gpu_kernels and techniques.attention == "flash"):
+    with fake_process_group(world_size, world_size > 1 or techniques.fsdp), \
+            _fake_flash_kernel(gpu_kernels and techniques.attention == "flash"):
         # groups and the device mesh hold small real tensors: build them before faking
         mesh = build_mesh(techniques.ulysses_degree, device) if world_size > 1 else Mesh.single(device)
         if world_size > 1 and not mesh.distributed:
             raise RuntimeError("fake process group did not take")
+        if techniques.fsdp and mesh.device_mesh is None:
+            ensure_device_mesh(mesh)  # one rank with FSDP: a 1-rank (fake) group, as trials.stack.apply makes
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         with fake_mode, tracker, _make_oracle_mode(gpu_kernels):
             model, optimizer = build_training(config, techniques, mesh, seed, tracker, compute_dtype=compute_dtype)
-            _install_segment_hooks(model, tracker)
+            _install_segment_hooks(model, tracker, runs)
             tokens = torch.zeros(seq_len + 1, dtype=torch.long)
             batch = make_batch(tokens, mesh.sp_rank, mesh.sp_degree, device)
             if prime_optimizer:
@@ -379,7 +459,7 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
         segments[peak_key] = setup
     return Trace(layers=layers, peak_device_bytes=int(peak.device_bytes), breakdown=_full(peak.breakdown),
                  peak_host_bytes=int(tracker.peak_host_bytes), peak_segment=peak_key, segments=segments,
-                 elapsed_s=time.perf_counter() - started, extras=[extras])
+                 elapsed_s=time.perf_counter() - started, extras=[extras], runs=list(runs))
 
 
 def _prime_optimizer(model, optimizer, tracker) -> None:
@@ -402,52 +482,73 @@ def _full(breakdown: dict) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def extrapolate(short: Trace, long: Trace, layers: int) -> Trace:
-    """Extend two traces of depths ``d`` and ``d + 1`` (both >= 3) to ``layers`` (see module doc)."""
-    if long.layers != short.layers + 1 or short.layers < 3:
-        raise ValueError("extrapolate needs traces of depths d >= 3 and d + 1")
-    steps = layers - short.layers
+def plan_traces(runs: list[tuple[str, int]]) -> tuple[list[tuple[str, int]], list[tuple[int, list]]]:
+    """Which shallow copies to trace for a model of ``runs``: a base (each run of 3+ layers cut to 3, shorter
+    runs as they are) and, per cut run, the base with that run at 4 layers. Returns (base, [(run index,
+    runs), ...]); no cut runs (all shorter than 3) means: trace the model itself."""
+    short, long = EXTRAPOLATE_FROM
+    base = [(kind, min(n, short)) for kind, n in runs]
+    varied = []
+    for index, (kind, n) in enumerate(runs):
+        if n > short:
+            longer = list(base)
+            longer[index] = (kind, long)
+            varied.append((index, longer))
+    return base, varied
+
+
+def extrapolate(base: Trace, varied: list[tuple[int, Trace]], runs: list[tuple[str, int]]) -> Trace:
+    """Extend the traces of ``plan_traces`` to the model of ``runs``: each segment's peak (and each category
+    in it, and the host bytes then) is ``base + sum over cut runs of (trace_run - base) * (length - 3)``."""
+    short = EXTRAPOLATE_FROM[0]
+    steps = [(trace, runs[index][1] - short) for index, trace in varied]
     segments: dict[tuple, Segment] = {}
-    for key in set(short.segments) | set(long.segments):
-        a, b = short.segments.get(key), long.segments.get(key)
-        if a is None or b is None:  # a segment only one depth has: keep the one we saw (no slope known)
-            seg = a or b
-            segments[key] = Segment(seg.device_bytes, dict(seg.breakdown), seg.host_bytes)
-            continue
-        breakdown = {c: a.breakdown.get(c, 0) + (b.breakdown.get(c, 0) - a.breakdown.get(c, 0)) * steps
-                     for c in BREAKDOWN_CATEGORIES}
-        device = a.device_bytes + (b.device_bytes - a.device_bytes) * steps
-        host = a.host_bytes + (b.host_bytes - a.host_bytes) * steps
+    for key, a in base.segments.items():
+        device, host = a.device_bytes, a.host_bytes
+        breakdown = {c: a.breakdown.get(c, 0) for c in BREAKDOWN_CATEGORIES}
+        for trace, n in steps:
+            b = trace.segments.get(key)
+            if b is None:
+                raise RuntimeError(f"segment {key} is missing from the {trace.layers}-layer trace")
+            device += (b.device_bytes - a.device_bytes) * n
+            host += (b.host_bytes - a.host_bytes) * n
+            for c in BREAKDOWN_CATEGORIES:
+                breakdown[c] += (b.breakdown.get(c, 0) - a.breakdown.get(c, 0)) * n
         segments[key] = Segment(int(device), {c: int(v) for c, v in breakdown.items()}, int(host))
     peak_key = max(segments, key=lambda k: segments[k].device_bytes)
     peak = segments[peak_key]
-    host = short.peak_host_bytes + (long.peak_host_bytes - short.peak_host_bytes) * steps
-    return Trace(layers=layers, peak_device_bytes=peak.device_bytes, breakdown=_full(peak.breakdown),
-                 peak_host_bytes=int(host), peak_segment=peak_key, segments=segments,
-                 elapsed_s=short.elapsed_s + long.elapsed_s, extras=short.extras + long.extras)
+    host = base.peak_host_bytes + sum((t.peak_host_bytes - base.peak_host_bytes) * n for t, n in steps)
+    host = max(host, max(s.host_bytes for s in segments.values()))
+    traces = [base] + [t for _, t in varied]
+    return Trace(layers=sum(n for _, n in runs), peak_device_bytes=peak.device_bytes,
+                 breakdown=_full(peak.breakdown), peak_host_bytes=int(host), peak_segment=peak_key,
+                 segments=segments, elapsed_s=sum(t.elapsed_s for t in traces),
+                 extras=[e for t in traces for e in t.extras], runs=list(runs))
 
 
-def extrapolate_value(short, long, steps: int):
-    """Linear extension of any numeric structure (numbers, dicts, lists, dataclasses) traced at depths
-    ``d`` and ``d + 1`` to depth ``d + steps`` -- e.g. a throughput counter's counts."""
+def extend_value(base, others: list[tuple[Any, int]]):
+    """Linear extension of any numeric structure (numbers, dicts, lists, dataclasses) the way ``extrapolate``
+    extends segment peaks: ``base + sum of (other - base) * n`` over ``others = [(other, n), ...]`` -- e.g. a
+    throughput counter's counts of the traces in ``Prediction.traces`` with ``Prediction.extension``."""
     import dataclasses
 
-    if isinstance(short, bool) or short is None:
-        return long
-    if isinstance(short, (int, float)):
-        value = short + (long - short) * steps
-        return type(short)(value) if isinstance(short, int) and isinstance(long, int) else value
-    if isinstance(short, dict):
-        keys = list(short) + [k for k in long if k not in short]
-        return {k: extrapolate_value(short.get(k, _zero_like(long.get(k))), long.get(k, _zero_like(short.get(k))),
-                                     steps) for k in keys}
-    if isinstance(short, (list, tuple)) and len(short) == len(long):
-        return type(short)(extrapolate_value(a, b, steps) for a, b in zip(short, long))
-    if dataclasses.is_dataclass(short) and not isinstance(short, type):
-        values = {f.name: extrapolate_value(getattr(short, f.name), getattr(long, f.name), steps)
-                  for f in dataclasses.fields(short)}
-        return type(short)(**values)
-    return long
+    if isinstance(base, bool) or base is None:
+        return base if not others else others[-1][0]
+    if isinstance(base, (int, float)):
+        value = base + sum((other - base) * n for other, n in others)
+        return int(value) if isinstance(base, int) and all(isinstance(o, int) for o, _ in others) else value
+    if isinstance(base, dict):
+        keys = list(base) + [k for other, _ in others for k in other if k not in base]
+        keys = list(dict.fromkeys(keys))
+        return {k: extend_value(base[k] if k in base else _zero_like(next(o[k] for o, _ in others if k in o)),
+                                [(o[k] if k in o else _zero_like(base[k]), n) for o, n in others]) for k in keys}
+    if isinstance(base, (list, tuple)) and all(isinstance(o, (list, tuple)) and len(o) == len(base)
+                                               for o, _ in others):
+        return type(base)(extend_value(v, [(o[i], n) for o, n in others]) for i, v in enumerate(base))
+    if dataclasses.is_dataclass(base) and not isinstance(base, type):
+        return type(base)(**{f.name: extend_value(getattr(base, f.name), [(getattr(o, f.name), n) for o, n in others])
+                             for f in dataclasses.fields(base) if f.init})
+    return base if not others else others[-1][0]
 
 
 def _zero_like(value):
@@ -488,18 +589,22 @@ def predict(evaluation, modes: Callable[[Any], Iterable] | None = None, full_dep
                   gpu_kernels=hardware.name != "cpu" if gpu_kernels is None else gpu_kernels, modes=modes)
     layers = evaluation.model_config["num_hidden_layers"]
     args = (evaluation.model_config, evaluation.techniques, evaluation.seq_len, evaluation.gpus)
-    short_depth, long_depth = EXTRAPOLATE_FROM
-    if full_depth or layers <= long_depth:
-        result = trace(*args, **kwargs)
+    runs = layer_runs(evaluation.techniques, layers)
+    base, varied = plan_traces(runs)
+    extension: list[int] = []
+    if full_depth or not varied or layers <= EXTRAPOLATE_FROM[1]:
+        result = trace(*args, runs=runs, **kwargs)
         traces = [result]
     else:
-        short = trace(*args, layers=short_depth, **kwargs)
-        long = trace(*args, layers=long_depth, **kwargs)
-        result = extrapolate(short, long, layers)
-        traces = [short, long]
+        base_trace = trace(*args, runs=base, **kwargs)
+        varied_traces = [(index, trace(*args, runs=longer, **kwargs)) for index, longer in varied]
+        result = extrapolate(base_trace, varied_traces, runs)
+        traces = [base_trace] + [t for _, t in varied_traces]
+        extension = [runs[index][1] - EXTRAPOLATE_FROM[0] for index, _ in varied]
     extra = overheads(hardware, result.peak_device_bytes)
     breakdown = dict(result.breakdown)
     breakdown["other"] = breakdown.get("other", 0) + extra
     return Prediction(tensor_peak_bytes=result.peak_device_bytes, peak_device_bytes=result.peak_device_bytes + extra,
                       breakdown=breakdown, host_bytes=result.peak_host_bytes, overhead_bytes=extra,
-                      peak_segment=result.peak_segment, traces=traces, elapsed_s=time.perf_counter() - started)
+                      peak_segment=result.peak_segment, traces=traces, elapsed_s=time.perf_counter() - started,
+                      extension=extension)

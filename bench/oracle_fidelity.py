@@ -44,7 +44,9 @@ class Config:
         if t.get("fsdp"):
             parts.append("fsdp" + ("+optoff" if t.get("optimizer_offload") else ""))
         if t.get("ulysses_degree", 1) > 1:
-            parts.append(f"sp{t['ulysses_degree']}" + (f"/hc{t['head_chunk']}" if t.get("head_chunk") else ""))
+            parts.append(f"sp{t['ulysses_degree']}")
+        if t.get("head_chunk"):
+            parts.append(f"hc{t['head_chunk']}")
         if t.get("activation_checkpointing"):
             parts.append("ac" + (f"+off{t['activation_offload_layers']}" if t.get("activation_offload_layers") else ""))
         if t.get("mlp_tile_tokens"):
@@ -110,6 +112,26 @@ CONFIGS = [
     _c("tiny-qwen3", 4, 4 * K, layers=6, dtype="bf16", fsdp=True, ulysses_degree=4, activation_checkpointing=True),
     _c("tiny-llama", 4, 2 * K, fsdp=True, ulysses_degree=2),
     _c("tiny-llama", 4, 8 * K, dtype="bf16", fsdp=True, ulysses_degree=4),
+    # the rest of the stack: head chunking, tiling, activation offload (all / partial), optimizer offload
+    _c("tiny-llama", 1, 4 * K, head_chunk=2),
+    _c("tiny-llama", 1, 4 * K, activation_checkpointing=True, mlp_tile_tokens=512),
+    _c("tiny-qwen3", 1, 4 * K, loss_tile_tokens=1024),
+    _c("tiny-llama", 1, 4 * K, activation_checkpointing=True, activation_offload_layers=4),
+    _c("tiny-llama", 1, 4 * K, layers=6, activation_checkpointing=True, activation_offload_layers=2),
+    _c("tiny-llama", 1, 2 * K, fsdp=True, optimizer_offload=True),
+    _c("tiny-llama", 2, 8 * K, fsdp=True, ulysses_degree=2, head_chunk=1, activation_checkpointing=True),
+    _c("tiny-llama", 2, 8 * K, fsdp=True, ulysses_degree=2, activation_checkpointing=True, mlp_tile_tokens=1024,
+       loss_tile_tokens=1024),
+    _c("tiny-qwen3", 2, 4 * K, fsdp=True, optimizer_offload=True, activation_checkpointing=True,
+       activation_offload_layers=2),
+    _c("tiny-llama", 2, 8 * K, layers=6, dtype="bf16", fsdp=True, optimizer_offload=True, ulysses_degree=2, head_chunk=2,
+       activation_checkpointing=True, activation_offload_layers=6, mlp_tile_tokens=1024, loss_tile_tokens=1024),
+    _c("tiny-llama", 4, 8 * K, fsdp=True, optimizer_offload=True, ulysses_degree=4, head_chunk=1,
+       activation_checkpointing=True, activation_offload_layers=4, mlp_tile_tokens=512, loss_tile_tokens=512),
+    _c("tiny-qwen3", 4, 8 * K, fsdp=True, ulysses_degree=4, head_chunk=2, activation_checkpointing=True,
+       mlp_tile_tokens=1024, loss_tile_tokens=2048),
+    _c("tiny-llama", 4, 8 * K, layers=8, fsdp=True, ulysses_degree=2, head_chunk=2, activation_checkpointing=True,
+       activation_offload_layers=4, loss_tile_tokens=1024),
 ]
 
 

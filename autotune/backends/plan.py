@@ -1,0 +1,125 @@
+"""The ``plan`` backend: predicted records, no GPU needed.
+
+Memory: ``autotune.oracle.predict`` -- the trial's own code under FakeTensorMode with a fake process group of
+``gpus`` ranks, rank 0's tracked tensor peak plus the hardware preset's runtime overheads (CUDA context, NCCL
+buffers, allocator fragmentation), compared with ``hardware.device_memory_bytes``: ``ok`` or ``oom``.
+
+Time: when ``autotune.throughput`` is importable, its ``StepCounter`` watches the same fake step (inside the
+oracle's tracker) and ``predict_step_time`` turns the counts into ``step_time_s`` / ``tokens_per_s``; counts of
+the 3- and 4-layer traces are extended to full depth like the memory. Without it both stay None.
+
+Records are cached per (model, techniques, seq_len, gpus, hardware), so the search and ``--max-seq`` never
+trace the same point twice in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from collections import OrderedDict
+
+from autotune.backends import Backend, Evaluation
+from autotune.record import ResultRecord
+
+
+def _key(evaluation: Evaluation) -> str:
+    hw = evaluation.hardware
+    return json.dumps([evaluation.model_config, evaluation.techniques.to_dict(), evaluation.seq_len,
+                       evaluation.gpus, hw.name, hw.device_memory_bytes], sort_keys=True, default=str)
+
+
+def _throughput_module():
+    try:
+        from autotune import throughput
+    except Exception:  # not there yet, or broken: memory-only predictions
+        return None
+    if not (hasattr(throughput, "StepCounter") and hasattr(throughput, "predict_step_time")):
+        return None
+    return throughput
+
+
+class PlanBackend(Backend):
+    """Predictions from the memory oracle (+ the throughput model when present)."""
+
+    name = "plan"
+
+    def __init__(self, throughput: bool = True, cache_size: int = 4096):
+        self.throughput = throughput
+        self.cache_size = cache_size
+        self._cache: OrderedDict[str, ResultRecord] = OrderedDict()
+        self.last_prediction = None  # the oracle's full Prediction of the latest uncached evaluation
+
+    def evaluate(self, evaluation: Evaluation) -> ResultRecord:
+        key = _key(evaluation)
+        cached = self._cache.get(key)
+        if cached is not None:
+            self._cache.move_to_end(key)
+            return ResultRecord.from_dict(cached.to_dict())
+        record = self._evaluate(evaluation)
+        self._cache[key] = record
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+        return ResultRecord.from_dict(record.to_dict())
+
+    def _evaluate(self, evaluation: Evaluation) -> ResultRecord:
+        from autotune.errors import UserError
+        from autotune.oracle import predict
+
+        hw = evaluation.hardware
+        base = dict(source="predicted", seq_len=evaluation.seq_len, device=f"{hw.name} x{evaluation.gpus} (predicted)")
+        try:
+            evaluation.techniques.validate(evaluation.model_config, evaluation.gpus, evaluation.seq_len)
+        except UserError as exc:
+            return ResultRecord(status="error", error=str(exc), **base)
+        throughput = _throughput_module() if self.throughput else None
+        modes = None
+        if throughput is not None:
+            def modes(tracker):
+                return [throughput.StepCounter(tracker, seq_len=evaluation.seq_len, world_size=evaluation.gpus)]
+        try:
+            prediction = predict(evaluation, modes=modes)
+        except Exception as exc:  # a config the trial code cannot run is an error record, not a crash
+            return ResultRecord(status="error", error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}",
+                                **base)
+        self.last_prediction = prediction
+        capacity = hw.device_memory_bytes
+        fits = prediction.peak_device_bytes <= capacity
+        record = ResultRecord(
+            status="ok" if fits else "oom", peak_device_bytes=int(prediction.peak_device_bytes),
+            host_bytes=int(prediction.host_bytes), breakdown=dict(prediction.breakdown),
+            error=None if fits else (
+                f"predicted peak {prediction.peak_device_bytes:,} bytes > capacity {capacity:,} bytes "
+                f"(at {'/'.join(str(p) for p in prediction.peak_segment or ())})"),
+            **base)
+        if throughput is not None:
+            try:
+                timing = _step_time(throughput, evaluation, prediction)
+            except Exception:
+                timing = None
+            if timing is not None:
+                record.step_time_s = float(timing.step_time_s)
+                record.tokens_per_s = float(timing.tokens_per_s) if timing.tokens_per_s else None
+        return record
+
+
+def step_counts(prediction):
+    """The throughput counter's counts at full depth, extended from the traced copies like the memory."""
+    from autotune.oracle import extend_value
+
+    counts = []
+    for trace in prediction.traces:
+        modes = trace.extras[0] if trace.extras else []
+        if not modes:
+            return None
+        counts.append(modes[0].counts)
+    if len(counts) == 1:
+        return counts[0]
+    return extend_value(counts[0], list(zip(counts[1:], prediction.extension)))
+
+
+def _step_time(throughput, evaluation: Evaluation, prediction):
+    counts = step_counts(prediction)
+    if counts is None:
+        return None
+    return throughput.predict_step_time(counts, evaluation.hardware, evaluation.gpus, evaluation.techniques,
+                                        seq_len=evaluation.seq_len)
