@@ -467,8 +467,9 @@ class StepCounter(TorchDispatchMode):
             params = first if isinstance(first, (list, tuple)) else [first]
             for p in params:
                 if isinstance(p, torch.Tensor):
-                    self.counts.optimizer_params += p.numel()
-                    self.counts.optimizer_param_bytes += _nbytes(p)
+                    local = getattr(p, "_local_tensor", p)  # DTensor: this rank's shard
+                    self.counts.optimizer_params += local.numel()
+                    self.counts.optimizer_param_bytes += _nbytes(local)
         pc.elementwise_bytes += out_bytes
 
     # -- pieces --------------------------------------------------------------------------------------------

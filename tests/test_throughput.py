@@ -1,0 +1,283 @@
+"""The throughput model: what ``StepCounter`` counts, and how ``predict_step_time`` behaves.
+
+Counts are checked exactly against analytic formulas on the tiny models (real tensors in one process, and
+the memory oracle's fake trace on a fake 2-rank world); the time model is checked for monotonicity and for
+its bookkeeping, on presets and on a synthetic cpu calibration (no microbenchmark runs here).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from autotune import calibrate
+from autotune.config import Techniques
+from autotune.presets import load_hardware, load_model_config
+from autotune.throughput import (PhaseCounts, StepCounter, StepCounts, attention_flops, causal_pairs,
+                                 count_real_step, load_rates, predict_step_time, record_attention, tiled_pairs)
+
+
+def matmul_params(cfg: dict) -> int:
+    """Weights that multiply every token: q/k/v/o and the MLP per layer, plus the lm_head."""
+    h, d = cfg["hidden_size"], cfg["head_dim"]
+    per_layer = h * d * (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) \
+        + cfg["num_attention_heads"] * d * h + 3 * h * cfg["intermediate_size"]
+    return cfg["num_hidden_layers"] * per_layer + h * cfg["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return load_model_config("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def baseline_counts(llama):
+    return count_real_step(llama, Techniques(), 128)
+
+
+@pytest.fixture
+def fake_calibration(tmp_path, monkeypatch):
+    """A cpu calibration file with round numbers, so nothing is measured during tests."""
+    monkeypatch.setenv("AUTOTUNE_CACHE_DIR", str(tmp_path))
+    world = {"matmul_flops": 1e11, "attention_flops": {"16": [4e10, 4e10], "128": [8e10, 8e10]},
+             "elementwise_bytes_per_s": 1e10, "memcpy_bytes_per_s": 5e9, "op_overhead_s": 2e-5,
+             "view_overhead_s": 1e-5, "optimizer_bytes_per_s": 1e10}
+    gloo = {k: {"latency_s": 1e-4, "bytes_per_s": 1e9} for k in ("all_to_all", "all_gather", "reduce_scatter",
+                                                                 "all_reduce")}
+    data = {"machine": calibrate.machine_key(), "worlds": {"1": dict(world), "2": dict(world, gloo=gloo)}}
+    calibrate.cache_path().write_text(json.dumps(data))
+    return data
+
+
+# -- counting ------------------------------------------------------------------------------------------------
+
+
+def test_matmul_flops_are_exactly_6n_per_token(llama, baseline_counts):
+    seq = 128
+    n = matmul_params(llama)
+    forward = baseline_counts.phases["forward"].matmul_flops
+    backward = baseline_counts.phases["backward"].matmul_flops
+    assert forward == 2 * n * seq
+    assert backward == 4 * n * seq
+    assert baseline_counts.phases["recompute"].matmul_flops == 0
+    assert baseline_counts.optimizer_params == sum(p.numel() for p in _params(llama))
+
+
+def _params(cfg):
+    from trials.model import build_model
+
+    return list(build_model(cfg).parameters())
+
+
+def test_checkpointing_recompute_is_counted_separately(llama, baseline_counts):
+    counts = count_real_step(llama, Techniques(activation_checkpointing=True), 128)
+    for phase in ("forward", "backward"):
+        assert counts.phases[phase].matmul_flops == baseline_counts.phases[phase].matmul_flops
+    # non-reentrant checkpoint recomputes each layer's forward up to the last tensor backward needs: every
+    # projection except down_proj (its output is not saved), i.e. 2 * (layer matmul params - down) per token
+    h, i = llama["hidden_size"], llama["intermediate_size"]
+    layer = (matmul_params(llama) - h * llama["vocab_size"]) // llama["num_hidden_layers"]
+    assert counts.phases["recompute"].matmul_flops == 2 * 128 * llama["num_hidden_layers"] * (layer - h * i)
+    assert counts.phases["recompute"].attention_flops == baseline_counts.phases["forward"].attention_flops
+
+
+def test_attention_flops_causal_is_about_half():
+    b, h, s, d = 1, 4, 256, 16
+    q, k, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(3))
+    results = {}
+    for causal in (True, False):
+        counter = StepCounter()
+        with counter:
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal).sum().backward()
+        results[causal] = counter.counts
+    causal, dense = results[True], results[False]
+    fwd = causal.phases["forward"].attention_flops
+    assert fwd == 4 * b * h * d * s * (s + 1) // 2
+    assert dense.phases["forward"].attention_flops == 4 * b * h * d * s * s
+    assert causal.phases["backward"].attention_bwd_flops == pytest.approx(2.5 * fwd)
+    assert fwd / dense.phases["forward"].attention_flops == pytest.approx(0.5, abs=0.01)
+    assert causal.phases["forward"].attention_dense_flops == dense.phases["forward"].attention_flops
+    assert causal.phases["forward"].matmul_flops == 0  # the fused kernel is not double counted
+
+
+def test_attention_helpers():
+    assert causal_pairs(4, 4, True) == 10
+    assert causal_pairs(4, 4, False) == 16
+    fwd, bwd, dense = attention_flops(1, 2, 8, 8, 16, causal=True)
+    assert bwd == 2.5 * fwd and dense == 1 * 2 * 64 * (8 * 16 + 6 * 16)
+    # CPU flash tiles (256 x 512) over 1024 tokens: query tiles see 512, 512, 1024, 1024 keys
+    assert tiled_pairs(1024, 1024, True, 256, 512) == 256 * (512 + 512 + 1024 + 1024)
+    assert tiled_pairs(1024, 1024, True, 1, 1) == causal_pairs(1024, 1024, True)
+    assert tiled_pairs(100, 100, False, 64, 64) == 100 * 100
+
+
+def test_record_attention_for_stand_in_kernels():
+    counter = StepCounter()
+    q = torch.empty(1, 64, 4, 16)  # [b, s, h, d] like flash-attn
+    with counter:
+        record_attention(q, q, q, causal=True, backward=False)
+    record_attention(q, q, q)  # no active counter: no-op
+    assert counter.counts.phases["forward"].attention_flops == 4 * 4 * 16 * 64 * 65 // 2
+
+
+def test_ulysses_all_to_all_bytes_match_the_analytic_volume(llama):
+    """Oracle path: fake tensors on a fake 2-rank world; bytes per rank as DeepSpeed-Ulysses sends them."""
+    from autotune.oracle import trace
+
+    seq, degree = 1024, 2
+    counters = []
+
+    def modes(tracker):
+        counters.append(StepCounter(tracker, seq_len=seq, world_size=degree))
+        return counters[-1:]
+
+    trace(llama, Techniques(ulysses_degree=degree), seq, degree, modes=modes)
+    counts = counters[0].counts
+    assert counters[0].errors == 0
+    local = seq // degree
+    d, hq, hkv, layers = llama["head_dim"], llama["num_attention_heads"], llama["num_key_value_heads"], \
+        llama["num_hidden_layers"]
+    kv = max(hkv, degree)  # kv heads are replicated up to the degree when fewer
+    # per layer and direction: q, k, v in (sequence shard, all heads) and the output back, fp32
+    per_layer = 4 * local * d * (hq + 2 * kv + hq)
+    forward = counts.collective("all_to_all", phase="forward")
+    assert forward.calls == 4 * layers
+    assert forward.bytes == per_layer * layers
+    assert forward.wire_bytes == per_layer * layers * (degree - 1) / degree
+    assert counts.collective("all_to_all", phase="backward").bytes == per_layer * layers
+    assert counts.collective("all_to_all", fsdp=True).calls == 0
+    # each rank computes its own tokens: a third of the 6N FLOPs per token at half the tokens
+    n = matmul_params(llama)
+    assert counts.phases["forward"].matmul_flops == 2 * n * local
+    # attention runs over the whole sequence for hq / degree heads
+    assert counts.phases["forward"].attention_flops == layers * 4 * (hq // degree) * d * seq * (seq + 1) // 2
+
+
+def test_fsdp_collectives_are_side_stream_and_sized(llama):
+    from autotune.oracle import trace
+
+    counters = []
+
+    def modes(tracker):
+        counters.append(StepCounter(tracker, seq_len=256, world_size=2))
+        return counters[-1:]
+
+    trace(llama, Techniques(fsdp=True, optimizer_offload=True), 256, 2, modes=modes)
+    counts = counters[0].counts
+    params = sum(p.numel() for p in _params(llama))
+    gather = counts.collective("all_gather", phase="forward", fsdp=True)
+    scatter = counts.collective("reduce_scatter", fsdp=True)
+    assert gather.calls == llama["num_hidden_layers"] + 1
+    # every parameter is gathered once in forward (fp32 on the cpu preset, padded to the world size)
+    assert params * 4 <= gather.bytes <= params * 4 * 1.01
+    assert params * 4 <= scatter.bytes <= params * 4 * 1.01
+    assert counts.collective(fsdp=False).bytes < 1024  # only the loss all-reduce stalls
+    assert counts.optimizer_params == pytest.approx(params / 2, rel=0.01)
+    # optimizer offload on the cpu path: sharded gradients go to the host (FSDP marks them)
+    assert counts.phases["backward"].d2h_bytes == pytest.approx(params * 4 / 2, rel=0.01)
+    timing = predict_step_time(counts, "h100-sxm", 2, Techniques(fsdp=True, optimizer_offload=True))
+    assert timing.detail["host_h2d_bytes"] == pytest.approx(sum(counts.fsdp_all_gather_input_numel.values()) * 4)
+    assert timing.optimizer_s > 0
+
+
+def test_counts_scale_and_roundtrip(baseline_counts):
+    doubled = StepCounts.from_dict(baseline_counts.to_dict())
+    assert doubled.to_dict() == baseline_counts.to_dict()
+    half = baseline_counts.scaled(2)
+    assert half.phases["forward"].matmul_flops == baseline_counts.phases["forward"].matmul_flops / 2
+
+
+# -- the time model ------------------------------------------------------------------------------------------
+
+
+def _no_launch_floor(name: str):
+    """A GPU preset without its per-op host overhead: a tiny model at 128 tokens is launch-bound on a GPU
+    (the overhead floor makes every such step take the same time), which would hide the compute terms."""
+    return replace(load_rates(load_hardware(name)), op_overhead_s=0.0, view_overhead_s=0.0)
+
+
+def test_more_tokens_take_more_time(llama, baseline_counts):
+    longer = count_real_step(llama, Techniques(), 256)
+    for hardware in ("h100-sxm", "a100-80g"):
+        for rates in (_no_launch_floor(hardware), hardware):
+            short = predict_step_time(baseline_counts, rates, 1, Techniques())
+            long = predict_step_time(longer, rates, 1, Techniques())
+            assert long.step_time_s >= short.step_time_s
+        short = predict_step_time(baseline_counts, _no_launch_floor(hardware), 1, Techniques())
+        long = predict_step_time(longer, _no_launch_floor(hardware), 1, Techniques())
+        assert long.step_time_s > short.step_time_s and long.compute_s > short.compute_s
+
+
+def test_faster_hardware_takes_less_time(baseline_counts):
+    h100 = _no_launch_floor("h100-sxm")
+    base = predict_step_time(baseline_counts, h100, 1, Techniques()).step_time_s
+    assert predict_step_time(baseline_counts, _no_launch_floor("a100-80g"), 1, Techniques()).step_time_s > base
+    assert (predict_step_time(baseline_counts, "a100-80g", 1, Techniques()).step_time_s
+            >= predict_step_time(baseline_counts, "h100-sxm", 1, Techniques()).step_time_s)
+    for field, factor in (("bf16_flops", 2.0), ("hbm_bytes_per_s", 2.0), ("matmul_efficiency", 1.2)):
+        faster = replace(h100, **{field: getattr(h100, field) * factor})
+        assert predict_step_time(baseline_counts, faster, 1, Techniques()).step_time_s < base
+
+
+def test_tokens_per_s_counts_data_parallel_replicas(baseline_counts):
+    timing = predict_step_time(baseline_counts, "h100-sxm", 8, Techniques(ulysses_degree=2), seq_len=1000)
+    assert timing.tokens_per_s == pytest.approx(1000 * 4 / timing.step_time_s)
+    parts = timing.compute_s + timing.recompute_s + timing.exposed_comm_s + timing.exposed_host_s + timing.optimizer_s
+    assert timing.step_time_s == pytest.approx(parts)
+
+
+def test_overlap_rules():
+    """Ulysses all-to-all stalls; FSDP collectives and offload copies hide behind compute up to its length."""
+    from autotune.throughput import CollectiveCounts
+
+    counts = StepCounts(seq_len=1)
+    counts.phases["forward"] = PhaseCounts(matmul_flops=0.7 * 989e12 * 1.0)  # one second of forward matmul
+    r = load_rates(load_hardware("h100-sxm"))
+    wire = 450e9 * 0.8 * 0.5  # half a second of link time
+    counts.collectives["all_to_all/forward/sync"] = CollectiveCounts(calls=1, bytes=2 * wire, wire_bytes=wire)
+    stalled = predict_step_time(counts, r, 2, {})
+    assert stalled.exposed_comm_s == pytest.approx(0.5, rel=1e-3)
+    counts.collectives = {"all_gather/forward/fsdp": CollectiveCounts(calls=1, bytes=2 * wire, wire_bytes=wire)}
+    hidden = predict_step_time(counts, r, 2, {})
+    assert hidden.exposed_comm_s == pytest.approx(0.0, abs=1e-3)
+    counts.phases["forward"].d2h_bytes = 55e9 * 3  # three seconds of copies behind one second of compute
+    offload = predict_step_time(counts, r, 2, {})
+    assert offload.exposed_host_s == pytest.approx(2.0, rel=1e-3)
+
+
+def test_optimizer_offload_runs_on_the_host(baseline_counts):
+    on_device = predict_step_time(baseline_counts, "h100-sxm", 1, Techniques())
+    on_host = predict_step_time(baseline_counts, "h100-sxm", 1, {"optimizer_offload": True})
+    r = load_rates(load_hardware("h100-sxm"))
+    opt = baseline_counts.phases["optimizer"]
+    assert on_host.optimizer_s == pytest.approx(opt.elementwise_bytes / r.host_optimizer_bytes_per_s
+                                                + opt.ops * r.op_overhead_s + opt.views * r.view_overhead_s)
+    assert on_host.optimizer_s > on_device.optimizer_s
+
+
+def test_cpu_preset_uses_the_calibration(fake_calibration, baseline_counts):
+    one = load_rates(load_hardware("cpu"), 1)
+    assert one.bf16_flops == 1e11 and one.matmul_efficiency == 1.0 and not one.launch_overlaps_compute
+    assert one.attention_eff(16, False) == pytest.approx(0.4)
+    assert one.attention_eff(128, True) == pytest.approx(0.8)
+    assert 0.4 < one.attention_eff(64, False) < 0.8
+    two = load_rates("cpu", 2)
+    assert two.intra_node_bytes_per_s == 1e9 and two.collective_latency_s == 1e-4
+    timing = predict_step_time(baseline_counts, "cpu", 1, Techniques())
+    expected_overhead = sum(baseline_counts.phases[p].ops * 2e-5 + baseline_counts.phases[p].views * 1e-5
+                            for p in ("forward", "backward", "recompute", "other"))
+    work = sum(timing.detail[f"{p}_work_s"] for p in ("forward", "backward", "recompute", "other"))
+    assert timing.compute_s + timing.recompute_s == pytest.approx(work + expected_overhead)
+
+
+def test_plan_backend_fills_in_step_time(fake_calibration, llama):
+    from autotune.backends import Evaluation
+    from autotune.backends.plan import PlanBackend
+
+    record = PlanBackend().evaluate(Evaluation(llama, Techniques(), 256, 1, load_hardware("cpu")))
+    assert record.status == "ok" and record.step_time_s > 0
+    assert record.tokens_per_s == pytest.approx(256 / record.step_time_s)
