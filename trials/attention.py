@@ -75,11 +75,18 @@ def register() -> None:
 
 # -- kernel-level forward/backward (for head-chunked attention, which saves out + logsumexp only) -------------
 #
-# Layout here is [batch, seq, heads, head_dim] ("bshd", what the all-to-alls produce and flash-attn takes).
 # ``attention_forward`` returns the output and the kernel's residuals (logsumexp, and RNG state where the kernel
 # has one); ``attention_backward`` takes them back, so a caller can drop q/k/v between forward and backward and
-# recompute them, without recomputing the attention itself.
-#   query [b, s, hq, d], key/value [b, s, hkv, d] (hq a multiple of hkv) -> out [b, s, hq, d], residuals
+# recompute them, without recomputing the attention itself. Tensors are in the kernel's own layout
+# (``head_layout``), so the caller can produce them densely in one copy (the CPU flash kernel is ~40x slower on
+# some strided inputs, e.g. one head viewed out of a wider buffer):
+#   "bhsd": query [b, hq, s, d], key/value [b, hkv, s, d]   (torch SDPA kernels: CPU flash, CUDA mem-efficient)
+#   "bshd": query [b, s, hq, d], key/value [b, s, hkv, d]   (flash-attn)
+# hq is a multiple of hkv (GQA); out has the query's shape and layout.
+
+
+def head_layout(kernel: str) -> str:
+    return "bshd" if kernel == "flash" else "bhsd"
 
 
 def _repeat_kv(tensor, groups: int):
@@ -96,8 +103,7 @@ def _sum_kv_groups(grad, groups: int):
 
 
 def attention_forward(query, key, value, scaling: float, kernel: str = "sdpa"):
-    """Causal attention without autograd; returns (out [b, s, hq, d], residuals tuple)."""
-    groups = query.shape[2] // key.shape[2]
+    """Causal attention without autograd, in ``head_layout(kernel)``; returns (out, residuals tuple)."""
     if kernel == "flash":
         if not flash_available(query.device):
             raise RuntimeError("attention 'flash' needs flash-attn installed and a CUDA device")
@@ -106,19 +112,19 @@ def attention_forward(query, key, value, scaling: float, kernel: str = "sdpa"):
         out, lse, _, rng_state = _wrapped_flash_attn_forward(
             query, key, value, 0.0, scaling, True, -1, -1, 0.0, None, False)
         return out, (lse, rng_state)
-    q, k, v = query.transpose(1, 2), _repeat_kv(key.transpose(1, 2), groups), _repeat_kv(value.transpose(1, 2), groups)
+    groups = query.shape[1] // key.shape[1]
+    k, v = _repeat_kv(key, groups), _repeat_kv(value, groups)
     if query.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scaling)
-        return out.transpose(1, 2), (lse,)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, k, v, 0.0, True, scale=scaling)
+        return out, (lse,)
     # CUDA "sdpa": the memory-efficient kernel (any float dtype, returns logsumexp; the flash one is 16-bit only)
     out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, None, True, 0.0, True, scale=scaling)
-    return out.transpose(1, 2), (lse, seed, offset)
+        query, k, v, None, True, 0.0, True, scale=scaling)
+    return out, (lse, seed, offset)
 
 
 def attention_backward(grad_out, query, key, value, out, residuals, scaling: float, kernel: str = "sdpa"):
-    """Gradients (dq [b, s, hq, d], dk, dv [b, s, hkv, d]) of ``attention_forward``."""
-    groups = query.shape[2] // key.shape[2]
+    """Gradients (dq, dk, dv) of ``attention_forward``, same layout and shapes as (query, key, value)."""
     if kernel == "flash":
         from flash_attn.flash_attn_interface import _wrapped_flash_attn_backward
 
@@ -127,14 +133,14 @@ def attention_backward(grad_out, query, key, value, out, residuals, scaling: flo
         _wrapped_flash_attn_backward(grad_out, query, key, value, out, lse, dq, dk, dv, 0.0, scaling, True,
                                      -1, -1, 0.0, None, False, rng_state)
         return dq, dk, dv
-    q, k, v = query.transpose(1, 2), _repeat_kv(key.transpose(1, 2), groups), _repeat_kv(value.transpose(1, 2), groups)
-    g, o = grad_out.transpose(1, 2), out.transpose(1, 2)
+    groups = query.shape[1] // key.shape[1]
+    k, v = _repeat_kv(key, groups), _repeat_kv(value, groups)
     if query.device.type == "cpu":
         (lse,) = residuals
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            g, q, k, v, o, lse, 0.0, True, scale=scaling)
+            grad_out, query, k, v, out, lse, 0.0, True, scale=scaling)
     else:
         lse, seed, offset = residuals
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            g, q, k, v, None, o, lse, seed, offset, 0.0, [True, True, True, False], True, scale=scaling)
-    return dq.transpose(1, 2), _sum_kv_groups(dk, groups).transpose(1, 2), _sum_kv_groups(dv, groups).transpose(1, 2)
+            grad_out, query, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], True, scale=scaling)
+    return dq, _sum_kv_groups(dk, groups), _sum_kv_groups(dv, groups)

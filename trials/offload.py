@@ -129,14 +129,17 @@ class ActivationOffload:
         offload = layer_index < self.offload_layers
 
         def offloading_checkpoint(function, *args, **kwargs):
-            hidden = args[0]
             if layer_index == 0:
                 self._last = None  # a new forward starts: no previous layer to prefetch
+            # autograd keeps the pack hook alive as long as the saved tensor: it must not hold the input itself,
+            # hence a list that is emptied once the checkpoint has saved it
+            target = [args[0]]
             entry: list[_SavedInput] = []
 
             def pack(tensor):
-                if tensor is not hidden or entry:
+                if not target or tensor is not target[0]:
                     return tensor
+                target.clear()
                 saved = _SavedInput(tensor, offload, self._last, self.stream_for(tensor))
                 entry.append(saved)
                 return saved
@@ -146,9 +149,10 @@ class ActivationOffload:
 
             with saved_tensors_hooks(pack, unpack):
                 out = checkpoint(function, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+            target.clear()
             # only offloaded inputs are worth prefetching; layers >= N keep theirs on the device
-            if entry:
-                self._last = entry[0] if entry[0].offloaded else None
+            self._last = entry[0] if entry and entry[0].offloaded else None
+            entry.clear()
             return out
 
         return offloading_checkpoint

@@ -35,11 +35,12 @@ One chunk, forward (shapes on rank r)::
     hidden [b, s_l, h]
       q = rope(norm(hidden @ Wq[rows of the chunk's c*P heads]^T))    [b, s_l, c*P, d]
       k, v = slots(rope(norm(hidden @ Wk[kv rows]^T)), ...)           [b, s_l, kc*P, d]
-      all-to-all, sequence -> heads:
-        send  [P, b, s_l, c, d]   block r' = the c heads rank r' attends to (dim 0 is the peer)
-        recv  [P, b, s_l, c, d]   block r' = rank r''s tokens of *my* c heads
-        q_h = recv viewed as [b, s, c, d]   (peers' shards in rank order = the full sequence)
-      o_h, lse = causal attention(q_h, k_h, v_h)                      [b, s, c, d], [b, c, s]
+      all-to-all, sequence -> heads (dim 0 of both buffers is the peer):
+        send  [P, b, c, s_l, d]   block r' = my tokens of the c heads rank r' attends to
+        recv  [P, b, c, s_l, d]   block r' = rank r''s tokens of *my* c heads
+        q_h = recv as [b, c, s, d]   (peers' shards in rank order = the full sequence; dense, which the CPU
+                                      kernel needs; flash-attn's layout [b, s, c, d] uses send [P, b, s_l, c, d])
+      o_h, lse = causal attention(q_h, k_h, v_h)                      [b, c, s, d], [b, c, s]
       all-to-all, heads -> sequence:
         send  [P, b, s_l, c, d]   block r' = my heads' outputs for rank r''s tokens
         recv  [P, b, s_l, c, d]   block r' = rank r''s c heads for my tokens
@@ -51,13 +52,14 @@ is no exchange and this is plain head chunking.
 
 Autograd. Everything above runs inside one ``torch.autograd.Function`` under ``no_grad``: it saves only the
 layer input, the output buffer (which ``o_proj`` saves anyway -- same storage) and each chunk's logsumexp
-(``[b, c, s]`` fp32, 1/d of an output). Backward walks the chunks again: recompute that chunk's q/k/v (a local
-autograd graph through projection-free norm + rope), exchange them and the chunk's output and output gradient,
-call the attention kernel's *backward* directly with the saved logsumexp (no attention recompute, see
-``trials.attention.attention_backward``), exchange dq/dk/dv back, and push them through norm/rope (autograd) and
-the projection (explicit matmuls accumulating into d_hidden and into the weight-gradient rows of the chunk). So
-the attention's working set in forward *and* backward is one chunk's: ``~(c/L)`` of plain Ulysses'.
-The price is recomputing the q/k/v projection and re-exchanging q/k/v/out in backward.
+(``[b, c, s]`` fp32, 1/d of an output). Backward walks the chunks again, per chunk: recompute q (and, once per
+kv group, k/v), exchange them and the chunk's output and output gradient, call the attention kernel's
+*backward* directly with the saved logsumexp (no attention recompute, see
+``trials.attention.attention_backward``), exchange dq/dk/dv back, then push them through rope (its explicit
+adjoint, so the pre-rope tensor need not be kept), the optional norm (autograd on a recomputed norm) and the
+projection (explicit matmuls accumulating into d_hidden and into the weight-gradient rows of the chunk). So the
+attention's working set in forward *and* backward is one chunk's, ``~c/L`` of plain Ulysses'. The price is
+recomputing the q/k/v projections and re-exchanging q/k/v/out in backward.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from trials.attention import attention_backward, attention_forward
+from trials.attention import attention_backward, attention_forward, head_layout
 
 # Attention modules whose forward is: q/k/v projections (optional per-head q_norm/k_norm over head_dim), HF rotary
 # (``x * cos + rotate_half(x) * sin``), causal attention, o_proj. Others are refused rather than silently changed.
@@ -143,8 +145,13 @@ def _rope(x, cos, sin):
     return (x * cos) + (_rotate_half(x) * sin)
 
 
-# Parameter order of the autograd function (None where the model has no such parameter).
-_PARAM_NAMES = ("q_weight", "q_bias", "k_weight", "k_bias", "v_weight", "v_bias", "q_norm", "k_norm")
+def _rope_backward(grad, cos, sin):
+    """Adjoint of ``_rope`` (it is linear in x): grad * cos + rotate_half^T(grad * sin), with
+    rotate_half^T(z) = cat(z2, -z1). Same arithmetic as autograd through ``_rope``, without keeping its input."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    scaled = grad * sin
+    half = grad.shape[-1] // 2
+    return (grad * cos) + torch.cat((scaled[..., half:], -scaled[..., :half]), dim=-1)
 
 
 class UPipeAttention:
@@ -159,6 +166,7 @@ class UPipeAttention:
 
             self.group_name = register_all_to_all_group(group)
         self.kernel = kernel
+        self.layout = head_layout(kernel)
         self.scaling = module.scaling
         self.q_norm = getattr(module, "q_norm", None)
         self.k_norm = getattr(module, "k_norm", None)
@@ -204,31 +212,46 @@ class UPipeAttention:
         return kv.index_select(2, index)
 
     def seq_to_heads(self, local):
-        """All-to-all [b, s_l, P*n, d] (my tokens, the chunk's heads) -> [b, s, n, d] (all tokens, my n heads)."""
+        """All-to-all: [b, s_l, P*n, d] (my tokens, the chunk's heads) -> all tokens of my n heads, dense, in the
+        kernel's layout: [b, n, s, d] ("bhsd") or [b, s, n, d] ("bshd").
+
+        The send buffer is laid out so that the received blocks (dim 0 = the peer = which sequence shard)
+        already sit in sequence order: a view for flash's layout, and for "bhsd" a view when n = 1.
+        """
         P = self.plan.degree
-        if P == 1:
-            return local
         b, s_l, heads, d = local.shape
         n = heads // P
-        send = local.reshape(b, s_l, P, n, d).permute(2, 0, 1, 3, 4).contiguous()   # [P, b, s_l, n, d]
-        recv = torch.ops.deepspeed.dim_zero_all_to_all(send, self.group_name)      # [P(tokens of peer), b, s_l, n, d]
-        return recv.permute(1, 0, 2, 3, 4).reshape(b, P * s_l, n, d)
+        if P == 1:
+            return local if self.layout == "bshd" else local.transpose(1, 2).contiguous()
+        split = local.reshape(b, s_l, P, n, d)
+        if self.layout == "bshd":
+            send = split.permute(2, 0, 1, 3, 4).contiguous()                          # [P, b, s_l, n, d]
+            recv = torch.ops.deepspeed.dim_zero_all_to_all(send, self.group_name)
+            return recv.permute(1, 0, 2, 3, 4).reshape(b, P * s_l, n, d)
+        send = split.permute(2, 0, 3, 1, 4).contiguous()                              # [P, b, n, s_l, d]
+        recv = torch.ops.deepspeed.dim_zero_all_to_all(send, self.group_name)
+        return recv.permute(1, 2, 0, 3, 4).reshape(b, n, P * s_l, d)
 
     def heads_to_seq(self, full, out=None):
-        """All-to-all [b, s, n, d] -> [b, s_l, P*n, d]; written into ``out`` (a view of that shape) if given."""
+        """All-to-all back: my n heads over all tokens (kernel layout) -> [b, s_l, P, n, d], my tokens of the
+        chunk's P*n heads (head block = peer). Copied into ``out`` ([b, s_l, P*n, d] view) when given, else
+        returned as a new dense [b, s_l, P*n, d]."""
         P = self.plan.degree
-        b, s, n, d = full.shape
-        if P == 1:
-            if out is None:
-                return full
-            return out.copy_(full)
+        if self.layout == "bshd":
+            b, s, n, d = full.shape
+            by_block = full.reshape(b, P, s // P, n, d).transpose(0, 1)                # [P, b, s_l, n, d]
+        else:
+            b, n, s, d = full.shape
+            by_block = full.reshape(b, n, P, s // P, d).permute(2, 0, 3, 1, 4)         # [P, b, s_l, n, d]
         s_l = s // P
-        send = full.reshape(b, P, s_l, n, d).transpose(0, 1).contiguous()           # [P, b, s_l, n, d]
-        recv = torch.ops.deepspeed.dim_zero_all_to_all(send, self.group_name)      # [P(heads of peer), b, s_l, n, d]
-        recv = recv.permute(1, 2, 0, 3, 4)                                          # [b, s_l, P, n, d]
+        if P == 1:
+            recv = by_block
+        else:
+            recv = torch.ops.deepspeed.dim_zero_all_to_all(by_block.contiguous(), self.group_name)
+        local = recv.permute(1, 2, 0, 3, 4)                                           # [b, s_l, P, n, d]
         if out is None:
-            return recv.reshape(b, s_l, P * n, d)
-        out.view(b, s_l, P, n, d).copy_(recv)
+            return local.reshape(b, s_l, P * n, d)
+        out.view(b, s_l, P, n, d).copy_(local)
         return out
 
 
@@ -289,6 +312,20 @@ class _HeadChunkedAttention(torch.autograd.Function):
         grads = [None if p is None else torch.zeros_like(p) for p in params]
         dq_w, dq_b, dk_w, dk_b, dv_w, dv_b, dqn_w, dkn_w = grads
 
+        def post_backward(norm_module, norm_weight, d_norm_weight, projected, d_post):
+            """Through rope (explicit adjoint) and the optional per-head norm (autograd on a recomputed norm):
+            d(rope(norm(projected))) [b, s_l, n, d] -> d projected."""
+            d_normed = _rope_backward(d_post, cos, sin)
+            if norm_module is None:
+                return d_normed
+            with torch.enable_grad():
+                leaf = projected.detach().requires_grad_(True)
+                weight = norm_weight.detach().requires_grad_(True)
+                normed = layer._norm(norm_module, weight, leaf)
+            d_projected, d_weight = torch.autograd.grad(normed, [leaf, weight], d_normed)
+            d_norm_weight += d_weight
+            return d_projected
+
         def linear_backward(d_proj, weight, d_weight, d_bias, first_head, heads):
             """d_proj [b, s_l, heads, d] -> accumulate into d_hidden and the weight rows of those heads."""
             rows = slice(first_head * d, (first_head + heads) * d)
@@ -298,32 +335,30 @@ class _HeadChunkedAttention(torch.autograd.Function):
             if d_bias is not None:
                 d_bias[rows] += d2d.sum(0)
 
+        def slots_backward(chunk, d_slots, n_kv):
+            """Gradient of ``select_slots``: [b, s_l, P*kc, d] -> [b, s_l, n_kv, d], replicas summed."""
+            if not chunk.needs_select:
+                return d_slots
+            index = torch.tensor([slot - chunk.kv_lo for slot in chunk.kv_slots], device=d_slots.device)
+            return d_slots.new_zeros(b, s_l, n_kv, d).index_add_(2, index, d_slots)
+
         chunk_index = {chunk: i for i, chunk in enumerate(plan.chunks)}
         for group in plan.kv_groups():
             first = group[0]
             n_kv = first.kv_hi - first.kv_lo
-            # recompute this group's k/v with a small local graph (norm, rope, slot replication) to backprop through
-            with torch.no_grad():
-                k_proj = layer.project(hidden, k_w, k_b, first.kv_lo, n_kv)
-                v_proj = layer.project(hidden, v_w, v_b, first.kv_lo, n_kv)
-            with torch.enable_grad():
-                k_proj.requires_grad_(True)
-                v_proj.requires_grad_(True)
-                kn_leaf = None if kn_w is None else kn_w.detach().requires_grad_(True)
-                k_slots = layer.select_slots(first, layer.k_post(k_proj, cos, sin, kn_leaf))
-                v_slots = layer.select_slots(first, v_proj)
-            k_heads = layer.seq_to_heads(k_slots.detach())
-            v_heads = layer.seq_to_heads(v_slots.detach())
+            # recompute this group's k/v; the projection output is kept only where a norm needs it in backward
+            k_proj = layer.project(hidden, k_w, k_b, first.kv_lo, n_kv)
+            k_heads = layer.seq_to_heads(layer.select_slots(first, layer.k_post(k_proj, cos, sin, kn_w)))
+            if layer.k_norm is None:
+                k_proj = None
+            v_heads = layer.seq_to_heads(layer.select_slots(first, layer.project(hidden, v_w, v_b, first.kv_lo, n_kv)))
             dk_heads = dv_heads = None
             for chunk in group:
-                with torch.no_grad():
-                    q_proj = layer.project(hidden, q_w, q_b, chunk.q_head, width)
-                with torch.enable_grad():
-                    q_proj.requires_grad_(True)
-                    qn_leaf = None if qn_w is None else qn_w.detach().requires_grad_(True)
-                    q = layer.q_post(q_proj, cos, sin, qn_leaf)
+                q_proj = layer.project(hidden, q_w, q_b, chunk.q_head, width)
+                q_heads = layer.seq_to_heads(layer.q_post(q_proj, cos, sin, qn_w))
+                if layer.q_norm is None:
+                    q_proj = None
                 heads = slice(chunk.q_head, chunk.q_head + width)
-                q_heads = layer.seq_to_heads(q.detach())
                 o_heads = layer.seq_to_heads(out_heads[:, :, heads])
                 do_heads = layer.seq_to_heads(grad_heads[:, :, heads])
                 i = chunk_index[chunk]
@@ -336,25 +371,21 @@ class _HeadChunkedAttention(torch.autograd.Function):
                 del dk_c, dv_c
                 dq = layer.heads_to_seq(dq_heads)                                       # [b, s_l, c*P, d]
                 del dq_heads
-                inputs = [q_proj] + ([qn_leaf] if qn_leaf is not None else [])
-                got = torch.autograd.grad(q, inputs, dq)
-                del q, dq
-                linear_backward(got[0], q_w, dq_w, dq_b, chunk.q_head, width)
-                if qn_leaf is not None:
-                    dqn_w += got[1]
-                del got, q_proj
+                dq_proj = post_backward(layer.q_norm, qn_w, dqn_w, q_proj, dq)
+                del dq, q_proj
+                linear_backward(dq_proj, q_w, dq_w, dq_b, chunk.q_head, width)
+                del dq_proj
             del k_heads, v_heads
-            dk_slots = layer.heads_to_seq(dk_heads)                                     # [b, s_l, P*kc, d]
-            dv_slots = layer.heads_to_seq(dv_heads)
-            del dk_heads, dv_heads
-            inputs = [k_proj, v_proj] + ([kn_leaf] if kn_leaf is not None else [])
-            got = torch.autograd.grad([k_slots, v_slots], inputs, [dk_slots, dv_slots])
-            del k_slots, v_slots, dk_slots, dv_slots
-            linear_backward(got[0], k_w, dk_w, dk_b, first.kv_lo, n_kv)
-            linear_backward(got[1], v_w, dv_w, dv_b, first.kv_lo, n_kv)
-            if kn_leaf is not None:
-                dkn_w += got[2]
-            del got, k_proj, v_proj
+            dk = slots_backward(first, layer.heads_to_seq(dk_heads), n_kv)              # [b, s_l, n_kv, d]
+            del dk_heads
+            dk_proj = post_backward(layer.k_norm, kn_w, dkn_w, k_proj, dk)
+            del dk, k_proj
+            linear_backward(dk_proj, k_w, dk_w, dk_b, first.kv_lo, n_kv)
+            del dk_proj
+            dv = slots_backward(first, layer.heads_to_seq(dv_heads), n_kv)
+            del dv_heads
+            linear_backward(dv, v_w, dv_w, dv_b, first.kv_lo, n_kv)
+            del dv
         return (None, d_hidden, None, None, *grads)
 
 
