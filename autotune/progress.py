@@ -44,3 +44,8 @@ class SearchProgress:
                 self.best = (record.seq_len, record.tokens_per_s)
         if self._task is not None:
             self._progress.update(self._task, advance=1, description=self._describe())
+        if self.enabled and not self.console.is_terminal:  # logs get one line per trial instead of a bar
+            rate = f"{record.tokens_per_s:,.0f} tok/s" if record.tokens_per_s else "-"
+            peak = f"{record.peak_device_bytes / 2**30:.1f} GiB" if record.peak_device_bytes else "-"
+            self.console.print(f"trial {number}: {record.seq_len:,} tokens {record.status} {rate} peak {peak} "
+                               f"({answered_by or record.source})", markup=False, highlight=False)

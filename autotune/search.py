@@ -99,7 +99,7 @@ def study_name_for(job: SearchJob) -> str:
 def create_study(job: SearchJob, storage=None) -> optuna.Study:
     """Create or load the job's study (``storage``: an already opened Optuna storage, else opened here)."""
     sampler = optuna.samplers.TPESampler(seed=job.seed, multivariate=True, group=True, constant_liar=True,
-                                         n_startup_trials=8, warn_independent_sampling=False)
+                                         n_startup_trials=8)
     storage = storage or open_storage(job.storage, job.out)
     try:
         study = optuna.create_study(storage=storage, sampler=sampler, study_name=study_name_for(job),
