@@ -241,8 +241,12 @@ def _fake_flash_kernel(enabled: bool):
 
     from trials import attention
 
+    import importlib.machinery
+
     package = types.ModuleType("flash_attn")
     interface = types.ModuleType("flash_attn.flash_attn_interface")
+    package.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)
+    interface.__spec__ = importlib.machinery.ModuleSpec("flash_attn.flash_attn_interface", None)
     package.flash_attn_func = interface.flash_attn_func = _fake_flash_attn_func
     interface._wrapped_flash_attn_forward = _fake_wrapped_flash_attn_forward
     interface._wrapped_flash_attn_backward = _fake_wrapped_flash_attn_backward
@@ -425,8 +429,7 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
     device = torch.device("cpu")
     tracker = _segment_tracker_class()()
     extras: list = []
-    with fake_process_group(world_size, world_size > 1 or techniques.fsdp), \
-            _fake_flash_kernel(gpu_kernels and techniques.attention == "flash"):
+    with fake_process_group(world_size, world_size > 1 or techniques.fsdp):
         # groups and the device mesh hold small real tensors: build them before faking
         mesh = build_mesh(techniques.ulysses_degree, device) if world_size > 1 else Mesh.single(device)
         if world_size > 1 and not mesh.distributed:
@@ -443,6 +446,8 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
                 _prime_optimizer(model, optimizer, tracker)
             extra_modes = list(modes(tracker)) if modes is not None else []
             with contextlib.ExitStack() as stack:
+                # only around the step: transformers probes for flash_attn while it imports model code
+                stack.enter_context(_fake_flash_kernel(gpu_kernels and techniques.attention == "flash"))
                 for mode in extra_modes:
                     stack.enter_context(mode)
                 for _ in range(steps):
