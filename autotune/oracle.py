@@ -70,6 +70,8 @@ class Segment:
     device_bytes: int
     breakdown: dict[str, int]
     host_bytes: int = 0
+    at_op: str | None = None             # explain mode: the op right before the peak
+    live: list | None = None             # explain mode: the largest live storages at the peak
 
 
 @dataclass
@@ -278,20 +280,55 @@ def _segment_tracker_class():
     class SegmentTracker(DeviceMemoryTracker):
         """``DeviceMemoryTracker`` that also keeps the peak of each segment of the step (see module doc)."""
 
-        def __init__(self):
+        def __init__(self, explain: bool = False):
             super().__init__(None)
             self.segment: tuple = ("setup", None)
             self.segments: dict[tuple, Segment] = {}
+            self.explain = explain
+            self._op = None
+            self._origin: dict[int, tuple] = {}  # explain: id(storage info) -> (op, shape, dtype, segment)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self._op = func
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def track(self, tensor, category=None):
+            if self.explain and isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+                local = getattr(tensor, "_local_tensor", tensor)
+                known = self._storages.get(local.untyped_storage())
+                super().track(tensor, category)
+                info = self._storages.get(local.untyped_storage())
+                if known is None and info is not None:
+                    self._origin[id(info)] = (str(self._op).replace("aten.", ""), tuple(local.shape),
+                                              str(local.dtype).replace("torch.", ""), self.segment)
+                return
+            super().track(tensor, category)
+
+        def _live(self, top: int = 12) -> list[dict]:
+            """The largest live device storages now, with the op that made them (explain mode)."""
+            live = []
+            for info in list(self._storages.values()):
+                if info.host or not info.nbytes:
+                    continue
+                op, shape, dtype, seg = self._origin.get(id(info), ("?", (), "?", None))
+                live.append({"bytes": info.nbytes, "category": info.category, "op": op, "shape": shape,
+                             "dtype": dtype, "made_in": seg})
+            live.sort(key=lambda e: -e["bytes"])
+            return live[:top]
 
         def _check(self) -> None:
             super()._check()
             seg = self.segments.get(self.segment)
             if seg is None:
-                self.segments[self.segment] = Segment(self.device_bytes, dict(self.current), self.host_bytes)
+                seg = self.segments[self.segment] = Segment(self.device_bytes, dict(self.current), self.host_bytes)
+                if self.explain:
+                    seg.at_op, seg.live = str(self._op), self._live()
             else:
                 if self.device_bytes > seg.device_bytes:
                     seg.device_bytes = self.device_bytes
                     seg.breakdown = dict(self.current)
+                    if self.explain:
+                        seg.at_op, seg.live = str(self._op), self._live()
                 if self.host_bytes > seg.host_bytes:
                     seg.host_bytes = self.host_bytes
 
@@ -396,7 +433,7 @@ def _techniques_for_runs(techniques, runs: list[tuple[str, int]]):
 def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
           compute_dtype: torch.dtype = torch.float32, gpu_kernels: bool = False, layers: int | None = None,
           runs: list[tuple[str, int]] | None = None, modes: Callable[[Any], Iterable] | None = None,
-          prime_optimizer: bool = True, steps: int = 1, seed: int = 0) -> Trace:
+          prime_optimizer: bool = True, steps: int = 1, seed: int = 0, explain: bool = False) -> Trace:
     """Run ``steps`` training steps of the trial under FakeTensorMode on rank 0 of a fake world and return
     the tracked peak.
 
@@ -406,7 +443,8 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
     ``modes(tracker)``: extra ``TorchDispatchMode``s (e.g. ``autotune.throughput.StepCounter``) entered
     inside the tracker around the traced steps only (not the priming); they are returned in ``extras``.
     ``prime_optimizer``: create the AdamW states before the traced step (see module doc); with False, trace
-    ``steps`` >= 2 to see them.
+    ``steps`` >= 2 to see them. ``explain``: keep, per segment, the op at its peak and the largest live
+    storages then (with the op, shape and dtype that made each) -- slower; see ``explain``.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -427,7 +465,7 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
     config = dict(model_config, num_hidden_layers=layers)
     techniques = _techniques_for_runs(techniques, runs)
     device = torch.device("cpu")
-    tracker = _segment_tracker_class()()
+    tracker = _segment_tracker_class()(explain)
     extras: list = []
     with fake_process_group(world_size, world_size > 1 or techniques.fsdp):
         # groups and the device mesh hold small real tensors: build them before faking
@@ -613,3 +651,199 @@ def predict(evaluation, modes: Callable[[Any], Iterable] | None = None, full_dep
                       breakdown=breakdown, host_bytes=result.peak_host_bytes, overhead_bytes=extra,
                       peak_segment=result.peak_segment, traces=traces, elapsed_s=time.perf_counter() - started,
                       extension=extension)
+
+
+def explain(evaluation, top: int = 12) -> str:
+    """A readable account of where ``evaluation``'s peak comes from: every segment's extrapolated peak by
+    category, then, for the peak segment, the op at its peak and the largest tensors alive then (from the
+    traced shallow copy: per-layer tensors are shown once, the full-depth sums are in the table)."""
+    hardware = evaluation.hardware
+    layers = evaluation.model_config["num_hidden_layers"]
+    runs = layer_runs(evaluation.techniques, layers)
+    base, varied = plan_traces(runs)
+    kwargs = dict(compute_dtype=compute_dtype_for(hardware), gpu_kernels=hardware.name != "cpu", explain=True)
+    args = (evaluation.model_config, evaluation.techniques, evaluation.seq_len, evaluation.gpus)
+    if not varied or layers <= EXTRAPOLATE_FROM[1]:
+        result = first = trace(*args, runs=runs, **kwargs)
+    else:
+        first = trace(*args, runs=base, **kwargs)
+        result = extrapolate(first, [(i, trace(*args, runs=r, **kwargs)) for i, r in varied], runs)
+    gib = 2.0**30
+    lines = [f"{'segment':<40} {'GiB':>8}  " + " ".join(f"{c[:6]:>7}" for c in BREAKDOWN_CATEGORIES) + "   host"]
+    for key, seg in result.segments.items():
+        mark = " <- peak" if key == result.peak_segment else ""
+        lines.append(f"{str(key):<40} {seg.device_bytes / gib:8.2f}  "
+                     + " ".join(f"{seg.breakdown.get(c, 0) / gib:7.2f}" for c in BREAKDOWN_CATEGORIES)
+                     + f" {seg.host_bytes / gib:6.1f}{mark}")
+    extra = overheads(hardware, result.peak_device_bytes)
+    lines.append(f"tensor peak {result.peak_device_bytes / gib:.2f} GiB + runtime overheads {extra / gib:.2f} GiB "
+                 f"= {(result.peak_device_bytes + extra) / gib:.2f} GiB vs capacity "
+                 f"{hardware.device_memory_bytes / gib:.2f} GiB")
+    seg = first.segments.get(result.peak_segment)
+    if seg is not None and seg.live:
+        lines.append(f"at the peak of {result.peak_segment} in the {first.layers}-layer trace, right after "
+                     f"{seg.at_op}, the largest live tensors:")
+        for entry in seg.live[:top]:
+            lines.append(f"  {entry['bytes'] / gib:8.3f} GiB {entry['category']:<12} {entry['dtype']:<9} "
+                         f"{str(list(entry['shape'])):<28} from {entry['op']} in {entry['made_in']}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The longest sequence that fits
+# ---------------------------------------------------------------------------------------------------------
+
+
+def seq_grid_unit(techniques) -> int:
+    """Sequence lengths searched are multiples of lcm(1024, ulysses degree, tile sizes in use)."""
+    unit = 1024
+    for value in (techniques.ulysses_degree, techniques.mlp_tile_tokens, techniques.loss_tile_tokens):
+        if value:
+            unit = math.lcm(unit, int(value))
+    return unit
+
+
+def find_max_seq(evaluation, backend=None, max_tokens: int = 1024**3, progress: Callable | None = None):
+    """The longest sequence that fits ``evaluation``'s config (its ``seq_len``, if > 0, is the first guess):
+    the record (``ResultRecord``) at that length, status ``ok``; or, when not even one grid step fits, the
+    ``oom`` (or ``error``) record of the shortest length.
+
+    Peak memory grows with the sequence (nearly affinely: every activation is linear in it), so the search
+    brackets the capacity crossing and then steps to where the line through the two nearest points meets
+    the capacity (bisecting when that makes no progress); ~5-10 evaluations on a grid of
+    ``seq_grid_unit`` multiples. ``backend``: a ``PlanBackend`` (default: a new one; its cache is reused).
+    """
+    from dataclasses import replace as dc_replace
+
+    if backend is None:
+        from autotune.backends.plan import PlanBackend
+
+        backend = PlanBackend()
+    unit = seq_grid_unit(evaluation.techniques)
+    top = max(1, max_tokens // unit)
+    capacity = evaluation.hardware.device_memory_bytes
+    seen: dict[int, Any] = {}
+
+    def run(m: int):
+        if m not in seen:
+            record = backend.evaluate(dc_replace(evaluation, seq_len=m * unit))
+            seen[m] = record
+            if progress is not None:
+                progress(record)
+        return seen[m]
+
+    def fits(record) -> bool:
+        return record.status == "ok"
+
+    first = min(top, max(1, (evaluation.seq_len or 128 * 1024) // unit))
+    record = run(first)
+    if record.status not in ("ok", "oom"):
+        return record
+    lo, hi = (first, None) if fits(record) else (None, first)
+    # bracket: jump along the line through the last two points (at most x16, at least x2 per jump)
+    while lo is None or hi is None:
+        points = sorted(seen)
+        if lo is None:
+            if hi == 1:
+                return run(1)
+            guess = max(1, min(hi // 2, _crossing(seen, points, capacity, default=hi // 4)))
+        else:
+            if lo >= top:
+                return run(lo)
+            guess = min(top, max(lo * 2, min(lo * 16, _crossing(seen, points, capacity, default=lo * 4))))
+        record = run(guess)
+        if record.status not in ("ok", "oom"):
+            return record
+        if fits(record):
+            lo = max(lo or 0, guess)
+        else:
+            hi = guess if hi is None else min(hi, guess)
+    # narrow: secant steps inside (lo, hi), bisection as the fallback
+    while hi - lo > 1:
+        guess = _crossing(seen, [lo, hi], capacity, default=(lo + hi) // 2)
+        if not lo < guess < hi:
+            guess = (lo + hi) // 2
+        # keep the guess just inside the side the line points to, so a good line closes the bracket quickly
+        record = run(guess)
+        if record.status not in ("ok", "oom"):
+            return record
+        if fits(record):
+            lo = guess
+            if hi - lo > 1 and guess + 1 < hi:  # probe one step above: the line is usually right to the step
+                above = run(guess + 1)
+                if fits(above):
+                    lo = guess + 1
+                else:
+                    hi = guess + 1
+        else:
+            hi = guess
+            if hi - lo > 1 and guess - 1 > lo:
+                below = run(guess - 1)
+                if fits(below):
+                    lo = guess - 1
+                else:
+                    hi = guess - 1
+    return run(lo)
+
+
+def _crossing(seen: dict, points: list[int], capacity: int, default: int) -> int:
+    """Grid index where the line through the peaks at the last two ``points`` reaches ``capacity``."""
+    usable = [m for m in points if seen[m].peak_device_bytes]
+    if len(usable) < 2:
+        return default
+    a, b = usable[-2], usable[-1]
+    pa, pb = seen[a].peak_device_bytes, seen[b].peak_device_bytes
+    if pb == pa:
+        return default
+    slope = (pb - pa) / (b - a)
+    if slope <= 0:
+        return default
+    return int(math.floor(a + (capacity - pa) / slope))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plot
+# ---------------------------------------------------------------------------------------------------------
+
+
+_COLORS = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green", "activations": "tab:red",
+           "temporaries": "tab:purple", "other": "tab:gray"}
+
+
+def plot_memory(records, capacity: int, path, labels: list[str] | None = None, title: str = "") -> None:
+    """Stacked bars of peak device memory per rank by category (one bar per record; ``ResultRecord`` or
+    dict), the device capacity as a line; host bytes noted above each bar. Matplotlib, Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from autotune.sizes import format_tokens
+
+    rows = [r.to_dict() if hasattr(r, "to_dict") else dict(r) for r in records]
+    names = labels or [format_tokens(r["seq_len"]) + f" ({r['status']})" for r in rows]
+    gib = 2.0**30
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(rows) + 3.5), 5), dpi=110)
+    bottoms = [0.0] * len(rows)
+    for category in BREAKDOWN_CATEGORIES:
+        values = [(r.get("breakdown") or {}).get(category, 0) / gib for r in rows]
+        ax.bar(range(len(rows)), values, bottom=bottoms, color=_COLORS[category], label=category, width=0.6)
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    for index, row in enumerate(rows):
+        total = (row.get("peak_device_bytes") or 0) / gib
+        note = f"{total:.1f} GiB"
+        if row.get("host_bytes"):
+            note += f"\nhost {row['host_bytes'] / gib:.1f}"
+        ax.annotate(note, (index, max(total, bottoms[index])), ha="center", va="bottom", fontsize=7,
+                    textcoords="offset points", xytext=(0, 3))
+    ax.axhline(capacity / gib, color="black", linestyle="--", label=f"capacity {capacity / gib:.0f} GiB")
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(names, rotation=20 if len(rows) > 3 else 0, ha="right" if len(rows) > 3 else "center",
+                       fontsize=8)
+    ax.set_ylabel("peak device memory per rank (GiB)")
+    ax.set_title(title or "predicted peak device memory by category")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_ylim(0, max(max(bottoms, default=0), capacity / gib) * 1.18)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
