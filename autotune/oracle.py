@@ -486,6 +486,7 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
             with contextlib.ExitStack() as stack:
                 # only around the step: transformers probes for flash_attn while it imports model code
                 stack.enter_context(_fake_flash_kernel(gpu_kernels and techniques.attention == "flash"))
+                stack.enter_context(_fsdp_gather_outputs_are_params(tracker))
                 for mode in extra_modes:
                     stack.enter_context(mode)
                 for _ in range(steps):
@@ -503,6 +504,31 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
     return Trace(layers=layers, peak_device_bytes=int(peak.device_bytes), breakdown=_full(peak.breakdown),
                  peak_host_bytes=int(tracker.peak_host_bytes), peak_segment=peak_key, segments=segments,
                  elapsed_s=time.perf_counter() - started, extras=[extras], runs=list(runs))
+
+
+@contextlib.contextmanager
+def _fsdp_gather_outputs_are_params(tracker):
+    """FSDP2 allocates each unsharded-parameter buffer with ``torch.empty`` at its first all-gather and only
+    resizes it afterwards; the tracker labels resized storages ``params`` but a first-ever buffer by phase
+    (``activations``). A real trial's measured peak comes from a later step, where they are ``params``; the
+    primed oracle traces one step, so label them ``params`` from the start (labels only, not bytes)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    original = FSDPParam.init_all_gather_outputs
+
+    def init_all_gather_outputs(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        tracker.retag(self.all_gather_outputs, "params")
+        return result
+
+    FSDPParam.init_all_gather_outputs = init_all_gather_outputs
+    try:
+        yield
+    finally:
+        FSDPParam.init_all_gather_outputs = original
 
 
 def _prime_optimizer(model, optimizer, tracker) -> None:
