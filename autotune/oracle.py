@@ -28,9 +28,12 @@ keeps the bare tensor peak. They are 0 on the ``cpu`` preset, so it predicts exa
 tracker measures.
 
 Depth extrapolation (speed). Decoder layers are identical, so a model of ``L`` layers is traced with 3 and 4
-layers and extended exactly. The trace is cut into segments: (phase, position) with position ``pre`` /
-``first`` / ``middle`` / ``last`` / ``post`` relative to the decoder layers (forward: layer pre-hooks; backward:
-gradient hooks on each layer's output and on the first layer's input; optimizer; the gaps between phases).
+layers and extended exactly. The trace is cut into segments: ``setup`` (building the model -- trial code
+materialises the whole model on the device before FSDP shards it -- and the batch), then (phase, position)
+with position ``pre`` / ``first`` / ``middle`` / ``last`` / ``post`` relative to the decoder layers (forward:
+layer pre-hooks; backward: gradient hooks on each layer's output and on the first layer's input; optimizer;
+the gaps between phases). With a partial activation offload the layers form two runs (offloaded, on the
+device) and positions are relative to each run; each run of 3+ layers is traced at 3 and at 4.
 Inside one segment every op's live bytes are ``a + b*i + c*L`` (``i`` the layer index: saved activations of
 earlier layers, gradients of later ones, per-layer states), so each segment's peak -- the max over its
 ops and, for ``middle``, over layers 1..L-2, reached at an end of that range -- is linear in ``L`` for
@@ -493,14 +496,12 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
                     train_step(model, optimizer, batch, mesh, tracker)
             extras = extra_modes
             del model, optimizer, batch, tokens
-    segments = {k: v for k, v in tracker.segments.items() if k[0] != "setup"}
+    # ("setup", None) is building the model and the batch: trial code builds the whole model on the device
+    # before FSDP shards it, so that can be the peak (a real trial measures it too); it scales with depth
+    # like any other segment
+    segments = dict(tracker.segments)
     peak_key = max(segments, key=lambda k: segments[k].device_bytes) if segments else None
     peak = segments[peak_key] if peak_key else Segment(0, dict.fromkeys(BREAKDOWN_CATEGORIES, 0))
-    # the setup (model build, priming) never exceeds the traced step's optimizer phase; keep it honest anyway
-    setup = tracker.segments.get(("setup", None))
-    if setup is not None and setup.device_bytes > peak.device_bytes:
-        peak_key, peak = ("setup", None), setup
-        segments[peak_key] = setup
     return Trace(layers=layers, peak_device_bytes=int(peak.device_bytes), breakdown=_full(peak.breakdown),
                  peak_host_bytes=int(tracker.peak_host_bytes), peak_segment=peak_key, segments=segments,
                  elapsed_s=time.perf_counter() - started, extras=[extras], runs=list(runs))

@@ -47,7 +47,12 @@ class PlanBackend(Backend):
         self.throughput = throughput
         self.cache_size = cache_size
         self._cache: OrderedDict[str, ResultRecord] = OrderedDict()
+        self._peak_at: dict[str, tuple | None] = {}
         self.last_prediction = None  # the oracle's full Prediction of the latest uncached evaluation
+
+    def peak_at(self, evaluation: Evaluation):
+        """Where the peak of an evaluated point is: (phase, position) of the oracle's segment, or None."""
+        return self._peak_at.get(_key(evaluation))
 
     def evaluate(self, evaluation: Evaluation) -> ResultRecord:
         key = _key(evaluation)
@@ -57,8 +62,11 @@ class PlanBackend(Backend):
             return ResultRecord.from_dict(cached.to_dict())
         record = self._evaluate(evaluation)
         self._cache[key] = record
+        if self.last_prediction is not None and record.status in ("ok", "oom"):
+            self._peak_at[key] = self.last_prediction.peak_segment
         while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+            old_key, _ = self._cache.popitem(last=False)
+            self._peak_at.pop(old_key, None)
         return ResultRecord.from_dict(record.to_dict())
 
     def _evaluate(self, evaluation: Evaluation) -> ResultRecord:
@@ -71,6 +79,7 @@ class PlanBackend(Backend):
             evaluation.techniques.validate(evaluation.model_config, evaluation.gpus, evaluation.seq_len)
         except UserError as exc:
             return ResultRecord(status="error", error=str(exc), **base)
+        self.last_prediction = None
         throughput = _throughput_module() if self.throughput else None
         modes = None
         if throughput is not None:

@@ -1,0 +1,185 @@
+"""Ablation: the longest sequence Llama-3-8B trains on with 8x H100 80 GB, one technique added per row.
+
+    .venv/bin/python bench/ablation.py [--model llama3-8b] [--hardware h100-sxm] [--gpus 8] [--what-if]
+        | tee bench/results/ablation.txt
+
+Every row is the plan backend's ``find_max_seq`` (memory oracle: the trial's own code under FakeTensorMode,
+bf16 compute with fp32 master weights, flash-attn footprint, the preset's runtime overheads), the way
+long-context papers tabulate their ablations (ALST Table 2, UPipe Table 3). Columns: the longest length
+that fits (grid: multiples of lcm(1024, degree, tiles)), the predicted peak per rank there and its
+breakdown, where in the step the peak is, host memory per rank, the predicted tokens/s (throughput model).
+
+``--what-if`` adds rows for techniques the trials do not have yet, patched in for the oracle only (clearly
+marked): a tiled RMSNorm (saves only its bf16 input; fp32 math one 16K-token tile at a time), which is what the
+full stack's peak at multi-million tokens is made of (see bench/results/ablation.txt's explain section).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+K = 1024
+MLP_TILE = 16 * K
+LOSS_TILE = 4 * K
+
+# each row adds one knob to the previous one (attention is flash-attn throughout: a kernel, not a technique)
+ROWS = [
+    ("baseline (DDP, flash-attn)", {"attention": "flash"}),
+    ("+ FSDP (ZeRO-3)", {"fsdp": True}),
+    ("+ activation checkpointing", {"activation_checkpointing": True}),
+    ("+ Ulysses SP x8", {"ulysses_degree": 8}),
+    ("+ head chunk 1 (UPipe)", {"head_chunk": 1}),
+    (f"+ tiled loss ({LOSS_TILE // K}K)", {"loss_tile_tokens": LOSS_TILE}),
+    (f"+ tiled MLP ({MLP_TILE // K}K)", {"mlp_tile_tokens": MLP_TILE}),
+    ("+ activation offload (all layers)", {"activation_offload_layers": "all"}),
+    ("+ optimizer offload = full stack", {"optimizer_offload": True}),
+]
+
+
+# -- what-if: a tiled RMSNorm (oracle only) ----------------------------------------------------------------
+
+NORM_TILE = 16 * K
+
+
+def _tiled_rms_norm_class():
+    import torch
+
+    class TiledRMSNorm(torch.autograd.Function):
+        """y = w * normalize(x) in fp32 per tile; saves x (bf16) and w only; backward recomputes per tile."""
+
+        @staticmethod
+        def forward(ctx, x, weight, eps):
+            out = torch.empty_like(x)
+            x2, o2 = x.view(-1, x.shape[-1]), out.view(-1, x.shape[-1])
+            for start in range(0, x2.shape[0], NORM_TILE):
+                t = x2[start:start + NORM_TILE].float()
+                o2[start:start + NORM_TILE] = weight * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+            ctx.save_for_backward(x, weight)
+            ctx.eps = eps
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, weight = ctx.saved_tensors
+            dx = torch.empty_like(x)
+            dw = torch.zeros_like(weight, dtype=torch.float32)
+            x2, g2, d2 = x.view(-1, x.shape[-1]), grad.reshape(-1, x.shape[-1]), dx.view(-1, x.shape[-1])
+            for start in range(0, x2.shape[0], NORM_TILE):
+                with torch.enable_grad():
+                    t = x2[start:start + NORM_TILE].detach().requires_grad_(True)
+                    w = weight.detach().requires_grad_(True)
+                    f = t.float()
+                    y = w * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + ctx.eps)).to(x.dtype)
+                    gx, gw = torch.autograd.grad(y, (t, w), g2[start:start + NORM_TILE])
+                d2[start:start + NORM_TILE] = gx
+                dw += gw.float()
+            return dx, dw.to(weight.dtype), None
+
+    return TiledRMSNorm
+
+
+@contextlib.contextmanager
+def tiled_rms_norm():
+    """Patch the HF Llama/Qwen3 RMSNorm forwards with ``TiledRMSNorm`` while the block runs."""
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen3 import modeling_qwen3
+
+    fn = _tiled_rms_norm_class()
+
+    def forward(self, hidden_states):
+        return fn.apply(hidden_states, self.weight, self.variance_epsilon)
+
+    classes = [modeling_llama.LlamaRMSNorm, modeling_qwen3.Qwen3RMSNorm]
+    saved = [c.forward for c in classes]
+    for c in classes:
+        c.forward = forward
+    try:
+        yield
+    finally:
+        for c, f in zip(classes, saved):
+            c.forward = f
+
+
+# -- the table ---------------------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama3-8b")
+    parser.add_argument("--hardware", default="h100-sxm")
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--what-if", action="store_true", help="add rows for techniques trials lack (oracle only)")
+    parser.add_argument("--explain", action="store_true", help="explain the full stack's peak at its max length")
+    args = parser.parse_args(argv)
+
+    from autotune.backends import Evaluation
+    from autotune.backends.plan import PlanBackend
+    from autotune.config import Techniques
+    from autotune.oracle import explain, find_max_seq
+    from autotune.presets import load_hardware, load_model_config
+    from autotune.sizes import format_tokens
+
+    model_config = load_model_config(args.model)
+    hardware = load_hardware(args.hardware)
+    layers = model_config["num_hidden_layers"]
+    gib = 2.0**30
+    print(f"{args.model} on {args.gpus}x {hardware.name} ({hardware.device_memory_bytes / gib:.0f} GiB per device; "
+          f"runtime overheads {hardware.runtime_overhead_bytes / gib:.0f} GiB + "
+          f"{hardware.allocator_fragmentation:.0%} fragmentation), predicted by the memory oracle\n")
+    header = (f"{'configuration':<36} {'max seq (tokens)':>22} {'peak GiB':>8} {'params':>6} {'grads':>6} "
+              f"{'optim':>6} {'activ':>6} {'temps':>6} {'other':>6} {'host GiB':>8} {'tokens/s':>9}  peak at")
+    print(header)
+    print("-" * len(header))
+    rows = list(ROWS)
+    if args.what_if:
+        rows.append(("+ tiled RMSNorm (WHAT-IF: not in trials)", {"__what_if__": "tiled_rms_norm"}))
+    knobs: dict = {}
+    results = []
+    for label, add in rows:
+        what_if = add.get("__what_if__")
+        knobs.update({k: v for k, v in add.items() if not k.startswith("__")})
+        techniques = Techniques.from_dict(dict(knobs), layers)
+        evaluation = Evaluation(model_config, techniques, 512 * K, args.gpus, hardware)
+        backend = PlanBackend()
+        started = time.perf_counter()
+        with (tiled_rms_norm() if what_if else contextlib.nullcontext()):
+            record = find_max_seq(evaluation, backend=backend)
+        elapsed = time.perf_counter() - started
+        results.append((label, techniques, record, what_if))
+        b = record.breakdown or {}
+        if record.status != "ok":
+            print(f"{label:<36} {'does not fit at ' + format(record.seq_len, ','):>22} "
+                  f"{(record.peak_device_bytes or 0) / gib:8.1f} "
+                  + " ".join(f"{b.get(c, 0) / gib:6.1f}" for c in
+                             ("params", "grads", "optimizer", "activations", "temporaries", "other"))
+                  + f" {(record.host_bytes or 0) / gib:8.1f} {'':>9}  {record.status} ({elapsed:.0f} s)", flush=True)
+            continue
+        peak_at = backend.peak_at(replace(evaluation, seq_len=record.seq_len))
+        where = "/".join(str(p if not isinstance(p, tuple) else p[1]) for p in (peak_at or ()))
+        rate = f"{record.tokens_per_s:9,.0f}" if record.tokens_per_s else f"{'n/a':>9}"
+        print(f"{label:<36} {format_tokens(record.seq_len):>22} {record.peak_device_bytes / gib:8.1f} "
+              + " ".join(f"{b.get(c, 0) / gib:6.1f}" for c in
+                         ("params", "grads", "optimizer", "activations", "temporaries", "other"))
+              + f" {(record.host_bytes or 0) / gib:8.1f} {rate}  {where} ({elapsed:.0f} s)", flush=True)
+
+    target = 5 * 1024**2
+    full = next(r for r in results if r[0].endswith("full stack"))
+    print(f"\nfull stack: {format_tokens(full[2].seq_len)} tokens "
+          f"({'reaches' if full[2].status == 'ok' and full[2].seq_len >= target else 'short of'} the 5M = "
+          f"{target:,} goal; ALST reports 3.7M, UPipe 5M on this node)")
+    if args.explain or full[2].status != "ok" or full[2].seq_len < target:
+        print(f"\nwhere the full stack's memory goes at {target:,} tokens:")
+        print(explain(Evaluation(model_config, full[1], target, args.gpus, hardware)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
