@@ -5,7 +5,7 @@
 Relaunches itself under ``torchrun --nproc-per-node GPUS`` (gloo, one thread per rank). For each configuration:
 tokens/s over ``--steps`` timed training steps after one warm-up step (no memory tracker: it slows every op),
 then the peak device bytes of one more step under ``trials.memory.DeviceMemoryTracker`` (max over ranks).
-Configurations share a base of Ulysses (degree = GPUS) + activation checkpointing + MLP and loss tiles of 256
+Configurations share a base of Ulysses (degree = GPUS) + activation checkpointing + MLP tiles of 128 and loss tiles of 64
 tokens (without them the [tokens, vocab] logits, not attention, set the peak):
 
     plain        base                      (DeepSpeed UlyssesSPAttentionHF)
@@ -14,8 +14,8 @@ tokens (without them the [tokens, vocab] logits, not attention, set the peak):
     both         base + head_chunk 1 + offload all
 
 Prints a table and the ratios; the LAST line is the headline figure: head_chunk=1 / plain tokens/s.
-Timings on a shared 2-core machine are noisy: configurations are interleaved over ``--rounds`` rounds and the
-best round of each is kept.
+Timings on a shared 2-core machine are noisy (each all-to-all waits for the slower rank): configurations are
+interleaved over ``--rounds`` rounds and each one's fastest step is kept.
 """
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ def parse(argv):
     parser.add_argument("--model", default="tiny-llama")
     parser.add_argument("--seq", type=int, default=16384)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--gpus", type=int, default=2)
     return parser.parse_args(argv)
 
 
 def configs(gpus: int, layers: int) -> dict[str, dict]:
     # the long-context stack around attention: without the tiles the [tokens, vocab] logits set the peak
-    base = {"ulysses_degree": gpus, "activation_checkpointing": True, "mlp_tile_tokens": 256, "loss_tile_tokens": 256}
+    base = {"ulysses_degree": gpus, "activation_checkpointing": True, "mlp_tile_tokens": 128, "loss_tile_tokens": 64}
     return {
         "plain": base,
         "head_chunk1": dict(base, head_chunk=1),
@@ -70,12 +70,14 @@ def measure(model_config, techniques: dict, seq: int, steps: int, mesh) -> tuple
     batch = make_batch(synthetic_sample(mesh.dp_rank, seq, model.config.vocab_size, 0), mesh.sp_rank,
                        mesh.sp_degree, mesh.device)
     train_step(model, optimizer, batch, mesh)  # warm-up
-    dist.barrier()
-    start = time.perf_counter()
+    times = []
     for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
         train_step(model, optimizer, batch, mesh)
-    dist.barrier()
-    elapsed = (time.perf_counter() - start) / steps
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    elapsed = min(times)  # the machine is shared: the fastest step is the least disturbed one
     with DeviceMemoryTracker() as tracker:
         tracker.retag(model.parameters(), "params")
         # what lives on this rank before the step: parameters and optimizer states
@@ -116,7 +118,7 @@ def worker(args) -> int:
 def report(args, best: dict) -> None:
     mib = 2 ** 20
     print(f"stack overhead on CPU: {args.model}, seq {args.seq:,} tokens, {args.gpus} ranks (gloo, 1 thread each), "
-          f"base = Ulysses {args.gpus} + checkpointing + 256-token MLP/loss tiles; best of {args.rounds} rounds x {args.steps} steps")
+          f"base = Ulysses {args.gpus} + checkpointing + 128/64-token MLP/loss tiles; fastest step of {args.rounds} rounds x {args.steps}")
     print(f"{'config':<12} {'tokens/s':>10} {'peak MiB':>10}")
     for name, (tps, peak) in best.items():
         print(f"{name:<12} {tps:>10.1f} {peak / mib:>10.2f}")

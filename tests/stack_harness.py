@@ -3,7 +3,8 @@
     torchrun --nproc-per-node N tests/stack_harness.py CASES.json OUT.json      (N > 1)
     python tests/stack_harness.py CASES.json OUT.json                            (one rank)
 
-CASES.json: {"seq_len": int, "cases": [{"name", "model", "techniques": {...}, "step": bool}]}. Every rank builds,
+CASES.json: {"seq_len": int, "cases": [{"name", "model", "techniques": {...}, "step": bool,
+"batch_exchanges": bool}]}. Every rank builds,
 for each (model, data-parallel size), the plain single-process reference itself (cheap at these sizes): the loss
 and parameter gradients of ``dp`` replicas (sample r for replica r, DESIGN.md's data rule) averaged, plus the loss
 after one AdamW step. Then, per case: a fresh model with the techniques applied on the real mesh, one forward +
@@ -99,6 +100,9 @@ def run_case(case: dict, seq_len: int, refs: dict, meshes: dict) -> dict:
 
     model = build_model(model_config)
     apply(model, techniques, mesh)
+    if case.get("batch_exchanges"):  # untied Ulysses with one all-to-all per step instead of one per tensor
+        for layer in model.lm.model.layers:
+            layer.self_attn.forward.batch_exchanges = True
     tokens = synthetic_sample(mesh.dp_rank, seq_len, model.config.vocab_size, 0)
     batch = make_batch(tokens, mesh.sp_rank, mesh.sp_degree, mesh.device)
     loss = global_loss(forward_backward(model, batch, mesh), mesh)

@@ -68,6 +68,11 @@ def _cases(degree: int) -> list[dict]:
                 name = "plain"
             step = name in ("fsdp", "fsdp+optimizer_offload", "full")
             rows.append({"name": f"{model}/{name}", "model": model, "techniques": {**u, **techniques}, "step": step})
+    if degree > 1:  # untied Ulysses packing each step's tensors into one all-to-all
+        for model in ("tiny-llama", "tiny-qwen3"):
+            rows.append({"name": f"{model}/head_chunk=1 batched exchanges", "model": model, "step": False,
+                         "techniques": {**u, "head_chunk": 1, "activation_checkpointing": True},
+                         "batch_exchanges": True})
     if degree == 2:  # data parallel: two replicas of degree 1 (different samples), sharded and head-chunked
         rows.append({"name": "tiny-llama/dp2+fsdp+optimizer_offload+head_chunk=1", "model": "tiny-llama",
                      "techniques": {"fsdp": True, "optimizer_offload": True, "head_chunk": 1}, "step": True})

@@ -157,7 +157,7 @@ def _rope_backward(grad, cos, sin):
 class UPipeAttention:
     """The head-chunked attention of one attention module (what its ``forward`` is replaced by)."""
 
-    def __init__(self, module, plan: ChunkPlan, group, kernel: str):
+    def __init__(self, module, plan: ChunkPlan, group, kernel: str, batch_exchanges: bool = False):
         self.module = module
         self.plan = plan
         self.group_name = None
@@ -167,6 +167,9 @@ class UPipeAttention:
             self.group_name = register_all_to_all_group(group)
         self.kernel = kernel
         self.layout = head_layout(kernel)
+        # True: each step's tensors (q/k/v, or q/out/d_out) share one all-to-all -- fewer collectives, but a few
+        # more chunk-sized buffers alive at once. Off: memory first, as in UPipe (no difference measurable on CPU).
+        self.batch_exchanges = batch_exchanges
         self.scaling = module.scaling
         self.q_norm = getattr(module, "q_norm", None)
         self.k_norm = getattr(module, "k_norm", None)
@@ -211,48 +214,74 @@ class UPipeAttention:
         index = torch.tensor([slot - chunk.kv_lo for slot in chunk.kv_slots], device=kv.device)
         return kv.index_select(2, index)
 
-    def seq_to_heads(self, local):
-        """All-to-all: [b, s_l, P*n, d] (my tokens, the chunk's heads) -> all tokens of my n heads, dense, in the
-        kernel's layout: [b, n, s, d] ("bhsd") or [b, s, n, d] ("bshd").
+    def to_heads(self, *locals_):
+        """``seq_to_heads`` of several tensors: one exchange, or one each (``batch_exchanges``)."""
+        if self.batch_exchanges or len(locals_) == 1:
+            return self.seq_to_heads(*locals_)
+        return [self.seq_to_heads(t)[0] for t in locals_]
 
-        The send buffer is laid out so that the received blocks (dim 0 = the peer = which sequence shard)
-        already sit in sequence order: a view for flash's layout, and for "bhsd" a view when n = 1.
+    def to_seq(self, *fulls):
+        """``heads_to_seq`` of several tensors: one exchange, or one each (``batch_exchanges``)."""
+        if self.batch_exchanges or len(fulls) == 1:
+            return self.heads_to_seq(*fulls)
+        return [self.heads_to_seq(t)[0] for t in fulls]
+
+    def seq_to_heads(self, *locals_):
+        """All-to-all: each [b, s_l, P*n_i, d] (my tokens, the chunk's heads) -> all tokens of my n_i heads, dense,
+        in the kernel's layout: [b, n_i, s, d] ("bhsd") or [b, s, n_i, d] ("bshd"). One exchange for all.
+
+        The send buffer [P, b, sum n_i, s_l, d] (flash: [P, b, s_l, sum n_i, d]) is laid out so that the received
+        blocks (dim 0 = the peer = which sequence shard) already sit in sequence order.
         """
         P = self.plan.degree
-        b, s_l, heads, d = local.shape
-        n = heads // P
         if P == 1:
-            return local if self.layout == "bshd" else local.transpose(1, 2).contiguous()
-        split = local.reshape(b, s_l, P, n, d)
-        if self.layout == "bshd":
-            send = split.permute(2, 0, 1, 3, 4).contiguous()                          # [P, b, s_l, n, d]
-            recv = torch.ops.deepspeed.dim_zero_all_to_all(send, self.group_name)
-            return recv.permute(1, 0, 2, 3, 4).reshape(b, P * s_l, n, d)
-        send = split.permute(2, 0, 3, 1, 4).contiguous()                              # [P, b, n, s_l, d]
+            return [t if self.layout == "bshd" else t.transpose(1, 2).contiguous() for t in locals_]
+        b, s_l, _, d = locals_[0].shape
+        widths = [t.shape[2] // P for t in locals_]
+        head_dim_of_send = 3 if self.layout == "bshd" else 2
+        shape = [P, b, s_l, d]
+        shape.insert(head_dim_of_send, sum(widths))
+        send = locals_[0].new_empty(shape)
+        offset = 0
+        for t, n in zip(locals_, widths):
+            split = t.reshape(b, s_l, P, n, d)
+            block = split.permute(2, 0, 1, 3, 4) if self.layout == "bshd" else split.permute(2, 0, 3, 1, 4)
+            send.narrow(head_dim_of_send, offset, n).copy_(block)
+            offset += n
         recv = torch.ops.deepspeed.dim_zero_all_to_all(send, self.group_name)
-        return recv.permute(1, 2, 0, 3, 4).reshape(b, n, P * s_l, d)
+        del send
+        outs, offset = [], 0
+        for n in widths:
+            part = recv.narrow(head_dim_of_send, offset, n)
+            if self.layout == "bshd":
+                outs.append(part.permute(1, 0, 2, 3, 4).reshape(b, P * s_l, n, d))
+            else:
+                outs.append(part.permute(1, 2, 0, 3, 4).reshape(b, n, P * s_l, d))
+            offset += n
+        return outs
 
-    def heads_to_seq(self, full, out=None):
-        """All-to-all back: my n heads over all tokens (kernel layout) -> [b, s_l, P, n, d], my tokens of the
-        chunk's P*n heads (head block = peer). Copied into ``out`` ([b, s_l, P*n, d] view) when given, else
-        returned as a new dense [b, s_l, P*n, d]."""
+    def heads_to_seq(self, *fulls):
+        """All-to-all back, one exchange: each n_i heads over all tokens (kernel layout) -> a [b, s_l, P, n_i, d]
+        view: my tokens of the chunk's P*n_i heads (head block = peer)."""
         P = self.plan.degree
-        if self.layout == "bshd":
-            b, s, n, d = full.shape
-            by_block = full.reshape(b, P, s // P, n, d).transpose(0, 1)                # [P, b, s_l, n, d]
-        else:
-            b, n, s, d = full.shape
-            by_block = full.reshape(b, n, P, s // P, d).permute(2, 0, 3, 1, 4)         # [P, b, s_l, n, d]
-        s_l = s // P
-        if P == 1:
-            recv = by_block
-        else:
-            recv = torch.ops.deepspeed.dim_zero_all_to_all(by_block.contiguous(), self.group_name)
-        local = recv.permute(1, 2, 0, 3, 4)                                           # [b, s_l, P, n, d]
-        if out is None:
-            return local.reshape(b, s_l, P * n, d)
-        out.view(b, s_l, P, n, d).copy_(local)
-        return out
+        blocks = []
+        for full in fulls:
+            if self.layout == "bshd":
+                b, s, n, d = full.shape
+                blocks.append(full.reshape(b, P, s // P, n, d).transpose(0, 1))         # [P, b, s_l, n, d]
+            else:
+                b, n, s, d = full.shape
+                blocks.append(full.reshape(b, n, P, s // P, d).permute(2, 0, 3, 1, 4))  # [P, b, s_l, n, d]
+        if P > 1:
+            widths = [block.shape[3] for block in blocks]
+            send = torch.cat(blocks, dim=3) if len(blocks) > 1 else blocks[0].contiguous()
+            recv = torch.ops.deepspeed.dim_zero_all_to_all(send, self.group_name)
+            del send
+            blocks, offset = [], 0
+            for n in widths:
+                blocks.append(recv.narrow(3, offset, n))
+                offset += n
+        return [block.permute(1, 2, 0, 3, 4) for block in blocks]                     # [b, s_l, P, n, d]
 
 
 class _HeadChunkedAttention(torch.autograd.Function):
@@ -270,20 +299,23 @@ class _HeadChunkedAttention(torch.autograd.Function):
         for group in plan.kv_groups():
             first = group[0]
             n_kv = first.kv_hi - first.kv_lo
-            k = layer.k_post(layer.project(hidden, k_w, k_b, first.kv_lo, n_kv), cos, sin, kn_w)
-            k_heads = layer.seq_to_heads(layer.select_slots(first, k))               # [b, s, kc, d]
-            del k
-            v = layer.project(hidden, v_w, v_b, first.kv_lo, n_kv)
-            v_heads = layer.seq_to_heads(layer.select_slots(first, v))
-            del v
-            for chunk in group:
-                q = layer.q_post(layer.project(hidden, q_w, q_b, chunk.q_head, width), cos, sin, qn_w)
-                q_heads = layer.seq_to_heads(q)                                      # [b, s, c, d]
+            k = layer.select_slots(first, layer.k_post(layer.project(hidden, k_w, k_b, first.kv_lo, n_kv), cos, sin, kn_w))
+            v = layer.select_slots(first, layer.project(hidden, v_w, v_b, first.kv_lo, n_kv))   # [b, s_l, P*kc, d]
+            for index, chunk in enumerate(group):
+                q = layer.q_post(layer.project(hidden, q_w, q_b, chunk.q_head, width), cos, sin, qn_w)  # [b, s_l, c*P, d]
+                if index == 0:  # the group's k/v travel with its first chunk's queries
+                    q_heads, k_heads, v_heads = layer.to_heads(q, k, v)
+                    del k, v
+                else:
+                    (q_heads,) = layer.to_heads(q)
                 del q
                 o_heads, chunk_residuals = attention_forward(q_heads, k_heads, v_heads, layer.scaling, layer.kernel)
                 del q_heads
-                layer.heads_to_seq(o_heads, out=out_heads[:, :, chunk.q_head:chunk.q_head + width])
+                (o_local,) = layer.to_seq(o_heads)                                 # [b, s_l, P, c, d]
                 del o_heads
+                out_heads[:, :, chunk.q_head:chunk.q_head + width].view(b, s_l, plan.degree, plan.chunk,
+                                                                         plan.head_dim).copy_(o_local)
+                del o_local
                 residuals += chunk_residuals
             del k_heads, v_heads
         ctx.layer = layer
@@ -348,19 +380,26 @@ class _HeadChunkedAttention(torch.autograd.Function):
             n_kv = first.kv_hi - first.kv_lo
             # recompute this group's k/v; the projection output is kept only where a norm needs it in backward
             k_proj = layer.project(hidden, k_w, k_b, first.kv_lo, n_kv)
-            k_heads = layer.seq_to_heads(layer.select_slots(first, layer.k_post(k_proj, cos, sin, kn_w)))
+            k = layer.select_slots(first, layer.k_post(k_proj, cos, sin, kn_w))
             if layer.k_norm is None:
                 k_proj = None
-            v_heads = layer.seq_to_heads(layer.select_slots(first, layer.project(hidden, v_w, v_b, first.kv_lo, n_kv)))
+            v = layer.select_slots(first, layer.project(hidden, v_w, v_b, first.kv_lo, n_kv))
             dk_heads = dv_heads = None
-            for chunk in group:
+            for index, chunk in enumerate(group):
                 q_proj = layer.project(hidden, q_w, q_b, chunk.q_head, width)
-                q_heads = layer.seq_to_heads(layer.q_post(q_proj, cos, sin, qn_w))
+                q = layer.q_post(q_proj, cos, sin, qn_w)
                 if layer.q_norm is None:
                     q_proj = None
                 heads = slice(chunk.q_head, chunk.q_head + width)
-                o_heads = layer.seq_to_heads(out_heads[:, :, heads])
-                do_heads = layer.seq_to_heads(grad_heads[:, :, heads])
+                # one exchange: the chunk's q, output and output gradient (+ the group's k/v on its first chunk)
+                sent = [q, out_heads[:, :, heads], grad_heads[:, :, heads]] + ([k, v] if index == 0 else [])
+                received = layer.to_heads(*sent)
+                del sent, q
+                q_heads, o_heads, do_heads = received[:3]
+                if index == 0:
+                    k_heads, v_heads = received[3:]
+                    del k, v
+                del received
                 i = chunk_index[chunk]
                 dq_heads, dk_c, dv_c = attention_backward(
                     do_heads, q_heads, k_heads, v_heads, o_heads,
@@ -369,21 +408,27 @@ class _HeadChunkedAttention(torch.autograd.Function):
                 dk_heads = dk_c if dk_heads is None else dk_heads.add_(dk_c)
                 dv_heads = dv_c if dv_heads is None else dv_heads.add_(dv_c)
                 del dk_c, dv_c
-                dq = layer.heads_to_seq(dq_heads)                                       # [b, s_l, c*P, d]
+                last = index == len(group) - 1
+                if last:  # the group's k/v gradients travel back with its last chunk's dq
+                    del k_heads, v_heads
+                    dq, dk_local, dv_local = layer.to_seq(dq_heads, dk_heads, dv_heads)
+                    del dk_heads, dv_heads
+                else:
+                    (dq,) = layer.to_seq(dq_heads)
                 del dq_heads
-                dq_proj = post_backward(layer.q_norm, qn_w, dqn_w, q_proj, dq)
+                dq_proj = post_backward(layer.q_norm, qn_w, dqn_w, q_proj, dq.reshape(b, s_l, width, d))
                 del dq, q_proj
                 linear_backward(dq_proj, q_w, dq_w, dq_b, chunk.q_head, width)
                 del dq_proj
-            del k_heads, v_heads
-            dk = slots_backward(first, layer.heads_to_seq(dk_heads), n_kv)              # [b, s_l, n_kv, d]
-            del dk_heads
+            slot_shape = (b, s_l, plan.degree * plan.kv_slots_per_rank, d)
+            dk = slots_backward(first, dk_local.reshape(slot_shape), n_kv)              # [b, s_l, n_kv, d]
+            del dk_local
             dk_proj = post_backward(layer.k_norm, kn_w, dkn_w, k_proj, dk)
             del dk, k_proj
             linear_backward(dk_proj, k_w, dk_w, dk_b, first.kv_lo, n_kv)
             del dk_proj
-            dv = slots_backward(first, layer.heads_to_seq(dv_heads), n_kv)
-            del dv_heads
+            dv = slots_backward(first, dv_local.reshape(slot_shape), n_kv)
+            del dv_local
             linear_backward(dv, v_w, dv_w, dv_b, first.kv_lo, n_kv)
             del dv
         return (None, d_hidden, None, None, *grads)
