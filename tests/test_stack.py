@@ -206,3 +206,42 @@ def _shard_elements(preset: str, world: int) -> int:
     from trials.model import build_model
 
     return sum(p.numel() for p in build_model(load_model_config(preset)).parameters()) // world
+
+
+# -- mixed precision (one process) -------------------------------------------------------------------------------
+
+def test_bf16_autocast_stack_is_as_close_to_fp32_as_plain_autocast():
+    """Unsharded bf16 runs under autocast (``trials.model.set_compute_dtype``); the custom autograd Functions
+    (head chunking, tiled MLP recompute, tiled loss) must compute in bf16 like the plain model, not crash on
+    mixed dtypes, and land as close to the fp32 gradients as plain autocast does."""
+    import torch
+
+    from autotune.config import Techniques
+    from autotune.presets import load_model_config
+    from trials.data import make_batch, synthetic_sample
+    from trials.dist import Mesh
+    from trials.model import build_model, set_compute_dtype
+    from trials.stack import apply
+    from trials.step import forward_backward
+
+    config, mesh = load_model_config("tiny-qwen3"), Mesh.single()
+    batch = make_batch(synthetic_sample(0, 256, config["vocab_size"], 0), 0, 1, "cpu")
+
+    def run(techniques: dict, dtype):
+        model = build_model(config)
+        apply(model, Techniques(**techniques), mesh)
+        set_compute_dtype(model, dtype)
+        loss = float(forward_backward(model, batch, mesh))
+        assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+        return loss, torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    ref_loss, ref_grad = run({}, torch.float32)
+    plain_loss, plain_grad = run({}, torch.bfloat16)
+    yardstick = float((plain_grad - ref_grad).norm() / ref_grad.norm())
+    assert 0 < yardstick < 0.05
+    full = {"head_chunk": 2, "activation_checkpointing": True, "activation_offload_layers": 2,
+            "mlp_tile_tokens": 100, "loss_tile_tokens": 100}
+    for techniques in ({"head_chunk": 1}, full):
+        loss, grad = run(techniques, torch.bfloat16)
+        assert abs(loss - ref_loss) / ref_loss < 1e-3
+        assert float((grad - ref_grad).norm() / ref_grad.norm()) < 1.5 * yardstick

@@ -44,6 +44,16 @@ def _mlp_body(mlp, x):
     return type(mlp).forward(mlp, x)
 
 
+def _autocast_body(device_type: str, dtype):
+    """The MLP body under the caller's autocast: TiledMLP recomputes it in backward, where autocast is off."""
+
+    def body(mlp, x):
+        with torch.autocast(device_type, dtype=dtype):
+            return _mlp_body(mlp, x)
+
+    return body
+
+
 def _tiled_mlp_forward(self, x):
     """x [b, s_l, h] -> [b, s_l, h], in ceil(s_l / tile) sequence tiles."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
@@ -51,7 +61,11 @@ def _tiled_mlp_forward(self, x):
     shards = _tiles(x.shape[-2], self.autotune_tile_tokens)
     if shards == 1:
         return _mlp_body(self, x)
-    return TiledMLP.apply(_mlp_body, self, x, shards, [])
+    device_type = x.device.type
+    body = _mlp_body
+    if torch.is_autocast_enabled(device_type):
+        body = _autocast_body(device_type, torch.get_autocast_dtype(device_type))
+    return TiledMLP.apply(body, self, x, shards, [])
 
 
 def apply_mlp_tiling(model, tile_tokens: int) -> None:

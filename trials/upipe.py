@@ -289,6 +289,23 @@ class _HeadChunkedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, layer: UPipeAttention, hidden, cos, sin, *params):
+        # Mixed precision: under autocast, compute in its dtype with explicit casts (autocast itself is off
+        # inside, and would be off in backward anyway); parameters and the gradients returned stay fp32.
+        device_type = hidden.device.type
+        compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+        ctx.compute_dtype = compute
+        with torch.autocast(device_type, enabled=False):
+            out, residuals = _HeadChunkedAttention._forward(
+                layer, hidden.to(compute), cos.to(compute), sin.to(compute),
+                [None if p is None else p.to(compute) for p in params])
+        ctx.layer = layer
+        ctx.residuals_per_chunk = len(residuals) // len(layer.plan.chunks)
+        ctx.present = [p is not None for p in params]
+        ctx.save_for_backward(hidden, cos, sin, out, *residuals, *(p for p in params if p is not None))
+        return out
+
+    @staticmethod
+    def _forward(layer: UPipeAttention, hidden, cos, sin, params):
         plan = layer.plan
         q_w, q_b, k_w, k_b, v_w, v_b, qn_w, kn_w = params
         b, s_l, _ = hidden.shape
@@ -318,21 +335,26 @@ class _HeadChunkedAttention(torch.autograd.Function):
                 del o_local
                 residuals += chunk_residuals
             del k_heads, v_heads
-        ctx.layer = layer
-        ctx.residuals_per_chunk = len(residuals) // len(plan.chunks)
-        ctx.present = [p is not None for p in params]
-        ctx.save_for_backward(hidden, cos, sin, out, *residuals, *(p for p in params if p is not None))
-        return out
+        return out, residuals
 
     @staticmethod
     def backward(ctx, grad_out):
-        layer: UPipeAttention = ctx.layer
-        plan = layer.plan
         hidden, cos, sin, out, *rest = ctx.saved_tensors
-        per_chunk = ctx.residuals_per_chunk
-        n_res = per_chunk * len(plan.chunks)
+        n_res = ctx.residuals_per_chunk * len(ctx.layer.plan.chunks)
         residuals, present = rest[:n_res], iter(rest[n_res:])
         params = [next(present) if here else None for here in ctx.present]
+        compute = ctx.compute_dtype
+        with torch.autocast(hidden.device.type, enabled=False):
+            d_hidden, grads = _HeadChunkedAttention._backward(
+                ctx.layer, ctx.residuals_per_chunk, grad_out.to(compute), hidden.to(compute), cos.to(compute),
+                sin.to(compute), out, residuals, [None if p is None else p.to(compute) for p in params],
+                [None if p is None else torch.zeros_like(p) for p in params])
+        return (None, d_hidden.to(hidden.dtype), None, None, *grads)
+
+    @staticmethod
+    def _backward(layer: UPipeAttention, per_chunk: int, grad_out, hidden, cos, sin, out, residuals, params, grads):
+        """Everything in the compute dtype except ``grads`` (zeros like the parameters), accumulated in place."""
+        plan = layer.plan
         q_w, q_b, k_w, k_b, v_w, v_b, qn_w, kn_w = params
         b, s_l, h = hidden.shape
         d, width = plan.head_dim, plan.chunk * plan.degree
@@ -341,7 +363,6 @@ class _HeadChunkedAttention(torch.autograd.Function):
         x2d = hidden.reshape(-1, h)
         d_hidden = torch.zeros_like(hidden)
         d_x2d = d_hidden.view(-1, h)
-        grads = [None if p is None else torch.zeros_like(p) for p in params]
         dq_w, dq_b, dk_w, dk_b, dv_w, dv_b, dqn_w, dkn_w = grads
 
         def post_backward(norm_module, norm_weight, d_norm_weight, projected, d_post):
@@ -363,7 +384,10 @@ class _HeadChunkedAttention(torch.autograd.Function):
             rows = slice(first_head * d, (first_head + heads) * d)
             d2d = d_proj.reshape(-1, heads * d)
             d_x2d.addmm_(d2d, weight[rows])
-            d_weight[rows].addmm_(d2d.t(), x2d)
+            if d_weight.dtype == d2d.dtype:
+                d_weight[rows].addmm_(d2d.t(), x2d)
+            else:  # fp32 gradient of a bf16 computation
+                d_weight[rows] += torch.mm(d2d.t(), x2d)
             if d_bias is not None:
                 d_bias[rows] += d2d.sum(0)
 
@@ -431,7 +455,7 @@ class _HeadChunkedAttention(torch.autograd.Function):
             del dv_local
             linear_backward(dv, v_w, dv_w, dv_b, first.kv_lo, n_kv)
             del dv
-        return (None, d_hidden, None, None, *grads)
+        return d_hidden, grads
 
 
 def apply_head_chunking(model, mesh, head_chunk: int, kernel: str = "sdpa") -> None:
