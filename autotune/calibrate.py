@@ -13,8 +13,9 @@ microbenchmarks at the same time, with the same thread count a trial rank gets, 
 - ``host_bytes_per_s``: memcpy bandwidth (``clone`` of 64 MiB) -- the CPU path's "host" copies are memcpys;
 - ``host_optimizer_bytes_per_s``: ``torch.optim.AdamW(foreach=False)`` output bytes per second (as counted by
   ``StepCounter``) with the per-op overhead taken out;
-- ``op_overhead_s`` / ``view_overhead_s``: the host cost of one dispatched op / view under the trials' memory
-  tracker (``trials.memory.DeviceMemoryTracker``, a Python dispatch mode every CPU trial runs under);
+- ``op_overhead_s`` / ``view_overhead_s``: host seconds per dispatched op of an eager training step (Python
+  module code, autograd, the optimizer's loop, and the trials' memory tracker -- a Python dispatch mode every
+  CPU trial runs under): one step of a small Llama that is none of the presets, at 16 tokens;
 - ``intra_node_bytes_per_s`` (all-to-all), ``all_gather_efficiency`` / ``reduce_scatter_efficiency`` /
   ``all_reduce_efficiency`` (relative to it), ``collective_latency_s`` (w > 1): gloo collectives over loopback
   at several sizes, as ``latency + wire_bytes / bandwidth``.
@@ -37,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-VERSION = 4
+VERSION = 5
 CPU_ATTENTION_TILE_Q = 256   # torch's CPU flash kernel: q split 256 for q_seq_len >= 768
 CPU_ATTENTION_TILE_KV = 512  # and kv split 512
 HEAD_DIMS = (16, 32, 64, 128)
@@ -303,33 +304,84 @@ def measure_elementwise() -> float:
 
 
 def measure_memcpy() -> float:
+    """Bytes per second of a copy into a fresh buffer (what an offload does: allocate the host copy, copy),
+    over 1-16 MiB tensors."""
     import torch
 
-    x = torch.randn(16 << 20)  # 64 MiB
-    return x.numel() * 4 / _best(lambda: x.clone(), repeat=5)
+    total = seconds = 0.0
+    for numel in (1 << 18, 1 << 20, 1 << 22):
+        x = torch.randn(numel)
+        seconds += _best(lambda: torch.empty_like(x).copy_(x), repeat=5)
+        total += numel * 4
+    return total / seconds
 
 
-def measure_dispatch_overhead() -> tuple[float, float]:
-    """(per op, per view) host seconds under the trials' memory tracker, net of the op itself."""
+CALIBRATION_MODEL = {  # a small Llama that is none of the presets: compute is negligible at 16 tokens
+    "model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu",
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "attention_bias": False, "mlp_bias": False,
+}
+
+
+def measure_dispatch_overhead(partial_rates: dict) -> tuple[float, float]:
+    """Host seconds per dispatched op of an eager training step under the trials' memory tracker: Python module
+    code, autograd, the optimizer's per-parameter loop and the tracker's own dispatch, per op.
+
+    One forward + backward + AdamW step of ``CALIBRATION_MODEL`` at 16 tokens (best of 15), counted by
+    ``StepCounter``; the (tiny) predicted device work is taken out. Returns (per op, per view); a training step's
+    views cost about what its ops do (both pass through the same Python dispatch), so they are the same number.
+    """
     import torch
 
+    from autotune.config import Techniques
+    from autotune.throughput import Rates, StepCounter, _attention_time, _phase_time
+    from trials.data import make_batch, synthetic_sample
+    from trials.dist import Mesh
     from trials.memory import DeviceMemoryTracker
+    from trials.step import build_training, loss_scale
 
-    x, y = torch.randn(16), torch.randn(16)
-    n = 3000
-
-    def ops():
-        for _ in range(n):
-            x + y
-
-    def views():
-        for _ in range(n):
-            x.view(-1)
-
+    mesh = Mesh.single()
     tracker = DeviceMemoryTracker(None)
+    phases = ("forward", "backward", "optimizer")
+    best = dict.fromkeys(phases, float("inf"))
     with tracker:
-        op, view = _best(ops, 3) / n, _best(views, 3) / n
-    return op, view
+        model, optimizer = build_training(CALIBRATION_MODEL, Techniques(), mesh, 0, tracker)
+        batch = make_batch(synthetic_sample(0, 16, CALIBRATION_MODEL["vocab_size"]), 0, 1, "cpu")
+
+        def step():
+            times = []
+            start = time.perf_counter()
+            with tracker.in_phase("forward"):
+                loss = model(batch.input_ids, batch.position_ids, batch.labels, scale=loss_scale(batch, mesh))
+            times.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            with tracker.in_phase("backward"):
+                loss.backward()
+            times.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            with tracker.in_phase("optimizer"):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - start)
+            return times
+
+        step()
+        for _ in range(15):
+            for phase, seconds in zip(phases, step()):
+                best[phase] = min(best[phase], seconds)
+        counter = StepCounter(tracker)
+        with counter:
+            step()
+    rates = Rates(name="cpu", **partial_rates)
+    overhead = dispatches = 0.0
+    for phase in phases:
+        pc = counter.counts.phases[phase]
+        work, _ = _phase_time(pc, rates, _attention_time(counter.counts, (phase,), rates))
+        overhead += max(best[phase] - work, 0.0)
+        dispatches += pc.ops + pc.views
+    per_dispatch = overhead / max(dispatches, 1.0)
+    return per_dispatch, per_dispatch
 
 
 def measure_optimizer(op_overhead_s: float, view_overhead_s: float) -> float:
@@ -339,7 +391,7 @@ def measure_optimizer(op_overhead_s: float, view_overhead_s: float) -> float:
     from autotune.throughput import StepCounter
     from trials.memory import DeviceMemoryTracker
 
-    params = [torch.nn.Parameter(torch.randn(n)) for n in [1 << 16] * 24 + [1 << 17] * 4]
+    params = [torch.nn.Parameter(torch.randn(n)) for n in [1 << 20] * 6 + [1 << 16] * 8]
     for p in params:
         p.grad = torch.randn_like(p)
     optimizer = torch.optim.AdamW(params, lr=1e-5, foreach=False)
@@ -409,7 +461,12 @@ def _worker(rank: int, world: int, threads: int, out_dir: str) -> None:
     result["elementwise_bytes_per_s"] = measure_elementwise()
     result["memcpy_bytes_per_s"] = measure_memcpy()
     _barrier()
-    op, view = measure_dispatch_overhead()
+    partial = {"bf16_flops": result["matmul_flops"], "hbm_bytes_per_s": result["elementwise_bytes_per_s"],
+               "intra_node_bytes_per_s": 1e9, "host_bytes_per_s": result["memcpy_bytes_per_s"],
+               "matmul_efficiency": 1.0, "elementwise_efficiency": 1.0, "elementwise_traffic_factor": 1.0,
+               "attention_by_head_dim": tuple(sorted((int(d), (f / result["matmul_flops"], b / result["matmul_flops"]))
+                                                     for d, (f, b) in result["attention_flops"].items()))}
+    op, view = measure_dispatch_overhead(partial)
     result["op_overhead_s"], result["view_overhead_s"] = op, view
     result["optimizer_bytes_per_s"] = measure_optimizer(op, view)
     if world > 1:

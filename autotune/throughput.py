@@ -112,6 +112,7 @@ class StepCounts:
     fsdp_all_gather_input_numel: dict[str, int] = field(default_factory=dict)  # per phase: the sharded params
     fsdp_reduce_scatter_output_bytes: dict[str, int] = field(default_factory=dict)  # per phase: sharded grads
     fsdp_h2d_bytes: float = 0.0            # host->device copies seen inside FSDP (offloaded shards; CUDA only)
+    fsdp_d2h_bytes: dict[str, float] = field(default_factory=dict)  # per phase: FSDP's offloaded gradients
     first_fsdp_all_gather_wire_bytes: float = 0.0
     last_fsdp_reduce_scatter_wire_bytes: float = 0.0
     # fused attention calls grouped by shape: "phase|fwd or bwd|sq|sk|d|dv|causal" -> batch*heads summed
@@ -389,7 +390,11 @@ class StepCounter(TorchDispatchMode):
                         nbytes = tensor.untyped_storage().nbytes()
                     except Exception:
                         nbytes = _nbytes(tensor)
-                    counter.counts.phases[counter._phase()].d2h_bytes += nbytes
+                    phase = counter._phase()
+                    counter.counts.phases[phase].d2h_bytes += nbytes
+                    if counter._in_scope("FSDP::"):
+                        fsdp = counter.counts.fsdp_d2h_bytes
+                        fsdp[phase] = fsdp.get(phase, 0.0) + nbytes
                 return result
 
             tracker.mark_host = mark_host
@@ -575,6 +580,9 @@ class StepCounter(TorchDispatchMode):
                     self.counts.fsdp_h2d_bytes += nbytes
             elif dst_type == "cpu" and src_type != "meta":
                 pc.d2h_bytes += nbytes
+                if self._in_scope("FSDP::"):
+                    phase = self._phase()
+                    self.counts.fsdp_d2h_bytes[phase] = self.counts.fsdp_d2h_bytes.get(phase, 0.0) + nbytes
             return
         if src_type == "cpu" and self.tracker is not None:
             # CPU path: a copy out of an offloaded (host-marked) tensor into a device one is the prefetch
@@ -699,6 +707,8 @@ class Rates:
     view_overhead_s: float = 0.0            # host time per dispatched view / metadata op
     launch_overlaps_compute: bool = True    # GPUs queue kernels: overhead is a floor, not an addition
     side_stream_overlap: float = 1.0        # fraction of compute time FSDP collectives / offload copies can hide behind
+    device_is_host: bool = False            # cpu preset: the "device" is host memory, so FSDP2's offload copies
+                                            # (shards to the device, gradients to the host) are no-ops
     # measured attention efficiency per head dim (cpu calibration), {head_dim: (fwd, bwd)}; overrides the scalars
     attention_by_head_dim: tuple = ()
 
@@ -723,7 +733,7 @@ class Rates:
 
 
 _INT_FIELDS = {"attention_tile_q", "attention_tile_kv"}
-_BOOL_FIELDS = {"launch_overlaps_compute"}
+_BOOL_FIELDS = {"launch_overlaps_compute", "device_is_host"}
 
 
 def _preset_path(name: str) -> Path:
@@ -912,7 +922,11 @@ def predict_step_time(counts: StepCounts, hardware, world_size: int, techniques=
     host_bw = r.host_bytes_per_s * r.host_copy_efficiency
     d2h = {p: counts.phases[p].d2h_bytes for p in COMPUTE_PHASES}
     h2d = {p: counts.phases[p].h2d_bytes for p in COMPUTE_PHASES}
-    if offload_optimizer and not counts.fsdp_h2d_bytes:
+    if r.device_is_host:
+        # FSDP marks its offloaded gradients as host memory, but on a CPU device no copy happens
+        for p, nbytes in counts.fsdp_d2h_bytes.items():
+            d2h[_compute_phase(p)] = max(0.0, d2h.get(_compute_phase(p), 0) - nbytes)
+    elif offload_optimizer and not counts.fsdp_h2d_bytes:
         # CPU path (everything is "cpu"): FSDP2's host->device copy of each offloaded shard before its
         # all-gather is a no-op ``.to(device)``, invisible. It copies the master (fp32) shard: all-gather input
         # elements x master itemsize. (The sharded gradients going to the host are seen: FSDP marks them.)

@@ -179,9 +179,33 @@ def test_fsdp_collectives_are_side_stream_and_sized(llama):
     assert counts.optimizer_params == pytest.approx(params / 2, rel=0.01)
     # optimizer offload on the cpu path: sharded gradients go to the host (FSDP marks them)
     assert counts.phases["backward"].d2h_bytes == pytest.approx(params * 4 / 2, rel=0.01)
+    assert counts.fsdp_d2h_bytes["backward"] == counts.phases["backward"].d2h_bytes
+    # on a GPU the shards really travel: fp32 shards up before each all-gather, gradients down
     timing = predict_step_time(counts, "h100-sxm", 2, Techniques(fsdp=True, optimizer_offload=True))
     assert timing.detail["host_h2d_bytes"] == pytest.approx(sum(counts.fsdp_all_gather_input_numel.values()) * 4)
+    assert timing.detail["host_d2h_bytes"] == counts.phases["backward"].d2h_bytes
     assert timing.optimizer_s > 0
+
+
+def test_cpu_device_has_no_fsdp_offload_copies(fake_calibration, llama):
+    """On the cpu preset the device is host memory: FSDP2's offload copies are no-ops, activation offload's are not."""
+    from autotune.oracle import trace
+
+    counters = []
+
+    def modes(tracker):
+        counters.append(StepCounter(tracker, seq_len=256, world_size=2))
+        return counters[-1:]
+
+    tech = Techniques(fsdp=True, optimizer_offload=True, activation_checkpointing=True, activation_offload_layers=2)
+    trace(llama, tech, 256, 2, modes=modes)
+    counts = counters[0].counts
+    layer_input = 256 * llama["hidden_size"] * 4
+    assert counts.phases["forward"].d2h_bytes == 2 * layer_input
+    assert counts.total("h2d_bytes") == 2 * layer_input  # prefetched back in backward
+    timing = predict_step_time(counts, "cpu", 2, tech)
+    assert timing.detail["host_d2h_bytes"] == 2 * layer_input
+    assert timing.detail["host_h2d_bytes"] == 2 * layer_input
 
 
 def test_counts_scale_and_roundtrip(baseline_counts):

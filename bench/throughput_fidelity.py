@@ -1,0 +1,252 @@
+"""How well does the throughput model predict real CPU trials? Predicted / measured step time per config.
+
+For each config (tiny models, 1-2 ranks, 1K-8K tokens, technique stacks):
+- predicted: the ``plan`` backend (``autotune.backends.plan.PlanBackend``: the memory oracle's fake trace of the
+  trial code with ``autotune.throughput.StepCounter`` inside, then ``predict_step_time``) on the ``cpu`` preset,
+  whose rates ``autotune.calibrate`` measured on this machine (cached);
+- measured: the real trial, ``trials.runner.run_trial`` -- what ``autotune.backends.local.LocalBackend`` launches
+  -- under ``torchrun --nproc-per-node N`` (or one plain process), gloo, fp32, with the local backend's thread
+  count per rank (``cpus // N``). Every training step is timed, and the machine's CPU use by *other* processes is
+  sampled around each step (/proc/stat minus this trial's own processes): a step during which others used more
+  than 10% of the CPUs is contended and not used. The measured step time is the fastest clean step (after the
+  runner's warm-up step); other processes can only slow a step down, so the fastest one is the trial's own speed.
+  If no step of a launch is clean, the config is launched again (up to --attempts times).
+
+Prints one row per config with the ratio predicted / measured, the worst ratio last, and writes the same text
+to bench/results/throughput_fidelity.txt. Goal: every ratio within [0.77, 1.3].
+
+    .venv/bin/python bench/throughput_fidelity.py            # all configs (~10-15 min on 2 cores)
+    .venv/bin/python bench/throughput_fidelity.py --quick    # 4 configs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# (model, seq_len, ranks, techniques)
+CONFIGS = [
+    ("tiny-llama", 1024, 1, {}),
+    ("tiny-llama", 4096, 1, {}),
+    ("tiny-qwen3", 2048, 1, {"activation_checkpointing": True}),
+    ("tiny-llama", 8192, 1, {"activation_checkpointing": True}),
+    ("tiny-llama", 4096, 1, {"activation_checkpointing": True, "mlp_tile_tokens": 1024, "loss_tile_tokens": 1024}),
+    ("tiny-qwen3", 4096, 1, {"fsdp": True, "optimizer_offload": True, "activation_checkpointing": True,
+                             "activation_offload_layers": 4}),
+    ("tiny-llama", 2048, 2, {"ulysses_degree": 2}),
+    ("tiny-llama", 8192, 2, {"ulysses_degree": 2, "activation_checkpointing": True}),
+    ("tiny-qwen3", 4096, 2, {"fsdp": True}),
+    ("tiny-llama", 4096, 2, {"ulysses_degree": 2, "head_chunk": 1, "fsdp": True}),
+    ("tiny-qwen3", 2048, 2, {"fsdp": True, "optimizer_offload": True, "ulysses_degree": 2,
+                             "activation_checkpointing": True, "activation_offload_layers": 4}),
+    ("tiny-llama", 1024, 2, {"fsdp": True, "activation_checkpointing": True}),
+]
+QUICK = [CONFIGS[0], CONFIGS[3], CONFIGS[6], CONFIGS[8]]
+CONTENDED = 0.10  # others' share of the machine's CPUs above which a step does not count
+
+
+# -----------------------------------------------------------------------------------------------------------
+# The measuring worker (one per rank): the trial runner, with every step timed and checked for contention
+# -----------------------------------------------------------------------------------------------------------
+
+
+def _jiffies_busy() -> tuple[float, float]:
+    with open("/proc/stat") as f:
+        parts = [float(x) for x in f.readline().split()[1:]]
+    idle = parts[3] + (parts[4] if len(parts) > 4 else 0.0)
+    return sum(parts) - idle, sum(parts)
+
+
+def _proc_jiffies(pids) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += float(fields[11]) + float(fields[12])  # utime + stime (whole process, all threads)
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def worker(spec_path: str, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import trials.step
+    from trials.runner import run_trial
+
+    spec = json.loads(Path(spec_path).read_text())
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    pids = [os.getpid()]
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, os.getpid())
+        pids = gathered
+    steps = []
+    original = trials.step.train_step
+
+    def timed_step(*args, **kwargs):
+        busy0, total0 = _jiffies_busy()
+        ours0 = _proc_jiffies(pids)
+        start = time.perf_counter()
+        result = original(*args, **kwargs)
+        elapsed = time.perf_counter() - start
+        busy1, total1 = _jiffies_busy()
+        ours1 = _proc_jiffies(pids)
+        total = max(total1 - total0, 1.0)
+        others = max(0.0, (busy1 - busy0) - (ours1 - ours0)) / total
+        steps.append({"seconds": elapsed, "others": others})
+        return result
+
+    trials.step.train_step = timed_step
+    try:
+        record = run_trial(spec)
+    finally:
+        trials.step.train_step = original
+    record["steps"] = steps
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# -----------------------------------------------------------------------------------------------------------
+# The driver
+# -----------------------------------------------------------------------------------------------------------
+
+
+def measure(model: str, seq_len: int, ranks: int, techniques: dict, steps: int, attempts: int) -> dict:
+    """Launch the trial (as the local backend does) until a launch has clean steps; the fastest clean step."""
+    from autotune.calibrate import wait_for_idle
+    from autotune.presets import load_model_config
+
+    spec = {"model_config": load_model_config(model), "techniques": techniques, "seq_len": seq_len,
+            "steps": steps, "warmup": 1, "capacity_bytes": None, "seed": 0}
+    clean, contended, last_error = [], [], None
+    for attempt in range(attempts):
+        wait_for_idle(0.05, 120)
+        with tempfile.TemporaryDirectory(prefix="autotune-fidelity-") as tmp:
+            spec_path = Path(tmp) / "spec.json"
+            spec_path.write_text(json.dumps(spec))
+            env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // ranks)),
+                       PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            me = [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path), tmp]
+            if ranks > 1:
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] + me[1:]
+            else:
+                cmd = me
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+            path = Path(tmp) / "rank0.json"
+            if not path.exists():
+                last_error = (proc.stdout + proc.stderr)[-1500:]
+                continue
+            record = json.loads(path.read_text())
+        if record.get("status") != "ok":
+            last_error = record.get("error")
+            break
+        measured = record["steps"][1:]  # the runner's first step is its warm-up
+        clean += [s["seconds"] for s in measured if s["others"] <= CONTENDED]
+        contended += [s["seconds"] for s in measured if s["others"] > CONTENDED]
+        if clean:
+            break
+    if not clean and not contended:
+        return {"error": last_error or "no record"}
+    return {"step_time_s": min(clean or contended), "clean_steps": len(clean),
+            "contended_steps": len(contended), "runner_mean_s": record.get("step_time_s")}
+
+
+def predict(model: str, seq_len: int, ranks: int, techniques: dict):
+    from autotune.backends import Evaluation
+    from autotune.backends.plan import PlanBackend, step_counts
+    from autotune.config import Techniques
+    from autotune.presets import load_hardware, load_model_config
+    from autotune.throughput import predict_step_time
+
+    cfg = load_model_config(model)
+    tech = Techniques.from_dict(techniques, cfg["num_hidden_layers"])
+    hardware = load_hardware("cpu")
+    backend = PlanBackend()
+    evaluation = Evaluation(cfg, tech, seq_len, ranks, hardware)
+    record = backend.evaluate(evaluation)
+    counts = step_counts(backend.last_prediction) if backend.last_prediction is not None else None
+    timing = predict_step_time(counts, hardware, ranks, tech, seq_len=seq_len) if counts is not None else None
+    return record, timing
+
+
+def describe(techniques: dict) -> str:
+    short = {"activation_checkpointing": "ckpt", "ulysses_degree": "sp", "optimizer_offload": "optoff",
+             "activation_offload_layers": "actoff", "mlp_tile_tokens": "mlptile", "loss_tile_tokens": "losstile",
+             "head_chunk": "chunk", "fsdp": "fsdp"}
+    parts = []
+    for key, value in techniques.items():
+        name = short.get(key, key)
+        parts.append(name if value is True else f"{name}{value}")
+    return "+".join(parts) or "baseline"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="4 configs")
+    parser.add_argument("--steps", type=int, default=4, help="measured steps per launch (after 1 warm-up)")
+    parser.add_argument("--attempts", type=int, default=4, help="launches per config when every step is contended")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "throughput_fidelity.txt"))
+    parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT_DIR"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(*args.worker)
+        return 0
+
+    from autotune import calibrate
+
+    started = time.time()
+    cal = calibrate.load_or_calibrate(quiet=False)
+    lines = [f"# throughput model fidelity on this machine ({cal['machine']['cpu']}, {cal['machine']['cpus']} CPUs, "
+             f"torch {cal['machine']['torch']}); cpu preset calibrated {cal.get('measured_at')}",
+             "# predicted: plan backend (oracle fake trace + StepCounter + predict_step_time, cpu preset)",
+             "# measured: trials.runner.run_trial under torchrun, gloo, fp32; fastest uncontended step",
+             f"{'config':52s} {'measured_s':>10s} {'predicted_s':>11s} {'ratio':>6s}  clean  predicted breakdown"]
+    print("\n".join(lines), flush=True)
+    rows = []
+    for model, seq_len, ranks, techniques in (QUICK if args.quick else CONFIGS):
+        name = f"{model} {seq_len // 1024}K x{ranks} {describe(techniques)}"
+        record, timing = predict(model, seq_len, ranks, techniques)
+        measured = measure(model, seq_len, ranks, techniques, args.steps, args.attempts)
+        if "error" in measured or record.step_time_s is None:
+            line = f"{name:52s} error: {(measured.get('error') or record.error or 'no prediction')[-300:]}"
+            print(line, flush=True)
+            lines.append(line)
+            continue
+        ratio = record.step_time_s / measured["step_time_s"]
+        rows.append((ratio, name))
+        parts = (f"c {timing.compute_s:.3f} r {timing.recompute_s:.3f} comm {timing.exposed_comm_s:.3f} "
+                 f"host {timing.exposed_host_s:.3f} opt {timing.optimizer_s:.3f}") if timing else ""
+        line = (f"{name:52s} {measured['step_time_s']:10.4f} {record.step_time_s:11.4f} {ratio:6.2f}  "
+                f"{measured['clean_steps']}/{measured['clean_steps'] + measured['contended_steps']}    {parts}")
+        print(line, flush=True)
+        lines.append(line)
+    if rows:
+        inside = sum(1 for r, _ in rows if 0.77 <= r <= 1.3)
+        worst = max(rows, key=lambda row: max(row[0], 1 / row[0]))
+        lines.append(f"# {inside}/{len(rows)} ratios within [0.77, 1.3]; took {time.time() - started:.0f} s")
+        lines.append(f"worst: {worst[1]}  ratio {worst[0]:.2f}")
+        print("\n".join(lines[-2:]))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
