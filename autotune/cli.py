@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import sys
@@ -18,7 +20,23 @@ from autotune.errors import UserError
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Find the memory/throughput configuration for multi-million-token training.")
 console = Console(stderr=True)
-out_console = Console()
+
+
+class _Output:
+    """Where our own output goes. Libraries print to stdout (DeepSpeed's logger, its JIT build messages), but
+    ``--json`` promises stdout holds exactly one JSON object, so while a command runs fd 1 and sys.stdout point
+    at stderr and our output is written to the saved stdout (see ``_library_noise_to_stderr``)."""
+
+    file = sys.stdout
+
+    def print(self, text: str) -> None:
+        print(text, file=self.file, flush=True)
+
+    def rich(self, renderable) -> None:
+        Console(file=self.file).print(renderable)
+
+
+OUT = _Output()
 
 TARGET_HELP = "tokens: an integer or K/M suffix (K=1024, M=1024^2; 5M = 5,242,880)"
 
@@ -65,7 +83,7 @@ def _hardware_for(backend_name: str, hardware: str, memory_gib: Optional[float])
 
 def _print_record(record: dict, as_json: bool, title: str) -> None:
     if as_json:
-        print(json.dumps(record))
+        OUT.print(json.dumps(record))
         return
     table = Table(title=title, show_header=False)
     for key, value in record.items():
@@ -78,7 +96,7 @@ def _print_record(record: dict, as_json: bool, title: str) -> None:
 
             value = format_tokens(value)
         table.add_row(key, str(value))
-    out_console.print(table)
+    OUT.rich(table)
 
 
 @app.command()
@@ -144,12 +162,12 @@ def search(
     summary = report.write_outputs(job, result_study)
     summary["avoided"] = dict(job.avoided)
     if as_json:
-        print(json.dumps({k: summary[k] for k in ("rows", "best", "message", "avoided")}))
+        OUT.print(json.dumps({k: summary[k] for k in ("rows", "best", "message", "avoided")}))
     else:
         _print_front(summary["front"], target_tokens)
         if summary["best"]:
             best = summary["best"]
-            out_console.print(f"best for {format_tokens(target_tokens)}: {format_tokens(best['seq_len'])} at "
+            OUT.rich(f"best for {format_tokens(target_tokens)}: {format_tokens(best['seq_len'])} at "
                               f"{(best['predicted'] or best['measured'])['tokens_per_s']:,.0f} tokens/s -> {out / 'best.json'}")
     if interrupted:
         console.print("interrupted: finished trials are saved; run the same command to resume")
@@ -187,7 +205,7 @@ def _print_front(front: list[dict], target: int) -> None:
         table.add_row(str(entry["trial"]), f"{entry['seq_len']:,}" + (" *" if entry["seq_len"] >= target else ""),
                       f"{entry['tokens_per_s']:,.0f}", f"{(record.get('peak_device_bytes') or 0) / 2**30:.2f}",
                       record["source"], _knob_label(entry["techniques"]))
-    out_console.print(table)
+    OUT.rich(table)
 
 
 @app.command()
@@ -275,7 +293,7 @@ def export(
 
     text, extras = export_config(directory, target, format)
     if output is None:
-        print(text)
+        OUT.print(text)
         for body in extras.values():
             console.print(body, markup=False, highlight=False)
     else:
@@ -316,7 +334,7 @@ def run(
     else:
         command = [sys.executable, "-m", "torch.distributed.run", *command[1:]]
     console.print(" ".join(command), markup=False, highlight=False)
-    raise typer.Exit(subprocess.call(command))
+    raise typer.Exit(subprocess.call(command, stdout=OUT.file))
 
 
 @app.command()
@@ -355,7 +373,7 @@ def models():
         table.add_row(name, c["model_type"], str(c["num_hidden_layers"]), str(c["hidden_size"]),
                       str(c["num_attention_heads"]), str(c["num_key_value_heads"]), str(c["vocab_size"]),
                       f"{_param_count(c) / 1e9:.2f} B")
-    out_console.print(table)
+    OUT.rich(table)
 
 
 def _param_count(c: dict) -> int:
@@ -380,13 +398,38 @@ def hardware():
         table.add_row(name, f"{hw.device_memory_bytes / 2**30:.0f}", f"{hw.bf16_flops / 1e12:.0f}",
                       f"{hw.hbm_bytes_per_s / 1e12:.2f}", f"{hw.intra_node_bytes_per_s / 1e9:.0f}",
                       f"{hw.host_bytes_per_s / 1e9:.0f}", hw.description)
-    out_console.print(table)
+    OUT.rich(table)
+
+
+@contextlib.contextmanager
+def _library_noise_to_stderr():
+    """Point fd 1 and sys.stdout at stderr while a command runs; ``OUT`` keeps the real stdout."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):  # captured stdout (tests): Python level only
+        OUT.file = sys.stdout
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(fd)
+    OUT.file = os.fdopen(saved, "w")
+    os.dup2(sys.stderr.fileno(), fd)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        OUT.file.flush()
+        os.dup2(saved, fd)
+        OUT.file.close()
+        OUT.file = sys.stdout
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: one line and exit 2 for bad input (ours or the parser's), never a traceback."""
     try:
-        app(args=argv, standalone_mode=False)
+        with _library_noise_to_stderr():
+            app(args=argv, standalone_mode=False)
     except UserError as exc:
         print(f"autotune: error: {exc}", file=sys.stderr)
         return 2
