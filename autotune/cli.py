@@ -107,7 +107,7 @@ def search(
     hardware: str = typer.Option("h100-sxm", help="hardware preset (autotune hardware)"),
     backend: str = typer.Option("auto", help="auto | plan | local"),
     space: Optional[Path] = typer.Option(None, help="search space YAML (default: search_spaces/default.yaml)"),
-    trials: int = typer.Option(40, help="finished trials the study should hold (resumes count)"),
+    trials: int = typer.Option(30, help="finished trials the study should hold (resumes count)"),
     timeout: Optional[float] = typer.Option(None, help="stop starting new trials after this many seconds"),
     out: Path = typer.Option(Path("autotune-out"), help="output folder (study.db, trials.parquet, ...)"),
     storage: Optional[str] = typer.Option(None, help="Optuna RDB URL or journal file shared by workers"),
