@@ -237,9 +237,11 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     real = run_real(configs)
     real_s = time.perf_counter() - started
-    print(f"{'config':<58} {'real MiB':>9} {'oracle MiB':>10} {'ratio':>7} {'oracle s':>8}  peak at (oracle)")
+    print(f"{'config':<58} {'real MiB':>9} {'oracle MiB':>10} {'ratio':>7} {'diff bytes':>10} {'host':>5} "
+          f"{'oracle s':>8}  peak at (oracle)")
     worst = None
     oracle_s = []
+    exact = same_host = same_breakdown = 0
     for config, measured in zip(configs, real):
         if measured["status"] == "skipped":
             print(f"{config.name:<58} skipped: {measured['error']}")
@@ -257,10 +259,18 @@ def main(argv=None) -> int:
         if worst is None or abs(ratio - 1) > abs(worst[1] - 1):
             worst = (config.name, ratio)
         flag = "" if abs(ratio - 1) <= 0.05 else "  <-- off by more than 5%"
+        diff = predicted.peak_device_bytes - measured["peak_device_bytes"]
+        host = "same" if predicted.host_bytes == measured["host_bytes"] else "DIFF"
+        exact += diff == 0
+        same_host += host == "same"
+        same_breakdown += predicted.breakdown == measured["breakdown"]
         print(f"{config.name:<58} {_mib(measured['peak_device_bytes'])} {_mib(predicted.peak_device_bytes):>10} "
-              f"{ratio:7.4f} {predicted.elapsed_s:8.2f}  {predicted.peak_segment}{flag}", flush=True)
-    print(f"\n{len(oracle_s)} configs compared; real trials {real_s:.0f} s in {len({c.world for c in configs})} "
-          f"launches; oracle {sum(oracle_s):.1f} s total, {max(oracle_s, default=0):.2f} s max")
+              f"{ratio:7.4f} {diff:10d} {host:>5} {predicted.elapsed_s:8.2f}  {predicted.peak_segment}{flag}",
+              flush=True)
+    print(f"\n{len(oracle_s)} configs compared: peak exact to the byte in {exact}, same breakdown by category in "
+          f"{same_breakdown}, same host bytes in {same_host}; real trials {real_s:.0f} s in "
+          f"{len({c.world for c in configs})} launches; oracle {sum(oracle_s):.1f} s total, "
+          f"{max(oracle_s, default=0):.2f} s max")
     if worst:
         print(f"worst ratio (oracle / real peak): {worst[1]:.4f} ({worst[0]})")
     return 0 if worst and abs(worst[1] - 1) <= 0.05 else 1
