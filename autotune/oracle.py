@@ -106,6 +106,7 @@ class Prediction:
     elapsed_s: float
     extension: list[int] = field(default_factory=list)  # per extended run: layers beyond the base trace
 
+
 # ---------------------------------------------------------------------------------------------------------
 # The fake world: process group, dispatch stubs, GPU kernels
 # ---------------------------------------------------------------------------------------------------------
@@ -131,10 +132,6 @@ def fake_process_group(world_size: int, needed: bool | None = None):
         yield
     finally:
         dist.destroy_process_group()
-
-
-class _OracleMode:
-    """Created lazily (TorchDispatchMode import); see ``_make_oracle_mode``."""
 
 
 def _make_oracle_mode(gpu_kernels: bool):
@@ -179,12 +176,14 @@ class _FakeFlashAttn(torch.autograd.Function):
         out = torch.empty_like(q)
         lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
         ctx.save_for_backward(q, k, v, out, lse)
+        _record_attention(q, k, v, backward=False)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         b, s, h, d = q.shape
+        _record_attention(q, k, v, backward=True)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         scratch = [torch.empty((b, s, h, d), dtype=torch.float32, device=q.device),
                    torch.empty((b, h, s), dtype=torch.float32, device=q.device)]
@@ -201,6 +200,15 @@ class _FakeFlashAttn(torch.autograd.Function):
         return dq, dk, dv
 
 
+def _record_attention(q, k, v, backward: bool, causal: bool = True) -> None:
+    """Tell the throughput counter (``autotune.throughput.StepCounter``) about the fake kernel's FLOPs."""
+    try:
+        from autotune.throughput import record_attention
+    except ImportError:  # memory-only predictions
+        return
+    record_attention(q, k, v, causal=causal, backward=backward, layout="bshd")
+
+
 def _fake_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, **kwargs):
     return _FakeFlashAttn.apply(q, k, v)
 
@@ -209,6 +217,7 @@ def _fake_wrapped_flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, 
                                      window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False):
     """flash-attn >= 2.7 ``_wrapped_flash_attn_forward``: (out, softmax_lse fp32 [b, h, s], S_dmask, rng_state)."""
     b, s, h, d = q.shape
+    _record_attention(q, k, v, backward=False, causal=causal)
     out = torch.empty_like(q)
     lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
     rng_state = torch.empty((2,), dtype=torch.int64, device=q.device)
@@ -220,6 +229,7 @@ def _fake_wrapped_flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, d
                                       deterministic=False, rng_state=None):
     """flash-attn's ``mha_bwd`` into dq/dk/dv, with its scratch (see ``_FakeFlashAttn``); returns softmax_d."""
     b, s, h, d = q.shape
+    _record_attention(q, k, v, backward=True, causal=causal)
     softmax_d = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
     scratch = [torch.empty((b, s, h, d), dtype=torch.float32, device=q.device)]
     if k.shape[2] != h:
