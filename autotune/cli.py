@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -154,6 +155,7 @@ def search(
     console.print(f"autotune: {model} on {gpus}x {hw.name}, target {format_tokens(target_tokens)}, "
                   f"backend {backend_name}, out {out}")
     interrupted = False
+    signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's SIGTERM is a Ctrl-C: save the outputs, then stop
     with SearchProgress(job, console=console, enabled=not as_json) as progress:
         try:
             search_mod.run(job, on_record=progress.on_record, study=result_study)
@@ -175,6 +177,10 @@ def search(
     if summary["message"]:
         console.print(summary["message"])
         raise typer.Exit(1)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def _flash_installed() -> bool:
@@ -349,6 +355,12 @@ def plot(directory: Path = typer.Argument(...), output: Optional[Path] = typer.O
     path = output or directory / "pareto.png"
     plot_pareto(rows, front_doc["front"], front_doc["target"], path, title=f"{front_doc['model']}")
     console.print(f"wrote {path}")
+    if output is None and front_doc["front"] and "capacity_bytes" in front_doc:
+        from autotune.report import plot_front_memory
+
+        plot_front_memory(front_doc["front"], front_doc["capacity_bytes"], directory / "memory.png",
+                          title=f"memory per rank of the front, {front_doc['model']}")
+        console.print(f"wrote {directory / 'memory.png'}")
 
 
 @app.command()

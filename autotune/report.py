@@ -71,11 +71,13 @@ def write_outputs(job: "search.SearchJob", study) -> dict:
     front = front_entries(study)
     (out / "pareto.json").write_text(json.dumps(
         {"model": job.model, "hardware": job.hardware.name, "gpus": job.gpus, "target": job.target,
-         "front": front}, indent=2) + "\n")
+         "capacity_bytes": job.hardware.device_memory_bytes, "front": front}, indent=2) + "\n")
     from autotune.plots import plot_pareto
 
     plot_pareto(trial_rows(study), front, job.target, out / "pareto.png",
                 title=f"{job.model} on {job.gpus}x {job.hardware.name}")
+    plot_front_memory(front, job.hardware.device_memory_bytes, out / "memory.png",
+                      title=f"memory per rank of the front, {job.model} on {job.gpus}x {job.hardware.name}")
     best = search.best_for_target(study, job.target)
     summary = {"rows": rows, "front": front, "best": None, "message": None}
     best_path = out / "best.json"
@@ -96,6 +98,17 @@ def write_outputs(job: "search.SearchJob", study) -> dict:
     config.write(best_path)
     summary["best"] = config.to_dict()
     return summary
+
+
+def plot_front_memory(front: list[dict], capacity_bytes: int, path: Path, title: str = "") -> None:
+    """``memory.png``: the peak-memory breakdown of every front point against the capacity (issue 7)."""
+    if not front:
+        return
+    from autotune.oracle import plot_memory
+    from autotune.plots import _knob_label
+
+    plot_memory([f["record"] for f in front], capacity_bytes, path, title=title,
+                labels=[f"{f['seq_len']:,}\n{_knob_label(f['techniques'])}" for f in front])
 
 
 def _techniques(values: dict):
