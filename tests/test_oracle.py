@@ -222,17 +222,3 @@ def test_plot_memory_writes_a_png(tmp_path):
 
 
 # -- speed -------------------------------------------------------------------------------------------------
-
-@pytest.mark.slow
-def test_llama3_8b_at_5m_on_8_ranks_full_stack_is_fast():
-    ev = evaluation(load_model_config("llama3-8b"), seq=5 * 1024**2, gpus=8, hardware="h100-sxm", fsdp=True,
-                    optimizer_offload=True, ulysses_degree=8, head_chunk=1, activation_checkpointing=True,
-                    activation_offload_layers=32, mlp_tile_tokens=64 * K, loss_tile_tokens=4 * K, attention="flash")
-    oracle.predict(replace(ev, seq_len=64 * K))  # warm the imports and caches, as a search process would be
-    started = time.perf_counter()
-    oracle.predict(ev)
-    assert time.perf_counter() - started < 20
-    plain = replace(ev, techniques=Techniques(fsdp=True, ulysses_degree=8, activation_checkpointing=True))
-    started = time.perf_counter()
-    oracle.predict(plain)
-    assert time.perf_counter() - started < 15  # no tiles: the sequence length costs nothing
