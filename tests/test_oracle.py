@@ -4,7 +4,6 @@ the plan backend's records, --max-seq, the GPU kernels' footprints, the plot."""
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import replace
 
 import pytest
