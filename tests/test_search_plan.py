@@ -39,7 +39,7 @@ def test_plan_search_reports_ooms_as_constraint_violations(tmp_path):
     study = load_study(out)
     for trial in finished(study):
         record = trial.user_attrs["record"]
-        (violation,) = trial.system_attrs["constraints"]
+        (violation,) = trial.constraints.values()
         assert (violation > 0) == (record["status"] != "ok"), (trial.number, record["status"], violation)
         assert record["source"] == "predicted"
     assert any(r["status"] == "oom" for r in rows), "the 0.5 GiB capacity never bound"
