@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,12 +85,20 @@ def open_storage(storage: str | None, out: Path):
         raise UserError(f"--storage {storage!r} cannot be opened: {str(exc).splitlines()[0]}") from None
 
 
-def _rdb(url: str):
+def _rdb(url: str, attempts: int = 5):
     from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 
-    # heartbeats: a trial whose worker was killed is marked FAIL after the grace period and retried once
-    return RDBStorage(url, heartbeat_interval=5, grace_period=20,
-                      heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1))
+    for attempt in range(attempts):
+        try:
+            # heartbeats: a trial whose worker was killed is marked FAIL after the grace period and retried once
+            return RDBStorage(url, heartbeat_interval=5, grace_period=20,
+                              heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1))
+        except Exception as exc:
+            # workers starting together race to create the schema: the loser sees "already exists" or a lock
+            transient = "already exists" in str(exc) or "locked" in str(exc)
+            if not transient or attempt == attempts - 1:
+                raise
+            time.sleep(0.5 * (attempt + 1))
 
 
 def study_name_for(job: SearchJob) -> str:
