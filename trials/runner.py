@@ -11,6 +11,7 @@ torchrun tears the job down instead of leaving peers blocked in a collective.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -48,7 +49,7 @@ def run_trial(spec: dict, mesh=None) -> dict:
               "rank": mesh.rank, "loss": None, "grad_norm": None, "error": None}
     step_times = []
     try:
-        with tracker if tracker is not None else _nullcontext():
+        with tracker if tracker is not None else contextlib.nullcontext():
             model, optimizer = build_training(spec["model_config"], techniques, mesh, seed, tracker,
                                               compute_dtype=_compute_dtype(spec.get("compute_dtype")))
             tokens = synthetic_sample(mesh.dp_rank, seq_len, model.config.vocab_size, seed)
@@ -110,14 +111,6 @@ def _describe(device: torch.device, mesh) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)} x{mesh.world_size}"
     return f"cpu (gloo) x{mesh.world_size}"
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@ so step 1 matches the trial's loss), or token ids from a Parquet/Arrow file: a c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -78,7 +79,7 @@ def train(config_path: str, steps: int, data: str | None = None, seed: int = 0, 
     tracker = DeviceMemoryTracker() if mesh.device.type != "cuda" else None
     talk = print_fn if mesh.rank == 0 else (lambda *a, **k: None)
     losses, rates, peak = [], [], 0
-    with tracker if tracker is not None else _Null():
+    with tracker if tracker is not None else contextlib.nullcontext():
         model, optimizer = build_training(model_config, techniques, mesh, seed, tracker)
         source = TokenSource(seq_len, model.config.vocab_size, seed, data)
         for step in range(steps):
@@ -97,14 +98,6 @@ def train(config_path: str, steps: int, data: str | None = None, seed: int = 0, 
                "world_size": mesh.world_size}
     talk("summary " + json.dumps(summary), flush=True)
     return summary
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main(argv: list[str] | None = None) -> int:
