@@ -947,7 +947,7 @@ def predict_step_time(counts: StepCounts, hardware, world_size: int, techniques=
 
     # the optimizer step
     opt = counts.phases["optimizer"]
-    if offload_optimizer:
+    if offload_optimizer or r.device_is_host:
         optimizer = (opt.elementwise_bytes / r.host_optimizer_bytes_per_s
                      + opt.ops * r.op_overhead_s + opt.views * r.view_overhead_s)
     else:
