@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-VERSION = 8
+VERSION = 11
 CPU_ATTENTION_TILE_Q = 256   # torch's CPU flash kernel: q split 256 for q_seq_len >= 768
 CPU_ATTENTION_TILE_KV = 512  # and kv split 512
 HEAD_DIMS = (16, 64, 128)
@@ -122,6 +122,7 @@ def rates_for(calibration: dict, world_size: int) -> dict:
         "host_copy_efficiency": 1.0,
         "host_optimizer_bytes_per_s": in_step.get("optimizer_bytes_per_s", m["optimizer_bytes_per_s"]),
         "op_overhead_s": m["op_overhead_s"],
+        "rank_imbalance": m.get("rank_imbalance", 0.0),
         "view_overhead_s": m["view_overhead_s"],
         "launch_overlaps_compute": False,
     }
@@ -176,7 +177,7 @@ def _best_of(runs: list):
         out = {}
         for key in first:
             values = [r[key] for r in runs if key in r]
-            if key.startswith("points") or key in ("threads", "world_size", "contended", "kernel_seconds"):
+            if key.startswith("points") or key in ("threads", "world_size", "contended", "kernel_seconds", "counts"):
                 out[key] = values[0]
             elif key in _LOWER_IS_BETTER:
                 out[key] = min(values)
@@ -418,65 +419,52 @@ CALIBRATION_MODEL = {  # a small Llama that is none of the presets: compute is n
 
 
 def measure_dispatch_overhead(partial_rates: dict) -> tuple[float, float]:
-    """Host seconds per dispatched op of an eager training step under the trials' memory tracker: Python module
-    code, autograd, the optimizer's per-parameter loop and the tracker's own dispatch, per op.
+    """Host seconds per dispatched op of an eager training step as a trial runs it: Python module code, autograd,
+    the optimizer's per-parameter loop, the trials' memory tracker, and -- on several ranks -- whatever the
+    process group adds (gradient all-reduce calls, waiting on the slower rank).
 
-    One forward + backward + AdamW step of ``CALIBRATION_MODEL`` at 16 tokens (best of 15), counted by
-    ``StepCounter``; the (tiny) predicted device work is taken out. Returns (per op, per view); a training step's
-    views cost about what its ops do (both pass through the same Python dispatch), so they are the same number.
+    ``trials.step.train_step`` of ``CALIBRATION_MODEL`` at 16 tokens per rank on this worker's world (data
+    parallel over the gloo group when there are several workers), median of samples; counted by ``StepCounter``;
+    the time ``predict_step_time`` gives it without any per-op overhead is taken out, the rest is divided by the
+    dispatches. Returns (per op, per view): both pass through the same Python dispatch, so they are one number.
     """
-    import torch
+    import torch.distributed as dist
 
     from autotune.config import Techniques
-    from autotune.throughput import Rates, StepCounter, _attention_time, _phase_time
+    from autotune.throughput import Rates, StepCounter, predict_step_time
     from trials.data import make_batch, synthetic_sample
-    from trials.dist import Mesh
+    from trials.dist import Mesh, build_mesh
     from trials.memory import DeviceMemoryTracker
-    from trials.step import build_training, loss_scale
+    from trials.step import build_training, train_step
 
-    mesh = Mesh.single()
+    import torch
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    mesh = build_mesh(1, torch.device("cpu")) if world > 1 else Mesh.single()
     tracker = DeviceMemoryTracker(None)
-    phases = ("forward", "backward", "optimizer")
-    best = dict.fromkeys(phases, float("inf"))
+    tokens = 16
     with tracker:
         model, optimizer = build_training(CALIBRATION_MODEL, Techniques(), mesh, 0, tracker)
-        batch = make_batch(synthetic_sample(0, 16, CALIBRATION_MODEL["vocab_size"]), 0, 1, "cpu")
+        batch = make_batch(synthetic_sample(mesh.dp_rank, tokens, CALIBRATION_MODEL["vocab_size"]), 0, 1, "cpu")
+        train_step(model, optimizer, batch, mesh, tracker)
 
-        def step():
+        def steps():  # one sample: the median of 8 steps
             times = []
-            start = time.perf_counter()
-            with tracker.in_phase("forward"):
-                loss = model(batch.input_ids, batch.position_ids, batch.labels, scale=loss_scale(batch, mesh))
-            times.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            with tracker.in_phase("backward"):
-                loss.backward()
-            times.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            with tracker.in_phase("optimizer"):
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - start)
-            return times
+            for _ in range(8):
+                start = time.perf_counter()
+                train_step(model, optimizer, batch, mesh, tracker)
+                times.append(time.perf_counter() - start)
+            return (statistics.median(times),)
 
-        def steps():  # one sample: the fastest of 8 steps, per phase
-            runs = [step() for _ in range(8)]
-            return tuple(min(r[i] for r in runs) for i in range(len(phases)))
-
-        samples = _sample(steps, "step overhead", samples=5, returns_times=True)
-        for index, phase in enumerate(phases):
-            best[phase] = statistics.median(sample[index] for sample in samples)
-        counter = StepCounter(tracker)
+        measured = statistics.median(s[0] for s in _sample(steps, "step overhead", samples=5, returns_times=True))
+        counter = StepCounter(tracker, seq_len=tokens, world_size=world)
         with counter:
-            step()
-    rates = Rates(name="cpu", **partial_rates)
-    overhead = dispatches = 0.0
-    for phase in phases:
-        pc = counter.counts.phases[phase]
-        work, _ = _phase_time(pc, rates, _attention_time(counter.counts, (phase,), rates))
-        overhead += max(best[phase] - work, 0.0)
-        dispatches += pc.ops + pc.views
-    per_dispatch = overhead / max(dispatches, 1.0)
+            train_step(model, optimizer, batch, mesh, tracker)
+    rates = Rates(name="cpu", **dict(partial_rates, op_overhead_s=0.0, view_overhead_s=0.0))
+    predicted = predict_step_time(counter.counts, rates, world, Techniques()).step_time_s
+    counts = counter.counts
+    dispatches = sum(counts.phases[p].ops + counts.phases[p].views for p in counts.phases)
+    per_dispatch = max(measured - predicted, 0.0) / max(dispatches, 1)
     return per_dispatch, per_dispatch
 
 
@@ -505,7 +493,8 @@ def _kernel_timer():
             if self.on:
                 elapsed = time.perf_counter() - start
                 namespace, name = _op_name(func)
-                kind = ("none" if name in _NO_WORK or namespace in ("profiler", "prim") else
+                kind = ("none" if name in _NO_WORK or namespace in ("profiler", "prim", "c10d", "deepspeed",
+                                                                     "_c10d_functional") else
                         "matmul" if name in _MATMUL else "attention" if "attention" in name else "elementwise")
                 key = (self.tracker.phase, kind)
                 self.seconds[key] = self.seconds.get(key, 0.0) + elapsed
@@ -528,19 +517,32 @@ def measure_in_step(partial_rates: dict) -> dict:
     from autotune.config import Techniques
     from autotune.throughput import Rates, StepCounter, _attention_time
     from trials.data import make_batch, synthetic_sample
-    from trials.dist import Mesh
+    from trials.dist import Mesh, build_mesh
     from trials.memory import DeviceMemoryTracker
     from trials.step import build_training, train_step
 
-    mesh = Mesh.single()
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    # several workers: Ulysses over the gloo group, so the step synchronises the ranks at every layer (and the
+    # residual the model misses is the waiting for the slower rank there, ``rank_imbalance``)
+    degree = 2 if world == 2 else 1
+    techniques = Techniques(ulysses_degree=degree)
+    mesh = build_mesh(degree, torch.device("cpu")) if world > 1 else Mesh.single()
     timer = _kernel_timer()
     tracker = DeviceMemoryTracker(None)
     timer.tracker = tracker
     kinds = [(p, k) for p in ("forward", "backward", "optimizer") for k in ("matmul", "attention", "elementwise")]
     with timer, tracker:
-        model, optimizer = build_training(IN_STEP_MODEL, Techniques(), mesh, 0, tracker)
-        batch = make_batch(synthetic_sample(0, IN_STEP_TOKENS, IN_STEP_MODEL["vocab_size"]), 0, 1, "cpu")
+        model, optimizer = build_training(IN_STEP_MODEL, techniques, mesh, 0, tracker)
+        batch = make_batch(synthetic_sample(mesh.dp_rank, IN_STEP_TOKENS, IN_STEP_MODEL["vocab_size"]), mesh.sp_rank,
+                           mesh.sp_degree, "cpu")
         train_step(model, optimizer, batch, mesh, tracker)
+
+        def wall():
+            start = time.perf_counter()
+            train_step(model, optimizer, batch, mesh, tracker)
+            return (time.perf_counter() - start,)
 
         def one_step():
             timer.seconds, timer.on = {}, True
@@ -549,7 +551,8 @@ def measure_in_step(partial_rates: dict) -> dict:
             return tuple(timer.seconds.get(key, 0.0) for key in kinds)
 
         samples = _sample(one_step, "in-step kernels", samples=7, returns_times=True)
-        counter = StepCounter(tracker)
+        walls = _sample(wall, "in-step wall", samples=5, returns_times=True)
+        counter = StepCounter(tracker, seq_len=IN_STEP_TOKENS, world_size=world)
         with counter:
             train_step(model, optimizer, batch, mesh, tracker)
     best = {key: statistics.median(sample[i] for sample in samples) for i, key in enumerate(kinds)}
@@ -567,6 +570,9 @@ def measure_in_step(partial_rates: dict) -> dict:
         "attention_factor": predicted_attention / attention_s if attention_s else 1.0,
         "optimizer_bytes_per_s": opt.elementwise_bytes / best[("optimizer", "elementwise")],
         "kernel_seconds": {f"{p}/{k}": v for (p, k), v in best.items()},
+        "wall_s": statistics.median(w[0] for w in walls),
+        "ulysses_degree": degree,
+        "counts": counts.to_dict(),
     }
 
 
@@ -646,6 +652,8 @@ def _worker(rank: int, world: int, threads: int, out_dir: str) -> None:
         pids = [None] * world
         dist.all_gather_object(pids, os.getpid())
         _PIDS[:] = pids
+    from autotune.config import Techniques
+
     _barrier()
     result["matmul_flops"] = measure_matmul()
     _barrier()
@@ -659,20 +667,30 @@ def _worker(rank: int, world: int, threads: int, out_dir: str) -> None:
                "matmul_efficiency": 1.0, "elementwise_efficiency": 1.0, "elementwise_traffic_factor": 1.0,
                "attention_by_head_dim": tuple(sorted((int(d), (f / result["matmul_flops"], b / result["matmul_flops"]))
                                                      for d, (f, b) in result["attention_flops"].items()))}
-    _barrier()
     result["in_step"] = measure_in_step(partial)
     _barrier()
-    partial.update(bf16_flops=result["in_step"]["matmul_flops"],
-                   hbm_bytes_per_s=result["in_step"]["elementwise_bytes_per_s"])
-    factor = result["in_step"]["attention_factor"]
-    partial["attention_by_head_dim"] = tuple((d, (f * factor * result["matmul_flops"] / partial["bf16_flops"],
-                                                  b * factor * result["matmul_flops"] / partial["bf16_flops"]))
-                                             for d, (f, b) in partial["attention_by_head_dim"])
-    op, view = measure_dispatch_overhead(partial)
-    result["op_overhead_s"], result["view_overhead_s"] = op, view
-    result["optimizer_bytes_per_s"] = measure_optimizer(op, view)
     if world > 1:
         result["gloo"] = measure_gloo()
+        _barrier()
+    # everything but the per-op overhead, as the time model will use it, then the overhead on top
+    result.update(op_overhead_s=0.0, view_overhead_s=0.0, optimizer_bytes_per_s=result["in_step"]["optimizer_bytes_per_s"])
+    from autotune.throughput import Rates, load_rates
+
+    yaml_rates = load_rates("cpu", world, calibration={"worlds": {str(world): result}})
+    partial = {f: getattr(yaml_rates, f) for f in Rates.__dataclass_fields__ if f != "name"}
+    op, view = measure_dispatch_overhead(partial)
+    result["op_overhead_s"], result["view_overhead_s"] = op, view
+    # what the model still misses on the in-step run: on several ranks, waiting for the slower one
+    from autotune.throughput import StepCounts, predict_step_time
+
+    in_step = result["in_step"]
+    timing = predict_step_time(StepCounts.from_dict(in_step.pop("counts")),
+                               Rates(name="cpu", **dict(partial, op_overhead_s=op, view_overhead_s=view)), world,
+                               Techniques(ulysses_degree=in_step["ulysses_degree"]))
+    busy = timing.compute_s + timing.recompute_s
+    in_step["predicted_s"] = timing.step_time_s
+    result["rank_imbalance"] = max(0.0, in_step["wall_s"] - timing.step_time_s) / busy if world > 1 else 0.0
+    result["optimizer_microbench_bytes_per_s"] = measure_optimizer(op, view)
     result["contended"] = sorted(set(_CONTENDED_BENCHMARKS))
     if world > 1:
         import torch.distributed as dist

@@ -707,6 +707,8 @@ class Rates:
     view_overhead_s: float = 0.0            # host time per dispatched view / metadata op
     launch_overlaps_compute: bool = True    # GPUs queue kernels: overhead is a floor, not an addition
     side_stream_overlap: float = 1.0        # fraction of compute time FSDP collectives / offload copies can hide behind
+    rank_imbalance: float = 0.0             # share of compute time lost waiting for the slowest rank at the step's
+                                            # synchronising collectives (several ranks only)
     device_is_host: bool = False            # cpu preset: the "device" is host memory, so FSDP2's offload copies
                                             # (shards to the device, gradients to the host) are no-ops
     # measured attention efficiency per head dim (cpu calibration), {head_dim: (fwd, bwd)}; overrides the scalars
@@ -915,8 +917,12 @@ def predict_step_time(counts: StepCounts, hardware, world_size: int, techniques=
         first_last = min(first_last, fsdp_total)
     hideable = max(0.0, fsdp_total - first_last)
     fsdp_exposed = first_last + max(0.0, hideable - r.side_stream_overlap * busy)
-    exposed_comm = sync + fsdp_exposed
+    waiting = 0.0
+    if world_size > 1 and (sync or fsdp_total):
+        waiting = r.rank_imbalance * busy
+    exposed_comm = sync + fsdp_exposed + waiting
     detail["fsdp_total_s"] = fsdp_total
+    detail["rank_wait_s"] = waiting
 
     # host <-> device copies, per phase, each direction on its own; hidden behind the same phase's compute
     host_bw = r.host_bytes_per_s * r.host_copy_efficiency
