@@ -29,6 +29,7 @@ class Techniques:
     activation_offload_layers: int = 0
     mlp_tile_tokens: int = 0
     loss_tile_tokens: int = 0
+    norm_tile_tokens: int = 0
     attention: str = "sdpa"
 
     @classmethod
@@ -50,7 +51,8 @@ class Techniques:
         for name in ("fsdp", "optimizer_offload", "activation_checkpointing"):
             if name in values and not isinstance(values[name], bool):
                 raise UserError(f"{name} must be true or false, got {values[name]!r}")
-        for name in ("ulysses_degree", "activation_offload_layers", "mlp_tile_tokens", "loss_tile_tokens"):
+        for name in ("ulysses_degree", "activation_offload_layers", "mlp_tile_tokens", "loss_tile_tokens",
+                     "norm_tile_tokens"):
             if name in values and (isinstance(values[name], bool) or not isinstance(values[name], int)):
                 raise UserError(f"{name} must be an integer, got {values[name]!r}")
         chunk = values.get("head_chunk")
@@ -97,7 +99,7 @@ class Techniques:
             raise UserError("activation_offload_layers needs activation_checkpointing (it offloads checkpointed inputs)")
         if self.optimizer_offload and not self.fsdp:
             raise UserError("optimizer_offload needs fsdp (the host keeps the sharded optimizer states)")
-        for name in ("mlp_tile_tokens", "loss_tile_tokens"):
+        for name in ("mlp_tile_tokens", "loss_tile_tokens", "norm_tile_tokens"):
             if getattr(self, name) < 0:
                 raise UserError(f"{name} must be 0 (off) or positive, got {getattr(self, name)}")
         if self.attention not in ATTENTION_KERNELS:

@@ -100,8 +100,9 @@ def deepspeed_python(config: TrialConfig) -> str:
     ]
     if t.activation_checkpointing:
         lines.append("model.gradient_checkpointing_enable()")
-    if t.mlp_tile_tokens or t.loss_tile_tokens or t.head_chunk is not None:
-        lines.append(f"# tiling (mlp {t.mlp_tile_tokens}, loss {t.loss_tile_tokens} tokens) and head_chunk "
+    if t.mlp_tile_tokens or t.loss_tile_tokens or t.norm_tile_tokens or t.head_chunk is not None:
+        lines.append(f"# tiling (mlp {t.mlp_tile_tokens}, loss {t.loss_tile_tokens}, rmsnorm {t.norm_tile_tokens} "
+                     f"tokens) and head_chunk "
                      f"{t.head_chunk}: apply autotune's stack instead -- trials.stack.apply(model, techniques, mesh)")
     return "\n".join(lines)
 

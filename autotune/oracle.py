@@ -734,7 +734,8 @@ def explain(evaluation, top: int = 12) -> str:
 def seq_grid_unit(techniques) -> int:
     """Sequence lengths searched are multiples of lcm(1024, ulysses degree, tile sizes in use)."""
     unit = 1024
-    for value in (techniques.ulysses_degree, techniques.mlp_tile_tokens, techniques.loss_tile_tokens):
+    for value in (techniques.ulysses_degree, techniques.mlp_tile_tokens, techniques.loss_tile_tokens,
+                  techniques.norm_tile_tokens):
         if value:
             unit = math.lcm(unit, int(value))
     return unit

@@ -19,7 +19,7 @@ def _knob_label(techniques: dict) -> str:
         parts.append(f"sp{techniques['ulysses_degree']}" + (f"/hc{chunk}" if chunk else ""))
     if techniques.get("activation_checkpointing"):
         parts.append("ac" + (f"+off{techniques['activation_offload_layers']}" if techniques.get("activation_offload_layers") else ""))
-    if techniques.get("mlp_tile_tokens") or techniques.get("loss_tile_tokens"):
+    if techniques.get("mlp_tile_tokens") or techniques.get("loss_tile_tokens") or techniques.get("norm_tile_tokens"):
         parts.append("tiled")
     return " ".join(parts) or "baseline"
 

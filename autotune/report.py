@@ -3,7 +3,7 @@
 ``trials.parquet`` schema — one row per finished trial, one column per knob and per record field:
     trial (int), answered_by (str: local | plan | cache | monotone | oracle),
     fsdp, optimizer_offload (bool), ulysses_degree (int), head_chunk (int, null = plain Ulysses),
-    activation_checkpointing (bool), activation_offload_layers, mlp_tile_tokens, loss_tile_tokens (int),
+    activation_checkpointing (bool), activation_offload_layers, mlp_tile_tokens, loss_tile_tokens, norm_tile_tokens (int),
     attention (str), seq_len (int), status, source (str), tokens_per_s, step_time_s (float),
     peak_device_bytes, host_bytes (int), breakdown_<category> (int, one per category of
     autotune.record.BREAKDOWN_CATEGORIES), loss, grad_norm (float), device, error (str).
@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from autotune import search
-from autotune.config import TrialConfig
+from autotune.config import BASELINE, TrialConfig
 from autotune.record import BREAKDOWN_CATEGORIES, ResultRecord
 from autotune.space import KNOBS
 
@@ -27,7 +27,7 @@ _SCHEMA = pa.schema(
     + [("fsdp", pa.bool_()), ("optimizer_offload", pa.bool_()), ("ulysses_degree", pa.int64()),
        ("head_chunk", pa.int64()), ("activation_checkpointing", pa.bool_()),
        ("activation_offload_layers", pa.int64()), ("mlp_tile_tokens", pa.int64()),
-       ("loss_tile_tokens", pa.int64()), ("attention", pa.string())]
+       ("loss_tile_tokens", pa.int64()), ("norm_tile_tokens", pa.int64()), ("attention", pa.string())]
     + [("seq_len", pa.int64()), ("status", pa.string()), ("source", pa.string()),
        ("tokens_per_s", pa.float64()), ("step_time_s", pa.float64()), ("peak_device_bytes", pa.int64()),
        ("host_bytes", pa.int64())]
@@ -41,7 +41,7 @@ def trial_rows(study) -> list[dict]:
     for trial in search.finished_trials(study):
         record = trial.user_attrs["record"]
         row = {"trial": trial.number, "answered_by": trial.user_attrs.get("answered_by")}
-        row.update({k: trial.user_attrs["techniques"][k] for k in KNOBS})
+        row.update({k: trial.user_attrs["techniques"].get(k, getattr(BASELINE, k)) for k in KNOBS})  # older studies lack new knobs
         row.update({k: record.get(k) for k in ("seq_len", "status", "source", "tokens_per_s", "step_time_s",
                                                 "peak_device_bytes", "host_bytes", "loss", "grad_norm",
                                                 "device", "error")})

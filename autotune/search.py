@@ -159,9 +159,10 @@ def seed_params(job: SearchJob) -> list[dict]:
     kernel = "flash" if "flash" in choices["attention"] else choices["attention"][0]
     target_len = min((s for s in space.seq_lens if s >= job.target and s % degree == 0), default=space.seq_lens[-1])
     base = {"fsdp": False, "ulysses_degree": 1, "activation_checkpointing": False, "mlp_tile_tokens": 0,
-            "loss_tile_tokens": 0, "attention": kernel, "seq_len": space.seq_lens[0]}
+            "loss_tile_tokens": 0, "norm_tile_tokens": 0, "attention": kernel, "seq_len": space.seq_lens[0]}
     alst = {"fsdp": True, "ulysses_degree": degree, "activation_checkpointing": True,
             "mlp_tile_tokens": max(choices["mlp_tile_tokens"]), "loss_tile_tokens": max(choices["loss_tile_tokens"]),
+            "norm_tile_tokens": max(choices["norm_tile_tokens"]),
             "attention": kernel, "seq_len": target_len}
     if True in choices["optimizer_offload"]:
         alst["optimizer_offload"] = True

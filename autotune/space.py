@@ -24,7 +24,7 @@ from autotune.sizes import parse_tokens
 SPACE_SCHEMA = "autotune/space-v1"
 DEFAULT_SPACE = Path(__file__).resolve().parent.parent / "search_spaces" / "default.yaml"
 KNOBS = ("fsdp", "optimizer_offload", "ulysses_degree", "head_chunk", "activation_checkpointing",
-         "activation_offload_layers", "mlp_tile_tokens", "loss_tile_tokens", "attention")
+         "activation_offload_layers", "mlp_tile_tokens", "loss_tile_tokens", "norm_tile_tokens", "attention")
 _SEQ_KEYS = {"min_fraction": 0.0625, "max_fraction": 4.0, "points_per_doubling": 2, "multiple_of": 1024}
 
 
@@ -55,6 +55,7 @@ class SearchSpace:
             "activation_offload_layers": num_layers if offload_layers == "all" else int(offload_layers),
             "mlp_tile_tokens": pick("mlp_tile_tokens", self.choices["mlp_tile_tokens"]),
             "loss_tile_tokens": pick("loss_tile_tokens", self.choices["loss_tile_tokens"]),
+            "norm_tile_tokens": pick("norm_tile_tokens", self.choices["norm_tile_tokens"]),
             "attention": pick("attention", self.choices["attention"]),
         }
         seq_len = pick("seq_len", [s for s in self.seq_lens if s % degree == 0])
@@ -128,7 +129,7 @@ def _coerce(path: Path, name: str, value: Any, model_config: dict):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise UserError(f"{where}: choice {value!r} is not a layer count, 'none' or 'all'")
         return min(value, model_config["num_hidden_layers"])
-    if name in ("mlp_tile_tokens", "loss_tile_tokens"):
+    if name in ("mlp_tile_tokens", "loss_tile_tokens", "norm_tile_tokens"):
         if value == 0:
             return 0
         try:

@@ -1,6 +1,6 @@
 """Ablation: the longest sequence Llama-3-8B trains on with 8x H100 80 GB, one technique added per row.
 
-    .venv/bin/python bench/ablation.py [--model llama3-8b] [--hardware h100-sxm] [--gpus 8] [--what-if]
+    .venv/bin/python bench/ablation.py [--model llama3-8b] [--hardware h100-sxm] [--gpus 8] [--explain]
         | tee bench/results/ablation.txt
 
 Every row is the plan backend's ``find_max_seq`` (memory oracle: the trial's own code under FakeTensorMode,
@@ -9,15 +9,14 @@ long-context papers tabulate their ablations (ALST Table 2, UPipe Table 3). Colu
 that fits (grid: multiples of lcm(1024, degree, tiles)), the predicted peak per rank there and its
 breakdown, where in the step the peak is, host memory per rank, the predicted tokens/s (throughput model).
 
-``--what-if`` adds rows for techniques the trials do not have yet, patched in for the oracle only (clearly
-marked): a tiled RMSNorm (saves only its bf16 input; fp32 math one 16K-token tile at a time), which is what the
-full stack's peak at multi-million tokens is made of (see bench/results/ablation.txt's explain section).
+The last row, the tiled RMSNorm (``norm_tile_tokens``), is autotune's own addition to ALST's stack: without it
+the peak at multi-million tokens is RMSNorm's fp32 temporaries in a checkpointed layer's backward (``--explain``
+shows the largest live tensors at the peak).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
 from dataclasses import replace
@@ -30,6 +29,7 @@ if str(ROOT) not in sys.path:
 K = 1024
 MLP_TILE = 16 * K
 LOSS_TILE = 4 * K
+NORM_TILE = 64 * K
 
 # each row adds one knob to the previous one (attention is flash-attn throughout: a kernel, not a technique)
 ROWS = [
@@ -41,72 +41,9 @@ ROWS = [
     (f"+ tiled loss ({LOSS_TILE // K}K)", {"loss_tile_tokens": LOSS_TILE}),
     (f"+ tiled MLP ({MLP_TILE // K}K)", {"mlp_tile_tokens": MLP_TILE}),
     ("+ activation offload (all layers)", {"activation_offload_layers": "all"}),
-    ("+ optimizer offload = full stack", {"optimizer_offload": True}),
+    ("+ optimizer offload (ALST's stack)", {"optimizer_offload": True}),
+    (f"+ tiled RMSNorm ({NORM_TILE // K}K) = full stack", {"norm_tile_tokens": NORM_TILE}),
 ]
-
-
-# -- what-if: a tiled RMSNorm (oracle only) ----------------------------------------------------------------
-
-NORM_TILE = 16 * K
-
-
-def _tiled_rms_norm_class():
-    import torch
-
-    class TiledRMSNorm(torch.autograd.Function):
-        """y = w * normalize(x) in fp32 per tile; saves x (bf16) and w only; backward recomputes per tile."""
-
-        @staticmethod
-        def forward(ctx, x, weight, eps):
-            out = torch.empty_like(x)
-            x2, o2 = x.view(-1, x.shape[-1]), out.view(-1, x.shape[-1])
-            for start in range(0, x2.shape[0], NORM_TILE):
-                t = x2[start:start + NORM_TILE].float()
-                o2[start:start + NORM_TILE] = weight * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-            ctx.save_for_backward(x, weight)
-            ctx.eps = eps
-            return out
-
-        @staticmethod
-        def backward(ctx, grad):
-            x, weight = ctx.saved_tensors
-            dx = torch.empty_like(x)
-            dw = torch.zeros_like(weight, dtype=torch.float32)
-            x2, g2, d2 = x.view(-1, x.shape[-1]), grad.reshape(-1, x.shape[-1]), dx.view(-1, x.shape[-1])
-            for start in range(0, x2.shape[0], NORM_TILE):
-                with torch.enable_grad():
-                    t = x2[start:start + NORM_TILE].detach().requires_grad_(True)
-                    w = weight.detach().requires_grad_(True)
-                    f = t.float()
-                    y = w * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + ctx.eps)).to(x.dtype)
-                    gx, gw = torch.autograd.grad(y, (t, w), g2[start:start + NORM_TILE])
-                d2[start:start + NORM_TILE] = gx
-                dw += gw.float()
-            return dx, dw.to(weight.dtype), None
-
-    return TiledRMSNorm
-
-
-@contextlib.contextmanager
-def tiled_rms_norm():
-    """Patch the HF Llama/Qwen3 RMSNorm forwards with ``TiledRMSNorm`` while the block runs."""
-    from transformers.models.llama import modeling_llama
-    from transformers.models.qwen3 import modeling_qwen3
-
-    fn = _tiled_rms_norm_class()
-
-    def forward(self, hidden_states):
-        return fn.apply(hidden_states, self.weight, self.variance_epsilon)
-
-    classes = [modeling_llama.LlamaRMSNorm, modeling_qwen3.Qwen3RMSNorm]
-    saved = [c.forward for c in classes]
-    for c in classes:
-        c.forward = forward
-    try:
-        yield
-    finally:
-        for c, f in zip(classes, saved):
-            c.forward = f
 
 
 # -- the table ---------------------------------------------------------------------------------------------
@@ -116,7 +53,6 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="llama3-8b")
     parser.add_argument("--hardware", default="h100-sxm")
     parser.add_argument("--gpus", type=int, default=8)
-    parser.add_argument("--what-if", action="store_true", help="add rows for techniques trials lack (oracle only)")
     parser.add_argument("--explain", action="store_true", help="explain the full stack's peak at its max length")
     args = parser.parse_args(argv)
 
@@ -139,21 +75,17 @@ def main(argv=None) -> int:
     print(header)
     print("-" * len(header))
     rows = list(ROWS)
-    if args.what_if:
-        rows.append(("+ tiled RMSNorm (WHAT-IF: not in trials)", {"__what_if__": "tiled_rms_norm"}))
     knobs: dict = {}
     results = []
     for label, add in rows:
-        what_if = add.get("__what_if__")
-        knobs.update({k: v for k, v in add.items() if not k.startswith("__")})
+        knobs.update(add)
         techniques = Techniques.from_dict(dict(knobs), layers)
         evaluation = Evaluation(model_config, techniques, 512 * K, args.gpus, hardware)
         backend = PlanBackend()
         started = time.perf_counter()
-        with (tiled_rms_norm() if what_if else contextlib.nullcontext()):
-            record = find_max_seq(evaluation, backend=backend)
+        record = find_max_seq(evaluation, backend=backend)
         elapsed = time.perf_counter() - started
-        results.append((label, techniques, record, what_if))
+        results.append((label, techniques, record))
         b = record.breakdown or {}
         if record.status != "ok":
             print(f"{label:<36} {'does not fit at ' + format(record.seq_len, ','):>22} "

@@ -30,7 +30,7 @@ GRAD_RTOL = 1e-4
 SEQ = 512
 
 FULL = {"fsdp": True, "optimizer_offload": True, "head_chunk": 1, "activation_checkpointing": True,
-        "activation_offload_layers": 4, "mlp_tile_tokens": 96, "loss_tile_tokens": 80}
+        "activation_offload_layers": 4, "mlp_tile_tokens": 96, "loss_tile_tokens": 80, "norm_tile_tokens": 112}
 
 
 def _cases(degree: int) -> list[dict]:
@@ -47,6 +47,7 @@ def _cases(degree: int) -> list[dict]:
             "head_chunk=2": {"head_chunk": 2},
             "mlp_tiles": {"mlp_tile_tokens": 96},        # uneven last tile on purpose
             "loss_tiles": {"loss_tile_tokens": 80},
+            "norm_tiles": {"norm_tile_tokens": 112},     # qwen3: per-head q/k norms tiled too
             "checkpointing": ckpt,
             "offload=2": {**ckpt, "activation_offload_layers": 2},
             "fsdp": {"fsdp": True},
@@ -58,6 +59,9 @@ def _cases(degree: int) -> list[dict]:
             "head_chunk=2+loss": {"head_chunk": 2, "loss_tile_tokens": 80},
             "head_chunk=1+checkpointing": {"head_chunk": 1, **ckpt},
             "mlp+loss": {"mlp_tile_tokens": 96, "loss_tile_tokens": 80},
+            "head_chunk=2+norm": {"head_chunk": 2, "norm_tile_tokens": 112},
+            "checkpointing+norm": {**ckpt, "norm_tile_tokens": 112},
+            "fsdp+norm": {"fsdp": True, "norm_tile_tokens": 112},
             "offload=all+mlp": {**ckpt, "activation_offload_layers": 4, "mlp_tile_tokens": 96},
             "fsdp+loss": {"fsdp": True, "loss_tile_tokens": 80},
             "fsdp+offload": {"fsdp": True, **ckpt, "activation_offload_layers": 4},
@@ -240,7 +244,7 @@ def test_bf16_autocast_stack_is_as_close_to_fp32_as_plain_autocast():
     yardstick = float((plain_grad - ref_grad).norm() / ref_grad.norm())
     assert 0 < yardstick < 0.05
     full = {"head_chunk": 2, "activation_checkpointing": True, "activation_offload_layers": 2,
-            "mlp_tile_tokens": 100, "loss_tile_tokens": 100}
+            "mlp_tile_tokens": 100, "loss_tile_tokens": 100, "norm_tile_tokens": 100}
     for techniques in ({"head_chunk": 1}, full):
         loss, grad = run(techniques, torch.bfloat16)
         assert abs(loss - ref_loss) / ref_loss < 1e-3

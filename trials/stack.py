@@ -4,7 +4,7 @@
     apply(model, techniques, mesh)          # model: trials.model.TrainingModel
 
 Order matters and mirrors torchtitan's ``parallelize``: attention swaps first (plain Ulysses, or head-chunked
-Ulysses which replaces the whole attention computation), then the sequence tiling of MLP and loss (they replace
+Ulysses which replaces the whole attention computation), then the sequence tiling of MLP, loss and RMSNorm (they replace
 module forwards / the loss function, so they must sit inside the checkpoint wrappers), then activation
 checkpointing and its offload per layer, then sharding, which must see the final module tree.
 
@@ -15,6 +15,7 @@ Every knob is exact: the model trains the same loss and gradients (to rounding) 
     head_chunk                  trials.upipe        attention forward -> untied Ulysses (any degree, 1 included)
     mlp_tile_tokens             trials.tiling       each MLP forward -> DeepSpeed TiledMLP
     loss_tile_tokens            trials.tiling       model.loss_fn -> TiledLogitsLoss
+    norm_tile_tokens            trials.tiling       each RMSNorm forward -> TiledRMSNorm
     activation_checkpointing    trials.checkpointing  checkpoint_wrapper per decoder layer
     activation_offload_layers   trials.offload      the first N checkpointed inputs live on the host
     fsdp / optimizer_offload    trials.fsdp         fully_shard per layer + root; CPUOffloadPolicy
@@ -26,7 +27,7 @@ from autotune.config import Techniques
 from trials.checkpointing import apply_activation_checkpointing
 from trials.dist import Mesh, ensure_device_mesh
 from trials.fsdp import apply_fsdp
-from trials.tiling import apply_loss_tiling, apply_mlp_tiling
+from trials.tiling import apply_loss_tiling, apply_mlp_tiling, apply_norm_tiling
 from trials.ulysses import apply_ulysses, attention_modules
 from trials.upipe import apply_head_chunking
 
@@ -54,6 +55,8 @@ def apply(model, techniques: Techniques, mesh: Mesh, param_dtype=None):
         apply_mlp_tiling(model, techniques.mlp_tile_tokens)
     if techniques.loss_tile_tokens:
         apply_loss_tiling(model, techniques.loss_tile_tokens)
+    if techniques.norm_tile_tokens:
+        apply_norm_tiling(model, techniques.norm_tile_tokens)
     if techniques.activation_checkpointing:
         apply_activation_checkpointing(model, offload_layers=techniques.activation_offload_layers)
     if techniques.fsdp:

@@ -22,6 +22,16 @@ its gradient flows through autograd like any other and scales correctly; (2) its
 of the incoming gradient (``if grads[0] != 1.0``), which FakeTensorMode (the memory oracle) cannot evaluate.
 The loss scale is applied per tile inside (``TrainingModel.loss_fn(hidden, lm_head, labels, scale)`` contract):
 the result is ``sum of token cross-entropies * scale``, like ``trials.model.plain_loss``.
+
+Tiled RMSNorm (``norm_tile_tokens``). HF's ``LlamaRMSNorm`` (and Qwen3's) upcasts its ``[b, s_l, h]`` input to
+fp32, and autograd keeps the fp32 input and the fp32 normalised tensor for backward, whose own temporaries are
+fp32 too: with bf16 compute that is ~7 fp32 copies of the hidden state alive at once in a checkpointed layer's
+backward (2 bytes x h per token of input becomes ~28 x h), and at millions of tokens it is the largest memory
+of the whole step once MLP, loss and activations are tiled or offloaded (``bench/ablation.py``). ``TiledRMSNorm``
+saves only the input (in its own dtype) and the weight; forward and backward run the fp32 math one tile of
+``norm_tile_tokens`` tokens at a time, backward by recomputing the tile under autograd (the same ops as the
+module's own forward, so the result equals the plain model's to rounding). The role Liger-Kernel's fused
+RMSNorm plays in ArcticTraining, in plain torch.
 """
 
 from __future__ import annotations
@@ -142,3 +152,85 @@ def apply_loss_tiling(model, tile_tokens: int) -> None:
     if tile_tokens <= 0:
         raise ValueError(f"loss_tile_tokens must be positive, got {tile_tokens}")
     model.loss_fn = tiled_loss(tile_tokens)
+
+
+# -- tiled RMSNorm -----------------------------------------------------------------------------------------------
+
+class TiledRMSNorm(torch.autograd.Function):
+    """y = norm_module(x) over row tiles; saves x and the weight only, recomputes each tile in backward.
+
+    x [b, s_l, ..., d] is viewed as rows [b * s_l * ..., d] (the norm is over the last dim); a tile is
+    ``tile_tokens`` tokens, i.e. ``tile_tokens * rows_per_token`` rows (per-head norms have one row per head).
+    """
+
+    @staticmethod
+    def forward(ctx, norm_module: nn.Module, x, weight, tile_rows: int):
+        rows = x.reshape(-1, x.shape[-1])
+        out = None
+        with torch.no_grad():
+            for start in range(0, rows.shape[0], tile_rows):
+                y_tile = _norm_body(norm_module, weight, rows[start:start + tile_rows])
+                if out is None:  # the output dtype is the module's (weight * normalised.to(input dtype))
+                    out = rows.new_empty((rows.shape[0], rows.shape[1]), dtype=y_tile.dtype)
+                out[start:start + tile_rows] = y_tile
+        ctx.save_for_backward(x, weight)
+        ctx.norm_module, ctx.tile_rows = norm_module, tile_rows
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        rows = x.reshape(-1, x.shape[-1])
+        grad_rows = grad_out.reshape(-1, grad_out.shape[-1])
+        d_rows = torch.empty_like(rows) if ctx.needs_input_grad[1] else None
+        d_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[2] else None
+        for start in range(0, rows.shape[0], ctx.tile_rows):
+            with torch.enable_grad():
+                x_tile = rows[start:start + ctx.tile_rows].detach().requires_grad_(d_rows is not None)
+                w = weight.detach().requires_grad_(d_weight is not None)
+                y_tile = _norm_body(ctx.norm_module, w, x_tile)
+                inputs = [t for t, wanted in ((x_tile, d_rows is not None), (w, d_weight is not None)) if wanted]
+                grads = list(torch.autograd.grad(y_tile, inputs, grad_rows[start:start + ctx.tile_rows]))
+            if d_rows is not None:
+                d_rows[start:start + ctx.tile_rows] = grads.pop(0)
+            if d_weight is not None:
+                d_weight += grads.pop(0)
+        return (None, None if d_rows is None else d_rows.view_as(x),
+                None if d_weight is None else d_weight.to(weight.dtype), None)
+
+
+def _norm_body(norm_module, weight, x):
+    """The module class's own (untiled) forward on ``x`` with ``weight`` in place of its parameter.
+
+    HF RMSNorm forwards read only ``self.weight`` and plain attributes (``variance_epsilon``), so a namespace
+    holding those stands in for the module: no hooks, no re-entry into the tiled forward, and the weight can
+    be a detached leaf (backward) or whatever tensor ``functional_call`` swapped in (head-chunked attention).
+    """
+    attributes = {k: v for k, v in vars(norm_module).items() if not k.startswith("_") and k != "forward"}
+    return type(norm_module).forward(types.SimpleNamespace(**attributes, weight=weight), x)
+
+
+def _tiled_norm_forward(self, x):
+    """x [b, s_l, ..., d] -> same shape, in ceil(s_l / tile) sequence tiles."""
+    tokens = x.shape[0] * x.shape[1] if x.dim() >= 3 else x.shape[0]
+    rows_per_token = max(1, x.numel() // x.shape[-1] // max(1, tokens))
+    tile_rows = self.autotune_tile_tokens * rows_per_token
+    if x.numel() // x.shape[-1] <= tile_rows:
+        return type(self).forward(self, x)
+    return TiledRMSNorm.apply(self, x, self.weight, tile_rows)
+
+
+def rms_norm_modules(model) -> list[nn.Module]:
+    """The model's RMSNorm modules (HF ``LlamaRMSNorm``, ``Qwen3RMSNorm``, ...): found by class name."""
+    return [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+
+
+def apply_norm_tiling(model, tile_tokens: int) -> None:
+    if tile_tokens <= 0:
+        raise ValueError(f"norm_tile_tokens must be positive, got {tile_tokens}")
+    norms = rms_norm_modules(model)
+    if not norms:
+        raise ValueError("norm_tile_tokens: the model has no RMSNorm module to tile")
+    for norm in norms:
+        norm.autotune_tile_tokens = tile_tokens
+        norm.forward = types.MethodType(_tiled_norm_forward, norm)
