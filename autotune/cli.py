@@ -143,9 +143,9 @@ def search(
     search_space = load_space(space, model_config, gpus, target_tokens, flash_ok=flash_ok)
     if backend_name == "local":
         chosen = make_backend("local", memory_gib=memory_gib, timeout_s=trial_timeout, seed=seed)
-        oracle = _plan_or_none() if prefilter else None
-    else:
-        chosen, oracle = make_backend("plan"), None
+        oracle = _plan_or_none(stop_above=1 + search_mod.PREFILTER_MARGIN) if prefilter else None
+    else:  # the search needs to know only that an OOM does not fit: its trace may stop at the crossing
+        chosen, oracle = make_backend("plan", stop_above=1.0), None
     job = search_mod.SearchJob(model=model, model_config=model_config, target=target_tokens, gpus=gpus,
                                hardware=hw, space=search_space, backend=chosen, out=out, trials=trials,
                                timeout_s=timeout, storage=storage, study_name=study, seed=seed, prefilter=oracle)
@@ -191,11 +191,11 @@ def _flash_installed() -> bool:
     return flash_attn_func is not None and torch.cuda.is_available()
 
 
-def _plan_or_none():
+def _plan_or_none(**options):
     try:
         from autotune.backends import make_backend
 
-        return make_backend("plan")
+        return make_backend("plan", **options)
     except (ImportError, NotImplementedError):
         return None
 

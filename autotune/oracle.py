@@ -90,6 +90,7 @@ class Trace:
     elapsed_s: float = 0.0
     extras: list = field(default_factory=list)  # what ``modes`` returned, per traced depth (see ``trace``)
     runs: list = field(default_factory=list)    # the traced decoder layers as runs (``layer_runs``)
+    stopped: bool = False                # ``stop_above_bytes`` crossed: the step was cut short there
 
 
 @dataclass
@@ -105,6 +106,7 @@ class Prediction:
     traces: list[Trace]                  # [base] or [base, one per extended run]
     elapsed_s: float
     extension: list[int] = field(default_factory=list)  # per extended run: layers beyond the base trace
+    stopped: bool = False                # cut short at a crossing of ``stop_above_bytes``: peak is a lower bound
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -330,7 +332,10 @@ def _segment_tracker_class():
             return live[:top]
 
         def _check(self) -> None:
-            super()._check()
+            self._segment_check()
+            super()._check()  # last: it raises at a stop_above_bytes crossing, which must be in the segment
+
+        def _segment_check(self) -> None:
             seg = self.segments.get(self.segment)
             if seg is None:
                 seg = self.segments[self.segment] = Segment(self.device_bytes, dict(self.current), self.host_bytes)
@@ -446,7 +451,8 @@ def _techniques_for_runs(techniques, runs: list[tuple[str, int]]):
 def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
           compute_dtype: torch.dtype = torch.float32, gpu_kernels: bool = False, layers: int | None = None,
           runs: list[tuple[str, int]] | None = None, modes: Callable[[Any], Iterable] | None = None,
-          prime_optimizer: bool = True, steps: int = 1, seed: int = 0, explain: bool = False) -> Trace:
+          prime_optimizer: bool = True, steps: int = 1, seed: int = 0, explain: bool = False,
+          stop_above_bytes: int | None = None) -> Trace:
     """Run ``steps`` training steps of the trial under FakeTensorMode on rank 0 of a fake world and return
     the tracked peak.
 
@@ -458,6 +464,8 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
     ``prime_optimizer``: create the AdamW states before the traced step (see module doc); with False, trace
     ``steps`` >= 2 to see them. ``explain``: keep, per segment, the op at its peak and the largest live
     storages then (with the op, shape and dtype that made each) -- slower; see ``explain``.
+    ``stop_above_bytes``: stop the step at the first allocation that takes live tensor bytes above this (like
+    a real trial's OOM); the returned trace is then ``stopped`` and its peak is where it stopped.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -479,7 +487,9 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
     techniques = _techniques_for_runs(techniques, runs)
     device = torch.device("cpu")
     tracker = _segment_tracker_class()(explain)
+    tracker.capacity_bytes = stop_above_bytes
     extras: list = []
+    stopped = False
     with fake_process_group(world_size, world_size > 1 or techniques.fsdp):
         # groups and the device mesh hold small real tensors: build them before faking
         mesh = build_mesh(techniques.ulysses_degree, device) if world_size > 1 else Mesh.single(device)
@@ -496,14 +506,19 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
             if prime_optimizer:
                 _prime_optimizer(model, optimizer, tracker)
             extra_modes = list(modes(tracker)) if modes is not None else []
-            with contextlib.ExitStack() as stack:
-                # only around the step: transformers probes for flash_attn while it imports model code
-                stack.enter_context(_fake_flash_kernel(gpu_kernels and techniques.attention == "flash"))
-                stack.enter_context(_fsdp_gather_outputs_are_params(tracker))
-                for mode in extra_modes:
-                    stack.enter_context(mode)
-                for _ in range(steps):
-                    train_step(model, optimizer, batch, mesh, tracker)
+            try:
+                with contextlib.ExitStack() as stack:
+                    # only around the step: transformers probes for flash_attn while it imports model code
+                    stack.enter_context(_fake_flash_kernel(gpu_kernels and techniques.attention == "flash"))
+                    stack.enter_context(_fsdp_gather_outputs_are_params(tracker))
+                    for mode in extra_modes:
+                        stack.enter_context(mode)
+                    for _ in range(steps):
+                        train_step(model, optimizer, batch, mesh, tracker)
+            except torch.OutOfMemoryError:
+                if stop_above_bytes is None:
+                    raise
+                stopped = True
             extras = extra_modes
             del model, optimizer, batch, tokens
     # ("setup", None) is building the model and the batch: trial code builds the whole model on the device
@@ -514,7 +529,7 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
     peak = segments[peak_key] if peak_key else Segment(0, dict.fromkeys(BREAKDOWN_CATEGORIES, 0))
     return Trace(layers=layers, peak_device_bytes=int(peak.device_bytes), breakdown=_full(peak.breakdown),
                  peak_host_bytes=int(tracker.peak_host_bytes), peak_segment=peak_key, segments=segments,
-                 elapsed_s=time.perf_counter() - started, extras=[extras], runs=list(runs))
+                 elapsed_s=time.perf_counter() - started, extras=[extras], runs=list(runs), stopped=stopped)
 
 
 @contextlib.contextmanager
@@ -657,11 +672,17 @@ def overheads(hardware, tensor_peak: int) -> int:
 
 
 def predict(evaluation, modes: Callable[[Any], Iterable] | None = None, full_depth: bool = False,
-            compute_dtype: torch.dtype | None = None, gpu_kernels: bool | None = None) -> Prediction:
+            compute_dtype: torch.dtype | None = None, gpu_kernels: bool | None = None,
+            stop_above_bytes: int | None = None) -> Prediction:
     """The oracle's prediction for ``evaluation`` (an ``autotune.backends.Evaluation``).
 
     ``compute_dtype`` / ``gpu_kernels`` default from the hardware preset (fp32 and CPU kernels on ``cpu``,
     bf16 and GPU kernels otherwise); overriding them models e.g. a bf16 CPU trial.
+
+    ``stop_above_bytes`` (device bytes, overheads included): the search only needs to know that a config is
+    out of memory, not by how much, so a trace stops as soon as it crosses this -- a shallow copy that does
+    not fit means the full model, which holds at least as much, does not either. The prediction is then
+    ``stopped`` and its peak is a lower bound (the bytes at the crossing).
     """
     started = time.perf_counter()
     hardware = evaluation.hardware
@@ -671,23 +692,33 @@ def predict(evaluation, modes: Callable[[Any], Iterable] | None = None, full_dep
     args = (evaluation.model_config, evaluation.techniques, evaluation.seq_len, evaluation.gpus)
     runs = layer_runs(evaluation.techniques, layers)
     base, varied = plan_traces(runs)
+    if stop_above_bytes is not None:  # tensor bytes t with t + overheads(t) above the limit
+        fixed = hardware.cuda_context_bytes + hardware.nccl_buffer_bytes
+        kwargs["stop_above_bytes"] = max(0, int((stop_above_bytes - fixed) / (1 + hardware.allocator_fragmentation)))
     extension: list[int] = []
     if full_depth or not varied or layers <= EXTRAPOLATE_FROM[1]:
         result = trace(*args, runs=runs, **kwargs)
         traces = [result]
     else:
-        base_trace = trace(*args, runs=base, **kwargs)
-        varied_traces = [(index, trace(*args, runs=longer, **kwargs)) for index, longer in varied]
-        result = extrapolate(base_trace, varied_traces, runs)
-        traces = [base_trace] + [t for _, t in varied_traces]
-        extension = [runs[index][1] - EXTRAPOLATE_FROM[0] for index, _ in varied]
+        traces = [trace(*args, runs=base, **kwargs)]
+        varied_traces = []
+        for index, longer in varied:
+            if traces[-1].stopped:
+                break
+            varied_traces.append((index, trace(*args, runs=longer, **kwargs)))
+            traces.append(varied_traces[-1][1])
+        if traces[-1].stopped:
+            result = traces[-1]
+        else:
+            result = extrapolate(traces[0], varied_traces, runs)
+            extension = [runs[index][1] - EXTRAPOLATE_FROM[0] for index, _ in varied]
     extra = overheads(hardware, result.peak_device_bytes)
     breakdown = dict(result.breakdown)
     breakdown["other"] = breakdown.get("other", 0) + extra
     return Prediction(tensor_peak_bytes=result.peak_device_bytes, peak_device_bytes=result.peak_device_bytes + extra,
                       breakdown=breakdown, host_bytes=result.peak_host_bytes, overhead_bytes=extra,
                       peak_segment=result.peak_segment, traces=traces, elapsed_s=time.perf_counter() - started,
-                      extension=extension)
+                      extension=extension, stopped=result.stopped)
 
 
 def explain(evaluation, top: int = 12) -> str:

@@ -131,6 +131,25 @@ def test_plan_backend_records_status_against_capacity():
     assert bad.status == "error"
 
 
+def test_a_stopped_trace_gives_the_same_verdict_and_a_lower_bound():
+    """The search's plan backend stops a trace at the first allocation over capacity: same ok/oom verdict as
+    the full trace, and an OOM's peak is then a lower bound at least the capacity (and at most the full peak)."""
+    config = model(layers=6)  # deeper than the traced copies: the 3-layer copy is where it stops
+    full, stopping = PlanBackend(throughput=False), PlanBackend(throughput=False, stop_above=1.0)
+    for techniques in ({}, {"activation_checkpointing": True}):
+        ev = evaluation(config, seq=4 * K, **techniques)
+        whole = full.evaluate(ev).peak_device_bytes
+        for fraction in (0.6, 0.97, 1.02):
+            hw = ev.hardware.with_memory_gib(whole * fraction / 2**30)
+            a, b = full.evaluate(replace(ev, hardware=hw)), stopping.evaluate(replace(ev, hardware=hw))
+            assert a.status == b.status == ("ok" if fraction > 1 else "oom")
+            if b.status == "oom":
+                assert hw.device_memory_bytes < b.peak_device_bytes <= a.peak_device_bytes
+                assert "trace stopped" in b.error
+            else:
+                assert b.peak_device_bytes == a.peak_device_bytes
+
+
 def test_gpu_presets_add_runtime_overheads_as_other():
     ev = evaluation(model(), seq=2 * K, gpus=2, hardware="h100-sxm", fsdp=True)
     record = PlanBackend(throughput=False).evaluate(ev)

@@ -43,8 +43,13 @@ class PlanBackend(Backend):
 
     name = "plan"
 
-    def __init__(self, throughput: bool = True, cache_size: int = 4096):
+    def __init__(self, throughput: bool = True, cache_size: int = 4096, stop_above: float | None = None):
+        """``stop_above``: a fraction of device capacity (e.g. 1.0, or 1.05 for a prefilter's margin); a trace
+        crossing it stops there and the record is ``oom`` with the bytes at the crossing as a lower bound of
+        the peak -- much cheaper for the search, which only needs to know it does not fit. None (estimate,
+        --max-seq, the ablation): always the full trace, with the whole breakdown."""
         self.throughput = throughput
+        self.stop_above = stop_above
         self.cache_size = cache_size
         self._cache: OrderedDict[str, ResultRecord] = OrderedDict()
         self._peak_at: dict[str, tuple | None] = {}
@@ -86,21 +91,26 @@ class PlanBackend(Backend):
             def modes(tracker):
                 return [throughput.StepCounter(tracker, seq_len=evaluation.seq_len, world_size=evaluation.gpus)]
         try:
-            prediction = predict(evaluation, modes=modes)
+            stop = None if self.stop_above is None else int(hw.device_memory_bytes * self.stop_above)
+            prediction = predict(evaluation, modes=modes, stop_above_bytes=stop)
         except Exception as exc:  # a config the trial code cannot run is an error record, not a crash
             return ResultRecord(status="error", error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}",
                                 **base)
         self.last_prediction = prediction
         capacity = hw.device_memory_bytes
-        fits = prediction.peak_device_bytes <= capacity
+        fits = prediction.peak_device_bytes <= capacity and not prediction.stopped
+        where = '/'.join(str(p) for p in prediction.peak_segment or ())
+        error = None
+        if prediction.stopped:
+            error = (f"predicted out of memory: a {prediction.traces[-1].layers}-layer copy already reaches "
+                     f"{prediction.peak_device_bytes:,} bytes > capacity {capacity:,} bytes at {where} "
+                     f"(trace stopped there; the full peak is higher)")
+        elif not fits:
+            error = f"predicted peak {prediction.peak_device_bytes:,} bytes > capacity {capacity:,} bytes (at {where})"
         record = ResultRecord(
             status="ok" if fits else "oom", peak_device_bytes=int(prediction.peak_device_bytes),
-            host_bytes=int(prediction.host_bytes), breakdown=dict(prediction.breakdown),
-            error=None if fits else (
-                f"predicted peak {prediction.peak_device_bytes:,} bytes > capacity {capacity:,} bytes "
-                f"(at {'/'.join(str(p) for p in prediction.peak_segment or ())})"),
-            **base)
-        if throughput is not None:
+            host_bytes=int(prediction.host_bytes), breakdown=dict(prediction.breakdown), error=error, **base)
+        if throughput is not None and not prediction.stopped:
             try:
                 timing = _step_time(throughput, evaluation, prediction)
             except Exception:
