@@ -145,7 +145,8 @@ def test_a_stopped_trace_gives_the_same_verdict_and_a_lower_bound():
             assert a.status == b.status == ("ok" if fraction > 1 else "oom")
             if b.status == "oom":
                 assert hw.device_memory_bytes < b.peak_device_bytes <= a.peak_device_bytes
-                assert "trace stopped" in b.error
+                if fraction < 0.9:  # far over: the shallow copy itself crosses, the trace stops
+                    assert "trace stopped" in b.error
             else:
                 assert b.peak_device_bytes == a.peak_device_bytes
 
