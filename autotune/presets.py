@@ -84,6 +84,10 @@ class Hardware:
     cuda_context_bytes: int = 0
     nccl_buffer_bytes: int = 0
     allocator_fragmentation: float = 0.0
+    host_memory_bytes_per_device: int = 0  # the node's host RAM / its accelerators; 0 = not checked
+
+    def host_fits(self, host_bytes_per_rank: int | None) -> bool:
+        return not self.host_memory_bytes_per_device or (host_bytes_per_rank or 0) <= self.host_memory_bytes_per_device
 
     @property
     def runtime_overhead_bytes(self) -> int:

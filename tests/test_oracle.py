@@ -151,6 +151,17 @@ def test_a_stopped_trace_gives_the_same_verdict_and_a_lower_bound():
                 assert b.peak_device_bytes == a.peak_device_bytes
 
 
+def test_host_memory_is_a_capacity_too():
+    """Offloaded optimizer states must fit the node's host RAM share: over it, the record is an OOM saying so."""
+    ev = evaluation(model(), seq=2 * K, gpus=2, memory_gib=1.0, fsdp=True, optimizer_offload=True)
+    roomy = PlanBackend(throughput=False).evaluate(ev)
+    assert roomy.status == "ok" and roomy.host_bytes > 0
+    tight = replace(ev.hardware, host_memory_bytes_per_device=roomy.host_bytes - 1)
+    record = PlanBackend(throughput=False).evaluate(replace(ev, hardware=tight))
+    assert record.status == "oom" and "host out of memory" in record.error
+    assert record.peak_device_bytes == roomy.peak_device_bytes
+
+
 def test_gpu_presets_add_runtime_overheads_as_other():
     ev = evaluation(model(), seq=2 * K, gpus=2, hardware="h100-sxm", fsdp=True)
     record = PlanBackend(throughput=False).evaluate(ev)

@@ -101,7 +101,11 @@ class PlanBackend(Backend):
         fits = prediction.peak_device_bytes <= capacity and not prediction.stopped
         where = '/'.join(str(p) for p in prediction.peak_segment or ())
         error = None
-        if prediction.stopped:
+        if fits and not hw.host_fits(prediction.host_bytes):  # offloaded states need the node's RAM too
+            fits = False
+            error = (f"predicted host memory {prediction.host_bytes:,} bytes per rank > the node's "
+                     f"{hw.host_memory_bytes_per_device:,} bytes per device (host out of memory)")
+        elif prediction.stopped:
             error = (f"predicted out of memory: a {prediction.traces[-1].layers}-layer copy already reaches "
                      f"{prediction.peak_device_bytes:,} bytes > capacity {capacity:,} bytes at {where} "
                      f"(trace stopped there; the full peak is higher)")
