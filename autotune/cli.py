@@ -439,9 +439,12 @@ def _library_noise_to_stderr():
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: one line and exit 2 for bad input (ours or the parser's), never a traceback."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    # help is our own output (``autotune --help | less``); nothing else runs then, so no library noise to divert
+    wants_help = "--help" in args or not args
     try:
-        with _library_noise_to_stderr():
-            app(args=argv, standalone_mode=False)
+        with contextlib.nullcontext() if wants_help else _library_noise_to_stderr():
+            app(args=args, standalone_mode=False)
     except UserError as exc:
         print(f"autotune: error: {exc}", file=sys.stderr)
         return 2
