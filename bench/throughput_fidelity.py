@@ -16,7 +16,7 @@ For each config (tiny models, 1-2 ranks, 1K-8K tokens, technique stacks):
 Prints one row per config with the ratio predicted / measured, the worst ratio last, and writes the same text
 to bench/results/throughput_fidelity.txt. Goal: every ratio within [0.77, 1.3].
 
-    .venv/bin/python bench/throughput_fidelity.py            # 12 configs x 2 passes (~8 min on 2 idle cores)
+    .venv/bin/python bench/throughput_fidelity.py            # 13 configs x 2 passes (~8 min on 2 idle cores)
     .venv/bin/python bench/throughput_fidelity.py --quick --passes 1   # 4 configs
 """
 
@@ -51,6 +51,7 @@ CONFIGS = [
     ("tiny-qwen3", 2048, 2, {"fsdp": True, "optimizer_offload": True, "ulysses_degree": 2,
                              "activation_checkpointing": True, "activation_offload_layers": 4}),
     ("tiny-llama", 1024, 2, {"fsdp": True, "activation_checkpointing": True}),
+    ("tiny-qwen3", 4096, 1, {"activation_checkpointing": True, "norm_tile_tokens": 1024}),
 ]
 QUICK = [CONFIGS[0], CONFIGS[3], CONFIGS[6], CONFIGS[8]]
 CONTENDED = 0.10  # others' share of the machine's CPUs above which a step does not count

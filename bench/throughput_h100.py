@@ -5,8 +5,9 @@ FakeTensorMode on a fake 8-rank world (bf16 compute, GPU kernel footprints), ``a
 counts the traced step (3- and 4-layer copies, extended to 32 layers like the memory), and ``predict_step_time``
 turns the counts into time with the ``h100-sxm`` preset's rates (docs/throughput.md says what they assume).
 
-Config (DESIGN.md's example ``best.json``): fsdp + optimizer_offload, Ulysses 8 with head_chunk 1 (UPipe),
-activation checkpointing with every layer's input offloaded, tiled MLP and tiled loss.
+Config: the full stack of bench/ablation.py -- fsdp + optimizer_offload, Ulysses 8 with head_chunk 1 (UPipe),
+activation checkpointing with every layer's input offloaded, tiled MLP (64K), tiled loss (8K: a 64K tile of
+128K-vocab fp32 logits alone would be ~32 GiB), tiled RMSNorm (64K).
 
     .venv/bin/python bench/throughput_h100.py [--hardware h100-sxm] [--attention flash|sdpa] [--out FILE]
 """
@@ -24,7 +25,7 @@ sys.path.insert(0, str(REPO))
 SEQS = [131072, 262144, 524288, 1048576, 2097152, 3145728, 4194304, 5242880]
 TECHNIQUES = {"fsdp": True, "optimizer_offload": True, "ulysses_degree": 8, "head_chunk": 1,
               "activation_checkpointing": True, "activation_offload_layers": "all",
-              "mlp_tile_tokens": 65536, "loss_tile_tokens": 65536}
+              "mlp_tile_tokens": 65536, "loss_tile_tokens": 8192, "norm_tile_tokens": 65536}
 
 
 def model_flops_per_token(cfg: dict, seq_len: int) -> float:
