@@ -151,6 +151,23 @@ def test_a_stopped_trace_gives_the_same_verdict_and_a_lower_bound():
                 assert b.peak_device_bytes == a.peak_device_bytes
 
 
+def test_a_sharded_model_is_never_whole_on_the_device():
+    """FSDP builds on the meta device and materialises shards only: at setup each of 4 ranks holds about a
+    quarter of the weights, not the whole model first (which no 70B run could survive); with optimizer offload,
+    none on the device."""
+    from trials.model import build_model
+
+    config = model()
+    whole = sum(p.numel() * 4 for p in build_model(config).parameters())
+    for offload in (False, True):
+        t = oracle.trace(config, Techniques(fsdp=True, optimizer_offload=offload), 1 * K, 4, prime_optimizer=False)
+        setup = t.segments[("setup", None)]
+        if offload:
+            assert setup.device_bytes < whole / 40 and setup.host_bytes >= whole / 4
+        else:
+            assert whole / 4 <= setup.device_bytes < whole / 4 * 1.1
+
+
 def test_host_memory_is_a_capacity_too():
     """Offloaded optimizer states must fit the node's host RAM share: over it, the record is an OOM saying so."""
     ev = evaluation(model(), seq=2 * K, gpus=2, memory_gib=1.0, fsdp=True, optimizer_offload=True)

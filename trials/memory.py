@@ -62,6 +62,7 @@ class DeviceMemoryTracker(TorchDispatchMode):
         self.peak_host_bytes = 0
         self.peak_breakdown = dict(self.current)
         self.host_phases: set[str] = set()  # phases whose new storages live on the host
+        self._on_host = 0  # > 0 inside ``on_host()``
         self._orig_resize = None
 
     # -- bookkeeping ---------------------------------------------------------------------------------
@@ -85,7 +86,7 @@ class DeviceMemoryTracker(TorchDispatchMode):
         info = self._storages.get(storage)
         if info is None:
             info = _StorageInfo(storage.nbytes(), category or _PHASE_CATEGORY.get(self.phase, "other"),
-                                host=self.phase in self.host_phases)
+                                host=self._on_host > 0 or self.phase in self.host_phases)
             self._storages[storage] = info
             weakref.finalize(storage, self._on_free, info, None)
             self._add(info, +1)
@@ -98,6 +99,15 @@ class DeviceMemoryTracker(TorchDispatchMode):
         for tensor in tensors:
             if tensor is not None:
                 self.track(tensor, category)
+
+    @contextlib.contextmanager
+    def on_host(self):
+        """Storages made inside live on the host (e.g. weights drawn on the host before a shard is copied)."""
+        self._on_host += 1
+        try:
+            yield
+        finally:
+            self._on_host -= 1
 
     def mark_host(self, tensor: torch.Tensor) -> None:
         """``tensor`` lives in host memory (offloaded): count it as host bytes, not device bytes."""

@@ -6,6 +6,8 @@ embedding, final norm and lm_head, and the loss can be tiled without materialisi
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 
@@ -27,16 +29,152 @@ def hf_config(model_config: dict):
 
 def build_model(model_config: dict, seed: int = 0, dtype: torch.dtype = torch.float32,
                 device: torch.device | str = "cpu") -> "TrainingModel":
-    """Random-weight model, identical on every rank for the same seed."""
+    """Random-weight model, identical on every rank for the same seed.
+
+    ``device="meta"`` builds it without memory (nothing initialised): apply the technique stack, then
+    ``materialize`` -- a sharded model then only ever holds its shards (70B in fp32 is 280 GB: it could never be
+    built whole on an 80 GB device first). Either way the weights are ``init_weights``'s, so a model built whole
+    and one materialised shard by shard hold the same values.
+    """
     from transformers import AutoModelForCausalLM
 
     attention.register()
     config = hf_config(model_config)
-    torch.manual_seed(seed)
-    with torch.device(device):
+    with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(config, attn_implementation=attention.ATTN_IMPLEMENTATION,
                                               dtype=dtype)
-    return TrainingModel(lm)
+    model = TrainingModel(lm)
+    if torch.device(device).type != "meta":
+        materialize(model, device, seed)
+    return model
+
+
+# -- weights: built on meta, materialised after the stack ---------------------------------------------------
+
+INIT_BLOCK_ROWS = 4096  # rows of a parameter drawn from one seeded generator (any shard needs whole blocks only)
+_WRAPPER_NAMES = {"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod"}
+
+
+def materialize(model: "TrainingModel", device, seed: int = 0, params_device=None) -> None:
+    """Give a meta-built model (plain, or with the technique stack applied) real storage and its weights.
+
+    Parameters go to ``params_device`` (default ``device``; the host for FSDP2's CPU offload), buffers (the
+    rotary frequencies) are rebuilt on ``device``. Each rank draws only the rows of its own shards.
+    """
+    from trials.memory import active_tracker
+
+    tracker = active_tracker()
+    # parameters on the host (FSDP2's offloaded shards) are host memory for the tracker, on CPU trials too
+    with tracker.on_host() if tracker is not None and params_device is not None else contextlib.nullcontext():
+        _allocate_parameters(model, params_device or device)
+    _rebuild_buffers(model, device)
+    init_weights(model, seed)
+
+
+def _allocate_parameters(model, device) -> None:
+    """``model.to_empty(device)`` for the parameters, by assignment rather than ``Module._apply``'s tensor swap
+    (which the memory oracle's fake tensors refuse); tied parameters stay tied."""
+    from torch.distributed.fsdp import FSDPModule
+
+    allocated: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for key, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in allocated:  # DTensor shards stay DTensors: empty_like keeps the spec
+                allocated[id(param)] = nn.Parameter(torch.empty_like(param, device=device),
+                                                    requires_grad=param.requires_grad)
+            module._parameters[key] = allocated[id(param)]
+    for module in model.modules():  # FSDP2 holds its own reference to each sharded parameter: re-read them
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            for fsdp_param in group.fsdp_params if group is not None else ():
+                fsdp_param.reset_sharded_param()
+
+
+def _rebuild_buffers(model, device) -> None:
+    """Buffers hold computed values (HF rotary embeddings' ``inv_freq``): rebuild their modules' buffers."""
+    for module in model.modules():
+        if next(module.buffers(recurse=False), None) is None:
+            continue
+        if not type(module).__name__.endswith("RotaryEmbedding"):
+            raise ValueError(f"cannot materialise the buffers of {type(module).__name__}")
+        with torch.device(device):
+            fresh = type(module)(module.config)
+        for name, buffer in fresh.named_buffers(recurse=False):
+            setattr(module, name, buffer)
+        module.attention_scaling = fresh.attention_scaling
+
+
+@torch.no_grad()
+def init_weights(model: "TrainingModel", seed: int = 0) -> None:
+    """HF's initialisation (``PreTrainedModel._init_weights``: Linear/Embedding weights ~ N(0, initializer_range),
+    biases 0, norm weights 1) drawn so that the values depend only on (seed, parameter name, row): rows come in
+    blocks of ``INIT_BLOCK_ROWS``, each from its own seeded generator on the host, so a rank holding a shard
+    (FSDP2: dim-0 chunks) draws just the blocks it needs and gets exactly the rows the whole model would have.
+    """
+    from trials.memory import active_tracker
+
+    std = getattr(model.config, "initializer_range", None) or 0.02
+    tracker = active_tracker()
+    seen = set()
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:  # tied weights
+                continue
+            seen.add(id(param))
+            name = _canonical(f"{module_name}.{param_name}")
+            local, start = _local_rows(param)
+            if isinstance(module, (nn.Linear, nn.Embedding)) and param_name == "weight":
+                _fill_normal(local, start, param.shape, std, _seed(seed, name), tracker)
+            elif param_name == "bias":
+                local.zero_()
+            elif "Norm" in type(module).__name__ and param_name == "weight":
+                local.fill_(1.0)
+            else:
+                raise ValueError(f"no initialisation rule for {name} ({type(module).__name__})")
+
+
+def _canonical(name: str) -> str:
+    """The parameter's name in the plain model (wrappers of checkpointing/FSDP/compile dropped)."""
+    return ".".join(part for part in name.split(".") if part and part not in _WRAPPER_NAMES)
+
+
+def _seed(seed: int, name: str) -> int:
+    import zlib
+
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
+
+
+def _local_rows(param) -> tuple[torch.Tensor, int]:
+    """(the tensor this rank stores, the first global row of it): FSDP2 shards dim 0 in ``torch.chunk`` pieces."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(param, DTensor):
+        return param.data, 0
+    if any(not isinstance(p, Shard) or p.dim != 0 for p in param.placements) or len(param.placements) != 1:
+        raise ValueError(f"unexpected placements {param.placements} for a sharded parameter")
+    local = param.to_local()
+    rows, world = param.shape[0], param.device_mesh.size()
+    chunk = -(-rows // world)
+    start = min(rows, param.device_mesh.get_local_rank() * chunk)
+    if local.shape[0] != max(0, min(rows, start + chunk) - start):
+        raise ValueError(f"shard of {local.shape[0]} rows does not match torch.chunk's {chunk} from row {start}")
+    return local, start
+
+
+def _fill_normal(local: torch.Tensor, start: int, shape, std: float, seed: int, tracker) -> None:
+    rows = shape[0]
+    stop = start + local.shape[0]
+    for block in range(start // INIT_BLOCK_ROWS, -(-stop // INIT_BLOCK_ROWS)):
+        first = block * INIT_BLOCK_ROWS
+        count = min(INIT_BLOCK_ROWS, rows - first)
+        generator = torch.Generator().manual_seed(seed + block)
+        with tracker.on_host() if tracker is not None else contextlib.nullcontext():  # whatever the shard's device
+            values = torch.empty((count, *shape[1:]), dtype=torch.float32, device="cpu")
+            values.normal_(0.0, std, generator=generator)
+        lo, hi = max(start, first), min(stop, first + count)
+        local[lo - start:hi - start].copy_(values[lo - first:hi - first])
 
 
 def plain_loss(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, scale: float) -> torch.Tensor:

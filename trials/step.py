@@ -29,12 +29,15 @@ def build_training(model_config: dict, techniques, mesh, seed: int = 0, tracker=
 
     ``compute_dtype``: None = bf16 on CUDA, fp32 on CPU; fp32 master weights either way (see
     ``trials.model.set_compute_dtype``)."""
-    from trials.model import build_model, default_compute_dtype, set_compute_dtype
+    from trials.model import build_model, default_compute_dtype, materialize, set_compute_dtype
     from trials.stack import apply
 
     compute_dtype = compute_dtype or default_compute_dtype(mesh.device)
-    model = build_model(model_config, seed=seed, device=mesh.device)
+    # sharded: built on meta, so each rank only ever allocates its shards (the host's, with optimizer offload)
+    model = build_model(model_config, seed=seed, device="meta" if techniques.fsdp else mesh.device)
     apply(model, techniques, mesh, param_dtype=None if compute_dtype == torch.float32 else compute_dtype)
+    if techniques.fsdp:
+        materialize(model, mesh.device, seed, params_device="cpu" if techniques.optimizer_offload else None)
     set_compute_dtype(model, compute_dtype)
     if tracker is not None:
         tracker.retag(model.parameters(), "params")
