@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-VERSION = 11
+VERSION = 12
 CPU_ATTENTION_TILE_Q = 256   # torch's CPU flash kernel: q split 256 for q_seq_len >= 768
 CPU_ATTENTION_TILE_KV = 512  # and kv split 512
 HEAD_DIMS = (16, 64, 128)
@@ -539,19 +539,19 @@ def measure_in_step(partial_rates: dict) -> dict:
                            mesh.sp_degree, "cpu")
         train_step(model, optimizer, batch, mesh, tracker)
 
-        def wall():
-            start = time.perf_counter()
-            train_step(model, optimizer, batch, mesh, tracker)
-            return (time.perf_counter() - start,)
-
-        def one_step():
+        def kernels_then_wall():
+            """One step with every kernel timed, then one plain step's wall time: pairs taken together, so the
+            host's speed drift (+-20% over minutes) moves both alike and the residual (rank_imbalance) sees none."""
             timer.seconds, timer.on = {}, True
             train_step(model, optimizer, batch, mesh, tracker)
             timer.on = False
-            return tuple(timer.seconds.get(key, 0.0) for key in kinds)
+            kernel_seconds = tuple(timer.seconds.get(key, 0.0) for key in kinds)
+            start = time.perf_counter()
+            train_step(model, optimizer, batch, mesh, tracker)
+            return kernel_seconds + (time.perf_counter() - start,)
 
-        samples = _sample(one_step, "in-step kernels", samples=7, returns_times=True)
-        walls = _sample(wall, "in-step wall", samples=5, returns_times=True)
+        pairs = _sample(kernels_then_wall, "in-step kernels and wall", samples=7, returns_times=True)
+        samples, walls = [p[:-1] for p in pairs], [p[-1:] for p in pairs]
         counter = StepCounter(tracker, seq_len=IN_STEP_TOKENS, world_size=world)
         with counter:
             train_step(model, optimizer, batch, mesh, tracker)

@@ -16,7 +16,7 @@ For each config (tiny models, 1-2 ranks, 1K-8K tokens, technique stacks):
 Prints one row per config with the ratio predicted / measured, the worst ratio last, and writes the same text
 to bench/results/throughput_fidelity.txt. Goal: every ratio within [0.77, 1.3].
 
-    .venv/bin/python bench/throughput_fidelity.py            # 13 configs x 2 passes (~8 min on 2 idle cores)
+    .venv/bin/python bench/throughput_fidelity.py            # calibrate, then 13 configs x 2 passes (~9 min)
     .venv/bin/python bench/throughput_fidelity.py --quick --passes 1   # 4 configs
 """
 
@@ -214,6 +214,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="measured steps per launch (after 1 warm-up)")
     parser.add_argument("--attempts", type=int, default=4, help="launches per config when every step is contended")
     parser.add_argument("--passes", type=int, default=2, help="launches per config, in separate passes")
+    parser.add_argument("--cached-calibration", action="store_true",
+                        help="use the cached cpu calibration instead of re-measuring this machine first")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "throughput_fidelity.txt"))
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT_DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -224,7 +226,8 @@ def main(argv=None) -> int:
     from autotune import calibrate
 
     started = time.time()
-    cal = calibrate.load_or_calibrate(quiet=False)
+    # predictions and measurements side by side: calibrate now, not hours ago (this shared host's speed drifts)
+    cal = calibrate.load_or_calibrate(force=not args.cached_calibration, quiet=False)
     lines = [f"# throughput model fidelity on this machine ({cal['machine']['cpu']}, {cal['machine']['cpus']} CPUs, "
              f"torch {cal['machine']['torch']}); cpu preset calibrated {cal.get('measured_at')}",
              "# predicted: plan backend (oracle fake trace + StepCounter + predict_step_time, cpu preset)",
