@@ -95,7 +95,8 @@ def _rdb(url: str, attempts: int = 5):
                               heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1))
         except Exception as exc:
             # workers starting together race to create the schema: the loser sees "already exists" or a lock
-            transient = "already exists" in str(exc) or "locked" in str(exc)
+            # (or both insert the schema version: a UNIQUE violation on alembic_version)
+            transient = any(sign in str(exc) for sign in ("already exists", "locked", "UNIQUE constraint failed"))
             if not transient or attempt == attempts - 1:
                 raise
             time.sleep(0.5 * (attempt + 1))
