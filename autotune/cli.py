@@ -345,7 +345,7 @@ def run(
 
 @app.command()
 def plot(directory: Path = typer.Argument(...), output: Optional[Path] = typer.Option(None, "-o", "--output")):
-    """Redraw pareto.png from a search folder's trials.parquet and pareto.json."""
+    """Redraw pareto.png and memory.png (trials.parquet, pareto.json) and pareto.html (study.db, plotly)."""
     from autotune.exporters import load_front
     from autotune.plots import plot_pareto
     import pyarrow.parquet as pq
@@ -361,6 +361,29 @@ def plot(directory: Path = typer.Argument(...), output: Optional[Path] = typer.O
         plot_front_memory(front_doc["front"], front_doc["capacity_bytes"], directory / "memory.png",
                           title=f"memory per rank of the front, {front_doc['model']}")
         console.print(f"wrote {directory / 'memory.png'}")
+    if output is None:
+        _plot_html(directory)
+
+
+def _plot_html(directory: Path) -> None:
+    """pareto.html from the study in ``directory/study.db`` (a search with --storage elsewhere has none here)."""
+    import optuna
+
+    from autotune.plots import write_pareto_html
+
+    db = directory / "study.db"
+    if not db.exists():
+        console.print(f"pareto.html skipped: no study.db in {directory} (the study lives in its --storage)")
+        return
+    storage = f"sqlite:///{db.resolve()}"
+    names = optuna.get_all_study_names(storage)
+    if len(names) != 1:
+        console.print(f"pareto.html skipped: {len(names)} studies in {db}")
+        return
+    if write_pareto_html(optuna.load_study(study_name=names[0], storage=storage), directory / "pareto.html"):
+        console.print(f"wrote {directory / 'pareto.html'}")
+    else:
+        console.print("pareto.html skipped: plotly is not installed (pip install 'autotune[plots]')")
 
 
 @app.command()

@@ -879,9 +879,10 @@ _COLORS = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green"
            "temporaries": "tab:purple", "other": "tab:gray"}
 
 
-def plot_memory(records, capacity: int, path, labels: list[str] | None = None, title: str = "") -> None:
+def plot_memory(records, capacity: int, path, labels: list[str] | None = None, title: str = "") -> int:
     """Stacked bars of peak device memory per rank by category (one bar per record; ``ResultRecord`` or
-    dict), the device capacity as a line; host bytes noted above each bar. Matplotlib, Agg backend."""
+    dict), the device capacity as a line; host bytes noted above each bar. Matplotlib, Agg backend.
+    Returns the number of bars (stacks) drawn, counted from the figure's bar containers."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -915,4 +916,6 @@ def plot_memory(records, capacity: int, path, labels: list[str] | None = None, t
     ax.set_ylim(0, max(max(bottoms, default=0), capacity / gib) * 1.18)
     fig.tight_layout()
     fig.savefig(path)
+    stacks = len({round(bar.get_x(), 6) for container in ax.containers for bar in container})
     plt.close(fig)
+    return stacks

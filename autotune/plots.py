@@ -24,10 +24,10 @@ def _knob_label(techniques: dict) -> str:
     return " ".join(parts) or "baseline"
 
 
-def plot_pareto(rows: list[dict], front: list[dict], target: int, path: Path, title: str = "") -> int:
+def plot_pareto(rows: list[dict], front: list[dict], target: int, path: Path, title: str = "") -> dict:
     """Every trial (measured = circles, predicted = squares; OOM = red x, failed = grey x, on the floor), the
-    front highlighted and labelled with its key knobs, and the target as a vertical line. Returns the
-    number of points drawn."""
+    front highlighted and labelled with its key knobs, and the target as a vertical line. Returns what the
+    figure holds, counted from its artists: ``{"points": trial markers, "front": front points}``."""
     fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
     ok = [r for r in rows if r["status"] == "ok" and r.get("tokens_per_s")]
     floor = min((r["tokens_per_s"] for r in ok), default=1.0) * 0.5  # where points without a rate are drawn
@@ -58,5 +58,22 @@ def plot_pareto(rows: list[dict], front: list[dict], target: int, path: Path, ti
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     fig.savefig(path)
+    drawn = {"points": sum(len(c.get_offsets()) for c in ax.collections),
+             "front": sum(len(line.get_xdata()) for line in ax.lines if line.get_label() == "Pareto front")}
     plt.close(fig)
-    return len(rows)
+    return drawn
+
+
+def write_pareto_html(study, path: Path) -> bool:
+    """``pareto.html``: Optuna's interactive Pareto-front view (plotly; infeasible trials -- OOMs, failures --
+    greyed out from their constraints), self-contained so it opens offline. False when plotly is missing."""
+    try:
+        import plotly  # noqa: F401
+    except ImportError:
+        return False
+    from optuna.visualization import plot_pareto_front
+
+    fig = plot_pareto_front(study, target_names=["seq_len (tokens)", "tokens/s"])
+    fig.update_xaxes(type="log")
+    fig.write_html(str(path), include_plotlyjs=True)
+    return True

@@ -72,10 +72,11 @@ def write_outputs(job: "search.SearchJob", study) -> dict:
     (out / "pareto.json").write_text(json.dumps(
         {"model": job.model, "hardware": job.hardware.name, "gpus": job.gpus, "target": job.target,
          "capacity_bytes": job.hardware.device_memory_bytes, "front": front}, indent=2) + "\n")
-    from autotune.plots import plot_pareto
+    from autotune.plots import plot_pareto, write_pareto_html
 
     plot_pareto(trial_rows(study), front, job.target, out / "pareto.png",
                 title=f"{job.model} on {job.gpus}x {job.hardware.name}")
+    write_pareto_html(study, out / "pareto.html")
     plot_front_memory(front, job.hardware.device_memory_bytes, out / "memory.png",
                       title=f"memory per rank of the front, {job.model} on {job.gpus}x {job.hardware.name}")
     best = search.best_for_target(study, job.target)
@@ -100,14 +101,15 @@ def write_outputs(job: "search.SearchJob", study) -> dict:
     return summary
 
 
-def plot_front_memory(front: list[dict], capacity_bytes: int, path: Path, title: str = "") -> None:
-    """``memory.png``: the peak-memory breakdown of every front point against the capacity (issue 7)."""
+def plot_front_memory(front: list[dict], capacity_bytes: int, path: Path, title: str = "") -> int:
+    """``memory.png``: the peak-memory breakdown of every front point against the capacity (issue 7); returns
+    the number of bars drawn."""
     if not front:
-        return
+        return 0
     from autotune.oracle import plot_memory
     from autotune.plots import _knob_label
 
-    plot_memory([f["record"] for f in front], capacity_bytes, path, title=title,
+    return plot_memory([f["record"] for f in front], capacity_bytes, path, title=title,
                 labels=[f"{f['seq_len']:,}\n{_knob_label(f['techniques'])}" for f in front])
 
 
