@@ -25,8 +25,9 @@ def _knob_label(techniques: dict) -> str:
 
 
 def plot_pareto(rows: list[dict], front: list[dict], target: int, path: Path, title: str = "") -> dict:
-    """Every trial (measured = circles, predicted = squares; OOM = red x, failed = grey x, on the floor), the
-    front highlighted and labelled with its key knobs, and the target as a vertical line. Returns what the
+    """Every trial (measured = circles, predicted = squares; OOM red and failed grey on the floor: measured =
+    triangles, predicted = x), the front highlighted and labelled with its key knobs, and the target as a
+    vertical line. Returns what the
     figure holds, counted from its artists: ``{"points": trial markers, "front": front points}``."""
     fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
     ok = [r for r in rows if r["status"] == "ok" and r.get("tokens_per_s")]
@@ -38,10 +39,11 @@ def plot_pareto(rows: list[dict], front: list[dict], target: int, path: Path, ti
                        color="tab:blue", label=f"{source} (fits)")
     for statuses, color, label in ((("oom",), "tab:red", "out of memory"),
                                    (("error", "timeout"), "grey", "failed (error / timeout)")):
-        pts = [r for r in rows if r["status"] in statuses]
-        if pts:
-            ax.scatter([r["seq_len"] for r in pts], [floor] * len(pts), marker="x", color=color, alpha=0.5,
-                       label=label)
+        for source, marker in (("measured", "v"), ("predicted", "x")):  # a real OOM vs one never launched
+            pts = [r for r in rows if r["status"] in statuses and r.get("source", "predicted") == source]
+            if pts:
+                ax.scatter([r["seq_len"] for r in pts], [floor] * len(pts), marker=marker, color=color, alpha=0.5,
+                           label=f"{label}, {source}")
     if front:
         xs = [f["seq_len"] for f in front]
         ys = [f["tokens_per_s"] for f in front]
