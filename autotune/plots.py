@@ -27,8 +27,8 @@ def _knob_label(techniques: dict) -> str:
 def plot_pareto(rows: list[dict], front: list[dict], target: int, path: Path, title: str = "") -> dict:
     """Every trial (measured = circles, predicted = squares; OOM red and failed grey on the floor: measured =
     triangles, predicted = x), the front highlighted and labelled with its key knobs, and the target as a
-    vertical line. Returns what the
-    figure holds, counted from its artists: ``{"points": trial markers, "front": front points}``."""
+    vertical line. Returns what the figure holds, counted from its artists: ``{"points": trial markers,
+    "front": front points}``."""
     fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
     ok = [r for r in rows if r["status"] == "ok" and r.get("tokens_per_s")]
     floor = min((r["tokens_per_s"] for r in ok), default=1.0) * 0.5  # where points without a rate are drawn
