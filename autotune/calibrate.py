@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-VERSION = 12
+VERSION = 14
 CPU_ATTENTION_TILE_Q = 256   # torch's CPU flash kernel: q split 256 for q_seq_len >= 768
 CPU_ATTENTION_TILE_KV = 512  # and kv split 512
 HEAD_DIMS = (16, 64, 128)
@@ -167,7 +167,7 @@ def calibrate(quiet: bool = True, repeats: int = 1) -> dict:
     return result
 
 
-_LOWER_IS_BETTER = ("op_overhead_s", "view_overhead_s", "latency_s")
+_LOWER_IS_BETTER = ("op_overhead_s", "view_overhead_s", "latency_s", "probe_s")
 
 
 def _best_of(runs: list):
@@ -177,7 +177,8 @@ def _best_of(runs: list):
         out = {}
         for key in first:
             values = [r[key] for r in runs if key in r]
-            if key.startswith("points") or key in ("threads", "world_size", "contended", "kernel_seconds", "counts"):
+            if key.startswith("points") or key in ("threads", "world_size", "contended", "kernel_seconds", "counts",
+                                                              "probes_s"):
                 out[key] = values[0]
             elif key in _LOWER_IS_BETTER:
                 out[key] = min(values)
@@ -349,6 +350,41 @@ def _barrier():
 
     if dist.is_initialized():
         dist.barrier()
+
+
+def speed_probe_s(samples: int = 5) -> float:
+    """Seconds of a fixed small workload (matmuls, memory-bound elementwise ops, many tiny dispatched ops: the mix
+    of a CPU training step), median of ``samples``. This host's speed drifts by +-25% over minutes with no other
+    process visible (a shared machine); the calibration records the probe beside its measurements
+    (``probe_s``), so a later measurement that runs the probe beside itself can be put in the calibration's
+    units: ``seconds * probe_s / probe_now`` (``bench/throughput_fidelity.py`` does). Not contention-filtered:
+    callers check contention around it as around everything else."""
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():  # a trial's memory tracker (a Python dispatch mode) must not time itself here
+        return _speed_probe_s(torch, samples)
+
+
+def _speed_probe_s(torch, samples: int) -> float:
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    x, small = torch.randn(1 << 19), torch.randn(64)
+
+    def work():  # ~20 ms on a 2-core VM
+        for _ in range(16):
+            torch.mm(a, b)
+        for _ in range(32):
+            x.mul_(1.0001).add_(1e-4)
+        for _ in range(600):
+            small.add_(1e-4)
+
+    work()
+    times = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def measure_matmul() -> float:
@@ -654,7 +690,9 @@ def _worker(rank: int, world: int, threads: int, out_dir: str) -> None:
         _PIDS[:] = pids
     from autotune.config import Techniques
 
+    probes = []  # the speed probe beside each group of measurements (see speed_probe_s)
     _barrier()
+    probes.append(speed_probe_s())
     result["matmul_flops"] = measure_matmul()
     _barrier()
     result["attention_flops"] = {str(d): measure_attention(d) for d in HEAD_DIMS}
@@ -667,8 +705,11 @@ def _worker(rank: int, world: int, threads: int, out_dir: str) -> None:
                "matmul_efficiency": 1.0, "elementwise_efficiency": 1.0, "elementwise_traffic_factor": 1.0,
                "attention_by_head_dim": tuple(sorted((int(d), (f / result["matmul_flops"], b / result["matmul_flops"]))
                                                      for d, (f, b) in result["attention_flops"].items()))}
+    _barrier()
+    probes.append(speed_probe_s())
     result["in_step"] = measure_in_step(partial)
     _barrier()
+    probes.append(speed_probe_s())
     if world > 1:
         result["gloo"] = measure_gloo()
         _barrier()
@@ -680,6 +721,11 @@ def _worker(rank: int, world: int, threads: int, out_dir: str) -> None:
     partial = {f: getattr(yaml_rates, f) for f in Rates.__dataclass_fields__ if f != "name"}
     op, view = measure_dispatch_overhead(partial)
     result["op_overhead_s"], result["view_overhead_s"] = op, view
+    _barrier()
+    probes.append(speed_probe_s())
+    # the rates the time model uses come from the in-step run and the dispatch overhead: the probes around those
+    result["probe_s"] = statistics.median(probes[1:])
+    result["probes_s"] = probes
     # what the model still misses on the in-step run: on several ranks, waiting for the slower one
     from autotune.throughput import StepCounts, predict_step_time
 

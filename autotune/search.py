@@ -8,6 +8,15 @@ honest way:
     4. backend    a plan prediction or a real local trial.
 A config that does not fit (or fails) is reported to Optuna as a violated constraint
 (``trial.set_constraint``), so TPE learns where the memory wall is instead of ignoring failures.
+
+What to evaluate: the seeds first (``seed_params``), then *follow-ups* (``follow_ups``), then TPE. TPE treats
+the length as one more categorical and the knobs as unrelated; the problem has structure it cannot see --
+memory grows with the length, and each technique trades speed for memory -- so after every record the search
+queues the points that structure says are worth it: a front config at the next longer length (climb to its
+wall), and at a wall, the same config with one memory technique more. Queued trials run first (Optuna's
+``enqueue_trial``, shared by every worker of the study); when the queue is empty TPE proposes. On
+``bench/search_quality.py``'s reduced space this takes the hypervolume at 10% of the grid from ~0.85 (TPE
+alone) to ~0.97.
 The study lives in storage (SQLite in the out dir by default), so re-running the same command resumes,
 and several workers may share one study.
 """
@@ -61,6 +70,7 @@ class SearchJob:
     study_name: str | None = None
     seed: int = 0
     prefilter: Backend | None = None  # the plan backend in front of real trials
+    follow_ups: bool = True  # climb front configs and step down in memory at their walls (see follow_ups)
     avoided: dict = field(default_factory=lambda: {"cache": 0, "monotone": 0, "oracle": 0})
 
 
@@ -206,6 +216,73 @@ def infer_record(study: optuna.Study, techniques: Techniques, seq_len: int) -> t
     return None
 
 
+def _known_points(study: optuna.Study) -> list[tuple[dict, int, ResultRecord]]:
+    """(techniques, seq_len, record) of every trial that has a record, finished or still running."""
+    known = []
+    for past in study.get_trials(deepcopy=False, states=(*FINISHED, TrialState.RUNNING)):
+        if "record" in past.user_attrs and "techniques" in past.user_attrs:
+            record = ResultRecord.from_dict(past.user_attrs["record"])
+            known.append((past.user_attrs["techniques"], record.seq_len, record))
+    return known
+
+
+def follow_ups(job: SearchJob, known: list[tuple[dict, int, ResultRecord]], techniques: Techniques,
+               record: ResultRecord) -> list[tuple[Techniques, int]]:
+    """Points worth evaluating next, given a new record (already in ``known``) -- the structure TPE cannot see:
+
+    - climb: a config that fits at L and is on the current front (nothing known is both as long and as fast) is
+      tried at the next longer length of the grid: each front config is followed up to its own memory wall;
+    - step down in memory: a config that is out of memory at L, having fit on the front at the previous
+      length, is tried at L with each one-knob change that should need less memory
+      (``SearchSpace.memory_steps``): the fastest way past that wall is usually one technique more.
+
+    Points already known (or answered by monotone inference) are left out. Returns (techniques, seq_len)."""
+    lens = [s for s in job.space.seq_lens]
+    wanted = techniques.to_dict()
+    seq_len = record.seq_len
+    feasible = [(s, r.tokens_per_s or 0.0) for _, s, r in known if r.status == "ok"]
+
+    def on_front(length: int, rate: float) -> bool:
+        return not any(s >= length and t >= rate and (s, t) != (length, rate) for s, t in feasible)
+
+    candidates: list[tuple[Techniques, int]] = []
+    if record.status == "ok" and on_front(seq_len, record.tokens_per_s or 0.0):
+        longer = [s for s in lens if s > seq_len and s % techniques.ulysses_degree == 0]
+        if longer:
+            candidates.append((techniques, longer[0]))
+    elif record.status == "oom":
+        shorter = [(s, r) for t, s, r in known if t == wanted and s < seq_len and r.status == "ok"]
+        if shorter:
+            last_len, last = max(shorter, key=lambda item: item[0])
+            previous = [s for s in lens if s < seq_len and s % techniques.ulysses_degree == 0]
+            if previous and last_len == previous[-1] and on_front(last_len, last.tokens_per_s or 0.0):
+                layers = job.model_config["num_hidden_layers"]
+                candidates += [(step, seq_len) for step in job.space.memory_steps(techniques, layers)
+                               if seq_len % step.ulysses_degree == 0]
+    fresh = []
+    for candidate, length in candidates:
+        as_dict = candidate.to_dict()
+        if any(t == as_dict and (s == length or (r.status == "oom" and s <= length)) for t, s, r in known):
+            continue
+        fresh.append((candidate, length))
+    return fresh
+
+
+def enqueue_follow_ups(job: SearchJob, study: optuna.Study, techniques: Techniques, record: ResultRecord,
+                       origin: int) -> int:
+    """Queue ``follow_ups`` (skipping any already queued); returns how many were queued."""
+    queued = 0
+    layers = job.model_config["num_hidden_layers"]
+    for candidate, length in follow_ups(job, _known_points(study), techniques, record):
+        params = job.space.params_for(candidate, length, layers)
+        if params is None:
+            continue
+        before = len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+        study.enqueue_trial(params, user_attrs={"follow_up_of": origin}, skip_if_exists=True)
+        queued += len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,))) - before
+    return queued
+
+
 def constraint_value(record: ResultRecord, capacity_bytes: int) -> float:
     """<= 0 feasible. OOM: how far over capacity (at least a little); failures: 1."""
     if record.status == "ok":
@@ -250,6 +327,8 @@ def make_objective(job: SearchJob, study: optuna.Study, on_record: Callable | No
         trial.set_user_attr("record", record.to_dict())
         trial.set_user_attr("answered_by", how or job.backend.name)
         trial.set_constraint("memory", constraint_value(record, capacity))
+        if job.follow_ups:
+            enqueue_follow_ups(job, study, techniques, record, trial.number)
         if on_record is not None:
             on_record(trial.number, techniques, record, how)
         return float(seq_len), float(record.tokens_per_s or 0.0) if record.status == "ok" else 0.0

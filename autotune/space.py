@@ -11,7 +11,7 @@ Conditional knobs (define-by-run, so Optuna's TPE learns each branch):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,78 @@ class SearchSpace:
 
     def head_chunks(self, degree: int) -> list:
         return self.head_chunks_by_degree.get(degree, [None])
+
+    def params_for(self, techniques: Techniques, seq_len: int, num_layers: int) -> dict | None:
+        """The Optuna params under which ``sample`` gives exactly this config and length (for enqueueing), or
+        None when the space cannot express it."""
+        t, c = techniques, self.choices
+        params: dict = {"fsdp": t.fsdp, "ulysses_degree": t.ulysses_degree,
+                        "activation_checkpointing": t.activation_checkpointing, "mlp_tile_tokens": t.mlp_tile_tokens,
+                        "loss_tile_tokens": t.loss_tile_tokens, "norm_tile_tokens": t.norm_tile_tokens,
+                        "attention": t.attention, "seq_len": seq_len}
+        if t.fsdp:
+            params["optimizer_offload"] = t.optimizer_offload
+        elif t.optimizer_offload:
+            return None
+        chunks = self.head_chunks(t.ulysses_degree)
+        if t.ulysses_degree > 1 and len(chunks) > 1:
+            params[f"head_chunk_u{t.ulysses_degree}"] = t.head_chunk
+        elif t.head_chunk != (chunks[0] if t.ulysses_degree > 1 and chunks else None):
+            return None
+        if t.activation_checkpointing:
+            all_layers = "all" in c["activation_offload_layers"] and t.activation_offload_layers == num_layers
+            params["activation_offload_layers"] = "all" if all_layers else t.activation_offload_layers
+        elif t.activation_offload_layers:
+            return None
+        for name, value in params.items():
+            if name == "seq_len":
+                choices = [s for s in self.seq_lens if s % t.ulysses_degree == 0]
+            elif name.startswith("head_chunk_u"):
+                choices = chunks
+            else:
+                choices = c[name]
+            if value not in choices:
+                return None
+        return params
+
+    def memory_steps(self, techniques: Techniques, num_layers: int) -> list[Techniques]:
+        """The configs one knob away that should need less memory: FSDP on, optimizer offload on, the next
+        larger Ulysses degree, the next smaller head chunk, checkpointing on, the next larger count of
+        offloaded layers, the next smaller (non-zero) MLP / loss / RMSNorm tile. Ordered as listed; only
+        choices of this space."""
+        t, c = techniques, self.choices
+        steps = []
+
+        def add(**change):
+            steps.append(replace(t, **change))
+
+        if not t.fsdp and True in c["fsdp"]:
+            add(fsdp=True)
+        if t.fsdp and not t.optimizer_offload and True in c["optimizer_offload"]:
+            add(optimizer_offload=True)
+        larger = [d for d in c["ulysses_degree"] if d > t.ulysses_degree]
+        if larger:  # plain Ulysses at the new degree (None when the space has it, else its first chunk)
+            degree = min(larger)
+            chunks = self.head_chunks(degree)
+            add(ulysses_degree=degree, head_chunk=None if None in chunks else chunks[0])
+        if t.ulysses_degree > 1:
+            chunks = [k for k in self.head_chunks(t.ulysses_degree) if k is not None]
+            smaller = [k for k in chunks if t.head_chunk is None or k < t.head_chunk]
+            if smaller:
+                add(head_chunk=max(smaller))
+        if not t.activation_checkpointing and True in c["activation_checkpointing"]:
+            add(activation_checkpointing=True, activation_offload_layers=0)
+        if t.activation_checkpointing:
+            counts = sorted(num_layers if k == "all" else int(k) for k in c["activation_offload_layers"])
+            more = [k for k in counts if k > t.activation_offload_layers]
+            if more:
+                add(activation_offload_layers=min(more))
+        for knob in ("mlp_tile_tokens", "loss_tile_tokens", "norm_tile_tokens"):
+            current = getattr(t, knob)
+            smaller = [k for k in c[knob] if k and (current == 0 or k < current)]
+            if smaller:
+                add(**{knob: max(smaller)})
+        return steps
 
 
 def load_space(path: str | Path | None, model_config: dict, gpus: int, target: int,

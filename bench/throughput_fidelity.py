@@ -85,6 +85,7 @@ def worker(spec_path: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     import trials.step
+    from autotune.calibrate import speed_probe_s
     from trials.runner import run_trial
 
     spec = json.loads(Path(spec_path).read_text())
@@ -103,6 +104,7 @@ def worker(spec_path: str, out_dir: str) -> None:
     def timed_step(*args, **kwargs):
         busy0, total0 = _jiffies_busy()
         ours0 = _proc_jiffies(pids)
+        probe = speed_probe_s()  # the host's speed right now, in the calibration's units (see measure)
         start = time.perf_counter()
         result = original(*args, **kwargs)
         elapsed = time.perf_counter() - start
@@ -110,7 +112,7 @@ def worker(spec_path: str, out_dir: str) -> None:
         ours1 = _proc_jiffies(pids)
         total = max(total1 - total0, 1.0)
         others = max(0.0, (busy1 - busy0) - (ours1 - ours0)) / total
-        steps.append({"seconds": elapsed, "others": others})
+        steps.append({"seconds": elapsed, "others": others, "probe_s": probe})
         return result
 
     trials.step.train_step = timed_step
@@ -160,8 +162,8 @@ def measure(model: str, seq_len: int, ranks: int, techniques: dict, steps: int, 
             last_error = record.get("error")
             break
         measured = record["steps"][1:]  # the runner's first step is its warm-up
-        clean += [s["seconds"] for s in measured if s["others"] <= CONTENDED]
-        contended += [s["seconds"] for s in measured if s["others"] > CONTENDED]
+        clean += [s for s in measured if s["others"] <= CONTENDED]
+        contended += [s for s in measured if s["others"] > CONTENDED]
         if clean:
             break
     if not clean and not contended:
@@ -169,14 +171,20 @@ def measure(model: str, seq_len: int, ranks: int, techniques: dict, steps: int, 
     return {"clean": clean, "contended": contended, "runner_mean_s": record.get("step_time_s")}
 
 
-def _combine(launches: list[dict]) -> dict:
-    """The median clean step over all launches of a config (all steps if none was clean)."""
+def _combine(launches: list[dict], probe_calibrated_s: float | None) -> dict:
+    """The median clean step over all launches of a config (all steps if none was clean), raw and in the
+    calibration's units: each step times ``probe_calibrated_s / probe_s``, the speed probe's time when the cpu
+    preset was calibrated over its time just before that step (``autotune.calibrate.speed_probe_s``). This
+    shared host's speed drifts by +-25% over minutes; the model predicts the step on the host as calibrated."""
     clean = [t for m in launches if "error" not in m for t in m["clean"]]
     contended = [t for m in launches if "error" not in m for t in m["contended"]]
     if not clean and not contended:
         return next(m for m in launches if "error" in m)
-    return {"step_time_s": statistics.median(clean or contended), "clean_steps": len(clean),
-            "contended_steps": len(contended)}
+    steps = clean or contended
+    speed = [s["probe_s"] / probe_calibrated_s if probe_calibrated_s else 1.0 for s in steps]
+    return {"raw_step_time_s": statistics.median(s["seconds"] for s in steps),
+            "step_time_s": statistics.median(s["seconds"] / f for s, f in zip(steps, speed)),
+            "slowdown": statistics.median(speed), "clean_steps": len(clean), "contended_steps": len(contended)}
 
 
 def predict(model: str, seq_len: int, ranks: int, techniques: dict):
@@ -231,8 +239,11 @@ def main(argv=None) -> int:
     lines = [f"# throughput model fidelity on this machine ({cal['machine']['cpu']}, {cal['machine']['cpus']} CPUs, "
              f"torch {cal['machine']['torch']}); cpu preset calibrated {cal.get('measured_at')}",
              "# predicted: plan backend (oracle fake trace + StepCounter + predict_step_time, cpu preset)",
-             "# measured: trials.runner.run_trial under torchrun, gloo, fp32; median uncontended step",
-             f"{'config':52s} {'measured_s':>10s} {'predicted_s':>11s} {'ratio':>6s}  clean  predicted breakdown"]
+             "# measured: trials.runner.run_trial under torchrun, gloo, fp32; median uncontended step; raw, and in the",
+             "#   calibration's units (each step x probe at calibration / probe just before it: 'slow' is the host's",
+             "#   slowdown since the calibration); ratio = predicted / calibrated-units, raw = predicted / raw",
+             f"{'config':52s} {'raw_s':>8s} {'slow':>5s} {'measured_s':>10s} {'predicted_s':>11s} {'ratio':>6s} "
+             f"{'raw':>5s}  clean  predicted breakdown"]
     print("\n".join(lines), flush=True)
     rows = []
     configs = QUICK if args.quick else CONFIGS
@@ -244,24 +255,29 @@ def main(argv=None) -> int:
     for index, (model, seq_len, ranks, techniques) in enumerate(configs):
         name = f"{model} {seq_len // 1024}K x{ranks} {describe(techniques)}"
         record, timing = predict(model, seq_len, ranks, techniques)
-        measured = _combine(passes[index])
+        world = max(int(k) for k in cal["worlds"] if int(k) <= ranks)
+        measured = _combine(passes[index], cal["worlds"][str(world)].get("probe_s"))
         if "error" in measured or record.step_time_s is None:
             line = f"{name:52s} error: {(measured.get('error') or record.error or 'no prediction')[-300:]}"
             print(line, flush=True)
             lines.append(line)
             continue
         ratio = record.step_time_s / measured["step_time_s"]
-        rows.append((ratio, name))
+        raw_ratio = record.step_time_s / measured["raw_step_time_s"]
+        rows.append((ratio, name, raw_ratio))
         parts = (f"c {timing.compute_s:.3f} r {timing.recompute_s:.3f} comm {timing.exposed_comm_s:.3f} "
                  f"host {timing.exposed_host_s:.3f} opt {timing.optimizer_s:.3f}") if timing else ""
-        line = (f"{name:52s} {measured['step_time_s']:10.4f} {record.step_time_s:11.4f} {ratio:6.2f}  "
+        line = (f"{name:52s} {measured['raw_step_time_s']:8.4f} {measured['slowdown']:5.2f} "
+                f"{measured['step_time_s']:10.4f} {record.step_time_s:11.4f} {ratio:6.2f} {raw_ratio:5.2f}  "
                 f"{measured['clean_steps']}/{measured['clean_steps'] + measured['contended_steps']}    {parts}")
         print(line, flush=True)
         lines.append(line)
     if rows:
-        inside = sum(1 for r, _ in rows if 0.77 <= r <= 1.3)
+        inside = sum(1 for r, *_ in rows if 0.77 <= r <= 1.3)
+        inside_raw = sum(1 for *_, r in rows if 0.77 <= r <= 1.3)
         worst = max(rows, key=lambda row: max(row[0], 1 / row[0]))
-        lines.append(f"# {inside}/{len(rows)} ratios within [0.77, 1.3]; took {time.time() - started:.0f} s")
+        lines.append(f"# {inside}/{len(rows)} ratios within [0.77, 1.3] ({inside_raw}/{len(rows)} raw, without the "
+                     f"drift correction); took {time.time() - started:.0f} s")
         lines.append(f"worst: {worst[1]}  ratio {worst[0]:.2f}")
         print("\n".join(lines[-2:]))
     out = Path(args.out)
