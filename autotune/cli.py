@@ -143,7 +143,7 @@ def search(
     search_space = load_space(space, model_config, gpus, target_tokens, flash_ok=flash_ok)
     if backend_name == "local":
         chosen = make_backend("local", memory_gib=memory_gib, timeout_s=trial_timeout, seed=seed)
-        oracle = _plan_or_none(stop_above=1 + search_mod.PREFILTER_MARGIN) if prefilter else None
+        oracle = _plan_or_none(stop_above=1 + hw.oracle_margin) if prefilter else None
     else:  # the search needs to know only that an OOM does not fit: its trace may stop at the crossing
         chosen, oracle = make_backend("plan", stop_above=1.0), None
     job = search_mod.SearchJob(model=model, model_config=model_config, target=target_tokens, gpus=gpus,

@@ -85,6 +85,9 @@ class Hardware:
     nccl_buffer_bytes: int = 0
     allocator_fragmentation: float = 0.0
     host_memory_bytes_per_device: int = 0  # the node's host RAM / its accelerators; 0 = not checked
+    # the oracle's error band on this hardware: a local search's prefilter skips a real trial only when the
+    # predicted peak is over capacity by more than this fraction; closer calls run for real
+    oracle_margin: float = 0.05
 
     def host_fits(self, host_bytes_per_rank: int | None) -> bool:
         return not self.host_memory_bytes_per_device or (host_bytes_per_rank or 0) <= self.host_memory_bytes_per_device

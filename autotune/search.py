@@ -47,7 +47,6 @@ optuna.logging.set_verbosity(optuna.logging.ERROR)  # our own progress display s
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
-PREFILTER_MARGIN = 0.05  # the oracle's fidelity band (bench/oracle_fidelity.py): closer calls run for real
 
 
 class SurplusTrial(Exception):
@@ -262,7 +261,10 @@ def follow_ups(job: SearchJob, known: list[tuple[dict, int, ResultRecord]], tech
     fresh = []
     for candidate, length in candidates:
         as_dict = candidate.to_dict()
-        if any(t == as_dict and (s == length or (r.status == "oom" and s <= length)) for t, s, r in known):
+        if any(t == as_dict and s == length for t, s, r in known):
+            continue
+        if any(t == as_dict and r.status == "oom" and s < length for t, s, r in known):
+            job.avoided["follow_up_inferred"] = job.avoided.get("follow_up_inferred", 0) + 1  # never queued
             continue
         fresh.append((candidate, length))
     return fresh
@@ -317,8 +319,9 @@ def make_objective(job: SearchJob, study: optuna.Study, on_record: Callable | No
             record, how = answered
         elif job.prefilter is not None:
             predicted = job.prefilter.evaluate(evaluation)
-            # only a clear predicted OOM skips the real trial: within the oracle's error band, measure
-            if predicted.status == "oom" and (predicted.peak_device_bytes or 0) > capacity * (1 + PREFILTER_MARGIN):
+            # only a clear predicted OOM skips the real trial: within the oracle's error band (per hardware), measure
+            margin = job.hardware.oracle_margin
+            if predicted.status == "oom" and (predicted.peak_device_bytes or 0) > capacity * (1 + margin):
                 record, how = predicted, "oracle"
         if how is None:
             record = job.backend.evaluate(evaluation)

@@ -124,6 +124,7 @@ def run_search(model_config, hardware, space, budget: int, follow_ups: bool) -> 
         return {"seconds": time.perf_counter() - started,
                 "front": sorted((int(t.values[0]), t.values[1]) for t in search.pareto_front(study)),
                 "avoided": dict(job.avoided), "trials": len(trials),
+                "stopped": sum(1 for t in trials if "trace stopped" in (t.user_attrs["record"].get("error") or "")),
                 "follow_ups": sum(1 for t in trials if "follow_up_of" in t.user_attrs)}
 
 
@@ -152,8 +153,9 @@ def main() -> int:
         result = results[name] = run_search(model_config, hardware, space, budget, follow)
         avoided = result["avoided"]
         print(f"{name + ':':11s}{budget} trials (10%) in {result['seconds']:.0f} s, {result['follow_ups']} of them "
-              f"follow-ups; {sum(avoided.values())} answered without the backend (cache {avoided['cache']}, "
-              f"monotone {avoided['monotone']}); hypervolume ratio {hypervolume(result['front'], space.seq_lens[0]) / hv_grid:.3f}; front:")
+              f"follow-ups; {avoided['cache'] + avoided['monotone']} answered from the study (cache "
+              f"{avoided['cache']}, monotone {avoided['monotone']}), {avoided.get('follow_up_inferred', 0)} "
+              f"follow-ups never queued (monotone), {result['stopped']} OOMs cut short at capacity; hypervolume ratio {hypervolume(result['front'], space.seq_lens[0]) / hv_grid:.3f}; front:")
         print("    " + ", ".join(f"{seq:,} @ {rate:,.0f}" for seq, rate in result["front"]))
     ratio = hypervolume(results["search"]["front"], space.seq_lens[0]) / hv_grid
     print(f"hypervolume ratio (search / exhaustive, goal >= 0.95): {ratio:.3f}")
