@@ -75,8 +75,9 @@ def world_sizes() -> list[int]:
     return [1, 2] if cpus >= 2 else [1]
 
 
-def load_or_calibrate(force: bool = False, quiet: bool = True) -> dict:
-    """The cached calibration of this machine, measuring it first when missing or stale (~30 s)."""
+def load_or_calibrate(force: bool = False, quiet: bool = True, repeats: int = 1) -> dict:
+    """The cached calibration of this machine, measuring it first when missing or stale (~1.5 min per repeat;
+    see ``calibrate`` for ``repeats``)."""
     path = cache_path()
     key = machine_key()
     if not force and path.exists():
@@ -86,7 +87,7 @@ def load_or_calibrate(force: bool = False, quiet: bool = True) -> dict:
                 return data
         except (OSError, json.JSONDecodeError):
             pass
-    data = calibrate(quiet=quiet)
+    data = calibrate(quiet=quiet, repeats=repeats)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -167,7 +168,8 @@ def calibrate(quiet: bool = True, repeats: int = 1) -> dict:
     return result
 
 
-_LOWER_IS_BETTER = ("op_overhead_s", "view_overhead_s", "latency_s", "probe_s")
+_LOWER_IS_BETTER = ("op_overhead_s", "view_overhead_s", "latency_s", "probe_s", "rank_imbalance", "wall_s",
+                    "predicted_s")
 
 
 def _best_of(runs: list):

@@ -15,8 +15,8 @@ memory grows with the length, and each technique trades speed for memory -- so a
 queues the points that structure says are worth it: a front config at the next longer length (climb to its
 wall), and at a wall, the same config with one memory technique more. Queued trials run first (Optuna's
 ``enqueue_trial``, shared by every worker of the study); when the queue is empty TPE proposes. On
-``bench/search_quality.py``'s reduced space this takes the hypervolume at 10% of the grid from ~0.85 (TPE
-alone) to ~0.97.
+``bench/search_quality.py``'s reduced space this takes the hypervolume at 10% of the grid from 0.83 (TPE
+alone) to 0.96.
 The study lives in storage (SQLite in the out dir by default), so re-running the same command resumes,
 and several workers may share one study.
 """

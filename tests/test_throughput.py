@@ -305,3 +305,22 @@ def test_plan_backend_fills_in_step_time(fake_calibration, llama):
     record = PlanBackend().evaluate(Evaluation(llama, Techniques(), 256, 1, load_hardware("cpu")))
     assert record.status == "ok" and record.step_time_s > 0
     assert record.tokens_per_s == pytest.approx(256 / record.step_time_s)
+
+
+def test_speed_probe_runs_outside_the_trials_dispatch_modes():
+    """The drift probe of bench/throughput_fidelity.py runs inside a trial step, under the memory tracker (a Python
+    dispatch mode); it must time the bare kernels, not the tracker, or every step looks ~1.8x slower."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autotune.calibrate import speed_probe_s
+
+    class Counting(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counting.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counting():
+        seconds = speed_probe_s(samples=1)
+    assert seconds > 0 and Counting.calls == 0
