@@ -45,7 +45,8 @@ class SearchProgress:
         if self._task is not None:
             self._progress.update(self._task, advance=1, description=self._describe())
         if self.enabled and not self.console.is_terminal:  # logs get one line per trial instead of a bar
-            rate = f"{record.tokens_per_s:,.0f} tok/s" if record.tokens_per_s else "-"
+            # an OOM plan record may carry the rate it would have had: only a config that fits has a rate
+            rate = f"{record.tokens_per_s:,.0f} tok/s" if record.status == "ok" and record.tokens_per_s else "-"
             peak = f"{record.peak_device_bytes / 2**30:.1f} GiB" if record.peak_device_bytes else "-"
             self.console.print(f"trial {number}: {record.seq_len:,} tokens {record.status} {rate} peak {peak} "
                                f"({answered_by or record.source})", markup=False, highlight=False)
