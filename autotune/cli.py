@@ -1,4 +1,7 @@
-"""The ``autotune`` command line (typer). Bad input exits 2 with one line on stderr, never a traceback."""
+"""The ``autotune`` command line (typer). Bad input exits 2 with one line on stderr, never a traceback.
+
+The top layer: it may import every other one. Heavy modules (torch, the oracle, the search) are imported inside
+the commands that need them, so ``autotune --help`` and ``autotune models`` start fast."""
 
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ from typer._click import exceptions as click_exceptions  # typer vendors click; 
 from rich.console import Console
 from rich.table import Table
 
-from autotune.errors import UserError
+from trials.errors import ConfigError
+from autotune.core.errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Find the memory/throughput configuration for multi-million-token training.")
@@ -74,11 +78,11 @@ def _hardware_for(backend_name: str, hardware: str, memory_gib: Optional[float])
     """Local trials on a CPU-only machine run on the ``cpu`` preset with ``--memory-gib`` per rank."""
     import torch
 
-    from autotune.presets import load_hardware
+    from autotune.core.hardware import HOST_PRESET, load_hardware
 
     preset = load_hardware(hardware)
     if backend_name == "local" and not torch.cuda.is_available():
-        preset = load_hardware("cpu")
+        preset = load_hardware(HOST_PRESET)
     return preset.with_memory_gib(memory_gib)
 
 
@@ -93,7 +97,7 @@ def _print_record(record: dict, as_json: bool, title: str) -> None:
         elif key.endswith("_bytes") and isinstance(value, int):
             value = f"{value:,} ({value / 2**30:.2f} GiB)"
         elif key == "seq_len":
-            from autotune.sizes import format_tokens
+            from autotune.core.sizes import format_tokens
 
             value = format_tokens(value)
         table.add_row(key, str(value))
@@ -120,12 +124,14 @@ def search(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object (the summary)"),
 ):
     """Search the technique space for the Pareto front of sequence length vs tokens/s."""
-    from autotune import report
+    from trials.model_config import load_model_config
     from autotune import search as search_mod
     from autotune.backends import make_backend, resolve_backend
-    from autotune.presets import load_model_config
-    from autotune.sizes import format_tokens, parse_tokens
-    from autotune.space import load_space
+    from autotune.core.sizes import format_tokens, parse_tokens
+    from autotune.outputs import report
+    from autotune.outputs.progress import SearchProgress
+    from autotune.search.policy import seed_params
+    from autotune.search.space import load_space
 
     target_tokens = parse_tokens(target, "--target")
     model_config = load_model_config(model)
@@ -139,19 +145,17 @@ def search(
     hw = _hardware_for(backend_name, hardware, memory_gib)
     out = _out_dir(out)
     opened_storage = search_mod.open_storage(storage, out)
-    flash_ok = backend_name == "plan" and hw.name != "cpu" or _flash_installed()
+    flash_ok = backend_name == "plan" and not hw.device_is_host or _flash_installed()
     search_space = load_space(space, model_config, gpus, target_tokens, flash_ok=flash_ok)
     if backend_name == "local":
         chosen = make_backend("local", memory_gib=memory_gib, timeout_s=trial_timeout, seed=seed)
-        oracle = _plan_or_none(stop_above=1 + hw.oracle_margin) if prefilter else None
+        oracle = make_backend("plan", stop_above=1 + hw.oracle_margin) if prefilter else None
     else:  # the search needs to know only that an OOM does not fit: its trace may stop at the crossing
         chosen, oracle = make_backend("plan", stop_above=1.0), None
     job = search_mod.SearchJob(model=model, model_config=model_config, target=target_tokens, gpus=gpus,
                                hardware=hw, space=search_space, backend=chosen, out=out, trials=trials,
                                timeout_s=timeout, storage=storage, study_name=study, seed=seed, prefilter=oracle)
-    from autotune.progress import SearchProgress
-
-    result_study = search_mod.create_study(job, opened_storage)
+    result_study = search_mod.create_study(job, opened_storage, seeds=seed_params(job))
     console.print(f"autotune: {model} on {gpus}x {hw.name}, target {format_tokens(target_tokens)}, "
                   f"backend {backend_name}, out {out}")
     interrupted = False
@@ -186,22 +190,13 @@ def _interrupt(signum, frame):
 def _flash_installed() -> bool:
     import torch
 
-    from trials.attention import flash_attn_func
+    from trials.attention import flash_available
 
-    return flash_attn_func is not None and torch.cuda.is_available()
-
-
-def _plan_or_none(**options):
-    try:
-        from autotune.backends import make_backend
-
-        return make_backend("plan", **options)
-    except (ImportError, NotImplementedError):
-        return None
+    return torch.cuda.is_available() and flash_available(torch.device("cuda"))
 
 
 def _print_front(front: list[dict], target: int) -> None:
-    from autotune.plots import _knob_label
+    from autotune.outputs.plots import knob_label
 
     table = Table(title="Pareto front (sequence length vs tokens/s)")
     for column in ("trial", "seq_len", "tokens/s", "peak GiB", "source", "config"):
@@ -210,7 +205,7 @@ def _print_front(front: list[dict], target: int) -> None:
         record = entry["record"]
         table.add_row(str(entry["trial"]), f"{entry['seq_len']:,}" + (" *" if entry["seq_len"] >= target else ""),
                       f"{entry['tokens_per_s']:,.0f}", f"{(record.get('peak_device_bytes') or 0) / 2**30:.2f}",
-                      record["source"], _knob_label(entry["techniques"]))
+                      record["source"], knob_label(entry["techniques"]))
     OUT.rich(table)
 
 
@@ -225,9 +220,10 @@ def estimate(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Predict peak memory per rank and step time for one config (plan backend, no GPU needed)."""
+    from trials.model_config import load_model_config
     from autotune.backends import Evaluation, make_backend
-    from autotune.presets import load_hardware, load_model_config
-    from autotune.sizes import parse_tokens
+    from autotune.core.hardware import load_hardware
+    from autotune.core.sizes import parse_tokens
 
     model_config = load_model_config(model)
     techniques, file_gpus, file_hw, file_seq = _load_config_arg(config, model_config)
@@ -239,20 +235,21 @@ def estimate(
     techniques.validate(model_config, gpus, seq_len if not max_seq else None)
     plan = make_backend("plan")
     if max_seq:
-        from autotune.oracle import find_max_seq
+        from autotune.search.max_seq import find_max_seq
 
         record = find_max_seq(Evaluation(model_config, techniques, seq_len or 0, gpus, hw))
     else:
         record = plan.evaluate(Evaluation(model_config, techniques, seq_len, gpus, hw))
     if plot is not None:
-        from autotune.oracle import plot_memory
+        from autotune.outputs.plots import plot_memory
 
         plot_memory([record], hw.device_memory_bytes, plot)
     _print_record(record.to_dict(), as_json, f"{model} on {gpus}x {hw.name} (predicted)")
 
 
 def _load_config_arg(config: str, model_config: dict):
-    from autotune.config import BASELINE, load_config_file
+    from trials.config_file import load_config_file
+    from trials.techniques import BASELINE
 
     if config == "baseline":
         return BASELINE, 8, "h100-sxm", None
@@ -270,9 +267,9 @@ def trial(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Run one real training trial on this node and print its measured record."""
+    from trials.model_config import load_model_config
     from autotune.backends import Evaluation, make_backend
-    from autotune.presets import load_model_config
-    from autotune.sizes import parse_tokens
+    from autotune.core.sizes import parse_tokens
 
     model_config = load_model_config(model)
     seq_len = parse_tokens(seq, "--seq")
@@ -295,7 +292,7 @@ def export(
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="write here instead of stdout"),
 ):
     """Export a config from a search's front in a format your training already reads."""
-    from autotune.exporters import export_config
+    from autotune.outputs.exporters import export_config
 
     text, extras = export_config(directory, target, format)
     if output is None:
@@ -321,8 +318,8 @@ def run(
     """Train with a tuned config through the same runner as trials (synthetic tokens or --data)."""
     import subprocess
 
-    from autotune.config import load_config_file
-    from autotune.exporters import torchrun_command
+    from trials.config_file import load_config_file
+    from autotune.outputs.exporters import torchrun_command
 
     loaded = load_config_file(config)
     if loaded.seq_len is None:
@@ -346,9 +343,10 @@ def run(
 @app.command()
 def plot(directory: Path = typer.Argument(...), output: Optional[Path] = typer.Option(None, "-o", "--output")):
     """Redraw pareto.png and memory.png (trials.parquet, pareto.json) and pareto.html (study.db, plotly)."""
-    from autotune.exporters import load_front
-    from autotune.plots import plot_pareto
     import pyarrow.parquet as pq
+
+    from autotune.outputs.exporters import load_front
+    from autotune.outputs.plots import plot_pareto
 
     front_doc = load_front(directory)
     rows = pq.read_table(directory / "trials.parquet").to_pylist()
@@ -356,7 +354,7 @@ def plot(directory: Path = typer.Argument(...), output: Optional[Path] = typer.O
     plot_pareto(rows, front_doc["front"], front_doc["target"], path, title=f"{front_doc['model']}")
     console.print(f"wrote {path}")
     if output is None and front_doc["front"] and "capacity_bytes" in front_doc:
-        from autotune.report import plot_front_memory
+        from autotune.outputs.report import plot_front_memory
 
         plot_front_memory(front_doc["front"], front_doc["capacity_bytes"], directory / "memory.png",
                           title=f"memory per rank of the front, {front_doc['model']}")
@@ -369,7 +367,7 @@ def _plot_html(directory: Path) -> None:
     """pareto.html from the study in ``directory/study.db`` (a search with --storage elsewhere has none here)."""
     import optuna
 
-    from autotune.plots import write_pareto_html
+    from autotune.outputs.plots import write_pareto_html
 
     db = directory / "study.db"
     if not db.exists():
@@ -389,7 +387,7 @@ def _plot_html(directory: Path) -> None:
 @app.command()
 def show(directory: Path = typer.Argument(...)):
     """Print a search folder's Pareto front as a table."""
-    from autotune.exporters import load_front
+    from autotune.outputs.exporters import load_front
 
     front_doc = load_front(directory)
     _print_front(front_doc["front"], front_doc["target"])
@@ -398,7 +396,7 @@ def show(directory: Path = typer.Argument(...)):
 @app.command()
 def models():
     """List model presets."""
-    from autotune.presets import load_model_config, model_names
+    from trials.model_config import load_model_config, model_names, parameter_count
 
     table = Table(title="model presets (or pass a path to a Hugging Face config.json)")
     for column in ("name", "type", "layers", "hidden", "heads", "kv heads", "vocab", "params"):
@@ -407,23 +405,14 @@ def models():
         c = load_model_config(name)
         table.add_row(name, c["model_type"], str(c["num_hidden_layers"]), str(c["hidden_size"]),
                       str(c["num_attention_heads"]), str(c["num_key_value_heads"]), str(c["vocab_size"]),
-                      f"{_param_count(c) / 1e9:.2f} B")
+                      f"{parameter_count(c) / 1e9:.2f} B")
     OUT.rich(table)
-
-
-def _param_count(c: dict) -> int:
-    h, layers, inter, vocab = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
-    d, hq, hkv = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
-    attn = h * d * (2 * hq + 2 * hkv)
-    per_layer = attn + 3 * h * inter + 2 * h
-    head = 0 if c.get("tie_word_embeddings") else vocab * h
-    return layers * per_layer + vocab * h + head + h
 
 
 @app.command()
 def hardware():
     """List hardware presets."""
-    from autotune.presets import hardware_names, load_hardware
+    from autotune.core.hardware import hardware_names, load_hardware
 
     table = Table(title="hardware presets")
     for column in ("name", "memory GiB", "bf16 TFLOP/s", "HBM TB/s", "link GB/s/dir", "host GB/s/dir", "description"):
@@ -468,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with contextlib.nullcontext() if wants_help else _library_noise_to_stderr():
             app(args=args, standalone_mode=False)
-    except UserError as exc:
+    except ConfigError as exc:  # bad input: ours (UserError) or the library's (a config that cannot run)
         print(f"autotune: error: {exc}", file=sys.stderr)
         return 2
     except typer.Exit as exc:

@@ -58,10 +58,12 @@ def main(argv=None) -> int:
 
     from autotune.backends import Evaluation
     from autotune.backends.plan import PlanBackend
-    from autotune.config import Techniques
-    from autotune.oracle import explain, find_max_seq
-    from autotune.presets import load_hardware, load_model_config
-    from autotune.sizes import format_tokens
+    from trials.techniques import Techniques
+    from autotune.oracle import explain
+from autotune.search.max_seq import find_max_seq
+    from autotune.core.hardware import load_hardware
+from trials.model_config import load_model_config
+    from autotune.core.sizes import format_tokens
 
     model_config = load_model_config(args.model)
     hardware = load_hardware(args.hardware)

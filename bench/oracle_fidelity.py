@@ -58,7 +58,7 @@ class Config:
         return " ".join(parts)
 
     def model_config(self) -> dict:
-        from autotune.presets import load_model_config
+        from trials.model_config import load_model_config
 
         config = dict(load_model_config(self.model))
         if self.layers:
@@ -211,9 +211,9 @@ def predict_config(config: Config):
     import torch
 
     from autotune.backends import Evaluation
-    from autotune.config import Techniques
+    from trials.techniques import Techniques
     from autotune.oracle import predict
-    from autotune.presets import load_hardware
+    from autotune.core.hardware import load_hardware
 
     evaluation = Evaluation(config.model_config(), Techniques.from_dict(config.techniques), config.seq,
                             config.world, load_hardware("cpu"))

@@ -13,8 +13,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autotune import oracle  # noqa: E402
 from autotune.backends import Evaluation  # noqa: E402
-from autotune.config import Techniques  # noqa: E402
-from autotune.presets import load_hardware, load_model_config  # noqa: E402
+from trials.techniques import Techniques  # noqa: E402
+from autotune.core.hardware import load_hardware
+from trials.model_config import load_model_config  # noqa: E402
 
 K = 1024
 FULL = Techniques(fsdp=True, optimizer_offload=True, ulysses_degree=8, head_chunk=1, activation_checkpointing=True,

@@ -1,6 +1,6 @@
 """How good is the search with a tenth of the evaluations? (issue 6)
 
-1. Exhaustive: every (config, seq_len) of search_spaces/reduced-tiny.yaml through the plan backend
+1. Exhaustive: every (config, seq_len) of autotune/search/spaces/reduced-tiny.yaml through the plan backend
    (tiny-llama, 2 ranks, the cpu preset at 0.5 GiB per rank), no inference: the true Pareto front. The grid
    runs on every core and is cached under ~/.cache/autotune keyed by a digest of the code, presets, space and
    cpu calibration (``--no-cache`` re-evaluates it).
@@ -32,14 +32,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from autotune import calibrate, search  # noqa: E402
+from autotune import search
+from autotune.timing import calibration as calibrate  # noqa: E402
 from autotune.backends import Evaluation  # noqa: E402
 from autotune.backends.plan import PlanBackend  # noqa: E402
-from autotune.config import Techniques  # noqa: E402
-from autotune.presets import load_hardware, load_model_config  # noqa: E402
-from autotune.space import load_space  # noqa: E402
+from trials.techniques import Techniques  # noqa: E402
+from autotune.core.hardware import load_hardware
+from trials.model_config import load_model_config  # noqa: E402
+from autotune.search.space import SPACES_DIR, load_space  # noqa: E402
 
-SPACE = ROOT / "search_spaces" / "reduced-tiny.yaml"
+SPACE = SPACES_DIR / "reduced-tiny.yaml"
 MODEL, GPUS, TARGET, MEMORY_GIB = "tiny-llama", 2, 8192, 0.5
 
 

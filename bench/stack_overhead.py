@@ -57,7 +57,7 @@ def measure(model_config, techniques: dict, seq: int, steps: int, mesh) -> tuple
     import torch
     import torch.distributed as dist
 
-    from autotune.config import Techniques
+    from trials.techniques import Techniques
     from trials.data import make_batch, synthetic_sample
     from trials.memory import DeviceMemoryTracker
     from trials.model import build_model
@@ -97,7 +97,7 @@ def measure(model_config, techniques: dict, seq: int, steps: int, mesh) -> tuple
 def worker(args) -> int:
     import torch
 
-    from autotune.presets import load_model_config
+    from trials.model_config import load_model_config
     from trials.dist import init_mesh
 
     torch.set_num_threads(1)

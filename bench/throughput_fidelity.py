@@ -91,7 +91,7 @@ def worker(spec_path: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     import trials.step
-    from autotune.calibrate import speed_probe_s
+    from autotune.timing.calibration.sampling import speed_probe_s
     from trials.runner import run_trial
 
     spec = json.loads(Path(spec_path).read_text())
@@ -140,8 +140,8 @@ def worker(spec_path: str, out_dir: str) -> None:
 
 def measure(model: str, seq_len: int, ranks: int, techniques: dict, steps: int, attempts: int) -> dict:
     """Launch the trial (as the local backend does) until a launch has clean steps; the fastest clean step."""
-    from autotune.calibrate import wait_for_idle
-    from autotune.presets import load_model_config
+    from autotune.timing.calibration.sampling import wait_for_idle
+    from trials.model_config import load_model_config
 
     spec = {"model_config": load_model_config(model), "techniques": techniques, "seq_len": seq_len,
             "steps": steps, "warmup": 1, "capacity_bytes": None, "seed": 0}
@@ -196,9 +196,10 @@ def _combine(launches: list[dict], probe_calibrated_s: float | None) -> dict:
 def predict(model: str, seq_len: int, ranks: int, techniques: dict):
     from autotune.backends import Evaluation
     from autotune.backends.plan import PlanBackend, step_counts
-    from autotune.config import Techniques
-    from autotune.presets import load_hardware, load_model_config
-    from autotune.throughput import predict_step_time
+    from trials.techniques import Techniques
+    from autotune.core.hardware import load_hardware
+from trials.model_config import load_model_config
+    from autotune.timing.model import predict_step_time
 
     cfg = load_model_config(model)
     tech = Techniques.from_dict(techniques, cfg["num_hidden_layers"])
@@ -239,7 +240,7 @@ def main(argv=None) -> int:
         worker(*args.worker)
         return 0
 
-    from autotune import calibrate
+    from autotune.core import calibration_store as calibrate
 
     started = time.time()
     # predictions and measurements side by side: calibrate now, not hours ago (this shared host's speed drifts)

@@ -50,8 +50,9 @@ def main(argv=None) -> int:
 
     from autotune.backends import Evaluation
     from autotune.backends.plan import PlanBackend, step_counts
-    from autotune.config import Techniques
-    from autotune.presets import load_hardware, load_model_config
+    from trials.techniques import Techniques
+    from autotune.core.hardware import load_hardware
+from trials.model_config import load_model_config
     from autotune.throughput import load_rates, predict_step_time
 
     cfg = load_model_config(args.model)

@@ -73,8 +73,8 @@ def reference(model_config: dict, seq_len: int, dp: int) -> dict:
 
 
 def run_case(case: dict, seq_len: int, refs: dict, meshes: dict) -> dict:
-    from autotune.config import Techniques
-    from autotune.presets import load_model_config
+    from trials.techniques import Techniques
+    from trials.model_config import load_model_config
     from trials.data import make_batch, synthetic_sample
     from trials.dist import build_mesh
     from trials.model import build_model

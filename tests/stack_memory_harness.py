@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 
 def one_step(model_config: dict, techniques: dict, seq_len: int, mesh) -> dict:
-    from autotune.config import Techniques
+    from trials.techniques import Techniques
     from trials.data import make_batch, synthetic_sample
     from trials.fsdp import allreduce_grads
     from trials.memory import DeviceMemoryTracker
@@ -56,7 +56,7 @@ def one_step(model_config: dict, techniques: dict, seq_len: int, mesh) -> dict:
 def main(argv: list[str]) -> int:
     import torch.distributed as dist
 
-    from autotune.presets import load_model_config
+    from trials.model_config import load_model_config
     from trials.dist import build_mesh, init_mesh
 
     spec = json.loads(Path(argv[0]).read_text())

@@ -2,9 +2,11 @@ import json
 
 import pytest
 
-from autotune.config import SCHEMA, Techniques, load_config_file, parse_config
-from autotune.errors import UserError
-from autotune.presets import load_hardware, load_model_config
+from trials.config_file import SCHEMA, load_config_file, parse_config
+from trials.techniques import Techniques
+from trials.errors import ConfigError
+from autotune.core.hardware import load_hardware
+from trials.model_config import load_model_config
 
 
 def full_stack(**overrides):
@@ -30,18 +32,18 @@ def test_full_stack_is_valid_for_llama3_8b():
     ({"mlp_tile_tokens": -1}, 8, "must be 0"),
 ])
 def test_impossible_combinations_are_refused_with_reason(overrides, gpus, reason):
-    with pytest.raises(UserError, match=reason):
+    with pytest.raises(ConfigError, match=reason):
         full_stack(**overrides).validate(load_model_config("llama3-8b"), gpus=gpus)
 
 
 def test_ulysses_degree_must_divide_query_heads():
     config = dict(load_model_config("llama3-8b"), num_attention_heads=24, num_key_value_heads=8)
-    with pytest.raises(UserError, match="query heads"):
+    with pytest.raises(ConfigError, match="query heads"):
         Techniques(ulysses_degree=16).validate(config, gpus=16)
 
 
 def test_unknown_technique_key_refused():
-    with pytest.raises(UserError, match="unknown technique key 'zero_stage'"):
+    with pytest.raises(ConfigError, match="unknown technique key 'zero_stage'"):
         Techniques.from_dict({"zero_stage": 3})
 
 
@@ -73,14 +75,14 @@ def test_config_file_round_trip(tmp_path):
     ([1, 2], "JSON object"),
 ])
 def test_bad_config_documents(doc, reason):
-    with pytest.raises(UserError, match=reason):
+    with pytest.raises(ConfigError, match=reason):
         parse_config(doc)
 
 
 def test_truncated_json(tmp_path):
     path = tmp_path / "cut.json"
     path.write_text(json.dumps(config_doc())[:40])
-    with pytest.raises(UserError, match="not valid JSON"):
+    with pytest.raises(ConfigError, match="not valid JSON"):
         load_config_file(path)
 
 
@@ -103,5 +105,5 @@ def test_model_from_hf_config_path(tmp_path):
 def test_non_llama_config_refused(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "bert", "hidden_size": 256}))
-    with pytest.raises(UserError, match="model_type 'bert'"):
+    with pytest.raises(ConfigError, match="model_type 'bert'"):
         load_model_config(str(path))

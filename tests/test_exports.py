@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from autotune.cli import main
-from autotune.config import load_config_file
+from trials.config_file import load_config_file
 from conftest import ROOT, run_cli
 
 TECHNIQUES = {"fsdp": False, "optimizer_offload": False, "ulysses_degree": 1, "head_chunk": None,

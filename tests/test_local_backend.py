@@ -9,8 +9,8 @@ import pytest
 
 from autotune.backends import Evaluation
 from autotune.backends.local import LocalBackend
-from autotune.config import Techniques
-from autotune.presets import load_hardware
+from trials.techniques import Techniques
+from autotune.core.hardware import load_hardware
 from conftest import run_cli
 
 

@@ -12,8 +12,9 @@ import torch
 from autotune import oracle
 from autotune.backends import Evaluation
 from autotune.backends.plan import PlanBackend
-from autotune.config import Techniques
-from autotune.presets import load_hardware, load_model_config
+from trials.techniques import Techniques
+from autotune.core.hardware import load_hardware
+from trials.model_config import load_model_config
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))

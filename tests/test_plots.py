@@ -34,8 +34,8 @@ def _png(path):
 
 
 def test_pareto_and_memory_plots_hold_every_trial_and_front_point(search_dir, tmp_path):
-    from autotune.plots import plot_pareto
-    from autotune.report import plot_front_memory
+    from autotune.outputs.plots import plot_pareto
+    from autotune.outputs.report import plot_front_memory
 
     rows = pq.read_table(search_dir / "trials.parquet").to_pylist()
     doc = json.loads((search_dir / "pareto.json").read_text())

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
-from autotune.progress import SearchProgress
-from autotune.record import ResultRecord
+from autotune.outputs.progress import SearchProgress
+from autotune.core.record import ResultRecord
 
 
 def _lines(*records):

@@ -13,13 +13,14 @@ import pytest
 from autotune import search
 from autotune.backends import Backend, Evaluation
 from autotune.backends.plan import PlanBackend
-from autotune.config import Techniques
-from autotune.presets import load_hardware, load_model_config
-from autotune.record import ResultRecord
-from autotune.space import DEFAULT_SPACE, load_space
+from trials.techniques import Techniques
+from autotune.core.hardware import load_hardware
+from trials.model_config import load_model_config
+from autotune.core.record import ResultRecord
+from autotune.search.space import SPACES_DIR, DEFAULT_SPACE, load_space
 
 ROOT = Path(__file__).resolve().parents[1]
-REDUCED = ROOT / "search_spaces" / "reduced-tiny.yaml"
+REDUCED = SPACES_DIR / "reduced-tiny.yaml"
 
 
 @pytest.mark.parametrize("model,gpus,space_path", [("llama3-8b", 8, DEFAULT_SPACE), ("tiny-qwen3", 2, DEFAULT_SPACE),

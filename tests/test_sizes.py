@@ -1,7 +1,7 @@
 import pytest
 
-from autotune.errors import UserError
-from autotune.sizes import format_tokens, parse_tokens
+from autotune.core.errors import UserError
+from autotune.core.sizes import format_tokens, parse_tokens
 
 
 @pytest.mark.parametrize("text, tokens", [

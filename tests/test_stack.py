@@ -206,7 +206,7 @@ def test_each_knob_moves_the_peak_as_theory_says(tmp_path):
 
 
 def _shard_elements(preset: str, world: int) -> int:
-    from autotune.presets import load_model_config
+    from trials.model_config import load_model_config
     from trials.model import build_model
 
     return sum(p.numel() for p in build_model(load_model_config(preset)).parameters()) // world
@@ -220,8 +220,8 @@ def test_bf16_autocast_stack_is_as_close_to_fp32_as_plain_autocast():
     mixed dtypes, and land as close to the fp32 gradients as plain autocast does."""
     import torch
 
-    from autotune.config import Techniques
-    from autotune.presets import load_model_config
+    from trials.techniques import Techniques
+    from trials.model_config import load_model_config
     from trials.data import make_batch, synthetic_sample
     from trials.dist import Mesh
     from trials.model import build_model, set_compute_dtype

@@ -14,11 +14,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autotune import calibrate
-from autotune.config import Techniques
-from autotune.presets import load_hardware, load_model_config
-from autotune.throughput import (PhaseCounts, StepCounter, StepCounts, attention_flops, causal_pairs,
-                                 count_real_step, load_rates, predict_step_time, record_attention, tiled_pairs)
+from autotune.core import calibration_store as calibrate
+from trials.techniques import Techniques
+from autotune.core.hardware import load_hardware
+from trials.model_config import load_model_config
+from autotune.timing.attention_cost import attention_flops, causal_pairs, tiled_pairs
+from autotune.timing.counting import StepCounter, record_attention
+from autotune.timing.counts import PhaseCounts, StepCounts
+from autotune.timing.harness import count_real_step
+from autotune.timing.model import predict_step_time
+
+
+def rates(name: str, world_size: int = 1):
+    """A preset's time-model rates for a job of ``world_size`` ranks."""
+    return load_hardware(name).rates_for(world_size)
 
 
 def matmul_params(cfg: dict) -> int:
@@ -181,7 +190,7 @@ def test_fsdp_collectives_are_side_stream_and_sized(llama):
     assert counts.phases["backward"].d2h_bytes == pytest.approx(params * 4 / 2, rel=0.01)
     assert counts.fsdp_d2h_bytes["backward"] == counts.phases["backward"].d2h_bytes
     # on a GPU the shards really travel: fp32 shards up before each all-gather, gradients down
-    timing = predict_step_time(counts, "h100-sxm", 2, Techniques(fsdp=True, optimizer_offload=True))
+    timing = predict_step_time(counts, rates("h100-sxm", 2), 2, Techniques(fsdp=True, optimizer_offload=True))
     assert timing.detail["host_h2d_bytes"] == pytest.approx(sum(counts.fsdp_all_gather_input_numel.values()) * 4)
     assert timing.detail["host_d2h_bytes"] == counts.phases["backward"].d2h_bytes
     assert timing.optimizer_s > 0
@@ -203,7 +212,7 @@ def test_cpu_device_has_no_fsdp_offload_copies(fake_calibration, llama):
     layer_input = 256 * llama["hidden_size"] * 4
     assert counts.phases["forward"].d2h_bytes == 2 * layer_input
     assert counts.total("h2d_bytes") == 2 * layer_input  # prefetched back in backward
-    timing = predict_step_time(counts, "cpu", 2, tech)
+    timing = predict_step_time(counts, rates("cpu", 2), 2, tech)
     assert timing.detail["host_d2h_bytes"] == 2 * layer_input
     assert timing.detail["host_h2d_bytes"] == 2 * layer_input
 
@@ -221,15 +230,15 @@ def test_counts_scale_and_roundtrip(baseline_counts):
 def _no_launch_floor(name: str):
     """A GPU preset without its per-op host overhead: a tiny model at 128 tokens is launch-bound on a GPU
     (the overhead floor makes every such step take the same time), which would hide the compute terms."""
-    return replace(load_rates(load_hardware(name)), op_overhead_s=0.0, view_overhead_s=0.0)
+    return replace(rates(name), op_overhead_s=0.0, view_overhead_s=0.0)
 
 
 def test_more_tokens_take_more_time(llama, baseline_counts):
     longer = count_real_step(llama, Techniques(), 256)
     for hardware in ("h100-sxm", "a100-80g"):
-        for rates in (_no_launch_floor(hardware), hardware):
-            short = predict_step_time(baseline_counts, rates, 1, Techniques())
-            long = predict_step_time(longer, rates, 1, Techniques())
+        for preset_rates in (_no_launch_floor(hardware), rates(hardware)):
+            short = predict_step_time(baseline_counts, preset_rates, 1, Techniques())
+            long = predict_step_time(longer, preset_rates, 1, Techniques())
             assert long.step_time_s >= short.step_time_s
         short = predict_step_time(baseline_counts, _no_launch_floor(hardware), 1, Techniques())
         long = predict_step_time(longer, _no_launch_floor(hardware), 1, Techniques())
@@ -240,15 +249,15 @@ def test_faster_hardware_takes_less_time(baseline_counts):
     h100 = _no_launch_floor("h100-sxm")
     base = predict_step_time(baseline_counts, h100, 1, Techniques()).step_time_s
     assert predict_step_time(baseline_counts, _no_launch_floor("a100-80g"), 1, Techniques()).step_time_s > base
-    assert (predict_step_time(baseline_counts, "a100-80g", 1, Techniques()).step_time_s
-            >= predict_step_time(baseline_counts, "h100-sxm", 1, Techniques()).step_time_s)
+    assert (predict_step_time(baseline_counts, rates("a100-80g", 1), 1, Techniques()).step_time_s
+            >= predict_step_time(baseline_counts, rates("h100-sxm", 1), 1, Techniques()).step_time_s)
     for field, factor in (("bf16_flops", 2.0), ("hbm_bytes_per_s", 2.0), ("matmul_efficiency", 1.2)):
         faster = replace(h100, **{field: getattr(h100, field) * factor})
         assert predict_step_time(baseline_counts, faster, 1, Techniques()).step_time_s < base
 
 
 def test_tokens_per_s_counts_data_parallel_replicas(baseline_counts):
-    timing = predict_step_time(baseline_counts, "h100-sxm", 8, Techniques(ulysses_degree=2), seq_len=1000)
+    timing = predict_step_time(baseline_counts, rates("h100-sxm", 8), 8, Techniques(ulysses_degree=2), seq_len=1000)
     assert timing.tokens_per_s == pytest.approx(1000 * 4 / timing.step_time_s)
     parts = timing.compute_s + timing.recompute_s + timing.exposed_comm_s + timing.exposed_host_s + timing.optimizer_s
     assert timing.step_time_s == pytest.approx(parts)
@@ -256,27 +265,27 @@ def test_tokens_per_s_counts_data_parallel_replicas(baseline_counts):
 
 def test_overlap_rules():
     """Ulysses all-to-all stalls; FSDP collectives and offload copies hide behind compute up to its length."""
-    from autotune.throughput import CollectiveCounts
+    from autotune.timing.counts import CollectiveCounts
 
     counts = StepCounts(seq_len=1)
     counts.phases["forward"] = PhaseCounts(matmul_flops=0.7 * 989e12 * 1.0)  # one second of forward matmul
-    r = load_rates(load_hardware("h100-sxm"))
+    r = rates("h100-sxm")
     wire = 450e9 * 0.8 * 0.5  # half a second of link time
     counts.collectives["all_to_all/forward/sync"] = CollectiveCounts(calls=1, bytes=2 * wire, wire_bytes=wire)
-    stalled = predict_step_time(counts, r, 2, {})
+    stalled = predict_step_time(counts, r, 2, Techniques())
     assert stalled.exposed_comm_s == pytest.approx(0.5, rel=1e-3)
     counts.collectives = {"all_gather/forward/fsdp": CollectiveCounts(calls=1, bytes=2 * wire, wire_bytes=wire)}
-    hidden = predict_step_time(counts, r, 2, {})
+    hidden = predict_step_time(counts, r, 2, Techniques())
     assert hidden.exposed_comm_s == pytest.approx(0.0, abs=1e-3)
     counts.phases["forward"].d2h_bytes = 55e9 * 3  # three seconds of copies behind one second of compute
-    offload = predict_step_time(counts, r, 2, {})
+    offload = predict_step_time(counts, r, 2, Techniques())
     assert offload.exposed_host_s == pytest.approx(2.0, rel=1e-3)
 
 
 def test_optimizer_offload_runs_on_the_host(baseline_counts):
-    on_device = predict_step_time(baseline_counts, "h100-sxm", 1, Techniques())
-    on_host = predict_step_time(baseline_counts, "h100-sxm", 1, {"optimizer_offload": True})
-    r = load_rates(load_hardware("h100-sxm"))
+    on_device = predict_step_time(baseline_counts, rates("h100-sxm", 1), 1, Techniques())
+    on_host = predict_step_time(baseline_counts, rates("h100-sxm", 1), 1, Techniques(optimizer_offload=True))
+    r = rates("h100-sxm")
     opt = baseline_counts.phases["optimizer"]
     assert on_host.optimizer_s == pytest.approx(opt.elementwise_bytes / r.host_optimizer_bytes_per_s
                                                 + opt.ops * r.op_overhead_s + opt.views * r.view_overhead_s)
@@ -284,14 +293,14 @@ def test_optimizer_offload_runs_on_the_host(baseline_counts):
 
 
 def test_cpu_preset_uses_the_calibration(fake_calibration, baseline_counts):
-    one = load_rates(load_hardware("cpu"), 1)
+    one = rates("cpu", 1)
     assert one.bf16_flops == 1e11 and one.matmul_efficiency == 1.0 and not one.launch_overlaps_compute
     assert one.attention_eff(16, False) == pytest.approx(0.4)
     assert one.attention_eff(128, True) == pytest.approx(0.8)
     assert 0.4 < one.attention_eff(64, False) < 0.8
-    two = load_rates("cpu", 2)
+    two = rates("cpu", 2)
     assert two.intra_node_bytes_per_s == 1e9 and two.collective_latency_s == 1e-4
-    timing = predict_step_time(baseline_counts, "cpu", 1, Techniques())
+    timing = predict_step_time(baseline_counts, rates("cpu"), 1, Techniques())
     expected_overhead = sum(baseline_counts.phases[p].ops * 2e-5 + baseline_counts.phases[p].views * 1e-5
                             for p in ("forward", "backward", "recompute", "other"))
     work = sum(timing.detail[f"{p}_work_s"] for p in ("forward", "backward", "recompute", "other"))
@@ -312,7 +321,7 @@ def test_speed_probe_runs_outside_the_trials_dispatch_modes():
     dispatch mode); it must time the bare kernels, not the tracker, or every step looks ~1.8x slower."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from autotune.calibrate import speed_probe_s
+    from autotune.timing.calibration.sampling import speed_probe_s
 
     class Counting(TorchDispatchMode):
         calls = 0

@@ -18,6 +18,8 @@ the core op for that module, so the same model object can be used with or withou
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -30,7 +32,45 @@ except Exception:  # pragma: no cover - flash-attn is not installable on CPU mac
 
 
 def flash_available(device: torch.device) -> bool:
-    return flash_attn_func is not None and device.type == "cuda"
+    return _flash.func is not None and (device.type == "cuda" or _flash.any_device)
+
+
+class _FlashKernels:
+    """The flash-attn entry points in use: flash-attn's own, or stand-ins (``flash_kernels``)."""
+
+    func = flash_attn_func
+    wrapped_forward = None   # flash-attn >= 2.7 ``_wrapped_flash_attn_forward`` / ``_backward``, imported on use
+    wrapped_backward = None
+    any_device = False
+
+
+_flash = _FlashKernels()
+
+
+@contextlib.contextmanager
+def flash_kernels(func, wrapped_forward, wrapped_backward):
+    """Use stand-ins for flash-attn's kernels on any device while inside (restored on exit): the memory oracle
+    runs ``attention='flash'`` under FakeTensorMode on a CPU-only torch with flash-attn's memory footprint."""
+    saved = dict(vars(_flash))
+    _flash.func, _flash.wrapped_forward, _flash.wrapped_backward = func, wrapped_forward, wrapped_backward
+    _flash.any_device = True
+    try:
+        yield
+    finally:
+        for name in ("func", "wrapped_forward", "wrapped_backward", "any_device"):
+            if name in saved:
+                setattr(_flash, name, saved[name])
+            else:
+                vars(_flash).pop(name, None)
+
+
+def _wrapped_flash(direction: str):
+    stand_in = _flash.wrapped_forward if direction == "forward" else _flash.wrapped_backward
+    if stand_in is not None:
+        return stand_in
+    from flash_attn import flash_attn_interface  # flash-attn >= 2.7
+
+    return getattr(flash_attn_interface, f"_wrapped_flash_attn_{direction}")
 
 
 def causal_attention(query, key, value, scaling: float | None = None, kernel: str = "sdpa"):
@@ -38,7 +78,7 @@ def causal_attention(query, key, value, scaling: float | None = None, kernel: st
     if kernel == "flash":
         if not flash_available(query.device):
             raise RuntimeError("attention 'flash' needs flash-attn installed and a CUDA device")
-        out = flash_attn_func(
+        out = _flash.func(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=True, softmax_scale=scaling
         )
         return out
@@ -107,9 +147,7 @@ def attention_forward(query, key, value, scaling: float, kernel: str = "sdpa"):
     if kernel == "flash":
         if not flash_available(query.device):
             raise RuntimeError("attention 'flash' needs flash-attn installed and a CUDA device")
-        from flash_attn.flash_attn_interface import _wrapped_flash_attn_forward  # flash-attn >= 2.7
-
-        out, lse, _, rng_state = _wrapped_flash_attn_forward(
+        out, lse, _, rng_state = _wrapped_flash("forward")(
             query, key, value, 0.0, scaling, True, -1, -1, 0.0, None, False)
         return out, (lse, rng_state)
     groups = query.shape[1] // key.shape[1]
@@ -126,11 +164,9 @@ def attention_forward(query, key, value, scaling: float, kernel: str = "sdpa"):
 def attention_backward(grad_out, query, key, value, out, residuals, scaling: float, kernel: str = "sdpa"):
     """Gradients (dq, dk, dv) of ``attention_forward``, same layout and shapes as (query, key, value)."""
     if kernel == "flash":
-        from flash_attn.flash_attn_interface import _wrapped_flash_attn_backward
-
         lse, rng_state = residuals
         dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
-        _wrapped_flash_attn_backward(grad_out, query, key, value, out, lse, dq, dk, dv, 0.0, scaling, True,
+        _wrapped_flash("backward")(grad_out, query, key, value, out, lse, dq, dk, dv, 0.0, scaling, True,
                                      -1, -1, 0.0, None, False, rng_state)
         return dq, dk, dv
     groups = query.shape[1] // key.shape[1]

@@ -7,9 +7,9 @@ FakeTensorMode with a fake process group (the memory oracle), and its memory is 
 sharded parameters, gradients and optimizer states live on the host and the optimizer steps there.
 
 On a CPU-only machine "host" and "device" are the same memory, so the tracker is told what would be on the host:
-FSDP2's sharded parameters and gradients of an offloaded module (``_count_offloaded_shards_as_host``: every
-tensor FSDP2 turns into a sharded DTensor, which covers the sharded parameters at ``fully_shard`` and each new
-sharded gradient after the reduce-scatter) and everything the optimizer step allocates (its states).
+FSDP2's sharded parameters and gradients of an offloaded module (the tracker hears of every tensor FSDP2 turns
+into a sharded DTensor through ``trials.patches.fsdp_shard_made``: the sharded parameters at ``fully_shard`` and
+each new sharded gradient after the reduce-scatter) and everything the optimizer step allocates (its states).
 
 One rank with ``fsdp``: ``trials.dist.ensure_device_mesh`` gives the process a 1-rank group so ``fully_shard``
 runs (shards are whole tensors; collectives are trivial). That is what ``optimizer_offload`` needs on one GPU.
@@ -31,7 +31,6 @@ def apply_fsdp(model, mesh, optimizer_offload: bool = False, param_dtype: torch.
         raise ValueError("apply_fsdp needs a mesh with a device mesh (trials.dist.ensure_device_mesh)")
     offload = CPUOffloadPolicy(pin_memory=mesh.device.type == "cuda") if optimizer_offload else OffloadPolicy()
     if optimizer_offload:
-        _count_offloaded_shards_as_host()
         from trials.memory import active_tracker
 
         tracker = active_tracker()
@@ -41,31 +40,6 @@ def apply_fsdp(model, mesh, optimizer_offload: bool = False, param_dtype: torch.
     for layer in model.layers:
         fully_shard(layer, mesh=mesh.device_mesh, offload_policy=offload, mp_policy=precision)
     fully_shard(model, mesh=mesh.device_mesh, offload_policy=offload, mp_policy=precision)
-
-
-def _count_offloaded_shards_as_host() -> None:
-    """Make FSDP2 report each offloaded shard (parameter or gradient) to the active tracker as host memory.
-
-    Patches ``FSDPParam.to_sharded_dtensor`` (idempotent): FSDP2 calls it for the sharded parameter when it shards
-    and for every new sharded gradient after the reduce-scatter (after its ``.to("cpu")``, a no-op on CPU).
-    """
-    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
-
-    original = FSDPParam.to_sharded_dtensor
-    if getattr(original, "_autotune_counts_host", False):
-        return
-
-    def to_sharded_dtensor(self, tensor):
-        if self.offload_to_cpu:
-            from trials.memory import active_tracker
-
-            tracker = active_tracker()
-            if tracker is not None:
-                tracker.mark_host(tensor)
-        return original(self, tensor)
-
-    to_sharded_dtensor._autotune_counts_host = True
-    FSDPParam.to_sharded_dtensor = to_sharded_dtensor
 
 
 def is_sharded(model) -> bool:

@@ -40,10 +40,29 @@ def active_tracker() -> "DeviceMemoryTracker | None":
 
 
 @dataclass
-class _StorageInfo:
+class StorageInfo:
+    """One tracked storage: its bytes, its category, and whether it lives on the host."""
+
     nbytes: int
     category: str
     host: bool = False
+
+
+class TrackerListener:
+    """Hooks a ``DeviceMemoryTracker`` calls (``add_listener``); override what you need. The memory oracle's
+    per-segment peaks and the throughput counter's host transfers are listeners."""
+
+    def on_new_storage(self, tracker: "DeviceMemoryTracker", info: StorageInfo, tensor: torch.Tensor) -> None:
+        """A storage seen for the first time (``tracker.op`` made it)."""
+
+    def on_change(self, tracker: "DeviceMemoryTracker") -> None:
+        """Live bytes may have changed; called before the capacity check (which may raise OOM)."""
+
+    def on_phase(self, tracker: "DeviceMemoryTracker", phase: str, entering: bool) -> None:
+        """``in_phase(phase)`` starts (``entering``) or ends."""
+
+    def on_moved_to_host(self, tracker: "DeviceMemoryTracker", tensor: torch.Tensor, nbytes: int) -> None:
+        """``mark_host`` moved a device storage of ``nbytes`` to the host (an offload)."""
 
 
 class DeviceMemoryTracker(TorchDispatchMode):
@@ -53,8 +72,8 @@ class DeviceMemoryTracker(TorchDispatchMode):
         super().__init__()
         self.capacity_bytes = capacity_bytes
         self.phase = "other"
+        self.op = None  # the op being dispatched now (what made a new storage)
         self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._refs: list = []
         self.current = dict.fromkeys(CATEGORIES, 0)
         self.device_bytes = 0
         self.host_bytes = 0
@@ -63,10 +82,18 @@ class DeviceMemoryTracker(TorchDispatchMode):
         self.peak_breakdown = dict(self.current)
         self.host_phases: set[str] = set()  # phases whose new storages live on the host
         self._on_host = 0  # > 0 inside ``on_host()``
-        self._orig_resize = None
+        self._listeners: list[TrackerListener] = []
+        self._patches: contextlib.ExitStack | None = None
+
+    def add_listener(self, listener: TrackerListener) -> None:
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: TrackerListener) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
 
     # -- bookkeeping ---------------------------------------------------------------------------------
-    def _add(self, info: _StorageInfo, sign: int) -> None:
+    def _add(self, info: StorageInfo, sign: int) -> None:
         if info.host:
             self.host_bytes += sign * info.nbytes
             self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
@@ -74,8 +101,17 @@ class DeviceMemoryTracker(TorchDispatchMode):
             self.current[info.category] += sign * info.nbytes
             self.device_bytes += sign * info.nbytes
 
-    def _on_free(self, info: _StorageInfo, _ref) -> None:
+    def _on_free(self, info: StorageInfo, _ref) -> None:
         self._add(info, -1)
+
+    def storage_info(self, tensor: torch.Tensor) -> StorageInfo | None:
+        """The tracked storage of ``tensor`` (a DTensor's local shard), or None."""
+        if hasattr(tensor, "_local_tensor"):
+            tensor = tensor._local_tensor
+        return self._storages.get(tensor.untyped_storage())
+
+    def live_storages(self) -> list[StorageInfo]:
+        return list(self._storages.values())
 
     def track(self, tensor: torch.Tensor, category: str | None = None) -> None:
         if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
@@ -85,11 +121,13 @@ class DeviceMemoryTracker(TorchDispatchMode):
         storage = tensor.untyped_storage()
         info = self._storages.get(storage)
         if info is None:
-            info = _StorageInfo(storage.nbytes(), category or _PHASE_CATEGORY.get(self.phase, "other"),
-                                host=self._on_host > 0 or self.phase in self.host_phases)
+            info = StorageInfo(storage.nbytes(), category or _PHASE_CATEGORY.get(self.phase, "other"),
+                               host=self._on_host > 0 or self.phase in self.host_phases)
             self._storages[storage] = info
             weakref.finalize(storage, self._on_free, info, None)
             self._add(info, +1)
+            for listener in self._listeners:
+                listener.on_new_storage(self, info, tensor)
         elif category is not None and category != info.category and not info.host:
             self.current[info.category] -= info.nbytes
             self.current[category] += info.nbytes
@@ -112,13 +150,17 @@ class DeviceMemoryTracker(TorchDispatchMode):
     def mark_host(self, tensor: torch.Tensor) -> None:
         """``tensor`` lives in host memory (offloaded): count it as host bytes, not device bytes."""
         self.track(tensor)
-        info = self._storages.get(tensor.untyped_storage())
+        info = self.storage_info(tensor)
         if info is not None and not info.host:
             self._add(info, -1)
             info.host = True
             self._add(info, +1)
+            for listener in self._listeners:
+                listener.on_moved_to_host(self, tensor, info.nbytes)
 
     def _check(self) -> None:
+        for listener in self._listeners:
+            listener.on_change(self)
         if self.device_bytes > self.peak_device_bytes:
             self.peak_device_bytes = self.device_bytes
             self.peak_breakdown = dict(self.current)
@@ -131,10 +173,14 @@ class DeviceMemoryTracker(TorchDispatchMode):
     @contextlib.contextmanager
     def in_phase(self, phase: str):
         previous, self.phase = self.phase, phase
+        for listener in self._listeners:
+            listener.on_phase(self, phase, True)
         try:
             yield
         finally:
             self.phase = previous
+            for listener in self._listeners:
+                listener.on_phase(self, phase, False)
 
     def reset_peak(self) -> None:
         self.peak_device_bytes = self.device_bytes
@@ -143,33 +189,40 @@ class DeviceMemoryTracker(TorchDispatchMode):
 
     # -- the mode ------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.op = func
         out = func(*args, **(kwargs or {}))
         tree_map_only(torch.Tensor, self.track, out)
         self._check()
         return out
 
+    def _resized(self, storage) -> None:
+        info = self._storages.get(storage)
+        if info is not None and info.nbytes != storage.nbytes():
+            self._add(info, -1)
+            info.nbytes = storage.nbytes()
+            if not info.host:  # storages FSDP resizes are unsharded parameters
+                info.category = "params"
+            self._add(info, +1)
+            self._check()
+
+    def _shard_made(self, fsdp_param, tensor) -> None:
+        """FSDP2 made a local shard: with CPU offload it lives on the host (a no-op ``.to("cpu")`` on CPU)."""
+        if fsdp_param.offload_to_cpu:
+            self.mark_host(tensor)
+
     def __enter__(self):
-        tracker = self
-        self._orig_resize = orig = torch.UntypedStorage.resize_
+        from trials import patches
 
-        def resize_(storage, size):
-            result = orig(storage, size)
-            info = tracker._storages.get(storage)
-            if info is not None and info.nbytes != storage.nbytes():
-                tracker._add(info, -1)
-                info.nbytes = storage.nbytes()
-                if not info.host:  # storages FSDP resizes are unsharded parameters
-                    info.category = "params"
-                tracker._add(info, +1)
-                tracker._check()
-            return result
-
-        torch.UntypedStorage.resize_ = resize_
+        self._patches = contextlib.ExitStack()
+        self._patches.enter_context(patches.storage_resized(self._resized))
+        self._patches.enter_context(patches.fsdp_shard_made(self._shard_made))
         _ACTIVE_TRACKERS.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = self._orig_resize
+        if self._patches is not None:
+            self._patches.close()
+            self._patches = None
         if self in _ACTIVE_TRACKERS:
             _ACTIVE_TRACKERS.remove(self)
         return super().__exit__(*exc)

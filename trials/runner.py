@@ -1,18 +1,15 @@
 """Run one trial: build, apply the stack, train warm-up + measured steps, write this rank's record.
 
 Launched by the local backend as ``torchrun --nproc-per-node N -m trials.runner SPEC OUT_DIR`` (or plain
-``python -m trials.runner`` for one rank). SPEC is a JSON file:
-    {"model_config": {...}, "techniques": {...}, "seq_len": int, "steps": int, "warmup": int,
-     "capacity_bytes": int | null, "seed": int, "compute_dtype": "bf16" | "fp32" (optional)}
-Each rank writes ``OUT_DIR/rank{r}.json``: status, timings, its peak device bytes and breakdown, and the
-loss / grad norm of the first step. A rank that fails writes its record and exits non-zero at once, so
+``python -m trials.runner`` for one rank). SPEC is a ``trials.spec.TrialSpec`` as JSON. Each rank writes its
+``trials.spec.RankRecord`` as ``OUT_DIR/rank{r}.json``: status, timings, its peak device bytes and breakdown,
+and the loss / grad norm of the first step. A rank that fails writes its record and exits non-zero at once, so
 torchrun tears the job down instead of leaving peers blocked in a collective.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import time
@@ -21,6 +18,12 @@ from pathlib import Path
 
 import torch
 
+from trials.data import make_batch, synthetic_sample
+from trials.dist import init_mesh
+from trials.memory import DeviceMemoryTracker
+from trials.spec import RankRecord, TrialSpec
+from trials.step import build_training, train_step
+
 
 def _device_peak(device: torch.device, tracker) -> tuple[int, dict, int]:
     if device.type == "cuda":
@@ -28,30 +31,21 @@ def _device_peak(device: torch.device, tracker) -> tuple[int, dict, int]:
     return tracker.peak_device_bytes, dict(tracker.peak_breakdown), tracker.peak_host_bytes
 
 
-def run_trial(spec: dict, mesh=None) -> dict:
-    """Run the trial on this rank and return its record (a dict, DESIGN.md's result record fields)."""
-    from autotune.config import Techniques
-    from trials.data import make_batch, synthetic_sample
-    from trials.dist import init_mesh
-    from trials.memory import DeviceMemoryTracker
-    from trials.step import build_training, train_step
-
-    techniques = Techniques.from_dict(spec["techniques"])
-    seq_len, steps, warmup = spec["seq_len"], spec.get("steps", 2), spec.get("warmup", 1)
-    seed = spec.get("seed", 0)
+def run_trial(spec: TrialSpec, mesh=None) -> RankRecord:
+    """Run the trial on this rank and return its record."""
+    techniques, seq_len, steps, warmup, seed = spec.techniques, spec.seq_len, spec.steps, spec.warmup, spec.seed
     mesh = mesh or init_mesh(techniques.ulysses_degree)
     device = mesh.device
     use_tracker = device.type != "cuda"
-    tracker = DeviceMemoryTracker(spec.get("capacity_bytes")) if use_tracker else None
+    tracker = DeviceMemoryTracker(spec.capacity_bytes) if use_tracker else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    record = {"status": "ok", "source": "measured", "seq_len": seq_len, "device": _describe(device, mesh),
-              "rank": mesh.rank, "loss": None, "grad_norm": None, "error": None}
+    record = RankRecord(status="ok", seq_len=seq_len, rank=mesh.rank, device=_describe(device, mesh))
     step_times = []
     try:
         with tracker if tracker is not None else contextlib.nullcontext():
-            model, optimizer = build_training(spec["model_config"], techniques, mesh, seed, tracker,
-                                              compute_dtype=_compute_dtype(spec.get("compute_dtype")))
+            model, optimizer = build_training(spec.model_config, techniques, mesh, seed, tracker,
+                                              compute_dtype=_compute_dtype(spec.compute_dtype))
             tokens = synthetic_sample(mesh.dp_rank, seq_len, model.config.vocab_size, seed)
             batch = make_batch(tokens, mesh.sp_rank, mesh.sp_degree, device)
             for index in range(warmup + steps):
@@ -62,21 +56,21 @@ def run_trial(spec: dict, mesh=None) -> dict:
                     torch.cuda.synchronize(device)
                 elapsed = time.perf_counter() - start
                 if index == 0:
-                    record["loss"], record["grad_norm"] = result.loss, result.grad_norm
+                    record.loss, record.grad_norm = result.loss, result.grad_norm
                 if index >= warmup:
                     step_times.append(elapsed)
     except torch.OutOfMemoryError as exc:
-        record.update(status="oom", error=str(exc).splitlines()[0][:500])
+        record.status, record.error = "oom", str(exc).splitlines()[0][:500]
     except Exception as exc:  # recorded, classified by the launcher
         if "out of memory" in str(exc).lower():
-            record.update(status="oom", error=str(exc).splitlines()[0][:500])
+            record.status, record.error = "oom", str(exc).splitlines()[0][:500]
         else:
-            record.update(status="error", error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}")
+            record.status, record.error = "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"
     peak, breakdown, host = _device_peak(device, tracker)
-    record.update(peak_device_bytes=int(peak), breakdown=breakdown, host_bytes=int(host))
+    record.peak_device_bytes, record.breakdown, record.host_bytes = int(peak), breakdown, int(host)
     if step_times:
-        step_time = sum(step_times) / len(step_times)
-        record.update(step_time_s=step_time, tokens_per_s=seq_len * mesh.dp_size / step_time)
+        record.step_time_s = sum(step_times) / len(step_times)
+        record.tokens_per_s = seq_len * mesh.dp_size / record.step_time_s
     return record
 
 
@@ -116,19 +110,20 @@ def _describe(device: torch.device, mesh) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     spec_path, out_dir = Path(argv[0]), Path(argv[1])
-    spec = json.loads(spec_path.read_text())
     rank = int(os.environ.get("RANK", 0))
+    seq_len = None
     try:
+        spec = TrialSpec.read(spec_path)
+        seq_len = spec.seq_len
         record = run_trial(spec)
-    except Exception as exc:  # failure before the trial could even start (groups, imports)
-        record = {"status": "error", "source": "measured", "seq_len": spec.get("seq_len"), "rank": rank,
-                  "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"}
-    record["finished_at"] = time.time()  # the launcher reports the earliest failure as the root cause
-    path = out_dir / f"rank{record.get('rank', rank)}.json"
-    path.write_text(json.dumps(record))
+    except Exception as exc:  # failure before the trial could even start (spec, groups, imports)
+        record = RankRecord(status="error", seq_len=seq_len, rank=rank,
+                            error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}")
+    record.finished_at = time.time()  # the launcher reports the earliest failure as the root cause
+    record.write(out_dir)
     sys.stdout.flush()
     sys.stderr.flush()
-    if record["status"] != "ok":
+    if record.status != "ok":
         os._exit(1)  # let torchrun stop the peers now
     import torch.distributed as dist
 

@@ -23,10 +23,11 @@ Every knob is exact: the model trains the same loss and gradients (to rounding) 
 
 from __future__ import annotations
 
-from autotune.config import Techniques
 from trials.checkpointing import apply_activation_checkpointing
 from trials.dist import Mesh, ensure_device_mesh
 from trials.fsdp import apply_fsdp
+from trials.rules import requirement_problems
+from trials.techniques import Techniques
 from trials.tiling import apply_loss_tiling, apply_mlp_tiling, apply_norm_tiling
 from trials.ulysses import apply_ulysses, attention_modules
 from trials.upipe import apply_head_chunking
@@ -41,10 +42,8 @@ def apply(model, techniques: Techniques, mesh: Mesh, param_dtype=None):
     if techniques.ulysses_degree != mesh.sp_degree:
         raise ValueError(f"techniques ask for ulysses_degree {techniques.ulysses_degree}, "
                          f"the mesh has {mesh.sp_degree}")
-    if techniques.optimizer_offload and not techniques.fsdp:
-        raise ValueError("optimizer_offload needs fsdp (the host keeps the sharded optimizer states)")
-    if techniques.activation_offload_layers and not techniques.activation_checkpointing:
-        raise ValueError("activation_offload_layers needs activation_checkpointing")
+    for problem in requirement_problems(techniques):
+        raise ValueError(problem)
     for attn_module in attention_modules(model):
         attn_module.autotune_kernel = techniques.attention
     if techniques.head_chunk is not None:

@@ -64,11 +64,11 @@ def read_token_file(path: str, vocab_size: int) -> torch.Tensor:
 
 
 def train(config_path: str, steps: int, data: str | None = None, seed: int = 0, print_fn=print) -> dict:
-    from autotune.config import load_config_file
-    from autotune.presets import load_model_config
+    from trials.config_file import load_config_file
     from trials.data import make_batch
     from trials.dist import init_mesh
     from trials.memory import DeviceMemoryTracker
+    from trials.model_config import load_model_config
     from trials.step import build_training, train_step
 
     config = load_config_file(config_path)

@@ -8,7 +8,6 @@ writing a record (killed by a signal, segfault) becomes ``error`` with its last 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -18,8 +17,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from autotune.backends import Backend, Evaluation
-from autotune.record import ResultRecord
+import torch
+
+from trials.spec import RankRecord, TrialSpec
+from autotune.backends.base import Backend, Evaluation
+from autotune.core.record import ResultRecord
 
 
 _PEER_LOST = re.compile(r"Connection closed by peer|Connection reset|Read error|pair\.cc|NCCL.*(remote|closed)",
@@ -43,8 +45,6 @@ class LocalBackend(Backend):
                 "-m", "trials.runner", str(spec_path), str(out_dir)]
 
     def capacity_bytes(self, evaluation: Evaluation) -> int | None:
-        import torch
-
         if torch.cuda.is_available():
             return None  # the card's own capacity raises OOM
         if self.memory_gib is not None:
@@ -52,15 +52,13 @@ class LocalBackend(Backend):
         return None
 
     def evaluate(self, evaluation: Evaluation) -> ResultRecord:
-        spec = {
-            "model_config": evaluation.model_config, "techniques": evaluation.techniques.to_dict(),
-            "seq_len": evaluation.seq_len, "steps": self.steps, "warmup": self.warmup,
-            "capacity_bytes": self.capacity_bytes(evaluation), "seed": self.seed,
-        }
+        spec = TrialSpec(model_config=evaluation.model_config, techniques=evaluation.techniques,
+                         seq_len=evaluation.seq_len, steps=self.steps, warmup=self.warmup,
+                         capacity_bytes=self.capacity_bytes(evaluation), seed=self.seed)
         work = Path(tempfile.mkdtemp(prefix="autotune-trial-"))
         try:
             spec_path = work / "spec.json"
-            spec_path.write_text(json.dumps(spec))
+            spec.write(spec_path)
             return self._run(evaluation, spec_path, work)
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -69,8 +67,6 @@ class LocalBackend(Backend):
         log_path = work / "output.log"
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // evaluation.gpus)))
-        repo_root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = repo_root + os.pathsep + env.get("PYTHONPATH", "")
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(self.command(evaluation.gpus, spec_path, work), stdout=log,
                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -83,35 +79,35 @@ class LocalBackend(Backend):
             finally:
                 _kill_group(proc)
         tail = _tail(log_path)
-        ranks = [json.loads(p.read_text()) for p in sorted(work.glob("rank*.json"))]
+        ranks = RankRecord.read_all(work)
         return merge_rank_records(evaluation, ranks, returncode, timed_out, tail, self.timeout_s)
 
 
-def merge_rank_records(evaluation: Evaluation, ranks: list[dict], returncode, timed_out: bool, tail: str,
+def merge_rank_records(evaluation: Evaluation, ranks: list[RankRecord], returncode, timed_out: bool, tail: str,
                        timeout_s: float) -> ResultRecord:
     """One record from the per-rank ones, root cause first: an OOM anywhere makes the trial ``oom``; else the
     earliest error a rank wrote itself; else a rank that died without writing its record (a signal, a
     segfault) -- its peers' "connection closed" errors are only symptoms of it."""
     base = {"source": "measured", "seq_len": evaluation.seq_len}
-    peak = max((r.get("peak_device_bytes") or 0 for r in ranks), default=None)
+    peak = max((r.peak_device_bytes or 0 for r in ranks), default=None)
     if timed_out:
         return ResultRecord(status="timeout", **base, peak_device_bytes=peak,
                             error=f"trial exceeded its {timeout_s:g} s deadline; last output:\n{tail}")
-    ooms = [r for r in ranks if r.get("status") == "oom"]
-    missing = sorted(set(range(evaluation.gpus)) - {r.get("rank") for r in ranks})
-    errors = sorted((r for r in ranks if r.get("status") == "error"), key=lambda r: r.get("finished_at", 0))
+    ooms = [r for r in ranks if r.status == "oom"]
+    missing = sorted(set(range(evaluation.gpus)) - {r.rank for r in ranks})
+    errors = sorted((r for r in ranks if r.status == "error"), key=lambda r: r.finished_at or 0)
     # a peer's broken connection is a symptom: report the rank that caused it
-    primary = [r for r in errors if not _PEER_LOST.search(r.get("error") or "")]
+    primary = [r for r in errors if not _PEER_LOST.search(r.error or "")]
     errors = primary if (primary or not missing) else []
     if ooms:
         cause = ooms[0]
-        return ResultRecord(status="oom", **base, peak_device_bytes=peak, breakdown=cause.get("breakdown") or {},
-                            host_bytes=cause.get("host_bytes"), device=cause.get("device"),
-                            error=f"rank {cause.get('rank')}: {cause.get('error')}")
+        return ResultRecord(status="oom", **base, peak_device_bytes=peak, breakdown=cause.breakdown or {},
+                            host_bytes=cause.host_bytes, device=cause.device,
+                            error=f"rank {cause.rank}: {cause.error}")
     if errors:
         cause = errors[0]
         return ResultRecord(status="error", **base, peak_device_bytes=peak,
-                            error=f"rank {cause.get('rank')}: {cause.get('error')}\n"
+                            error=f"rank {cause.rank}: {cause.error}\n"
                                   f"--- last lines of the trial's output ---\n{tail}")
     if missing:
         return ResultRecord(status="error", **base, peak_device_bytes=peak,
@@ -121,13 +117,13 @@ def merge_rank_records(evaluation: Evaluation, ranks: list[dict], returncode, ti
         return ResultRecord(status="error", **base, peak_device_bytes=peak,
                             error=f"trial exited with code {returncode} after every rank reported ok; "
                                   f"last output:\n{tail}")
-    first = next(r for r in ranks if r.get("rank") == 0)
-    peak_rank = max(ranks, key=lambda r: r.get("peak_device_bytes") or 0)
+    first = next(r for r in ranks if r.rank == 0)
+    peak_rank = max(ranks, key=lambda r: r.peak_device_bytes or 0)
     return ResultRecord(
-        status="ok", **base, tokens_per_s=first.get("tokens_per_s"), step_time_s=first.get("step_time_s"),
-        peak_device_bytes=peak, host_bytes=max((r.get("host_bytes") or 0) for r in ranks),
-        breakdown=peak_rank.get("breakdown") or {}, loss=first.get("loss"), grad_norm=first.get("grad_norm"),
-        device=first.get("device"),
+        status="ok", **base, tokens_per_s=first.tokens_per_s, step_time_s=first.step_time_s,
+        peak_device_bytes=peak, host_bytes=max((r.host_bytes or 0) for r in ranks),
+        breakdown=peak_rank.breakdown or {}, loss=first.loss, grad_norm=first.grad_norm,
+        device=first.device,
     )
 
 

@@ -4,9 +4,10 @@ Memory: ``autotune.oracle.predict`` -- the trial's own code under FakeTensorMode
 ``gpus`` ranks, rank 0's tracked tensor peak plus the hardware preset's runtime overheads (CUDA context, NCCL
 buffers, allocator fragmentation), compared with ``hardware.device_memory_bytes``: ``ok`` or ``oom``.
 
-Time: when ``autotune.throughput`` is importable, its ``StepCounter`` watches the same fake step (inside the
-oracle's tracker) and ``predict_step_time`` turns the counts into ``step_time_s`` / ``tokens_per_s``; counts of
-the 3- and 4-layer traces are extended to full depth like the memory. Without it both stay None.
+Time: ``autotune.timing``'s ``StepCounter`` watches the same fake step (inside the oracle's tracker) and
+``predict_step_time`` turns the counts into ``step_time_s`` / ``tokens_per_s``; counts of the 3- and 4-layer
+traces are extended to full depth like the memory. A time prediction that fails (an op the counter could not
+count, a model error) makes the record ``error`` with the reason: a config never drops off the front silently.
 
 Records are cached per (model, techniques, seq_len, gpus, hardware), so the search and ``--max-seq`` never
 trace the same point twice in one process.
@@ -18,8 +19,13 @@ import json
 import traceback
 from collections import OrderedDict
 
-from autotune.backends import Backend, Evaluation
-from autotune.record import ResultRecord
+from autotune.backends.base import Backend, Evaluation
+from autotune.core.record import ResultRecord
+from autotune.oracle import Prediction, extend_value, predict
+from autotune.timing.counting import StepCounter
+from autotune.timing.counts import StepCounts
+from autotune.timing.model import TimeBreakdown, predict_step_time
+from trials.errors import ConfigError
 
 
 def _key(evaluation: Evaluation) -> str:
@@ -28,18 +34,8 @@ def _key(evaluation: Evaluation) -> str:
                        evaluation.gpus, hw.name, hw.device_memory_bytes], sort_keys=True, default=str)
 
 
-def _throughput_module():
-    try:
-        from autotune import throughput
-    except Exception:  # not there yet, or broken: memory-only predictions
-        return None
-    if not (hasattr(throughput, "StepCounter") and hasattr(throughput, "predict_step_time")):
-        return None
-    return throughput
-
-
 class PlanBackend(Backend):
-    """Predictions from the memory oracle (+ the throughput model when present)."""
+    """Predictions from the memory oracle and the time model."""
 
     name = "plan"
 
@@ -75,21 +71,14 @@ class PlanBackend(Backend):
         return ResultRecord.from_dict(record.to_dict())
 
     def _evaluate(self, evaluation: Evaluation) -> ResultRecord:
-        from autotune.errors import UserError
-        from autotune.oracle import predict
-
         hw = evaluation.hardware
         base = dict(source="predicted", seq_len=evaluation.seq_len, device=f"{hw.name} x{evaluation.gpus} (predicted)")
         try:
             evaluation.techniques.validate(evaluation.model_config, evaluation.gpus, evaluation.seq_len)
-        except UserError as exc:
+        except ConfigError as exc:
             return ResultRecord(status="error", error=str(exc), **base)
         self.last_prediction = None
-        throughput = _throughput_module() if self.throughput else None
-        modes = None
-        if throughput is not None:
-            def modes(tracker):
-                return [throughput.StepCounter(tracker, seq_len=evaluation.seq_len, world_size=evaluation.gpus)]
+        modes = _counter(evaluation) if self.throughput else None
         try:
             stop = None if self.stop_above is None else int(hw.device_memory_bytes * self.stop_above)
             prediction = predict(evaluation, modes=modes, stop_above_bytes=stop)
@@ -114,35 +103,45 @@ class PlanBackend(Backend):
         record = ResultRecord(
             status="ok" if fits else "oom", peak_device_bytes=int(prediction.peak_device_bytes),
             host_bytes=int(prediction.host_bytes), breakdown=dict(prediction.breakdown), error=error, **base)
-        if throughput is not None and not prediction.stopped:
+        if self.throughput and not prediction.stopped:
             try:
-                timing = _step_time(throughput, evaluation, prediction)
-            except Exception:
-                timing = None
-            if timing is not None:
-                record.step_time_s = float(timing.step_time_s)
-                record.tokens_per_s = float(timing.tokens_per_s) if timing.tokens_per_s else None
+                timing = step_time(evaluation, prediction)
+            except Exception as exc:  # the memory verdict stands, but a config without a time cannot be ranked
+                return ResultRecord(status="error", peak_device_bytes=record.peak_device_bytes,
+                                    host_bytes=record.host_bytes, breakdown=record.breakdown,
+                                    error=f"time prediction failed ({record.status} by memory): "
+                                          f"{type(exc).__name__}: {exc}", **base)
+            record.step_time_s = float(timing.step_time_s)
+            record.tokens_per_s = float(timing.tokens_per_s) if timing.tokens_per_s else None
         return record
 
 
-def step_counts(prediction):
-    """The throughput counter's counts at full depth, extended from the traced copies like the memory."""
-    from autotune.oracle import extend_value
+def _counter(evaluation: Evaluation):
+    """The oracle's ``modes``: a step counter inside each traced step's memory tracker."""
+    def modes(tracker):
+        return [StepCounter(tracker, seq_len=evaluation.seq_len, world_size=evaluation.gpus)]
+    return modes
 
-    counts = []
+
+def step_counts(prediction: Prediction) -> StepCounts:
+    """The throughput counter's counts at full depth, extended from the traced copies like the memory. Raises
+    when the counter could not count an op (the counts would miss its work)."""
+    counters = []
     for trace in prediction.traces:
         modes = trace.extras[0] if trace.extras else []
         if not modes:
-            return None
-        counts.append(modes[0].counts)
+            raise RuntimeError(f"the {trace.layers}-layer trace ran without a step counter")
+        counters.append(modes[0])
+    failures = {op: why for counter in counters for op, why in counter.failures.items()}
+    if failures:
+        op, why = next(iter(failures.items()))
+        raise RuntimeError(f"the step counter could not count {len(failures)} op(s), e.g. {op}: {why}")
+    counts = [counter.counts for counter in counters]
     if len(counts) == 1:
         return counts[0]
     return extend_value(counts[0], list(zip(counts[1:], prediction.extension)))
 
 
-def _step_time(throughput, evaluation: Evaluation, prediction):
-    counts = step_counts(prediction)
-    if counts is None:
-        return None
-    return throughput.predict_step_time(counts, evaluation.hardware, evaluation.gpus, evaluation.techniques,
-                                        seq_len=evaluation.seq_len)
+def step_time(evaluation: Evaluation, prediction: Prediction) -> TimeBreakdown:
+    return predict_step_time(step_counts(prediction), evaluation.hardware.rates_for(evaluation.gpus), evaluation.gpus,
+                             evaluation.techniques, seq_len=evaluation.seq_len)

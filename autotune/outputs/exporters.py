@@ -5,21 +5,31 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from autotune.config import TrialConfig, Techniques
-from autotune.errors import UserError
-from autotune.sizes import parse_tokens
+import yaml
+
+from trials.config_file import TrialConfig
+from trials.model_config import load_model_config
+from trials.techniques import Techniques
+from autotune.core.errors import UserError
+from autotune.core.sizes import parse_tokens
 
 FORMATS = ("autotune", "deepspeed", "arctic", "torchrun")
+FRONT_SCHEMA = "autotune/pareto-v1"  # what ``autotune.outputs.report`` writes
 
 
 def load_front(directory: Path) -> dict:
+    """A search folder's ``pareto.json`` (``autotune/pareto-v1``; files from before the schema field are v1)."""
     path = Path(directory) / "pareto.json"
     if not path.is_file():
         raise UserError(f"{str(directory)!r} has no pareto.json: is it a search output folder?")
     try:
-        return json.loads(path.read_text())
+        doc = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise UserError(f"{str(path)!r} is not valid JSON ({exc})") from None
+    schema = doc.get("schema", FRONT_SCHEMA) if isinstance(doc, dict) else None
+    if schema != FRONT_SCHEMA:
+        raise UserError(f"{str(path)!r}: schema {schema!r} is not {FRONT_SCHEMA!r}")
+    return doc
 
 
 def choose(front_doc: dict, target: int | None) -> dict:
@@ -113,11 +123,7 @@ def to_deepspeed(config: TrialConfig, entry: dict) -> str:
 
 def to_arctic(config: TrialConfig, entry: dict) -> str:
     """An ArcticTraining recipe (projects/sequence-parallelism style)."""
-    import yaml
-
     t = config.techniques
-    from autotune.presets import load_model_config
-
     model_config = load_model_config(config.model)
     recipe = {
         "type": "causal",

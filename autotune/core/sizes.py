@@ -2,7 +2,7 @@
 
 import re
 
-from autotune.errors import UserError
+from autotune.core.errors import UserError
 
 _SUFFIX = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
 _PATTERN = re.compile(r"^\s*(\d[\d_]*)\s*([KMG]?)\s*$", re.IGNORECASE)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from autotune.sizes import format_tokens
+from autotune.core.sizes import format_tokens
 
 
 class SearchProgress:

@@ -1,12 +1,12 @@
-"""The search's output folder: trials.parquet, pareto.json, pareto.png, best.json (DESIGN.md).
+"""The search's output folder: trials.parquet, pareto.json, pareto.png, memory.png, pareto.html, best.json.
 
 ``trials.parquet`` schema — one row per finished trial, one column per knob and per record field:
     trial (int), answered_by (str: local | plan | cache | monotone | oracle),
-    fsdp, optimizer_offload (bool), ulysses_degree (int), head_chunk (int, null = plain Ulysses),
-    activation_checkpointing (bool), activation_offload_layers, mlp_tile_tokens, loss_tile_tokens, norm_tile_tokens (int),
-    attention (str), seq_len (int), status, source (str), tokens_per_s, step_time_s (float),
+    one column per knob of ``trials.techniques.Techniques`` (bool, int -- head_chunk null = plain Ulysses -- or
+    str, from the knob's kind), seq_len (int), status, source (str), tokens_per_s, step_time_s (float),
     peak_device_bytes, host_bytes (int), breakdown_<category> (int, one per category of
     autotune.record.BREAKDOWN_CATEGORIES), loss, grad_norm (float), device, error (str).
+``pareto.json`` carries ``"schema": "autotune/pareto-v1"``.
 A predicted ``oom`` row whose trace ran in full keeps ``tokens_per_s`` / ``step_time_s`` as the rate it would have
 had with the memory (a what-if); the search's objective, the front and the log count only ``ok`` rows' rates.
 """
@@ -19,17 +19,19 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from trials.config_file import TrialConfig
+from trials.techniques import BASELINE, Techniques, knob_names, knobs
 from autotune import search
-from autotune.config import BASELINE, TrialConfig
-from autotune.record import BREAKDOWN_CATEGORIES, ResultRecord
-from autotune.space import KNOBS
+from autotune.core.record import BREAKDOWN_CATEGORIES, ResultRecord
+from autotune.outputs.exporters import FRONT_SCHEMA
+from autotune.outputs.plots import knob_label, plot_memory, plot_pareto, write_pareto_html
+
+_ARROW_TYPES = {"bool": pa.bool_(), "int": pa.int64(), "tokens": pa.int64(), "choice": pa.string()}
+KNOBS = knob_names()
 
 _SCHEMA = pa.schema(
     [("trial", pa.int64()), ("answered_by", pa.string())]
-    + [("fsdp", pa.bool_()), ("optimizer_offload", pa.bool_()), ("ulysses_degree", pa.int64()),
-       ("head_chunk", pa.int64()), ("activation_checkpointing", pa.bool_()),
-       ("activation_offload_layers", pa.int64()), ("mlp_tile_tokens", pa.int64()),
-       ("loss_tile_tokens", pa.int64()), ("norm_tile_tokens", pa.int64()), ("attention", pa.string())]
+    + [(k.name, _ARROW_TYPES[k.kind]) for k in knobs()]
     + [("seq_len", pa.int64()), ("status", pa.string()), ("source", pa.string()),
        ("tokens_per_s", pa.float64()), ("step_time_s", pa.float64()), ("peak_device_bytes", pa.int64()),
        ("host_bytes", pa.int64())]
@@ -72,10 +74,8 @@ def write_outputs(job: "search.SearchJob", study) -> dict:
     rows = write_parquet(study, out / "trials.parquet")
     front = front_entries(study)
     (out / "pareto.json").write_text(json.dumps(
-        {"model": job.model, "hardware": job.hardware.name, "gpus": job.gpus, "target": job.target,
+        {"schema": FRONT_SCHEMA, "model": job.model, "hardware": job.hardware.name, "gpus": job.gpus, "target": job.target,
          "capacity_bytes": job.hardware.device_memory_bytes, "front": front}, indent=2) + "\n")
-    from autotune.plots import plot_pareto, write_pareto_html
-
     plot_pareto(trial_rows(study), front, job.target, out / "pareto.png",
                 title=f"{job.model} on {job.gpus}x {job.hardware.name}")
     write_pareto_html(study, out / "pareto.html")
@@ -108,14 +108,9 @@ def plot_front_memory(front: list[dict], capacity_bytes: int, path: Path, title:
     the number of bars drawn."""
     if not front:
         return 0
-    from autotune.oracle import plot_memory
-    from autotune.plots import _knob_label
-
     return plot_memory([f["record"] for f in front], capacity_bytes, path, title=title,
-                labels=[f"{f['seq_len']:,}\n{_knob_label(f['techniques'])}" for f in front])
+                       labels=[f"{f['seq_len']:,}\n{knob_label(f['techniques'])}" for f in front])
 
 
-def _techniques(values: dict):
-    from autotune.config import Techniques
-
+def _techniques(values: dict) -> Techniques:
     return Techniques.from_dict(values)

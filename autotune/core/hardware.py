@@ -1,0 +1,200 @@
+"""Hardware presets: one type, ``Hardware``, parsed once from ``hardware_presets/<name>.yaml`` (or any YAML path).
+
+A preset holds the memory facts of one accelerator of a node (capacity, runtime overheads no tensor shows, the
+host RAM per device, the oracle's error band) and the time model's rates (``Rates``: peaks, efficiencies,
+overheads; each YAML value says where it comes from). Presets whose device is simulated in host memory
+(``device_is_host``: the ``cpu`` preset of CPU trials) also carry a calibration of a typical machine in the YAML
+(``calibration:``), replaced by this machine's own when one is cached (``autotune.core.calibration_store``;
+``autotune.timing.calibration`` measures it, only when asked for). Their rates depend on the world size (trial
+ranks share the machine's cores): ``Hardware.rates_for(world_size)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from autotune.core import calibration_store
+from autotune.core.errors import UserError
+
+HOST_PRESET = "cpu"  # the preset of real trials on a machine without CUDA devices
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Per-device rates and efficiencies of the time model; each is a named field of the hardware YAML.
+
+    Rates are per device (per rank), and per direction for links. Defaults are the H100-class values of
+    docs/throughput.md; presets override them.
+    """
+
+    name: str
+    bf16_flops: float                       # matmul peak of the training dtype (bf16 on GPUs, fp32 for cpu)
+    hbm_bytes_per_s: float                  # device memory bandwidth
+    intra_node_bytes_per_s: float           # device-device link, per direction (NVLink / gloo loopback)
+    host_bytes_per_s: float                 # host link, per direction (PCIe / memcpy)
+    matmul_efficiency: float = 0.7          # achieved fraction of bf16_flops for the step's GEMMs
+    attention_efficiency: float = 0.35      # achieved fraction of bf16_flops, attention forward (computed FLOPs)
+    attention_backward_efficiency: float = 0.3
+    attention_tile_q: int = 128             # the kernel's query / key tile: causal blocks on the diagonal are
+    attention_tile_kv: int = 128            # computed whole, so computed pairs exceed s*(s+1)/2 by ~s*tile/2
+    elementwise_efficiency: float = 0.7     # achieved fraction of hbm_bytes_per_s for memory-bound ops
+    elementwise_traffic_factor: float = 3.0  # bytes moved per output byte counted (read ~2 operands, write 1)
+    all_to_all_efficiency: float = 0.75     # achieved fraction of the link for all-to-all
+    all_gather_efficiency: float = 0.8      # achieved fraction of the link for all-gather (FSDP unshard)
+    reduce_scatter_efficiency: float = 0.8  # ... reduce-scatter (FSDP gradient reduction)
+    all_reduce_efficiency: float = 0.8      # ... all-reduce (replicated gradients, loss)
+    collective_latency_s: float = 20e-6     # fixed cost per collective call
+    host_copy_efficiency: float = 1.0       # achieved fraction of host_bytes_per_s
+    host_optimizer_bytes_per_s: float = 50e9  # optimizer-step output bytes per second on the host, per rank
+    op_overhead_s: float = 0.0              # host time per dispatched op that does work (python + launch)
+    view_overhead_s: float = 0.0            # host time per dispatched view / metadata op
+    launch_overlaps_compute: bool = True    # GPUs queue kernels: overhead is a floor, not an addition
+    side_stream_overlap: float = 1.0        # fraction of compute time FSDP collectives / offload copies can hide behind
+    rank_imbalance: float = 0.0             # share of compute time lost waiting for the slowest rank at the step's
+                                            # synchronising collectives (several ranks only)
+    device_is_host: bool = False            # cpu preset: the "device" is host memory, so FSDP2's offload copies
+                                            # (shards to the device, gradients to the host) are no-ops
+    # measured attention efficiency per head dim (cpu calibration), {head_dim: (fwd, bwd)}; overrides the scalars
+    attention_by_head_dim: tuple = ()
+
+    @property
+    def matmul_flops_per_s(self) -> float:
+        return self.bf16_flops * self.matmul_efficiency
+
+    def attention_eff(self, head_dim: int, backward: bool) -> float:
+        if not self.attention_by_head_dim:
+            return self.attention_backward_efficiency if backward else self.attention_efficiency
+        table = sorted(self.attention_by_head_dim)
+        index = 1 if backward else 0
+        if head_dim <= table[0][0]:
+            return table[0][1][index]
+        if head_dim >= table[-1][0]:
+            return table[-1][1][index]
+        for (d0, e0), (d1, e1) in zip(table, table[1:]):
+            if d0 <= head_dim <= d1:  # linear in log(head_dim)
+                w = (math.log(head_dim) - math.log(d0)) / (math.log(d1) - math.log(d0))
+                return e0[index] * (1 - w) + e1[index] * w
+        return table[-1][1][index]
+
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator of a node: capacity and overheads in bytes, and the time model's rates."""
+
+    name: str
+    description: str
+    device_memory_bytes: int
+    rates: Rates
+    cuda_context_bytes: int = 0
+    nccl_buffer_bytes: int = 0
+    allocator_fragmentation: float = 0.0
+    host_memory_bytes_per_device: int = 0  # the node's host RAM / its accelerators; 0 = not checked
+    # the oracle's error band on this hardware: a local search's prefilter skips a real trial only when the
+    # predicted peak is over capacity by more than this fraction; closer calls run for real
+    oracle_margin: float = 0.05
+    calibration: dict | None = field(default=None, compare=False)  # per-world measurements (device_is_host)
+    calibration_source: str | None = None  # "this machine" (cached) | "preset" (the YAML's typical machine)
+
+    @property
+    def device_is_host(self) -> bool:
+        """The device is simulated in host memory (CPU trials): fp32 compute, CPU kernels, no copies to offload."""
+        return self.rates.device_is_host
+
+    @property
+    def bf16_flops(self) -> float:
+        return self.rates.bf16_flops
+
+    @property
+    def hbm_bytes_per_s(self) -> float:
+        return self.rates.hbm_bytes_per_s
+
+    @property
+    def intra_node_bytes_per_s(self) -> float:
+        return self.rates.intra_node_bytes_per_s
+
+    @property
+    def host_bytes_per_s(self) -> float:
+        return self.rates.host_bytes_per_s
+
+    def rates_for(self, world_size: int = 1) -> Rates:
+        """The time model's rates for a job of ``world_size`` ranks (calibrated ones where there are)."""
+        if not self.calibration:
+            return self.rates
+        return replace(self.rates, **calibration_store.rates_from_calibration(self.calibration, world_size))
+
+    def host_fits(self, host_bytes_per_rank: int | None) -> bool:
+        return not self.host_memory_bytes_per_device or (host_bytes_per_rank or 0) <= self.host_memory_bytes_per_device
+
+    @property
+    def runtime_overhead_bytes(self) -> int:
+        """Bytes no tensor shows: CUDA context and NCCL buffers."""
+        return int(self.cuda_context_bytes + self.nccl_buffer_bytes)
+
+    def overhead_bytes(self, tensor_peak: int) -> int:
+        """Device bytes no tensor shows at a tensor peak: CUDA context, NCCL buffers, allocator fragmentation."""
+        return int(self.runtime_overhead_bytes + math.ceil(self.allocator_fragmentation * tensor_peak))
+
+    def with_memory_gib(self, gib: float | None) -> "Hardware":
+        return self if gib is None else replace(self, device_memory_bytes=int(gib * 1024**3))
+
+
+def _preset_dir() -> Path:
+    return Path(str(resources.files("autotune.core") / "hardware_presets"))
+
+
+def hardware_names() -> list[str]:
+    return sorted(p.stem for p in _preset_dir().glob("*.yaml"))
+
+
+_HARDWARE_KEYS = {f.name for f in fields(Hardware)} - {"rates", "calibration", "calibration_source"}
+_RATE_KEYS = {f.name for f in fields(Rates)} - {"name", "attention_by_head_dim"}
+
+
+def _cast(kind, value):
+    """YAML 1.1 reads 989.0e12 (no exponent sign) as a string: coerce to the field's declared type."""
+    kind = str(kind)
+    if "bool" in kind:
+        return bool(value)
+    if kind.startswith("int"):
+        return int(float(value))
+    if kind.startswith("float"):
+        return float(value)
+    return value
+
+
+def load_hardware(name: str) -> Hardware:
+    """A preset by name (``autotune hardware`` lists them) or a path to a preset YAML file."""
+    path = _preset_dir() / f"{name}.yaml"
+    if not path.exists():
+        path = Path(name)
+        if not (path.suffix in (".yaml", ".yml") and path.is_file()):
+            raise UserError(f"unknown hardware {name!r}: choose one of {', '.join(hardware_names())}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise UserError(f"hardware preset {str(path)!r} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"hardware preset {str(path)!r} must be a YAML mapping")
+    unknown = sorted(set(data) - _HARDWARE_KEYS - _RATE_KEYS - {"calibration"})
+    if unknown:
+        raise UserError(f"hardware preset {str(path)!r}: unknown key {unknown[0]!r}")
+    types = {f.name: f.type for f in (*fields(Hardware), *fields(Rates))}
+    try:
+        rates = Rates(name=data["name"], **{k: _cast(types[k], v) for k, v in data.items() if k in _RATE_KEYS})
+        values = {k: _cast(types[k], v) for k, v in data.items() if k in _HARDWARE_KEYS}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"hardware preset {str(path)!r}: {exc}") from None
+    hardware = Hardware(rates=rates, **values)
+    if rates.device_is_host:
+        cached = calibration_store.load_cached()
+        if cached is not None:
+            hardware = replace(hardware, calibration=cached, calibration_source="this machine")
+        elif data.get("calibration"):
+            hardware = replace(hardware, calibration=data["calibration"], calibration_source="preset")
+    return hardware

@@ -1,0 +1,117 @@
+"""Per-segment peaks of a traced step: a listener on the trials' memory tracker, and the hooks that move it
+along the decoder layers (see ``autotune.oracle`` for the segments)."""
+
+from __future__ import annotations
+
+import torch
+
+from trials.memory import DeviceMemoryTracker, TrackerListener
+from autotune.oracle.results import Segment
+
+
+class SegmentPeaks(TrackerListener):
+    """Keeps, on a ``DeviceMemoryTracker``, the peak of each segment of the step (see ``autotune.oracle``).
+
+    ``segment`` is the current (phase, position); ``install_segment_hooks`` moves it along the decoder layers and
+    ``in_phase`` sets (phase, "pre") / (phase, "end"). With ``explain``, each segment also keeps the op at its peak
+    and the largest live storages then, each with the op, shape and dtype that made it."""
+
+    def __init__(self, explain: bool = False):
+        self.segment: tuple = ("setup", None)
+        self.segments: dict[tuple, Segment] = {}
+        self.explain = explain
+        self._origin: dict[int, tuple] = {}  # explain: id(storage info) -> (op, shape, dtype, segment)
+
+    def on_new_storage(self, tracker: DeviceMemoryTracker, info, tensor: torch.Tensor) -> None:
+        if self.explain:
+            self._origin[id(info)] = (str(tracker.op).replace("aten.", ""), tuple(tensor.shape),
+                                      str(tensor.dtype).replace("torch.", ""), self.segment)
+
+    def on_phase(self, tracker: DeviceMemoryTracker, phase: str, entering: bool) -> None:
+        self.segment = (phase, "pre" if entering else "end")
+
+    def on_change(self, tracker: DeviceMemoryTracker) -> None:
+        seg = self.segments.get(self.segment)
+        if seg is None:
+            seg = self.segments[self.segment] = Segment(tracker.device_bytes, dict(tracker.current),
+                                                        tracker.host_bytes)
+            if self.explain:
+                seg.at_op, seg.live = str(tracker.op), self._live(tracker)
+        else:
+            if tracker.device_bytes > seg.device_bytes:
+                seg.device_bytes = tracker.device_bytes
+                seg.breakdown = dict(tracker.current)
+                if self.explain:
+                    seg.at_op, seg.live = str(tracker.op), self._live(tracker)
+            if tracker.host_bytes > seg.host_bytes:
+                seg.host_bytes = tracker.host_bytes
+
+    def _live(self, tracker: DeviceMemoryTracker, top: int = 12) -> list[dict]:
+        """The largest live device storages now, with the op that made them (explain mode)."""
+        live = []
+        for info in tracker.live_storages():
+            if info.host or not info.nbytes:
+                continue
+            op, shape, dtype, seg = self._origin.get(id(info), ("?", (), "?", None))
+            live.append({"bytes": info.nbytes, "category": info.category, "op": op, "shape": shape,
+                         "dtype": dtype, "made_in": seg})
+        live.sort(key=lambda e: -e["bytes"])
+        return live[:top]
+
+
+def _positions(runs: list[tuple[str, int]]) -> list[tuple[str, str]]:
+    """Each layer's segment label: (run kind, first | middle | last | only) -- its place inside its run."""
+    labels = []
+    for kind, count in runs:
+        for j in range(count):
+            pos = "only" if count == 1 else "first" if j == 0 else "last" if j == count - 1 else "middle"
+            labels.append((kind, pos))
+    return labels
+
+
+def install_segment_hooks(model, tracker: DeviceMemoryTracker, peaks: SegmentPeaks, runs) -> list:
+    """Forward pre-hooks and gradient hooks that move ``peaks.segment`` along the decoder layers."""
+    layers = list(model.layers)
+    count = len(layers)
+    labels = _positions(runs)
+    if len(labels) != count:
+        raise ValueError(f"runs {runs} do not cover the model's {count} layers")
+    handles = []
+
+    def set_segment(key):
+        def hook(grad):
+            peaks.segment = key
+        return hook
+
+    def first_tensor(value):
+        if isinstance(value, torch.Tensor):
+            return value
+        if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+            return value[0]
+        return None
+
+    for index, layer in enumerate(layers):
+        def pre(module, args, kwargs, index=index):
+            if tracker.phase != "forward":
+                return
+            peaks.segment = ("forward", labels[index])
+            if index == 0:
+                hidden = first_tensor(args[0] if args else kwargs.get("hidden_states"))
+                if hidden is not None and hidden.requires_grad:
+                    hidden.register_hook(set_segment(("backward", "post")))
+
+        def post(module, args, kwargs, output, index=index):
+            if tracker.phase != "forward":
+                return
+            if index == count - 1:
+                peaks.segment = ("forward", "post")
+            hidden = first_tensor(output)
+            if hidden is not None and hidden.requires_grad:
+                hidden.register_hook(set_segment(("backward", labels[index])))
+
+        handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(layer.register_forward_hook(post, with_kwargs=True))
+    return handles
+
+
+# ---------------------------------------------------------------------------------------------------------

@@ -1,0 +1,140 @@
+"""One fake trace: the trial's own training step under FakeTensorMode on rank 0 of a fake world."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import replace
+from typing import Any, Callable, Iterable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from trials import patches
+from trials.data import make_batch
+from trials.dist import Mesh, build_mesh, ensure_device_mesh
+from trials.memory import DeviceMemoryTracker
+from trials.step import build_training, train_step
+from autotune.core.record import BREAKDOWN_CATEGORIES
+from autotune.oracle.fake_world import fake_flash_kernels, fake_process_group, oracle_mode
+from autotune.oracle.results import Segment, Trace, full_breakdown
+from autotune.oracle.segments import SegmentPeaks, install_segment_hooks
+
+
+def compute_dtype_for(hardware) -> torch.dtype:
+    """The precision a real trial on ``hardware`` computes in: fp32 where the device is the host (CPU trials),
+    bf16 on GPUs."""
+    return torch.float32 if hardware.device_is_host else torch.bfloat16
+
+
+def layer_runs(techniques, num_layers: int) -> list[tuple[str, int]]:
+    """The model's decoder layers as runs of identical layers: ``[(kind, count), ...]`` in model order.
+
+    All layers are alike except with a partial activation offload (the first N layers' inputs live on the
+    host, ``trials.checkpointing``): then an ``offload`` run and a ``device`` run.
+    """
+    offload = techniques.activation_offload_layers
+    if 0 < offload < num_layers:
+        return [("offload", offload), ("device", num_layers - offload)]
+    return [("layers", num_layers)]
+
+
+def _techniques_for_runs(techniques, runs: list[tuple[str, int]]):
+    """``techniques`` for a model whose decoder layers are ``runs`` (a shallower copy of the real one)."""
+    if techniques.activation_offload_layers:
+        offloaded = sum(n for kind, n in runs if kind in ("offload", "layers"))
+        return replace(techniques, activation_offload_layers=offloaded)
+    return techniques
+
+
+def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
+          compute_dtype: torch.dtype = torch.float32, gpu_kernels: bool = False, layers: int | None = None,
+          runs: list[tuple[str, int]] | None = None, modes: Callable[[Any], Iterable] | None = None,
+          prime_optimizer: bool = True, steps: int = 1, seed: int = 0, explain: bool = False,
+          stop_above_bytes: int | None = None) -> Trace:
+    """Run ``steps`` training steps of the trial under FakeTensorMode on rank 0 of a fake world and return
+    the tracked peak.
+
+    ``layers``: trace a copy of the model with this many decoder layers (default: the model's own), all alike
+    (``activation_offload_layers`` must be 0 or all); ``runs``: the layers as runs of identical layers
+    (``layer_runs``) for a copy of the model, e.g. ``[("offload", 3), ("device", 4)]``.
+    ``modes(tracker)``: extra ``TorchDispatchMode``s (e.g. ``autotune.throughput.StepCounter``) entered
+    inside the tracker around the traced steps only (not the priming); they are returned in ``extras``.
+    ``prime_optimizer``: create the AdamW states before the traced step (see module doc); with False, trace
+    ``steps`` >= 2 to see them. ``explain``: keep, per segment, the op at its peak and the largest live
+    storages then (with the op, shape and dtype that made each) -- slower; see ``explain``.
+    ``stop_above_bytes``: stop the step at the first allocation that takes live tensor bytes above this (like
+    a real trial's OOM); the returned trace is then ``stopped`` and its peak is where it stopped.
+    """
+
+
+    started = time.perf_counter()
+    num_layers = model_config["num_hidden_layers"]
+    if runs is None:
+        if layers is None or layers == num_layers:
+            runs = layer_runs(techniques, num_layers)
+        elif techniques.activation_offload_layers not in (0, num_layers):
+            raise ValueError("a partial activation offload needs ``runs`` to trace a shallower copy")
+        else:
+            runs = [("layers", layers)]
+    layers = sum(n for _, n in runs)
+    config = dict(model_config, num_hidden_layers=layers)
+    techniques = _techniques_for_runs(techniques, runs)
+    device = torch.device("cpu")
+    tracker = DeviceMemoryTracker(stop_above_bytes)
+    peaks = SegmentPeaks(explain)
+    tracker.add_listener(peaks)
+    extras: list = []
+    stopped = False
+    with fake_process_group(world_size, world_size > 1 or techniques.fsdp):
+        # groups and the device mesh hold small real tensors: build them before faking
+        mesh = build_mesh(techniques.ulysses_degree, device) if world_size > 1 else Mesh.single(device)
+        if world_size > 1 and not mesh.distributed:
+            raise RuntimeError("fake process group did not take")
+        if techniques.fsdp and mesh.device_mesh is None:
+            ensure_device_mesh(mesh)  # one rank with FSDP: a 1-rank (fake) group, as trials.stack.apply makes
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake_mode, tracker, oracle_mode(gpu_kernels):
+            model, optimizer = build_training(config, techniques, mesh, seed, tracker, compute_dtype=compute_dtype)
+            install_segment_hooks(model, tracker, peaks, runs)
+            tokens = torch.zeros(seq_len + 1, dtype=torch.long)
+            batch = make_batch(tokens, mesh.sp_rank, mesh.sp_degree, device)
+            if prime_optimizer:
+                _prime_optimizer(model, optimizer, tracker, peaks)
+            extra_modes = list(modes(tracker)) if modes is not None else []
+            try:
+                with contextlib.ExitStack() as stack:
+                    # only around the step: transformers probes for flash_attn while it imports model code
+                    stack.enter_context(fake_flash_kernels(gpu_kernels and techniques.attention == "flash"))
+                    stack.enter_context(patches.fsdp_all_gather_buffers(
+                        lambda fsdp_param: tracker.retag(fsdp_param.all_gather_outputs, "params")))
+                    for mode in extra_modes:
+                        stack.enter_context(mode)
+                    for _ in range(steps):
+                        train_step(model, optimizer, batch, mesh, tracker)
+            except torch.OutOfMemoryError:
+                if stop_above_bytes is None:
+                    raise
+                stopped = True
+            extras = extra_modes
+            del model, optimizer, batch, tokens
+    # ("setup", None) is building the model and the batch: trial code builds the whole model on the device
+    # before FSDP shards it, so that can be the peak (a real trial measures it too); it scales with depth
+    # like any other segment
+    segments = dict(peaks.segments)
+    peak_key = max(segments, key=lambda k: segments[k].device_bytes) if segments else None
+    peak = segments[peak_key] if peak_key else Segment(0, dict.fromkeys(BREAKDOWN_CATEGORIES, 0))
+    return Trace(layers=layers, peak_device_bytes=int(peak.device_bytes), breakdown=full_breakdown(peak.breakdown),
+                 peak_host_bytes=int(tracker.peak_host_bytes), peak_segment=peak_key, segments=segments,
+                 elapsed_s=time.perf_counter() - started, extras=[extras], runs=list(runs), stopped=stopped)
+
+
+def _prime_optimizer(model, optimizer, tracker, peaks) -> None:
+    """Create the optimizer states as a real first step does: one step on zero gradients."""
+    for param in model.parameters():
+        if param.requires_grad:
+            param.grad = torch.zeros_like(param)
+    with tracker.in_phase("optimizer"):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    peaks.segment = ("setup", None)

@@ -1,0 +1,30 @@
+"""A search's inputs: what to search, on what, with which backend, into which folder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from autotune.backends import Backend
+from autotune.core.hardware import Hardware
+from autotune.search.space import SearchSpace
+
+
+@dataclass
+class SearchJob:
+    model: str
+    model_config: dict
+    target: int
+    gpus: int
+    hardware: Hardware
+    space: SearchSpace
+    backend: Backend
+    out: Path
+    trials: int
+    timeout_s: float | None = None
+    storage: str | None = None
+    study_name: str | None = None
+    seed: int = 0
+    prefilter: Backend | None = None  # the plan backend in front of real trials
+    follow_ups: bool = True  # climb front configs and step down in memory at their walls (see follow_ups)
+    avoided: dict = field(default_factory=lambda: {"cache": 0, "monotone": 0, "oracle": 0})

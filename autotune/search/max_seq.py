@@ -1,0 +1,111 @@
+"""The longest sequence one config fits: ``find_max_seq`` (``autotune estimate --max-seq``, the ablation)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any, Callable
+
+from trials.rules import length_unit
+from autotune.backends import Backend, make_backend
+from autotune.core.evaluation import Evaluation
+from autotune.core.record import ResultRecord
+
+
+def find_max_seq(evaluation: Evaluation, backend: Backend | None = None, max_tokens: int = 1024**3,
+                 progress: Callable | None = None) -> ResultRecord:
+    """The longest sequence that fits ``evaluation``'s config (its ``seq_len``, if > 0, is the first guess):
+    the record (``ResultRecord``) at that length, status ``ok``; or, when not even one grid step fits, the
+    ``oom`` (or ``error``) record of the shortest length.
+
+    Peak memory grows with the sequence (nearly affinely: every activation is linear in it), so the search
+    brackets the capacity crossing and then steps to where the line through the two nearest points meets
+    the capacity (bisecting when that makes no progress); ~5-10 evaluations on a grid of
+    ``trials.rules.length_unit`` multiples. ``backend``: a plan backend (default: a new one; its cache is reused).
+    """
+
+    if backend is None:
+        backend = make_backend("plan")
+    unit = length_unit(evaluation.techniques)
+    top = max(1, max_tokens // unit)
+    capacity = evaluation.hardware.device_memory_bytes
+    seen: dict[int, Any] = {}
+
+    def run(m: int):
+        if m not in seen:
+            record = backend.evaluate(replace(evaluation, seq_len=m * unit))
+            seen[m] = record
+            if progress is not None:
+                progress(record)
+        return seen[m]
+
+    def fits(record) -> bool:
+        return record.status == "ok"
+
+    first = min(top, max(1, (evaluation.seq_len or 128 * 1024) // unit))
+    record = run(first)
+    if record.status not in ("ok", "oom"):
+        return record
+    lo, hi = (first, None) if fits(record) else (None, first)
+    # bracket: jump along the line through the last two points (at most x16, at least x2 per jump)
+    while lo is None or hi is None:
+        points = sorted(seen)
+        if lo is None:
+            if hi == 1:
+                return run(1)
+            guess = max(1, min(hi // 2, _crossing(seen, points, capacity, default=hi // 4)))
+        else:
+            if lo >= top:
+                return run(lo)
+            guess = min(top, max(lo * 2, min(lo * 16, _crossing(seen, points, capacity, default=lo * 4))))
+        record = run(guess)
+        if record.status not in ("ok", "oom"):
+            return record
+        if fits(record):
+            lo = max(lo or 0, guess)
+        else:
+            hi = guess if hi is None else min(hi, guess)
+    # narrow: secant steps inside (lo, hi), bisection as the fallback
+    while hi - lo > 1:
+        guess = _crossing(seen, [lo, hi], capacity, default=(lo + hi) // 2)
+        if not lo < guess < hi:
+            guess = (lo + hi) // 2
+        # keep the guess just inside the side the line points to, so a good line closes the bracket quickly
+        record = run(guess)
+        if record.status not in ("ok", "oom"):
+            return record
+        if fits(record):
+            lo = guess
+            if hi - lo > 1 and guess + 1 < hi:  # probe one step above: the line is usually right to the step
+                above = run(guess + 1)
+                if fits(above):
+                    lo = guess + 1
+                else:
+                    hi = guess + 1
+        else:
+            hi = guess
+            if hi - lo > 1 and guess - 1 > lo:
+                below = run(guess - 1)
+                if fits(below):
+                    lo = guess - 1
+                else:
+                    hi = guess - 1
+    return run(lo)
+
+
+def _crossing(seen: dict, points: list[int], capacity: int, default: int) -> int:
+    """Grid index where the line through the peaks at the last two ``points`` reaches ``capacity``."""
+    usable = [m for m in points if seen[m].peak_device_bytes]
+    if len(usable) < 2:
+        return default
+    a, b = usable[-2], usable[-1]
+    pa, pb = seen[a].peak_device_bytes, seen[b].peak_device_bytes
+    if pb == pa:
+        return default
+    slope = (pb - pa) / (b - a)
+    if slope <= 0:
+        return default
+    return int(math.floor(a + (capacity - pa) / slope))
+
+
+# ---------------------------------------------------------------------------------------------------------

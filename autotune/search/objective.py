@@ -1,0 +1,80 @@
+"""The objective of one Optuna trial: sample, answer the cheapest honest way, record, queue follow-ups; and
+``run``, which drives a study to its trial count."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import optuna
+from optuna.trial import TrialState
+
+from autotune.core.evaluation import Evaluation
+from autotune.core.record import ResultRecord
+from autotune.search.job import SearchJob
+from autotune.search.policy import enqueue_follow_ups, infer_record, seed_params
+from autotune.search.study import FINISHED, WORKER, SurplusTrial, create_study
+
+
+def constraint_value(record: ResultRecord, capacity_bytes: int) -> float:
+    """<= 0 feasible. OOM: how far over capacity (at least a little); failures: 1."""
+    if record.status == "ok":
+        if record.peak_device_bytes:
+            return min(0.0, record.peak_device_bytes / capacity_bytes - 1.0)
+        return 0.0
+    if record.status == "oom" and record.peak_device_bytes:
+        return max(0.01, record.peak_device_bytes / capacity_bytes - 1.0)
+    return 1.0
+
+
+def make_objective(job: SearchJob, study: optuna.Study, on_record: Callable | None = None):
+    layers = job.model_config["num_hidden_layers"]
+    capacity = job.hardware.device_memory_bytes
+
+    def objective(trial: optuna.Trial):
+        # several workers share one study: the trial is surplus if the study already holds ``job.trials``
+        # trials created before it (finished or still running), so together they run exactly that many
+        ahead = sum(1 for t in study.get_trials(deepcopy=False, states=(*FINISHED, TrialState.RUNNING))
+                    if t.number < trial.number)
+        if ahead >= job.trials:
+            study.stop()
+            raise SurplusTrial(f"trial {trial.number}: the study already holds {job.trials} trials")
+        trial.set_user_attr("worker", WORKER)
+        techniques, seq_len = job.space.sample(trial, layers)
+        techniques.validate(job.model_config, job.gpus, seq_len)
+        trial.set_user_attr("techniques", techniques.to_dict())
+        evaluation = Evaluation(job.model_config, techniques, seq_len, job.gpus, job.hardware)
+        answered = infer_record(study, techniques, seq_len)
+        how = None
+        if answered is not None:
+            record, how = answered
+        elif job.prefilter is not None:
+            predicted = job.prefilter.evaluate(evaluation)
+            # only a clear predicted OOM skips the real trial: within the oracle's error band (per hardware), measure
+            margin = job.hardware.oracle_margin
+            if predicted.status == "oom" and (predicted.peak_device_bytes or 0) > capacity * (1 + margin):
+                record, how = predicted, "oracle"
+        if how is None:
+            record = job.backend.evaluate(evaluation)
+        else:
+            job.avoided[how] += 1
+        trial.set_user_attr("record", record.to_dict())
+        trial.set_user_attr("answered_by", how or job.backend.name)
+        trial.set_constraint("memory", constraint_value(record, capacity))
+        if job.follow_ups:
+            enqueue_follow_ups(job, study, techniques, record, trial.number)
+        if on_record is not None:
+            on_record(trial.number, techniques, record, how)
+        return float(seq_len), float(record.tokens_per_s or 0.0) if record.status == "ok" else 0.0
+
+    return objective
+
+
+def run(job: SearchJob, on_record: Callable | None = None, study: optuna.Study | None = None) -> optuna.Study:
+    """Run (or resume) the study until it holds ``job.trials`` finished trials or the timeout passes."""
+    study = study or create_study(job, seeds=seed_params(job))
+    done = len(study.get_trials(deepcopy=False, states=FINISHED))
+    remaining = max(0, job.trials - done)
+    if remaining:
+        study.optimize(make_objective(job, study, on_record), n_trials=remaining, timeout=job.timeout_s,
+                       catch=(SurplusTrial,))
+    return study

@@ -1,0 +1,271 @@
+"""Search spaces from YAML (``autotune/search/spaces/*.yaml``, or a user's file): knob choices, the sequence-length
+grid, and the constraints of the model and node applied before sampling.
+
+Everything per knob derives from its declaration in ``trials.techniques.Techniques`` (kind, words, conditions,
+which change needs less memory); the rules of what fits a model and node are ``trials.rules``'. Conditional
+knobs (define-by-run, so Optuna's TPE learns each branch) are those with a ``sampled_when`` or ``requires``:
+    optimizer_offload       only with fsdp
+    head_chunk              only when ulysses_degree > 1 (choices depend on the degree, so each degree
+                            has its own parameter name ``head_chunk_u{degree}``: ``split_by``)
+    activation_offload_layers  only with activation_checkpointing
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trials.rules import head_chunk_problem, ulysses_degree_problem
+from trials.techniques import ALL_LAYERS, Knob, Techniques, knob_names, knobs
+from autotune.core.errors import UserError
+from autotune.core.sizes import parse_tokens
+
+SPACE_SCHEMA = "autotune/space-v1"
+SPACES_DIR = Path(str(resources.files("autotune.search") / "spaces"))
+DEFAULT_SPACE = SPACES_DIR / "default.yaml"
+KNOBS = knob_names()
+_SEQ_KEYS = {"min_fraction": 0.0625, "max_fraction": 4.0, "points_per_doubling": 2, "multiple_of": 1024}
+_TABLE = {k.name: k for k in knobs()}
+
+
+def param_name(knob: Knob, values: dict) -> str:
+    """The Optuna parameter of ``knob`` given the other knobs' values (``split_by``: one per value)."""
+    if knob.split_by is None:
+        return knob.name
+    other, tag = knob.split_by
+    return f"{knob.name}_{tag}{values[other]}"
+
+
+def _active(knob: Knob, values: dict) -> bool:
+    """Is ``knob`` sampled, given the values of the knobs before it?"""
+    if knob.requires and not values[knob.requires[0]]:
+        return False
+    if knob.sampled_when:
+        other, predicate = knob.sampled_when
+        return predicate(values[other])
+    return True
+
+
+def _off(knob: Knob):
+    """The value of a knob that is not sampled."""
+    return knob.default
+
+
+@dataclass
+class SearchSpace:
+    """Choices per knob (already filtered for a model and node) and the sequence-length grid."""
+
+    choices: dict[str, list]
+    seq_lens: list[int]
+    head_chunks_by_degree: dict[int, list]
+
+    def knob_choices(self, knob: Knob, values: dict) -> list:
+        """The choices of ``knob`` given the knobs before it (a ``split_by`` knob's depend on that knob)."""
+        if knob.name == "head_chunk":
+            return self.head_chunks(values["ulysses_degree"])
+        return self.choices[knob.name]
+
+    def sample(self, trial, num_layers: int) -> tuple[Techniques, int]:
+        """Suggest one config and sequence length on an Optuna trial (knobs in declaration order)."""
+        values: dict[str, Any] = {}
+        for knob in knobs():
+            if not _active(knob, values):
+                values[knob.name] = _off(knob)
+                continue
+            choices = self.knob_choices(knob, values)
+            if knob.split_by and len(choices) <= 1:  # no choice: no parameter (the only choice, or off)
+                values[knob.name] = choices[0] if choices else _off(knob)
+                continue
+            value = trial.suggest_categorical(param_name(knob, values), choices)
+            values[knob.name] = num_layers if value == ALL_LAYERS else value
+        seq_len = trial.suggest_categorical("seq_len", [s for s in self.seq_lens if s % values["ulysses_degree"] == 0])
+        return Techniques(**values), seq_len
+
+    def head_chunks(self, degree: int) -> list:
+        return self.head_chunks_by_degree.get(degree, [None])
+
+    def params_for(self, techniques: Techniques, seq_len: int, num_layers: int) -> dict | None:
+        """The Optuna params under which ``sample`` gives exactly this config and length (for enqueueing), or
+        None when the space cannot express it."""
+        values = techniques.to_dict()
+        params: dict = {}
+        for knob in knobs():
+            value = values[knob.name]
+            if not _active(knob, values):
+                if value != _off(knob):
+                    return None
+                continue
+            choices = self.knob_choices(knob, values)
+            if knob.split_by and len(choices) <= 1:
+                if value != (choices[0] if choices else _off(knob)):
+                    return None
+                continue
+            if ALL_LAYERS in choices and value == num_layers:
+                value = ALL_LAYERS
+            if value not in choices:
+                return None
+            params[param_name(knob, values)] = value
+        if seq_len not in [s for s in self.seq_lens if s % techniques.ulysses_degree == 0]:
+            return None
+        params["seq_len"] = seq_len
+        return params
+
+    def memory_steps(self, techniques: Techniques, num_layers: int) -> list[Techniques]:
+        """The configs one knob away that should need less memory (each knob's ``less_memory``, in declaration
+        order; only choices of this space): a bool knob on, the next larger choice (``larger``), the next
+        smaller one where off counts as the largest (``smaller``). Knobs that depend on the changed one go back
+        to what ``sample`` gives them."""
+        values = techniques.to_dict()
+        steps = []
+        for knob in knobs():
+            if knob.less_memory is None or not _active(knob, values):
+                continue
+            current = values[knob.name]
+            choices = [num_layers if c == ALL_LAYERS else c for c in self.knob_choices(knob, values)]
+            if knob.less_memory == "on":
+                new = True if not current and True in choices else None
+            elif knob.less_memory == "larger":
+                larger = [c for c in choices if c > current]
+                new = min(larger) if larger else None
+            else:  # smaller; off (0 / None) is the largest
+                smaller = [c for c in choices if not knob.is_off(c) and (knob.is_off(current) or c < current)]
+                new = max(smaller) if smaller else None
+            if new is None:
+                continue
+            changed = dict(values, **{knob.name: new})
+            for dependent in knobs():  # knobs that hang on the changed one restart from their sampled value
+                if dependent.parent == knob.name or (dependent.split_by and dependent.split_by[0] == knob.name):
+                    changed[dependent.name] = self._restart(dependent, changed)
+            steps.append(Techniques(**changed))
+        return steps
+
+    def _restart(self, knob: Knob, values: dict):
+        """A dependent knob's value when its parent changes: off, or (split knobs) off if the space offers it,
+        else the first choice."""
+        if knob.split_by:
+            choices = self.knob_choices(knob, values)
+            return _off(knob) if _off(knob) in choices else choices[0]
+        return _off(knob)
+
+
+def load_space(path: str | Path | None, model_config: dict, gpus: int, target: int,
+               flash_ok: bool = True) -> SearchSpace:
+    """Read and validate a space file, then drop choices this model and node cannot run."""
+    path = Path(path) if path else DEFAULT_SPACE
+    if not path.is_file():
+        raise UserError(f"search space {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise UserError(f"search space {str(path)!r} is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"search space {str(path)!r} must be a YAML mapping")
+    unknown = sorted(set(data) - {"schema", "seq_len", "knobs"})
+    if unknown:
+        raise UserError(f"search space {str(path)!r}: unknown top-level key {unknown[0]!r}")
+    if data.get("schema", SPACE_SCHEMA) != SPACE_SCHEMA:
+        raise UserError(f"search space {str(path)!r}: schema {data.get('schema')!r} is not {SPACE_SCHEMA!r}")
+    given = data.get("knobs") or {}
+    if not isinstance(given, dict):
+        raise UserError(f"search space {str(path)!r}: knobs must be a mapping of knob -> list of choices")
+    for name in given:
+        if name not in KNOBS:
+            raise UserError(f"search space {str(path)!r}: unknown knob {name!r}; known: {', '.join(KNOBS)}")
+    defaults = Techniques()
+    choices: dict[str, list] = {}
+    for name in KNOBS:
+        raw = given.get(name, [getattr(defaults, name)])
+        if not isinstance(raw, list):
+            raw = [raw]
+        if not raw:
+            raise UserError(f"search space {str(path)!r}: knob {name!r} has an empty choice list")
+        choices[name] = [_coerce(path, name, value, model_config) for value in raw]
+    choices = _filter(choices, model_config, gpus, flash_ok, path)
+    return SearchSpace(
+        choices=choices, seq_lens=_seq_grid(path, data.get("seq_len") or {}, target, choices),
+        head_chunks_by_degree={d: _chunks_for(choices["head_chunk"], model_config, d)
+                               for d in choices["ulysses_degree"]},
+    )
+
+
+def _coerce(path: Path, name: str, value: Any, model_config: dict):
+    """One YAML choice of knob ``name``, checked and converted as its declaration says."""
+    knob = _TABLE[name]
+    where = f"search space {str(path)!r}: knob {name!r}"
+    if knob.kind == "bool":
+        if not isinstance(value, bool):
+            raise UserError(f"{where}: choice {value!r} is not true/false")
+        return value
+    if knob.kind == "choice":
+        if value not in knob.choices:
+            raise UserError(f"{where}: choice {value!r} is not one of {', '.join(knob.choices)}")
+        return value
+    if knob.kind == "tokens":
+        if value == 0:
+            return 0
+        try:
+            return parse_tokens(value, what=f"{name} choice")
+        except UserError as exc:
+            raise UserError(f"{where}: {exc}") from None
+    if knob.nullable and value in (None, "null"):
+        return None
+    if isinstance(value, str) and value in knob.words:
+        word = knob.words[value]
+        return word  # "all" stays a word until a trial knows the layer count
+    if isinstance(value, bool) or not isinstance(value, int) or value < (knob.minimum or 0):
+        if ALL_LAYERS in knob.words.values():
+            what = "a layer count, " + " or ".join(repr(w) for w in knob.words)
+        else:
+            what = "a positive integer" + (" or null" if knob.nullable else "")
+        raise UserError(f"{where}: choice {value!r} is not {what}")
+    if ALL_LAYERS in knob.words.values():
+        return min(value, model_config["num_hidden_layers"])
+    return value
+
+
+def _filter(choices: dict, model_config: dict, gpus: int, flash_ok: bool, path: Path) -> dict:
+    heads, kv_heads = model_config["num_attention_heads"], model_config["num_key_value_heads"]
+    degrees = [d for d in dict.fromkeys(choices["ulysses_degree"])
+               if ulysses_degree_problem(d, gpus, heads, kv_heads) is None]
+    if not degrees:
+        raise UserError(
+            f"search space {str(path)!r}: no ulysses_degree in {choices['ulysses_degree']} divides "
+            f"both --gpus {gpus} and the model's {heads} heads"
+        )
+    attention = [a for a in choices["attention"] if flash_ok or a != "flash"] or ["sdpa"]
+    return {name: list(dict.fromkeys(values)) for name, values in
+            {**choices, "ulysses_degree": degrees, "attention": attention}.items()}
+
+
+def _chunks_for(chunks: list, model_config: dict, degree: int) -> list:
+    heads = model_config["num_attention_heads"]
+    return [c for c in chunks if head_chunk_problem(c, heads, degree) is None] or [None]
+
+
+def _seq_grid(path: Path, spec: dict, target: int, choices: dict) -> list[int]:
+    if not isinstance(spec, dict):
+        raise UserError(f"search space {str(path)!r}: seq_len must be a mapping")
+    unknown = sorted(set(spec) - set(_SEQ_KEYS))
+    if unknown:
+        raise UserError(f"search space {str(path)!r}: unknown seq_len key {unknown[0]!r}")
+    values = {**_SEQ_KEYS, **spec}
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise UserError(f"search space {str(path)!r}: seq_len.{key} must be a positive number, got {value!r}")
+    if values["min_fraction"] > 1 or values["max_fraction"] < 1:
+        raise UserError(f"search space {str(path)!r}: seq_len must span the target (min_fraction <= 1 <= max_fraction)")
+    multiple = math.lcm(int(values["multiple_of"]), *choices["ulysses_degree"])
+    step = 1.0 / values["points_per_doubling"]
+    low, high = math.log2(values["min_fraction"]), math.log2(values["max_fraction"])
+    exponents = [k * step for k in range(math.floor(low / step), math.ceil(high / step) + 1)]
+    grid = {max(multiple, round(target * 2**e / multiple) * multiple) for e in exponents
+            if low - 1e-9 <= e <= high + 1e-9}
+    grid.add(max(multiple, -(-target // multiple) * multiple))  # the target itself, rounded up
+    return sorted(grid)

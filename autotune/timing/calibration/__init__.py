@@ -1,0 +1,139 @@
+"""Calibrate the ``cpu`` hardware preset on this machine: measured rates for the time model.
+
+CPU trials (``trials.runner`` on gloo, fp32) run ``world_size`` processes that share this machine's cores,
+each with ``cpus // world_size`` threads (what the local backend sets). So the calibration is per world size:
+for each world size ``w`` (1 and, when there are at least two cores, 2), ``w`` worker processes run the same
+microbenchmarks at the same time, with the same thread count a trial rank gets, and rank 0's numbers are kept:
+
+- ``bf16_flops``: fp32 matmul FLOP/s over a handful of transformer-like GEMM shapes (total FLOPs / total time);
+- ``attention_by_head_dim``: the CPU flash-attention kernel's computed-FLOP rate, forward and backward, at head
+  dims 16/64/128, as a fraction of the matmul rate (computed = the tiles the kernel really runs: query tiles of
+  256 and key tiles of 512, ``aten/src/ATen/native/cpu/FlashAttentionKernel.cpp``);
+- ``hbm_bytes_per_s``: output bytes per second of a mix of elementwise ops (``elementwise_traffic_factor`` 1);
+- ``host_bytes_per_s``: memcpy bandwidth (``clone`` of 64 MiB) -- the CPU path's "host" copies are memcpys;
+- ``host_optimizer_bytes_per_s``: ``torch.optim.AdamW(foreach=False)`` output bytes per second (as counted by
+  ``StepCounter``) with the per-op overhead taken out;
+- ``op_overhead_s`` / ``view_overhead_s``: host seconds per dispatched op of an eager training step (Python
+  module code, autograd, the optimizer's loop, and the trials' memory tracker -- a Python dispatch mode every
+  CPU trial runs under): one step of a small Llama that is none of the presets, at 16 tokens;
+- ``intra_node_bytes_per_s`` (all-to-all), ``all_gather_efficiency`` / ``reduce_scatter_efficiency`` /
+  ``all_reduce_efficiency`` (relative to it), ``collective_latency_s`` (w > 1): gloo collectives over loopback
+  at several sizes, as ``latency + wire_bytes / bandwidth``.
+
+Nothing calibrates implicitly: ``calibrate()`` / ``load_or_calibrate()`` measure only when called (benches, and
+``python -m autotune.timing.calibration [--force]``). The result is cached (``autotune.core.calibration_store``)
+keyed by machine, and the ``cpu`` preset uses a cached calibration of this machine when there is one.
+
+    sampling.py     contention-aware timing on a shared machine, the drift probe
+    microbench.py   the measurements
+    worker.py       one worker process of a world (``python -m autotune.timing.calibration.worker``)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from autotune.core import calibration_store
+from autotune.timing.calibration.sampling import wait_for_idle
+
+
+def world_sizes() -> list[int]:
+    cpus = os.cpu_count() or 1
+    return [1, 2] if cpus >= 2 else [1]
+
+
+def load_or_calibrate(force: bool = False, quiet: bool = True, repeats: int = 1) -> dict:
+    """This machine's cached calibration, measuring (and caching) it first when there is none or ``force``
+    (~1.5 min per repeat; see ``calibrate``)."""
+    cached = None if force else calibration_store.load_cached()
+    if cached is not None:
+        return cached
+    data = calibrate(quiet=quiet, repeats=repeats)
+    calibration_store.save(data)
+    return data
+
+
+def calibrate(quiet: bool = True, repeats: int = 1) -> dict:
+    """Measure every world size (``repeats`` times, keeping the best of each number: other processes only ever
+    make a measurement slower). Each timing already discards samples taken while other processes were busy
+    (see ``_sample``); benchmarks that never got a quiet sample are listed under ``contended``."""
+    result = {"machine": calibration_store.machine_key(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "worlds": {}}
+    cpus = os.cpu_count() or 1
+    for world in world_sizes():
+        threads = max(1, cpus // world)
+        runs = []
+        for index in range(repeats):
+            busy = wait_for_idle(timeout_s=20.0)
+            if not quiet:
+                print(f"calibrating {world} rank(s) x {threads} thread(s), run {index + 1}/{repeats} "
+                      f"(others busy {busy:.0%}) ...", file=sys.stderr, flush=True)
+            runs.append(_run_workers(world, threads))
+        result["worlds"][str(world)] = _best_of(runs)
+    return result
+
+
+_LOWER_IS_BETTER = ("op_overhead_s", "view_overhead_s", "latency_s", "probe_s", "rank_imbalance", "wall_s",
+                    "predicted_s")
+
+
+def _best_of(runs: list):
+    """Merge measurements: max of rates, min of overheads and latencies, recursively."""
+    first = runs[0]
+    if isinstance(first, dict):
+        out = {}
+        for key in first:
+            values = [r[key] for r in runs if key in r]
+            if key.startswith("points") or key in ("threads", "world_size", "contended", "kernel_seconds", "counts",
+                                                              "probes_s"):
+                out[key] = values[0]
+            elif key in _LOWER_IS_BETTER:
+                out[key] = min(values)
+            else:
+                out[key] = _best_of(values)
+        return out
+    if isinstance(first, (list, tuple)):
+        return [_best_of([r[i] for r in runs]) for i in range(len(first))]
+    return max(runs)
+
+
+def _run_workers(world: int, threads: int) -> dict:
+    """``world`` concurrent worker processes (gloo group when world > 1); rank 0's measurements."""
+    with tempfile.TemporaryDirectory(prefix="autotune-calibrate-") as tmp:
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
+        procs = []
+        for rank in range(world):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "autotune.timing.calibration.worker", str(rank), str(world), str(threads), tmp],
+                env=dict(env, RANK=str(rank)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        errors = []
+        for proc in procs:
+            _, err = proc.communicate(timeout=1800)
+            if proc.returncode:
+                errors.append(err.decode(errors="replace")[-2000:])
+        if errors:
+            raise RuntimeError("cpu calibration worker failed:\n" + errors[0])
+        return json.loads((Path(tmp) / "rank0.json").read_text())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m autotune.timing.calibration [--force]``: print this machine's calibration (measuring it first
+    when there is none cached, or with ``--force``)."""
+    argv = sys.argv[1:] if argv is None else argv
+    data = load_or_calibrate(force="--force" in argv, quiet=False)
+    print(json.dumps(data, indent=2))
+    print(f"cached at {calibration_store.cache_path()}", file=sys.stderr)
+    return 0

@@ -1,0 +1,200 @@
+"""The time model: ``predict_step_time(counts, rates, world_size, techniques)`` turns one rank's ``StepCounts``
+(``autotune.timing.counting``) into a predicted step time.
+
+A small roofline-style model, every rate and efficiency a named field of the hardware preset
+(``autotune.core.hardware.Rates``), documented in docs/throughput.md:
+
+       t_phase  = matmul_flops / (peak * matmul_efficiency)
+                + attention_fwd_flops / (peak * attention_efficiency)
+                + attention_bwd_flops / (peak * attention_backward_efficiency)
+                + elementwise_bytes * elementwise_traffic_factor / (hbm * elementwise_efficiency)
+                (+ ops * op_overhead_s, added -- or as a floor, when launches overlap compute: GPUs)
+       stalled comm   = sum over non-FSDP collectives (wire bytes / (link * eff) + latency)     -> exposed
+       FSDP comm      = same for FSDP's; hidden behind compute up to the compute time (side streams) except
+                        the first all-gather and the last reduce-scatter
+       host transfers = (d2h, h2d) / host link per direction, per phase; hidden behind that phase's compute
+       optimizer      = optimizer bytes / host_optimizer_bytes_per_s (offloaded) or as elementwise (device)
+       step_time      = compute + recompute + exposed comm + exposed host + optimizer
+
+   ``tokens_per_s = seq_len * dp_size / step_time`` with ``dp_size = world_size / ulysses_degree``.
+
+The ``cpu`` preset's rates come from a calibration (``autotune calibrate``; the preset ships a typical
+machine's) so predictions can be checked against real CPU trials (bench/throughput_fidelity.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from trials.techniques import Techniques
+from autotune.core.hardware import Rates
+from autotune.timing.attention_cost import tiled_pairs
+from autotune.timing.counts import COMPUTE_PHASES, CollectiveCounts, PhaseCounts, StepCounts
+
+
+@dataclass
+class TimeBreakdown:
+    """Predicted step time and where it goes (seconds per step, one rank; ranks run in lockstep)."""
+
+    step_time_s: float
+    tokens_per_s: float | None
+    compute_s: float            # forward + backward (+ small "other" work), incl. per-op overhead
+    recompute_s: float          # activation checkpointing / tiling recompute
+    exposed_comm_s: float       # collectives not hidden behind compute
+    exposed_host_s: float       # host<->device copies not hidden behind compute
+    optimizer_s: float          # the optimizer step (host or device)
+    detail: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def table(self) -> str:
+        rows = [("step", self.step_time_s), ("compute", self.compute_s), ("recompute", self.recompute_s),
+                ("exposed comm", self.exposed_comm_s), ("exposed host", self.exposed_host_s),
+                ("optimizer", self.optimizer_s)]
+        return "  ".join(f"{k} {v:.4g}s" for k, v in rows)
+
+
+def attention_time(counts: StepCounts, phases, r: Rates) -> float | None:
+    """Seconds of the fused attention calls in ``phases``, from their shapes; None when no shapes were kept."""
+    if not counts.attention_calls:
+        return None
+    total = 0.0
+    for key, bh in counts.attention_calls.items():
+        phase, direction, sq, sk, d, dv, causal = key.split("|")
+        if phase not in phases:
+            continue
+        sq, sk, d, dv, causal = int(sq), int(sk), int(d), int(dv), bool(int(causal))
+        backward = direction == "bwd"
+        per_pair = (6 * d + 4 * dv) if backward else (2 * d + 2 * dv)
+        flops = bh * tiled_pairs(sq, sk, causal, r.attention_tile_q, r.attention_tile_kv) * per_pair
+        total += flops / (r.bf16_flops * r.attention_eff(d, backward))
+    return total
+
+
+def _phase_time(pc: PhaseCounts, r: Rates, attention_s: float | None = None) -> tuple[float, float]:
+    """(device work seconds, host overhead seconds) of one phase."""
+    work = 0.0
+    if pc.matmul_flops:
+        work += pc.matmul_flops / (r.bf16_flops * r.matmul_efficiency)
+    if attention_s is not None:
+        work += attention_s
+    else:
+        if pc.attention_flops:
+            work += pc.attention_flops / (r.bf16_flops * r.attention_efficiency)
+        if pc.attention_bwd_flops:
+            work += pc.attention_bwd_flops / (r.bf16_flops * r.attention_backward_efficiency)
+    if pc.elementwise_bytes:
+        work += pc.elementwise_bytes * r.elementwise_traffic_factor / (r.hbm_bytes_per_s * r.elementwise_efficiency)
+    return work, pc.ops * r.op_overhead_s + pc.views * r.view_overhead_s
+
+
+def _combine(work: float, overhead: float, r: Rates) -> float:
+    return max(work, overhead) if r.launch_overlaps_compute else work + overhead
+
+
+def _collective_time(c: CollectiveCounts, kind: str, r: Rates) -> float:
+    if not c.calls:
+        return 0.0
+    eff = {"all_to_all": r.all_to_all_efficiency, "all_gather": r.all_gather_efficiency,
+           "reduce_scatter": r.reduce_scatter_efficiency}.get(kind, r.all_reduce_efficiency)
+    return c.wire_bytes / (r.intra_node_bytes_per_s * eff) + c.calls * r.collective_latency_s
+
+
+def predict_step_time(counts: StepCounts, rates: Rates, world_size: int, techniques: Techniques,
+                      seq_len: int | None = None) -> TimeBreakdown:
+    """Predicted time of one training step from ``counts`` (one rank's ``StepCounts``) at ``rates``
+    (``Hardware.rates_for(world_size)``). ``techniques`` gives the Ulysses degree (tokens/s) and where the
+    optimizer runs. See the module docstring and docs/throughput.md for the model and its assumptions.
+    """
+    r = rates
+    degree = techniques.ulysses_degree
+    offload_optimizer = techniques.optimizer_offload
+    seq_len = seq_len if seq_len is not None else counts.seq_len
+
+    phase_t = {}
+    detail: dict[str, float] = {}
+    for p in COMPUTE_PHASES:
+        work, overhead = _phase_time(counts.phases[p], r, attention_time(counts, (p,), r))
+        phase_t[p] = _combine(work, overhead, r)
+        detail[f"{p}_work_s"] = work
+        detail[f"{p}_overhead_s"] = overhead
+    compute = phase_t["forward"] + phase_t["backward"] + phase_t["other"]
+    recompute = phase_t["recompute"]
+    busy = compute + recompute
+
+    # collectives: FSDP's overlap compute on side streams, the rest stall
+    sync = 0.0
+    kinds = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce", "other")
+    for kind in kinds:
+        t = _collective_time(counts.collective(kind, fsdp=False), kind, r)
+        detail[f"{kind}_sync_s"] = t
+        sync += t
+    fsdp_total = 0.0
+    for kind in kinds:
+        t = _collective_time(counts.collective(kind, fsdp=True), kind, r)
+        detail[f"{kind}_fsdp_s"] = t
+        fsdp_total += t
+    first_last = 0.0
+    if fsdp_total:
+        # the first all-gather of forward and the last reduce-scatter of backward have nothing to hide behind
+        first_last = (counts.first_fsdp_all_gather_wire_bytes / (r.intra_node_bytes_per_s * r.all_gather_efficiency)
+                      + counts.last_fsdp_reduce_scatter_wire_bytes
+                      / (r.intra_node_bytes_per_s * r.reduce_scatter_efficiency) + 2 * r.collective_latency_s)
+        first_last = min(first_last, fsdp_total)
+    hideable = max(0.0, fsdp_total - first_last)
+    fsdp_exposed = first_last + max(0.0, hideable - r.side_stream_overlap * busy)
+    waiting = 0.0
+    if world_size > 1 and (sync or fsdp_total):
+        waiting = r.rank_imbalance * busy
+    exposed_comm = sync + fsdp_exposed + waiting
+    detail["fsdp_total_s"] = fsdp_total
+    detail["rank_wait_s"] = waiting
+
+    # host <-> device copies, per phase, each direction on its own; hidden behind the same phase's compute
+    host_bw = r.host_bytes_per_s * r.host_copy_efficiency
+    d2h = {p: counts.phases[p].d2h_bytes for p in COMPUTE_PHASES}
+    h2d = {p: counts.phases[p].h2d_bytes for p in COMPUTE_PHASES}
+    if r.device_is_host:
+        # FSDP marks its offloaded gradients as host memory, but on a CPU device no copy happens
+        for p, nbytes in counts.fsdp_d2h_bytes.items():
+            d2h[_compute_phase(p)] = max(0.0, d2h.get(_compute_phase(p), 0) - nbytes)
+    elif offload_optimizer and not counts.fsdp_h2d_bytes:
+        # CPU path (everything is "cpu"): FSDP2's host->device copy of each offloaded shard before its
+        # all-gather is a no-op ``.to(device)``, invisible. It copies the master (fp32) shard: all-gather input
+        # elements x master itemsize. (The sharded gradients going to the host are seen: FSDP marks them.)
+        itemsize = (counts.optimizer_param_bytes / counts.optimizer_params) if counts.optimizer_params else 4
+        for p, numel in counts.fsdp_all_gather_input_numel.items():
+            h2d[_compute_phase(p)] = h2d.get(_compute_phase(p), 0) + numel * itemsize
+    host_total = 0.0
+    exposed_host = 0.0
+    fwd_busy = phase_t["forward"] + phase_t["other"]
+    bwd_busy = phase_t["backward"] + phase_t["recompute"]
+    for group, busy_t in ((("forward", "other"), fwd_busy), (("backward", "recompute"), bwd_busy)):
+        t = max(sum(d2h.get(p, 0) for p in group), sum(h2d.get(p, 0) for p in group)) / host_bw
+        host_total += t
+        exposed_host += max(0.0, t - r.side_stream_overlap * busy_t)
+    detail["host_transfer_s"] = host_total
+    detail["host_d2h_bytes"] = float(sum(d2h.values()))
+    detail["host_h2d_bytes"] = float(sum(h2d.values()))
+
+    # the optimizer step
+    opt = counts.phases["optimizer"]
+    if offload_optimizer or r.device_is_host:
+        optimizer = (opt.elementwise_bytes / r.host_optimizer_bytes_per_s
+                     + opt.ops * r.op_overhead_s + opt.views * r.view_overhead_s)
+    else:
+        work, overhead = _phase_time(opt, r, 0.0)
+        optimizer = _combine(work, overhead, r)
+
+    step = compute + recompute + exposed_comm + exposed_host + optimizer
+    dp = max(1, world_size // degree)
+    tokens_per_s = seq_len * dp / step if seq_len and step > 0 else None
+    return TimeBreakdown(step_time_s=step, tokens_per_s=tokens_per_s, compute_s=compute, recompute_s=recompute,
+                         exposed_comm_s=exposed_comm, exposed_host_s=exposed_host, optimizer_s=optimizer,
+                         detail=detail)
+
+
+def _compute_phase(phase: str) -> str:
+    return phase if phase in COMPUTE_PHASES else "other"

@@ -1,0 +1,80 @@
+"""The config file ``autotune/config-v1``: which techniques, for which model, node and sequence length.
+
+The hand-off from the tuner to training: ``best.json`` of a search, the input of ``autotune estimate/trial``
+and of ``python -m trials.train``. Unknown keys and values of the wrong type are refused (``ConfigError``) with
+the reason, before anything runs. ``predicted`` / ``measured`` are result records (DESIGN.md), kept as given.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trials.errors import ConfigError
+from trials.model_config import load_model_config
+from trials.techniques import Techniques
+
+SCHEMA = "autotune/config-v1"
+_KEYS = {"schema", "model", "hardware", "gpus", "seq_len", "techniques", "predicted", "measured"}
+
+
+@dataclass
+class TrialConfig:
+    """One ``autotune/config-v1`` file."""
+
+    model: str
+    techniques: Techniques
+    hardware: str = "h100-sxm"
+    gpus: int = 8
+    seq_len: int | None = None
+    predicted: dict | None = None
+    measured: dict | None = None
+    schema: str = SCHEMA
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": self.schema, "model": self.model, "hardware": self.hardware, "gpus": self.gpus,
+            "seq_len": self.seq_len, "techniques": self.techniques.to_dict(),
+            "predicted": self.predicted, "measured": self.measured,
+        }
+
+    def write(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def parse_config(data: Any, source: str = "config") -> TrialConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: a config file must be a JSON object")
+    unknown = sorted(set(data) - _KEYS)
+    if unknown:
+        raise ConfigError(f"{source}: unknown key {unknown[0]!r}; known: {', '.join(sorted(_KEYS))}")
+    if data.get("schema") != SCHEMA:
+        raise ConfigError(f"{source}: schema {data.get('schema')!r} is not {SCHEMA!r}")
+    model = data.get("model")
+    if not isinstance(model, str):
+        raise ConfigError(f"{source}: model must be a preset name or a config.json path")
+    layers = load_model_config(model)["num_hidden_layers"]
+    gpus = data.get("gpus", 8)
+    if isinstance(gpus, bool) or not isinstance(gpus, int):
+        raise ConfigError(f"{source}: gpus must be an integer, got {gpus!r}")
+    seq_len = data.get("seq_len")
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int)):
+        raise ConfigError(f"{source}: seq_len must be an integer, got {seq_len!r}")
+    return TrialConfig(
+        model=model, techniques=Techniques.from_dict(data.get("techniques", {}), layers),
+        hardware=data.get("hardware", "h100-sxm"), gpus=gpus, seq_len=seq_len,
+        predicted=data.get("predicted"), measured=data.get("measured"),
+    )
+
+
+def load_config_file(path: str | Path) -> TrialConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid JSON ({exc})") from None
+    return parse_config(data, source=str(path))

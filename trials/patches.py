@@ -1,0 +1,65 @@
+"""Every patch of torch internals the trials need, as context managers that restore what they change.
+
+torch offers no public hook for these events, and the CPU memory tracker (``trials.memory``) and the memory
+oracle need them. Each manager wraps one attribute, calls ``callback`` at the event, and puts the original
+back on exit (nesting is fine: an inner manager wraps the outer one's wrapper and restores it).
+
+    storage_resized(callback)          callback(storage) after ``UntypedStorage.resize_`` (FSDP2 frees and
+                                       re-allocates unsharded parameters this way, invisibly to dispatch)
+    fsdp_shard_made(callback)          callback(fsdp_param, tensor) before FSDP2 wraps a new local shard
+                                       (a sharded parameter, or a sharded gradient after its reduce-scatter)
+    fsdp_all_gather_buffers(callback)  callback(fsdp_param) after FSDP2 allocates a parameter's all-gather
+                                       output buffers (first all-gather only; later ones resize them)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+
+
+@contextlib.contextmanager
+def _wrapped(owner, name: str, make: Callable):
+    original = getattr(owner, name)
+    setattr(owner, name, make(original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def storage_resized(callback: Callable):
+    def make(original):
+        def resize_(storage, size):
+            result = original(storage, size)
+            callback(storage)
+            return result
+        return resize_
+    return _wrapped(torch.UntypedStorage, "resize_", make)
+
+
+def _fsdp_param_class():
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    return FSDPParam
+
+
+def fsdp_shard_made(callback: Callable):
+    def make(original):
+        def to_sharded_dtensor(self, tensor):
+            callback(self, tensor)
+            return original(self, tensor)
+        return to_sharded_dtensor
+    return _wrapped(_fsdp_param_class(), "to_sharded_dtensor", make)
+
+
+def fsdp_all_gather_buffers(callback: Callable):
+    def make(original):
+        def init_all_gather_outputs(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            callback(self)
+            return result
+        return init_all_gather_outputs
+    return _wrapped(_fsdp_param_class(), "init_all_gather_outputs", make)

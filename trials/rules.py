@@ -1,0 +1,100 @@
+"""The structural rules of a technique set: pure functions, each returning the reasons a thing cannot run.
+
+One place for every rule about which knob values fit a model and a world (``techniques`` is a
+``trials.techniques.Techniques``; its declared knobs say which knob requires which, and which divides the length): config validation
+(``Techniques.validate``), the search space's filter (``autotune.search.space``) and ``trials.stack.apply``
+all call these, so a rule is stated once. Nothing here imports torch.
+
+    world     ranks of the job (``--gpus``)
+    heads     the model's query heads; kv_heads its key/value heads (GQA: kv_heads divides heads)
+    degree    the Ulysses degree: ranks that split one sequence; each holds heads / degree query heads
+"""
+
+from __future__ import annotations
+
+import math
+
+from trials.knobs import ATTENTION_KERNELS, declared_knobs
+
+
+def ulysses_degree_problem(degree: int, world: int, heads: int, kv_heads: int) -> str | None:
+    """Why a Ulysses degree cannot run on ``world`` ranks with these heads (None: it can). kv heads fewer
+    than the degree are replicated, so they and the degree must divide one another."""
+    if degree < 1:
+        return f"ulysses_degree must be at least 1, got {degree}"
+    if world % degree:
+        return f"ulysses_degree {degree} does not divide the GPU count {world}"
+    if heads % degree:
+        return f"ulysses_degree {degree} does not divide the {heads} query heads"
+    if kv_heads % degree and degree % kv_heads:
+        return f"ulysses_degree {degree} and the {kv_heads} kv heads must divide one another"
+    return None
+
+
+def head_chunk_problem(chunk: int | None, heads: int, degree: int) -> str | None:
+    """Why a head chunk cannot split the ``heads / degree`` heads of a rank evenly (None: it can)."""
+    if chunk is None:
+        return None
+    local = heads // degree
+    if not 1 <= chunk <= local:
+        return f"head_chunk {chunk} must be between 1 and heads/ulysses_degree = {local}"
+    if local % chunk:
+        return f"head_chunk {chunk} does not divide the {local} heads per rank"
+    return None
+
+
+def requirement_problems(techniques) -> list[str]:
+    """Knobs set without the knob they need (each knob's ``requires``)."""
+    found = []
+    for k in declared_knobs(type(techniques)):
+        if k.requires and not k.is_off(getattr(techniques, k.name)):
+            needed, why = k.requires
+            if not getattr(techniques, needed):
+                found.append(f"{k.name} needs {needed} ({why})")
+    return found
+
+
+def problems(techniques, model_config: dict, world: int, seq_len: int | None = None) -> list[str]:
+    """Every reason ``techniques`` cannot train ``model_config`` on ``world`` ranks (at ``seq_len``), in the
+    order a person fixes them; empty when it can."""
+    t = techniques
+    heads, kv_heads = model_config["num_attention_heads"], model_config["num_key_value_heads"]
+    layers = model_config["num_hidden_layers"]
+    if world < 1:
+        return [f"gpus must be at least 1, got {world}"]
+    found = []
+    degree_problem = ulysses_degree_problem(t.ulysses_degree, world, heads, kv_heads)
+    if degree_problem:
+        found.append(degree_problem)
+        if t.ulysses_degree < 1:
+            return found
+    chunk_problem = head_chunk_problem(t.head_chunk, heads, t.ulysses_degree)
+    if chunk_problem:
+        found.append(chunk_problem)
+    if not 0 <= t.activation_offload_layers <= layers:
+        found.append(f"activation_offload_layers {t.activation_offload_layers} must be between 0 and {layers}")
+    found += requirement_problems(t)
+    for k in declared_knobs(type(techniques)):
+        if k.kind == "tokens" and getattr(t, k.name) < 0:
+            found.append(f"{k.name} must be 0 (off) or positive, got {getattr(t, k.name)}")
+    if t.attention not in ATTENTION_KERNELS:
+        found.append(f"attention {t.attention!r} must be one of {', '.join(ATTENTION_KERNELS)}")
+    if seq_len is not None:
+        found += length_problems(t, seq_len)
+    return found
+
+
+def length_problems(techniques, seq_len: int) -> list[str]:
+    """Knobs whose value the sequence length must be a multiple of (``length_unit: required``)."""
+    return [f"seq_len {seq_len:,} is not divisible by {k.name} {getattr(techniques, k.name)}"
+            for k in declared_knobs(type(techniques)) if k.length_unit == "required" and seq_len % max(1, getattr(techniques, k.name))]
+
+
+def length_unit(techniques, base: int = 1024) -> int:
+    """Lengths worth searching for ``techniques`` are multiples of lcm(base, every ``length_unit`` knob's value)."""
+    unit = base
+    for k in declared_knobs(type(techniques)):
+        value = getattr(techniques, k.name)
+        if k.length_unit and value:
+            unit = math.lcm(unit, int(value))
+    return unit

@@ -1,0 +1,78 @@
+"""The typed contract between a trial's launcher (``autotune``'s local backend) and ``trials.runner``.
+
+The launcher writes a ``TrialSpec`` as JSON and starts ``python -m trials.runner SPEC OUT_DIR`` (under torchrun
+for several ranks); each rank writes a ``RankRecord`` as ``OUT_DIR/rank{r}.json``. Both sides import these
+classes, so a field added on one side is known to the other.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from trials.techniques import Techniques
+
+
+@dataclass
+class TrialSpec:
+    """What one trial runs: a model config, a technique set, a length, how many steps, and a capacity."""
+
+    model_config: dict
+    techniques: Techniques
+    seq_len: int
+    steps: int = 2
+    warmup: int = 1
+    capacity_bytes: int | None = None   # CPU: the tracked per-rank capacity (OOM above it); None on CUDA
+    seed: int = 0
+    compute_dtype: str | None = None    # "bf16" | "fp32"; None = the device's default (bf16 CUDA, fp32 CPU)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(asdict(self), techniques=self.techniques.to_dict())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrialSpec":
+        return cls(**dict(data, techniques=Techniques.from_dict(data["techniques"])))
+
+    def write(self, path: Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict()))
+
+    @classmethod
+    def read(cls, path: Path) -> "TrialSpec":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+@dataclass
+class RankRecord:
+    """One rank's measurement of a trial (DESIGN.md's result record fields, plus the rank and when it ended)."""
+
+    status: str                          # ok | oom | error
+    seq_len: int | None
+    rank: int
+    source: str = "measured"
+    device: str | None = None
+    loss: float | None = None            # first step, mean over the global batch
+    grad_norm: float | None = None
+    error: str | None = None
+    peak_device_bytes: int = 0
+    breakdown: dict[str, int] = field(default_factory=dict)
+    host_bytes: int = 0
+    step_time_s: float | None = None     # mean of the measured steps
+    tokens_per_s: float | None = None
+    finished_at: float | None = None     # the launcher reports the earliest failure as the root cause
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RankRecord":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def write(self, out_dir: Path) -> None:
+        (Path(out_dir) / f"rank{self.rank}.json").write_text(json.dumps(self.to_dict()))
+
+    @classmethod
+    def read_all(cls, out_dir: Path) -> list["RankRecord"]:
+        return [cls.from_dict(json.loads(p.read_text())) for p in sorted(Path(out_dir).glob("rank*.json"))]

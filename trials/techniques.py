@@ -1,0 +1,109 @@
+"""The technique set: every knob declared once, in ``Techniques``' fields, with everything about it.
+
+A knob is a field of ``Techniques`` whose metadata (``knob(...)``) says what the rest of the code derives:
+
+    kind            bool | int | tokens (K/M suffixes in YAML) | choice (one of ``choices``)
+    default         the value with the technique off (the plain model)
+    nullable        ``None`` is a value (``head_chunk``: null = plain Ulysses)
+    minimum         the smallest value allowed (checked by ``trials.rules``)
+    requires        (knob, why): this one may be set (not its default) only with that one on
+    sampled_when    (knob, predicate): a search samples it only when the other knob's value passes
+    split_by        (knob, tag): its choices depend on that knob's value, so each value has its own search
+                    parameter ``{name}_{tag}{value}`` (Optuna learns each branch)
+    words           YAML/CLI words for values: ``{"none": 0, "all": ALL_LAYERS}``
+    less_memory     which change needs less memory: ``on`` (True), ``larger`` (the next larger choice),
+                    ``smaller`` (the next smaller choice, off -- 0 or None -- counting as the largest)
+    alst            the value ALST's stack uses (a value, or ``"max"`` for the largest choice), for search seeds
+    length_unit     ``required``: the sequence length must be a multiple of the value; ``grid``: lengths
+                    searched are multiples of it (tiles divide the sequence evenly)
+    label           short plot label (``{}`` = the value), shown when the value is not the default; a knob
+                    with a ``requires`` / ``sampled_when`` parent joins its parent's part of the label
+    doc             one line: what it does
+
+``trials.rules`` holds the structural rules (divisibility by heads and ranks, ranges, requirements) as pure
+functions that config validation, the search space's filter and ``trials.stack.apply`` all call.
+Adding a knob = one field here + its technique module (``trials.stack``) + tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from trials.errors import ConfigError
+from trials.knobs import ALL_LAYERS, ATTENTION_KERNELS, Knob, declared_knobs, knob
+from trials.rules import problems
+
+__all__ = ["ALL_LAYERS", "ATTENTION_KERNELS", "BASELINE", "Knob", "Techniques", "knob_names", "knobs"]
+
+
+def _degree_above_one(degree) -> bool:
+    return degree > 1
+
+
+@dataclass(frozen=True)
+class Techniques:
+    """The memory techniques of one training configuration (DESIGN.md's table); defaults = the plain model."""
+
+    fsdp: bool = knob(False, "bool", "shard params, grads and optimizer states over all ranks (FSDP2, ZeRO-3)",
+                      label="fsdp", less_memory="on", alst=True)
+    optimizer_offload: bool = knob(
+        False, "bool", "sharded params, grads and Adam states on the host; the step runs there",
+        label="+optoff", requires=("fsdp", "the host keeps the sharded optimizer states"), less_memory="on",
+        alst=True)
+    ulysses_degree: int = knob(
+        1, "int", "DeepSpeed-Ulysses sequence parallelism over this many ranks", label="sp{}", minimum=1,
+        less_memory="larger", alst="max", length_unit="required")
+    head_chunk: int | None = knob(
+        None, "int", "untied Ulysses (UPipe): attention over this many local heads at a time (null = all)",
+        label="/hc{}", nullable=True, minimum=1, sampled_when=("ulysses_degree", _degree_above_one),
+        split_by=("ulysses_degree", "u"), less_memory="smaller", alst=None)
+    activation_checkpointing: bool = knob(
+        False, "bool", "keep only each decoder layer's input, recompute the layer in backward", label="ac",
+        less_memory="on", alst=True)
+    activation_offload_layers: int = knob(
+        0, "int", "the first N layers' checkpointed inputs live on the host", label="+off{}", minimum=0,
+        requires=("activation_checkpointing", "it offloads checkpointed inputs"),
+        words={"none": 0, "all": ALL_LAYERS}, less_memory="larger", alst="all")
+    mlp_tile_tokens: int = knob(0, "tokens", "tiled MLP over sequence tiles of this many tokens (0 = off)",
+                                label="tiled", minimum=0, less_memory="smaller", alst="max", length_unit="grid")
+    loss_tile_tokens: int = knob(0, "tokens", "tiled logits + cross-entropy over tiles of this many tokens",
+                                 label="tiled", minimum=0, less_memory="smaller", alst="max", length_unit="grid")
+    norm_tile_tokens: int = knob(0, "tokens", "tiled RMSNorm: fp32 math one tile of this many tokens at a time",
+                                 label="tiled", minimum=0, less_memory="smaller", alst="max", length_unit="grid")
+    attention: str = knob("sdpa", "choice", "attention kernel: flash (flash-attn, CUDA) or sdpa",
+                          choices=ATTENTION_KERNELS, alst="flash")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], num_layers: int | None = None) -> "Techniques":
+        """Parse a config's ``techniques`` mapping: unknown keys and values of the wrong type are refused
+        (``ConfigError``); words (``all`` / ``none``) are resolved, ``all`` with ``num_layers``."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"techniques must be a mapping, got {type(data).__name__}")
+        table = {k.name: k for k in knobs()}
+        unknown = sorted(set(data) - set(table))
+        if unknown:
+            raise ConfigError(f"unknown technique key {unknown[0]!r}; known: {', '.join(sorted(table))}")
+        return cls(**{name: table[name].parse(value, num_layers) for name, value in data.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def validate(self, model_config: dict, gpus: int, seq_len: int | None = None) -> "Techniques":
+        """Refuse (``ConfigError``, the first reason) what cannot run on ``gpus`` ranks; returns self."""
+        found = problems(self, model_config, gpus, seq_len)
+        if found:
+            raise ConfigError(found[0])
+        return self
+
+
+def knobs() -> tuple[Knob, ...]:
+    """Every knob, in declaration order."""
+    return declared_knobs(Techniques)
+
+
+def knob_names() -> tuple[str, ...]:
+    return tuple(k.name for k in knobs())
+
+
+BASELINE = Techniques()
