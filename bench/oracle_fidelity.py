@@ -147,6 +147,7 @@ def _worker(specs_path: str, out_dir: str) -> int:
 
     from trials.dist import Mesh, build_mesh
     from trials.runner import run_trial
+    from trials.spec import TrialSpec
 
     specs = json.loads(Path(specs_path).read_text())
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -158,7 +159,7 @@ def _worker(specs_path: str, out_dir: str) -> int:
         mesh = build_mesh(degree, torch.device("cpu")) if world > 1 else Mesh.single()
         started = time.perf_counter()
         try:
-            record = run_trial(spec, mesh)
+            record = run_trial(TrialSpec.from_dict(spec), mesh).to_dict()
         except NotImplementedError as exc:
             record = {"status": "skipped", "error": str(exc)}
         record["wall_s"] = time.perf_counter() - started

@@ -90,9 +90,10 @@ def worker(spec_path: str, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    import trials.step
+    import trials.runner
     from autotune.timing.calibration.sampling import speed_probe_s
     from trials.runner import run_trial
+    from trials.spec import TrialSpec
 
     spec = json.loads(Path(spec_path).read_text())
     rank = int(os.environ.get("RANK", 0))
@@ -105,7 +106,7 @@ def worker(spec_path: str, out_dir: str) -> None:
         dist.all_gather_object(gathered, os.getpid())
         pids = gathered
     steps = []
-    original = trials.step.train_step
+    original = trials.runner.train_step  # the step the runner calls
 
     def timed_step(*args, **kwargs):
         busy0, total0 = _jiffies_busy()
@@ -121,11 +122,11 @@ def worker(spec_path: str, out_dir: str) -> None:
         steps.append({"seconds": elapsed, "others": others, "probe_s": probe})
         return result
 
-    trials.step.train_step = timed_step
+    trials.runner.train_step = timed_step
     try:
-        record = run_trial(spec)
+        record = run_trial(TrialSpec.from_dict(spec)).to_dict()
     finally:
-        trials.step.train_step = original
+        trials.runner.train_step = original
     record["steps"] = steps
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
     if world > 1:

@@ -9,7 +9,11 @@ from dataclasses import replace
 import pytest
 import torch
 
+from trials.rules import length_unit
 from autotune import oracle
+from autotune.oracle.fake_world import FakeFlashAttn
+from autotune.outputs.plots import plot_memory
+from autotune.search.max_seq import find_max_seq
 from autotune.backends import Evaluation
 from autotune.backends.plan import PlanBackend
 from trials.techniques import Techniques
@@ -227,7 +231,7 @@ def test_fake_flash_op_footprint():
             k = torch.empty(b, s, hkv, d, dtype=torch.bfloat16, requires_grad=True)
             v = torch.empty(b, s, hkv, d, dtype=torch.bfloat16, requires_grad=True)
             inputs = tracker.device_bytes
-            out = oracle._FakeFlashAttn.apply(q, k, v)
+            out = FakeFlashAttn.apply(q, k, v)
             assert tracker.device_bytes - inputs == b * s * hq * d * 2 + b * hq * s * 4  # out + fp32 lse
             before = tracker.device_bytes
             out.backward(torch.empty_like(out))
@@ -248,8 +252,8 @@ def test_find_max_seq_returns_the_longest_fitting_grid_point():
     backend = PlanBackend(throughput=False)
     ev = evaluation(model(), seq=0, gpus=2, memory_gib=0.15, fsdp=True, ulysses_degree=2,
                     activation_checkpointing=True, loss_tile_tokens=2 * K)
-    best = oracle.find_max_seq(ev, backend=backend)
-    unit = oracle.seq_grid_unit(ev.techniques)
+    best = find_max_seq(ev, backend=backend)
+    unit = length_unit(ev.techniques)
     assert unit == 2 * K and best.status == "ok" and best.seq_len % unit == 0
     over = backend.evaluate(replace(ev, seq_len=best.seq_len + unit))
     assert over.status == "oom"
@@ -257,7 +261,7 @@ def test_find_max_seq_returns_the_longest_fitting_grid_point():
 
 def test_find_max_seq_reports_oom_when_nothing_fits():
     ev = evaluation(model(), seq=4 * K, memory_gib=0.001)
-    record = oracle.find_max_seq(ev, backend=PlanBackend(throughput=False))
+    record = find_max_seq(ev, backend=PlanBackend(throughput=False))
     assert record.status == "oom" and record.seq_len == 1024
 
 
@@ -265,7 +269,7 @@ def test_plot_memory_writes_a_png(tmp_path):
     backend = PlanBackend(throughput=False)
     records = [backend.evaluate(evaluation(model(), seq=s * K, gpus=2, fsdp=True)) for s in (1, 2)]
     path = tmp_path / "memory.png"
-    oracle.plot_memory(records, 2**30, path)
+    plot_memory(records, 2**30, path)
     assert path.stat().st_size > 5000 and path.read_bytes()[:4] == b"\x89PNG"
 
 

@@ -61,7 +61,7 @@ def oracle_mode(gpu_kernels: bool):
     return OracleMode()
 
 
-class _FakeFlashAttn(torch.autograd.Function):
+class FakeFlashAttn(torch.autograd.Function):
     """flash-attn 2's ``flash_attn_func`` as far as memory goes (fake tensors only: nothing is computed).
 
     q [b, s, hq, d], k/v [b, s, hkv, d] -> out [b, s, hq, d]; saves q, k, v, out, softmax_lse [b, hq, s] fp32.
@@ -105,7 +105,7 @@ def _record_attention(q, k, v, backward: bool, causal: bool = True) -> None:
 
 
 def _fake_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, **kwargs):
-    return _FakeFlashAttn.apply(q, k, v)
+    return FakeFlashAttn.apply(q, k, v)
 
 
 def _fake_wrapped_flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left=-1,
@@ -122,7 +122,7 @@ def _fake_wrapped_flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, 
 def _fake_wrapped_flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
                                       window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
                                       deterministic=False, rng_state=None):
-    """flash-attn's ``mha_bwd`` into dq/dk/dv, with its scratch (see ``_FakeFlashAttn``); returns softmax_d."""
+    """flash-attn's ``mha_bwd`` into dq/dk/dv, with its scratch (see ``FakeFlashAttn``); returns softmax_d."""
     b, s, h, d = q.shape
     _record_attention(q, k, v, backward=True, causal=causal)
     softmax_d = torch.empty((b, h, s), dtype=torch.float32, device=q.device)

@@ -39,6 +39,7 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -122,6 +123,8 @@ def _group_size(bound: dict[str, Any], fallback: int) -> int:
         return bound["group_size"]
     group = bound.get("process_group")
     if group is not None:
+        if isinstance(group, torch.ScriptObject):  # c10d ops carry the group boxed
+            group = dist.ProcessGroup.unbox(group)
         return int(group.size())
     name = bound.get("group_name")
     if isinstance(name, str):
