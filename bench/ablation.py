@@ -60,9 +60,9 @@ def main(argv=None) -> int:
     from autotune.backends.plan import PlanBackend
     from trials.techniques import Techniques
     from autotune.oracle import explain
-from autotune.search.max_seq import find_max_seq
+    from autotune.search.max_seq import find_max_seq
     from autotune.core.hardware import load_hardware
-from trials.model_config import load_model_config
+    from trials.model_config import load_model_config
     from autotune.core.sizes import format_tokens
 
     model_config = load_model_config(args.model)

@@ -2,8 +2,8 @@
 
 For each config (tiny models, 1-2 ranks, 1K-8K tokens, technique stacks):
 - predicted: the ``plan`` backend (``autotune.backends.plan.PlanBackend``: the memory oracle's fake trace of the
-  trial code with ``autotune.throughput.StepCounter`` inside, then ``predict_step_time``) on the ``cpu`` preset,
-  whose rates ``autotune.calibrate`` measured on this machine (cached);
+  trial code with ``autotune.timing.counting.StepCounter`` inside, then ``predict_step_time``) on the ``cpu`` preset,
+  whose rates ``autotune.timing.calibration`` measured on this machine (cached);
 - measured: the real trial, ``trials.runner.run_trial`` -- what ``autotune.backends.local.LocalBackend`` launches
   -- under ``torchrun --nproc-per-node N`` (or one plain process), gloo, fp32, with the local backend's thread
   count per rank (``cpus // N``). Every training step is timed, and the machine's CPU use by *other* processes is
@@ -14,7 +14,7 @@ For each config (tiny models, 1-2 ranks, 1K-8K tokens, technique stacks):
   clean, the config is launched again (up to --attempts times).
 - drift: this host's speed drifts by +-25% over minutes with nothing else running, so a calibration made at one
   moment and trials timed at another disagree by that much whatever the model. Each rank runs
-  ``autotune.calibrate.speed_probe_s`` (a fixed ~20 ms mix of matmuls, elementwise ops and tiny dispatches)
+  ``autotune.timing.calibration.sampling.speed_probe_s`` (a fixed ~20 ms mix of matmuls, elementwise ops and tiny dispatches)
   just before each step; the calibration recorded the same probe beside its own measurements (``probe_s``).
   The ratio uses the step in the calibration's units, ``seconds * probe_s / probe_now``; the raw ratio (no
   correction) is printed beside it, and the summary counts both.
@@ -181,7 +181,7 @@ def measure(model: str, seq_len: int, ranks: int, techniques: dict, steps: int, 
 def _combine(launches: list[dict], probe_calibrated_s: float | None) -> dict:
     """The median clean step over all launches of a config (all steps if none was clean), raw and in the
     calibration's units: each step times ``probe_calibrated_s / probe_s``, the speed probe's time when the cpu
-    preset was calibrated over its time just before that step (``autotune.calibrate.speed_probe_s``). This
+    preset was calibrated over its time just before that step (``autotune.timing.calibration.sampling.speed_probe_s``). This
     shared host's speed drifts by +-25% over minutes; the model predicts the step on the host as calibrated."""
     clean = [t for m in launches if "error" not in m for t in m["clean"]]
     contended = [t for m in launches if "error" not in m for t in m["contended"]]
@@ -199,7 +199,7 @@ def predict(model: str, seq_len: int, ranks: int, techniques: dict):
     from autotune.backends.plan import PlanBackend, step_counts
     from trials.techniques import Techniques
     from autotune.core.hardware import load_hardware
-from trials.model_config import load_model_config
+    from trials.model_config import load_model_config
     from autotune.timing.model import predict_step_time
 
     cfg = load_model_config(model)
@@ -208,8 +208,9 @@ from trials.model_config import load_model_config
     backend = PlanBackend()
     evaluation = Evaluation(cfg, tech, seq_len, ranks, hardware)
     record = backend.evaluate(evaluation)
-    counts = step_counts(backend.last_prediction) if backend.last_prediction is not None else None
-    timing = predict_step_time(counts, hardware, ranks, tech, seq_len=seq_len) if counts is not None else None
+    counts = step_counts(backend.last_prediction) if record.step_time_s is not None else None
+    timing = (predict_step_time(counts, hardware.rates_for(ranks), ranks, tech, seq_len=seq_len)
+              if counts is not None else None)
     return record, timing
 
 

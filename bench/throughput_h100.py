@@ -1,7 +1,7 @@
 """Predicted throughput of Llama-3-8B on one 8x H100 SXM node, 128K to 5M tokens, full technique stack.
 
 The same path as ``autotune estimate`` / the ``plan`` backend: the memory oracle traces the trial code under
-FakeTensorMode on a fake 8-rank world (bf16 compute, GPU kernel footprints), ``autotune.throughput.StepCounter``
+FakeTensorMode on a fake 8-rank world (bf16 compute, GPU kernel footprints), ``autotune.timing.counting.StepCounter``
 counts the traced step (3- and 4-layer copies, extended to 32 layers like the memory), and ``predict_step_time``
 turns the counts into time with the ``h100-sxm`` preset's rates (docs/throughput.md says what they assume).
 
@@ -52,12 +52,12 @@ def main(argv=None) -> int:
     from autotune.backends.plan import PlanBackend, step_counts
     from trials.techniques import Techniques
     from autotune.core.hardware import load_hardware
-from trials.model_config import load_model_config
-    from autotune.throughput import load_rates, predict_step_time
+    from trials.model_config import load_model_config
+    from autotune.timing.model import predict_step_time
 
     cfg = load_model_config(args.model)
     hardware = load_hardware(args.hardware)
-    rates = load_rates(hardware, args.gpus)
+    rates = hardware.rates_for(args.gpus)
     tech = Techniques.from_dict(dict(TECHNIQUES, attention=args.attention), cfg["num_hidden_layers"])
     lines = [f"# {args.model} on {args.gpus}x {hardware.name}, predicted by the plan backend "
              f"(oracle fake trace + StepCounter + predict_step_time)",
@@ -76,17 +76,17 @@ from trials.model_config import load_model_config
         record = backend.evaluate(Evaluation(cfg, tech, seq, args.gpus, hardware))
         elapsed = time.perf_counter() - started
         prediction = backend.last_prediction
-        counts = step_counts(prediction) if prediction is not None else None
-        if counts is None or record.step_time_s is None:
+        if prediction is None or record.step_time_s is None:
             line = f"{seq:9d} {record.status:6s} no timing: {(record.error or '')[-200:]}"
             print(line, flush=True)
             lines.append(line)
             continue
+        counts = step_counts(prediction)
         if args.attention == "flash" and counts.attention_flops == 0:
-            note = "  (attention not counted: the oracle's fake flash kernel does not call throughput.record_attention)"
+            note = "  (attention not counted: the oracle's fake flash kernel does not call autotune.timing.counting.record_attention)"
         else:
             note = ""
-        timing = predict_step_time(counts, hardware, args.gpus, tech, seq_len=seq)
+        timing = predict_step_time(counts, rates, args.gpus, tech, seq_len=seq)
         mfu = model_flops_per_token(cfg, seq) * seq / (timing.step_time_s * args.gpus * rates.bf16_flops)
         line = (f"{seq:9d} {record.status:6s} {record.peak_device_bytes / 2**30:8.1f} {timing.step_time_s:9.2f} "
                 f"{timing.tokens_per_s:9.0f} {timing.compute_s:8.2f} {timing.recompute_s:8.2f} "
