@@ -7,6 +7,7 @@ ahead in backward.
 """
 
 from __future__ import annotations
+from trials.offload import ActivationOffload
 
 
 def apply_activation_checkpointing(model, offload_layers: int = 0) -> None:
@@ -17,7 +18,6 @@ def apply_activation_checkpointing(model, offload_layers: int = 0) -> None:
         raise ValueError(f"activation_offload_layers {offload_layers} must be between 0 and {len(layers)}")
     offload = None
     if offload_layers:
-        from trials.offload import ActivationOffload
 
         offload = ActivationOffload(offload_layers)
         model.activation_offload = offload

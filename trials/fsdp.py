@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from trials.memory import active_tracker
 
 
 def apply_fsdp(model, mesh, optimizer_offload: bool = False, param_dtype: torch.dtype | None = None) -> None:
@@ -31,7 +32,6 @@ def apply_fsdp(model, mesh, optimizer_offload: bool = False, param_dtype: torch.
         raise ValueError("apply_fsdp needs a mesh with a device mesh (trials.dist.ensure_device_mesh)")
     offload = CPUOffloadPolicy(pin_memory=mesh.device.type == "cuda") if optimizer_offload else OffloadPolicy()
     if optimizer_offload:
-        from trials.memory import active_tracker
 
         tracker = active_tracker()
         if tracker is not None:

@@ -28,6 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
+from trials import patches
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries", "other")
 _PHASE_CATEGORY = {"forward": "activations", "backward": "temporaries", "optimizer": "optimizer"}
@@ -211,7 +212,6 @@ class DeviceMemoryTracker(TorchDispatchMode):
             self.mark_host(tensor)
 
     def __enter__(self):
-        from trials import patches
 
         self._patches = contextlib.ExitStack()
         self._patches.enter_context(patches.storage_resized(self._resized))

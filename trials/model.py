@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 
 from trials import attention
+from trials.memory import active_tracker
+from trials.fsdp import is_sharded
 
 _CONFIG_ONLY_KEYS = ("_name",)
 
@@ -61,7 +63,6 @@ def materialize(model: "TrainingModel", device, seed: int = 0, params_device=Non
     Parameters go to ``params_device`` (default ``device``; the host for FSDP2's CPU offload), buffers (the
     rotary frequencies) are rebuilt on ``device``. Each rank draws only the rows of its own shards.
     """
-    from trials.memory import active_tracker
 
     tracker = active_tracker()
     # parameters on the host (FSDP2's offloaded shards) are host memory for the tracker, on CPU trials too
@@ -113,7 +114,6 @@ def init_weights(model: "TrainingModel", seed: int = 0) -> None:
     blocks of ``INIT_BLOCK_ROWS``, each from its own seeded generator on the host, so a rank holding a shard
     (FSDP2: dim-0 chunks) draws just the blocks it needs and gets exactly the rows the whole model would have.
     """
-    from trials.memory import active_tracker
 
     std = getattr(model.config, "initializer_range", None) or 0.02
     tracker = active_tracker()
@@ -234,7 +234,6 @@ def set_compute_dtype(model: "TrainingModel", compute_dtype: torch.dtype) -> Non
 
     Call after ``trials.stack.apply``; fp32 turns autocast off.
     """
-    from trials.fsdp import is_sharded
 
     low = compute_dtype is not None and compute_dtype != torch.float32
     model.autocast_dtype = compute_dtype if low and not is_sharded(model) else None

@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 from trials.data import Batch
 from trials.fsdp import allreduce_grads
+from trials.model import build_model, default_compute_dtype, materialize, set_compute_dtype
+from trials.stack import apply
 
 
 @dataclass
@@ -29,8 +31,6 @@ def build_training(model_config: dict, techniques, mesh, seed: int = 0, tracker=
 
     ``compute_dtype``: None = bf16 on CUDA, fp32 on CPU; fp32 master weights either way (see
     ``trials.model.set_compute_dtype``)."""
-    from trials.model import build_model, default_compute_dtype, materialize, set_compute_dtype
-    from trials.stack import apply
 
     compute_dtype = compute_dtype or default_compute_dtype(mesh.device)
     # sharded: built on meta, so each rank only ever allocates its shards (the host's, with optimizer offload)

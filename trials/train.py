@@ -19,6 +19,13 @@ import time
 from pathlib import Path
 
 import torch
+from trials.data import synthetic_sample
+from trials.config_file import load_config_file
+from trials.data import make_batch
+from trials.dist import init_mesh
+from trials.memory import DeviceMemoryTracker
+from trials.model_config import load_model_config
+from trials.step import build_training, train_step
 
 
 class TokenSource:
@@ -29,7 +36,6 @@ class TokenSource:
         self.stream = read_token_file(path, vocab_size) if path else None
 
     def window(self, index: int) -> torch.Tensor:
-        from trials.data import synthetic_sample
 
         if self.stream is None:
             return synthetic_sample(index, self.seq_len, self.vocab_size, self.seed)
@@ -64,12 +70,6 @@ def read_token_file(path: str, vocab_size: int) -> torch.Tensor:
 
 
 def train(config_path: str, steps: int, data: str | None = None, seed: int = 0, print_fn=print) -> dict:
-    from trials.config_file import load_config_file
-    from trials.data import make_batch
-    from trials.dist import init_mesh
-    from trials.memory import DeviceMemoryTracker
-    from trials.model_config import load_model_config
-    from trials.step import build_training, train_step
 
     config = load_config_file(config_path)
     model_config = load_model_config(config.model)

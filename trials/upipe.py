@@ -70,6 +70,7 @@ import torch
 import torch.nn.functional as F
 
 from trials.attention import attention_backward, attention_forward, head_layout
+from trials.ulysses import attention_modules
 
 # Attention modules whose forward is: q/k/v projections (optional per-head q_norm/k_norm over head_dim), HF rotary
 # (``x * cos + rotate_half(x) * sin``), causal attention, o_proj. Others are refused rather than silently changed.
@@ -460,7 +461,6 @@ class _HeadChunkedAttention(torch.autograd.Function):
 
 def apply_head_chunking(model, mesh, head_chunk: int, kernel: str = "sdpa") -> None:
     """Replace every attention module's forward by ``UPipeAttention`` (Ulysses degree = ``mesh.sp_degree``)."""
-    from trials.ulysses import attention_modules
 
     config = model.config
     if config.model_type not in SUPPORTED_MODEL_TYPES:
