@@ -111,7 +111,7 @@ def search(
     gpus: int = typer.Option(8, help="devices on the node"),
     hardware: str = typer.Option("h100-sxm", help="hardware preset (autotune hardware)"),
     backend: str = typer.Option("auto", help="auto | plan | local"),
-    space: Optional[Path] = typer.Option(None, help="search space YAML (default: search_spaces/default.yaml)"),
+    space: Optional[Path] = typer.Option(None, help="search space YAML (default: the packaged autotune/search/spaces/default.yaml)"),
     trials: int = typer.Option(30, help="finished trials the study should hold (resumes count)"),
     timeout: Optional[float] = typer.Option(None, help="stop starting new trials after this many seconds"),
     out: Path = typer.Option(Path("autotune-out"), help="output folder (study.db, trials.parquet, ...)"),

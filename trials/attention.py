@@ -27,8 +27,15 @@ ATTN_IMPLEMENTATION = "autotune"
 
 try:  # optional GPU extra
     from flash_attn import flash_attn_func  # type: ignore
-except Exception:  # pragma: no cover - flash-attn is not installable on CPU machines
+    FLASH_IMPORT_ERROR = None
+except Exception as exc:  # pragma: no cover - not installed (CPU machines), or installed but broken: say which
     flash_attn_func = None
+    FLASH_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+
+def _flash_unavailable(device: torch.device) -> str:
+    why = f"flash-attn cannot be imported ({FLASH_IMPORT_ERROR})" if _flash.func is None else f"the device is {device}"
+    return f"attention 'flash' needs flash-attn installed and a CUDA device: {why}"
 
 
 def flash_available(device: torch.device) -> bool:
@@ -77,7 +84,7 @@ def causal_attention(query, key, value, scaling: float | None = None, kernel: st
     """[b, hq, s, d] x [b, hkv, s, d] -> [b, s, hq, d], causal."""
     if kernel == "flash":
         if not flash_available(query.device):
-            raise RuntimeError("attention 'flash' needs flash-attn installed and a CUDA device")
+            raise RuntimeError(_flash_unavailable(query.device))
         out = _flash.func(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=True, softmax_scale=scaling
         )
@@ -146,7 +153,7 @@ def attention_forward(query, key, value, scaling: float, kernel: str = "sdpa"):
     """Causal attention without autograd, in ``head_layout(kernel)``; returns (out, residuals tuple)."""
     if kernel == "flash":
         if not flash_available(query.device):
-            raise RuntimeError("attention 'flash' needs flash-attn installed and a CUDA device")
+            raise RuntimeError(_flash_unavailable(query.device))
         out, lse, _, rng_state = _wrapped_flash("forward")(
             query, key, value, 0.0, scaling, True, -1, -1, 0.0, None, False)
         return out, (lse, rng_state)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from trials.data import Batch
 from trials.fsdp import allreduce_grads
+from trials.memory import active_tracker
 from trials.model import build_model, default_compute_dtype, materialize, set_compute_dtype
 from trials.stack import apply
 
@@ -30,8 +31,9 @@ def build_training(model_config: dict, techniques, mesh, seed: int = 0, tracker=
     """Model from the preset (seeded), the technique stack applied, and its AdamW optimizer.
 
     ``compute_dtype``: None = bf16 on CUDA, fp32 on CPU; fp32 master weights either way (see
-    ``trials.model.set_compute_dtype``)."""
-
+    ``trials.model.set_compute_dtype``). ``tracker``: a ``DeviceMemoryTracker`` (default: the active one, if any),
+    as for ``forward_backward`` and ``train_step``."""
+    tracker = tracker if tracker is not None else active_tracker()
     compute_dtype = compute_dtype or default_compute_dtype(mesh.device)
     # sharded: built on meta, so each rank only ever allocates its shards (the host's, with optimizer offload)
     model = build_model(model_config, seed=seed, device="meta" if techniques.fsdp else mesh.device)
@@ -62,6 +64,7 @@ def forward_backward(model, batch: Batch, mesh, tracker=None) -> torch.Tensor:
 
     After it every rank holds the reduced gradient (sharded DTensors under FSDP: ``.full_tensor()`` gathers).
     """
+    tracker = tracker if tracker is not None else active_tracker()
     phase = tracker.in_phase if tracker is not None else _no_phase
     scale = loss_scale(batch, mesh)
     with phase("forward"):
@@ -83,6 +86,7 @@ def global_loss(scaled_loss: torch.Tensor, mesh) -> float:
 
 
 def train_step(model, optimizer, batch: Batch, mesh, tracker=None) -> StepResult:
+    tracker = tracker if tracker is not None else active_tracker()
     phase = tracker.in_phase if tracker is not None else _no_phase
     scaled_loss = forward_backward(model, batch, mesh, tracker)
     norm = grad_norm(model)

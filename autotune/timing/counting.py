@@ -117,6 +117,15 @@ def _tensors(tree) -> list[torch.Tensor]:
     return out
 
 
+def _bytes_of(bound: dict[str, Any], names: tuple[str, ...], default) -> int:
+    """Bytes of the first of ``names`` a collective was called with (a tensor or a list of them), else of
+    ``default``."""
+    for name in names:
+        if name in bound:
+            return sum(_nbytes(t) for t in _tensors(bound[name]))
+    return sum(_nbytes(t) for t in _tensors(default))
+
+
 def _group_size(bound: dict[str, Any], fallback: int) -> int:
     """Size of a collective's process group (c10d ProcessGroup object, or a functional op's group name)."""
     if isinstance(bound.get("group_size"), int):
@@ -175,10 +184,7 @@ class StepCounter(TorchDispatchMode):
 
     @staticmethod
     def _recomputing() -> bool:
-        try:
-            hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        except Exception:
-            return False
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
         if not hooks:
             return False
         pack = hooks[0]
@@ -400,22 +406,12 @@ class StepCounter(TorchDispatchMode):
             factor = (size - 1) / size
         elif "allgather" in name or "all_gather" in name:
             kind = "all_gather"
-            if "output_tensors" in bound:
-                nbytes = sum(_nbytes(t) for t in _tensors(bound["output_tensors"]))
-            elif "output_tensor" in bound:
-                nbytes = _nbytes(bound["output_tensor"])
-            else:
-                nbytes = sum(_nbytes(t) for t in _tensors(out))
+            nbytes = _bytes_of(bound, ("output_tensors", "output_tensor"), out)
             size = _group_size(bound, self.world_size)
             factor = (size - 1) / size
         elif "reduce_scatter" in name:
             kind = "reduce_scatter"
-            if "input_tensors" in bound:
-                nbytes = sum(_nbytes(t) for t in _tensors(bound["input_tensors"]))
-            elif "input_tensor" in bound:
-                nbytes = _nbytes(bound["input_tensor"])
-            else:
-                nbytes = _nbytes(bound.get("input", args[0] if args else None))
+            nbytes = _bytes_of(bound, ("input_tensors", "input_tensor"), bound.get("input", args[0] if args else None))
             size = _group_size(bound, self.world_size)
             factor = (size - 1) / size
         elif "allreduce" in name or "all_reduce" in name:
