@@ -419,9 +419,10 @@ def hardware():
         table.add_column(column)
     for name in hardware_names():
         hw = load_hardware(name)
-        table.add_row(name, f"{hw.device_memory_bytes / 2**30:.0f}", f"{hw.bf16_flops / 1e12:.0f}",
-                      f"{hw.hbm_bytes_per_s / 1e12:.2f}", f"{hw.intra_node_bytes_per_s / 1e9:.0f}",
-                      f"{hw.host_bytes_per_s / 1e9:.0f}", hw.description)
+        rates = hw.rates_for(1)  # what the time model uses (a calibrated preset's measured rates)
+        table.add_row(name, f"{hw.device_memory_bytes / 2**30:.0f}", f"{rates.bf16_flops / 1e12:.3g}",
+                      f"{rates.hbm_bytes_per_s / 1e12:.2f}", f"{rates.intra_node_bytes_per_s / 1e9:.0f}",
+                      f"{rates.host_bytes_per_s / 1e9:.0f}", hw.description)
     OUT.rich(table)
 
 

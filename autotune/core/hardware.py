@@ -173,7 +173,9 @@ def load_hardware(name: str) -> Hardware:
     path = _preset_dir() / f"{name}.yaml"
     if not path.exists():
         path = Path(name)
-        if not (path.suffix in (".yaml", ".yml") and path.is_file()):
+        if path.suffix in (".yaml", ".yml") and not path.is_file():
+            raise UserError(f"hardware preset file {name!r} does not exist")
+        if not path.is_file():
             raise UserError(f"unknown hardware {name!r}: choose one of {', '.join(hardware_names())}")
     try:
         data = yaml.safe_load(path.read_text())
