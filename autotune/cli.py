@@ -111,7 +111,8 @@ def search(
     gpus: int = typer.Option(8, help="devices on the node"),
     hardware: str = typer.Option("h100-sxm", help="hardware preset (autotune hardware)"),
     backend: str = typer.Option("auto", help="auto | plan | local"),
-    space: Optional[Path] = typer.Option(None, help="search space YAML (default: the packaged autotune/search/spaces/default.yaml)"),
+    space: Optional[Path] = typer.Option(None, help="search space YAML (default: autotune/search/spaces/default.yaml, "
+                                                    "shipped in the package)"),
     trials: int = typer.Option(30, help="finished trials the study should hold (resumes count)"),
     timeout: Optional[float] = typer.Option(None, help="stop starting new trials after this many seconds"),
     out: Path = typer.Option(Path("autotune-out"), help="output folder (study.db, trials.parquet, ...)"),
@@ -130,7 +131,6 @@ def search(
     from autotune.core.sizes import format_tokens, parse_tokens
     from autotune.outputs import report
     from autotune.outputs.progress import SearchProgress
-    from autotune.search.policy import seed_params
     from autotune.search.space import load_space
 
     target_tokens = parse_tokens(target, "--target")
@@ -155,7 +155,7 @@ def search(
     job = search_mod.SearchJob(model=model, model_config=model_config, target=target_tokens, gpus=gpus,
                                hardware=hw, space=search_space, backend=chosen, out=out, trials=trials,
                                timeout_s=timeout, storage=storage, study_name=study, seed=seed, prefilter=oracle)
-    result_study = search_mod.create_study(job, opened_storage, seeds=seed_params(job))
+    result_study = search_mod.open_study(job, opened_storage)
     console.print(f"autotune: {model} on {gpus}x {hw.name}, target {format_tokens(target_tokens)}, "
                   f"backend {backend_name}, out {out}")
     interrupted = False

@@ -45,10 +45,11 @@ def flash_available(device: torch.device) -> bool:
 class _FlashKernels:
     """The flash-attn entry points in use: flash-attn's own, or stand-ins (``flash_kernels``)."""
 
-    func = flash_attn_func
-    wrapped_forward = None   # flash-attn >= 2.7 ``_wrapped_flash_attn_forward`` / ``_backward``, imported on use
-    wrapped_backward = None
-    any_device = False
+    def __init__(self):
+        self.func = flash_attn_func
+        self.wrapped_forward = None   # flash-attn >= 2.7 ``_wrapped_flash_attn_forward`` / ``_backward``: on use
+        self.wrapped_backward = None
+        self.any_device = False
 
 
 _flash = _FlashKernels()
@@ -59,16 +60,12 @@ def flash_kernels(func, wrapped_forward, wrapped_backward):
     """Use stand-ins for flash-attn's kernels on any device while inside (restored on exit): the memory oracle
     runs ``attention='flash'`` under FakeTensorMode on a CPU-only torch with flash-attn's memory footprint."""
     saved = dict(vars(_flash))
-    _flash.func, _flash.wrapped_forward, _flash.wrapped_backward = func, wrapped_forward, wrapped_backward
-    _flash.any_device = True
+    _flash.func, _flash.wrapped_forward, _flash.wrapped_backward, _flash.any_device = (
+        func, wrapped_forward, wrapped_backward, True)
     try:
         yield
     finally:
-        for name in ("func", "wrapped_forward", "wrapped_backward", "any_device"):
-            if name in saved:
-                setattr(_flash, name, saved[name])
-            else:
-                vars(_flash).pop(name, None)
+        vars(_flash).update(saved)
 
 
 def _wrapped_flash(direction: str):

@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 
 from trials import attention
-from trials.memory import active_tracker
 from trials.fsdp import is_sharded
+from trials.memory import active_tracker
 
 _CONFIG_ONLY_KEYS = ("_name",)
 

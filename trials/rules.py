@@ -1,9 +1,9 @@
 """The structural rules of a technique set: pure functions, each returning the reasons a thing cannot run.
 
-One place for every rule about which knob values fit a model and a world (``techniques`` is a
-``trials.techniques.Techniques``; its declared knobs say which knob requires which, and which divides the length): config validation
+One place for every rule about which knob values fit a model and a world: config validation
 (``Techniques.validate``), the search space's filter (``autotune.search.space``) and ``trials.stack.apply``
-all call these, so a rule is stated once. Nothing here imports torch.
+all call these, so a rule is stated once. ``techniques`` is a ``trials.techniques.Techniques``; its declared
+knobs say which knob requires which, and which the length must divide. Nothing here imports torch.
 
     world     ranks of the job (``--gpus``)
     heads     the model's query heads; kv_heads its key/value heads (GQA: kv_heads divides heads)
@@ -87,7 +87,8 @@ def problems(techniques, model_config: dict, world: int, seq_len: int | None = N
 def length_problems(techniques, seq_len: int) -> list[str]:
     """Knobs whose value the sequence length must be a multiple of (``length_unit: required``)."""
     return [f"seq_len {seq_len:,} is not divisible by {k.name} {getattr(techniques, k.name)}"
-            for k in declared_knobs(type(techniques)) if k.length_unit == "required" and seq_len % max(1, getattr(techniques, k.name))]
+            for k in declared_knobs(type(techniques))
+            if k.length_unit == "required" and seq_len % max(1, getattr(techniques, k.name))]
 
 
 def length_unit(techniques, base: int = 1024) -> int:

@@ -29,7 +29,7 @@ class TrialSpec:
     compute_dtype: str | None = None    # "bf16" | "fp32"; None = the device's default (bf16 CUDA, fp32 CPU)
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(asdict(self), techniques=self.techniques.to_dict())
+        return asdict(self)  # the techniques too: a dataclass, as its own to_dict gives
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrialSpec":

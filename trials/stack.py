@@ -42,8 +42,9 @@ def apply(model, techniques: Techniques, mesh: Mesh, param_dtype=None):
     if techniques.ulysses_degree != mesh.sp_degree:
         raise ValueError(f"techniques ask for ulysses_degree {techniques.ulysses_degree}, "
                          f"the mesh has {mesh.sp_degree}")
-    for problem in requirement_problems(techniques):
-        raise ValueError(problem)
+    missing = requirement_problems(techniques)
+    if missing:
+        raise ValueError(missing[0])
     for attn_module in attention_modules(model):
         attn_module.autotune_kernel = techniques.attention
     if techniques.head_chunk is not None:

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 import torch
-from trials.data import synthetic_sample
+
 from trials.config_file import load_config_file
-from trials.data import make_batch
+from trials.data import make_batch, synthetic_sample
 from trials.dist import init_mesh
 from trials.memory import DeviceMemoryTracker
 from trials.model_config import load_model_config

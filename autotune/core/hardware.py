@@ -99,7 +99,6 @@ class Hardware:
     # predicted peak is over capacity by more than this fraction; closer calls run for real
     oracle_margin: float = 0.05
     calibration: dict | None = field(default=None, compare=False)  # per-world measurements (device_is_host)
-    calibration_source: str | None = None  # "this machine" (cached) | "preset" (the YAML's typical machine)
 
     @property
     def device_is_host(self) -> bool:
@@ -108,19 +107,8 @@ class Hardware:
 
     @property
     def bf16_flops(self) -> float:
+        """The preset's peak (its rates' ``bf16_flops``), the headline figure of a preset."""
         return self.rates.bf16_flops
-
-    @property
-    def hbm_bytes_per_s(self) -> float:
-        return self.rates.hbm_bytes_per_s
-
-    @property
-    def intra_node_bytes_per_s(self) -> float:
-        return self.rates.intra_node_bytes_per_s
-
-    @property
-    def host_bytes_per_s(self) -> float:
-        return self.rates.host_bytes_per_s
 
     def rates_for(self, world_size: int = 1) -> Rates:
         """The time model's rates for a job of ``world_size`` ranks (calibrated ones where there are)."""
@@ -152,7 +140,7 @@ def hardware_names() -> list[str]:
     return sorted(p.stem for p in _preset_dir().glob("*.yaml"))
 
 
-_HARDWARE_KEYS = {f.name for f in fields(Hardware)} - {"rates", "calibration", "calibration_source"}
+_HARDWARE_KEYS = {f.name for f in fields(Hardware)} - {"rates", "calibration"}
 _RATE_KEYS = {f.name for f in fields(Rates)} - {"name", "attention_by_head_dim"}
 
 
@@ -193,10 +181,8 @@ def load_hardware(name: str) -> Hardware:
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"hardware preset {str(path)!r}: {exc}") from None
     hardware = Hardware(rates=rates, **values)
-    if rates.device_is_host:
-        cached = calibration_store.load_cached()
-        if cached is not None:
-            hardware = replace(hardware, calibration=cached, calibration_source="this machine")
-        elif data.get("calibration"):
-            hardware = replace(hardware, calibration=data["calibration"], calibration_source="preset")
+    if rates.device_is_host:  # this machine's cached calibration, else the typical machine's the preset ships
+        calibration = calibration_store.load_cached() or data.get("calibration")
+        if calibration:
+            hardware = replace(hardware, calibration=calibration)
     return hardware

@@ -63,6 +63,31 @@ __all__ = ["EXTRAPOLATE_FROM", "Prediction", "Segment", "Trace", "compute_dtype_
            "layer_runs", "predict", "trace"]
 
 
+def _trace_to_full_depth(evaluation: Evaluation, full_depth: bool = False,
+                         **kwargs) -> tuple[Trace, list[Trace], list[int]]:
+    """Trace the model, or (deeper than ``EXTRAPOLATE_FROM``) its 3-layer copy and one 4-layer copy per run of
+    layers, extended exactly to full depth; a copy that stops (``stop_above_bytes``) ends it there. Returns
+    (the full-depth trace, the traces run, layers added per extended run)."""
+    layers = evaluation.model_config["num_hidden_layers"]
+    args = (evaluation.model_config, evaluation.techniques, evaluation.seq_len, evaluation.gpus)
+    runs = layer_runs(evaluation.techniques, layers)
+    base, varied = plan_traces(runs)
+    if full_depth or not varied or layers <= EXTRAPOLATE_FROM[1]:
+        result = trace(*args, runs=runs, **kwargs)
+        return result, [result], []
+    traces = [trace(*args, runs=base, **kwargs)]
+    varied_traces = []
+    for index, longer in varied:
+        if traces[-1].stopped:
+            break
+        varied_traces.append((index, trace(*args, runs=longer, **kwargs)))
+        traces.append(varied_traces[-1][1])
+    if traces[-1].stopped:
+        return traces[-1], traces, []
+    extension = [runs[index][1] - EXTRAPOLATE_FROM[0] for index, _ in varied]
+    return extrapolate(traces[0], varied_traces, runs), traces, extension
+
+
 def predict(evaluation: Evaluation, modes: Callable[[Any], Iterable] | None = None, full_depth: bool = False,
             compute_dtype: torch.dtype | None = None, gpu_kernels: bool | None = None,
             stop_above_bytes: int | None = None) -> Prediction:
@@ -80,30 +105,10 @@ def predict(evaluation: Evaluation, modes: Callable[[Any], Iterable] | None = No
     hardware = evaluation.hardware
     kwargs = dict(compute_dtype=compute_dtype or compute_dtype_for(hardware),
                   gpu_kernels=not hardware.device_is_host if gpu_kernels is None else gpu_kernels, modes=modes)
-    layers = evaluation.model_config["num_hidden_layers"]
-    args = (evaluation.model_config, evaluation.techniques, evaluation.seq_len, evaluation.gpus)
-    runs = layer_runs(evaluation.techniques, layers)
-    base, varied = plan_traces(runs)
     if stop_above_bytes is not None:  # tensor bytes t with t + overheads(t) above the limit
-        fixed = hardware.cuda_context_bytes + hardware.nccl_buffer_bytes
-        kwargs["stop_above_bytes"] = max(0, int((stop_above_bytes - fixed) / (1 + hardware.allocator_fragmentation)))
-    extension: list[int] = []
-    if full_depth or not varied or layers <= EXTRAPOLATE_FROM[1]:
-        result = trace(*args, runs=runs, **kwargs)
-        traces = [result]
-    else:
-        traces = [trace(*args, runs=base, **kwargs)]
-        varied_traces = []
-        for index, longer in varied:
-            if traces[-1].stopped:
-                break
-            varied_traces.append((index, trace(*args, runs=longer, **kwargs)))
-            traces.append(varied_traces[-1][1])
-        if traces[-1].stopped:
-            result = traces[-1]
-        else:
-            result = extrapolate(traces[0], varied_traces, runs)
-            extension = [runs[index][1] - EXTRAPOLATE_FROM[0] for index, _ in varied]
+        kwargs["stop_above_bytes"] = max(0, int((stop_above_bytes - hardware.runtime_overhead_bytes)
+                                                / (1 + hardware.allocator_fragmentation)))
+    result, traces, extension = _trace_to_full_depth(evaluation, full_depth, **kwargs)
     extra = hardware.overhead_bytes(result.peak_device_bytes)
     breakdown = dict(result.breakdown)
     breakdown["other"] = breakdown.get("other", 0) + extra
@@ -118,16 +123,9 @@ def explain(evaluation: Evaluation, top: int = 12) -> str:
     category, then, for the peak segment, the op at its peak and the largest tensors alive then (from the
     traced shallow copy: per-layer tensors are shown once, the full-depth sums are in the table)."""
     hardware = evaluation.hardware
-    layers = evaluation.model_config["num_hidden_layers"]
-    runs = layer_runs(evaluation.techniques, layers)
-    base, varied = plan_traces(runs)
-    kwargs = dict(compute_dtype=compute_dtype_for(hardware), gpu_kernels=not hardware.device_is_host, explain=True)
-    args = (evaluation.model_config, evaluation.techniques, evaluation.seq_len, evaluation.gpus)
-    if not varied or layers <= EXTRAPOLATE_FROM[1]:
-        result = first = trace(*args, runs=runs, **kwargs)
-    else:
-        first = trace(*args, runs=base, **kwargs)
-        result = extrapolate(first, [(i, trace(*args, runs=r, **kwargs)) for i, r in varied], runs)
+    result, traces, _ = _trace_to_full_depth(evaluation, compute_dtype=compute_dtype_for(hardware),
+                                             gpu_kernels=not hardware.device_is_host, explain=True)
+    first = traces[0]
     gib = 2.0**30
     lines = [f"{'segment':<40} {'GiB':>8}  " + " ".join(f"{c[:6]:>7}" for c in BREAKDOWN_CATEGORIES) + "   host"]
     for key, seg in result.segments.items():
@@ -147,6 +145,3 @@ def explain(evaluation: Evaluation, top: int = 12) -> str:
             lines.append(f"  {entry['bytes'] / gib:8.3f} GiB {entry['category']:<12} {entry['dtype']:<9} "
                          f"{str(list(entry['shape'])):<28} from {entry['op']} in {entry['made_in']}")
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------------------

@@ -89,6 +89,3 @@ def _zero_like(value):
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return type(value)(**{f.name: _zero_like(getattr(value, f.name)) for f in dataclasses.fields(value)})
     return value
-
-
-# ---------------------------------------------------------------------------------------------------------

@@ -112,6 +112,3 @@ def install_segment_hooks(model, tracker: DeviceMemoryTracker, peaks: SegmentPea
         handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(layer.register_forward_hook(post, with_kwargs=True))
     return handles
-
-
-# ---------------------------------------------------------------------------------------------------------

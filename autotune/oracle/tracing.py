@@ -58,7 +58,7 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
     ``layers``: trace a copy of the model with this many decoder layers (default: the model's own), all alike
     (``activation_offload_layers`` must be 0 or all); ``runs``: the layers as runs of identical layers
     (``layer_runs``) for a copy of the model, e.g. ``[("offload", 3), ("device", 4)]``.
-    ``modes(tracker)``: extra ``TorchDispatchMode``s (e.g. ``autotune.throughput.StepCounter``) entered
+    ``modes(tracker)``: extra ``TorchDispatchMode``s (e.g. ``autotune.timing.counting.StepCounter``) entered
     inside the tracker around the traced steps only (not the priming); they are returned in ``extras``.
     ``prime_optimizer``: create the AdamW states before the traced step (see module doc); with False, trace
     ``steps`` >= 2 to see them. ``explain``: keep, per segment, the op at its peak and the largest live
@@ -104,7 +104,7 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
             extra_modes = list(modes(tracker)) if modes is not None else []
             try:
                 with contextlib.ExitStack() as stack:
-                    # only around the step: transformers probes for flash_attn while it imports model code
+                    # the step alone: flash stand-ins for its attention, FSDP's buffers labelled params
                     stack.enter_context(fake_flash_kernels(gpu_kernels and techniques.attention == "flash"))
                     stack.enter_context(patches.fsdp_all_gather_buffers(
                         lambda fsdp_param: tracker.retag(fsdp_param.all_gather_outputs, "params")))

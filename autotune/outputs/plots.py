@@ -20,7 +20,7 @@ def knob_label(techniques: dict) -> str:
     parts: dict[str, str] = {}
     for knob in knobs():
         value = techniques.get(knob.name, knob.default)
-        if knob.label is None or value == knob.default or value in (None, 0, False):
+        if knob.label is None or knob.is_off(value):
             continue
         text = knob.label.format(value)
         if knob.parent is not None:

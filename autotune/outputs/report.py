@@ -5,7 +5,7 @@
     one column per knob of ``trials.techniques.Techniques`` (bool, int -- head_chunk null = plain Ulysses -- or
     str, from the knob's kind), seq_len (int), status, source (str), tokens_per_s, step_time_s (float),
     peak_device_bytes, host_bytes (int), breakdown_<category> (int, one per category of
-    autotune.record.BREAKDOWN_CATEGORIES), loss, grad_norm (float), device, error (str).
+    autotune.core.record.BREAKDOWN_CATEGORIES), loss, grad_norm (float), device, error (str).
 ``pareto.json`` carries ``"schema": "autotune/pareto-v1"``.
 A predicted ``oom`` row whose trace ran in full keeps ``tokens_per_s`` / ``step_time_s`` as the rate it would have
 had with the memory (a what-if); the search's objective, the front and the log count only ``ok`` rows' rates.

@@ -106,6 +106,3 @@ def _crossing(seen: dict, points: list[int], capacity: int, default: int) -> int
     if slope <= 0:
         return default
     return int(math.floor(a + (capacity - pa) / slope))
-
-
-# ---------------------------------------------------------------------------------------------------------

@@ -69,9 +69,14 @@ def make_objective(job: SearchJob, study: optuna.Study, on_record: Callable | No
     return objective
 
 
+def open_study(job: SearchJob, storage=None) -> optuna.Study:
+    """The job's study: resumed, or created with its seeds queued first (``storage``: an already opened one)."""
+    return create_study(job, storage, seeds=seed_params(job))
+
+
 def run(job: SearchJob, on_record: Callable | None = None, study: optuna.Study | None = None) -> optuna.Study:
     """Run (or resume) the study until it holds ``job.trials`` finished trials or the timeout passes."""
-    study = study or create_study(job, seeds=seed_params(job))
+    study = study or open_study(job)
     done = len(study.get_trials(deepcopy=False, states=FINISHED))
     remaining = max(0, job.trials - done)
     if remaining:

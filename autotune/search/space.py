@@ -51,11 +51,6 @@ def _active(knob: Knob, values: dict) -> bool:
     return True
 
 
-def _off(knob: Knob):
-    """The value of a knob that is not sampled."""
-    return knob.default
-
-
 @dataclass
 class SearchSpace:
     """Choices per knob (already filtered for a model and node) and the sequence-length grid."""
@@ -75,11 +70,11 @@ class SearchSpace:
         values: dict[str, Any] = {}
         for knob in knobs():
             if not _active(knob, values):
-                values[knob.name] = _off(knob)
+                values[knob.name] = knob.default
                 continue
             choices = self.knob_choices(knob, values)
             if knob.split_by and len(choices) <= 1:  # no choice: no parameter (the only choice, or off)
-                values[knob.name] = choices[0] if choices else _off(knob)
+                values[knob.name] = choices[0] if choices else knob.default
                 continue
             value = trial.suggest_categorical(param_name(knob, values), choices)
             values[knob.name] = num_layers if value == ALL_LAYERS else value
@@ -97,12 +92,12 @@ class SearchSpace:
         for knob in knobs():
             value = values[knob.name]
             if not _active(knob, values):
-                if value != _off(knob):
+                if value != knob.default:
                     return None
                 continue
             choices = self.knob_choices(knob, values)
             if knob.split_by and len(choices) <= 1:
-                if value != (choices[0] if choices else _off(knob)):
+                if value != (choices[0] if choices else knob.default):
                     return None
                 continue
             if ALL_LAYERS in choices and value == num_layers:
@@ -149,8 +144,8 @@ class SearchSpace:
         else the first choice."""
         if knob.split_by:
             choices = self.knob_choices(knob, values)
-            return _off(knob) if _off(knob) in choices else choices[0]
-        return _off(knob)
+            return knob.default if knob.default in choices else choices[0]
+        return knob.default
 
 
 def load_space(path: str | Path | None, model_config: dict, gpus: int, target: int,
