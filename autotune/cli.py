@@ -75,7 +75,10 @@ def _out_dir(out: Path) -> Path:
 
 
 def _hardware_for(backend_name: str, hardware: str, memory_gib: Optional[float]):
-    """Local trials on a CPU-only machine run on the ``cpu`` preset with ``--memory-gib`` per rank."""
+    """Local trials on a CPU-only machine run on the ``cpu`` preset with ``--memory-gib`` per rank; on a GPU node
+    the preset's capacity is the card's own (an H100 80GB has 79.65 GiB, not the 80 its name says)."""
+    import dataclasses
+
     import torch
 
     from autotune.core.hardware import HOST_PRESET, load_hardware
@@ -83,7 +86,25 @@ def _hardware_for(backend_name: str, hardware: str, memory_gib: Optional[float])
     preset = load_hardware(hardware)
     if backend_name == "local" and not torch.cuda.is_available():
         preset = load_hardware(HOST_PRESET)
+    elif backend_name == "local":
+        card = torch.cuda.get_device_properties(0).total_memory
+        preset = dataclasses.replace(preset, device_memory_bytes=card)
     return preset.with_memory_gib(memory_gib)
+
+
+def _local_checks(gpus: int, techniques_wanting_flash: bool) -> None:
+    """What a real trial on this node needs before it starts: enough visible devices, a usable flash-attn."""
+    from autotune.backends.local import visible_devices
+
+    visible = visible_devices()
+    if visible and gpus > visible:
+        fail(f"--gpus {gpus} but this node shows {visible} CUDA device(s) (CUDA_VISIBLE_DEVICES limits them)")
+    if techniques_wanting_flash:
+        from trials.attention import flash_problem
+
+        problem = flash_problem() or (None if visible else "this node has no CUDA device")
+        if problem:
+            fail(f"attention 'flash' cannot run here: {problem}")
 
 
 def _print_record(record: dict, as_json: bool, title: str) -> None:
@@ -120,7 +141,8 @@ def search(
     study: Optional[str] = typer.Option(None, help="study name (workers sharing --storage use the same)"),
     seed: int = typer.Option(0, help="sampler seed"),
     memory_gib: Optional[float] = typer.Option(None, help="per-rank capacity in GiB (CPU trials; overrides preset)"),
-    trial_timeout: float = typer.Option(900.0, help="seconds before a real trial is killed as hung"),
+    trial_timeout: Optional[float] = typer.Option(
+        None, help="seconds before a real trial is killed as hung (default: from its predicted step time)"),
     prefilter: bool = typer.Option(True, help="local backend: skip real trials the oracle predicts to OOM"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object (the summary)"),
 ):
@@ -146,10 +168,17 @@ def search(
     out = _out_dir(out)
     opened_storage = search_mod.open_storage(storage, out)
     flash_ok = backend_name == "plan" and not hw.device_is_host or _flash_installed()
-    search_space = load_space(space, model_config, gpus, target_tokens, flash_ok=flash_ok)
     if backend_name == "local":
-        chosen = make_backend("local", memory_gib=memory_gib, timeout_s=trial_timeout, seed=seed)
+        _local_checks(gpus, False)
+        _warn_if_flash_is_broken()
+    search_space = load_space(space, model_config, gpus, target_tokens, flash_ok=flash_ok)
+    if trial_timeout is not None and trial_timeout <= 0:
+        fail(f"--trial-timeout must be a positive number of seconds, got {trial_timeout}")
+    if backend_name == "local":
         oracle = make_backend("plan", stop_above=1 + hw.oracle_margin) if prefilter else None
+        # the trial deadlines follow the predicted step time: the prefilter's cached records, else a plan backend
+        chosen = make_backend("local", memory_gib=memory_gib, timeout_s=trial_timeout, seed=seed,
+                              predictor=oracle or make_backend("plan"))
     else:  # the search needs to know only that an OOM does not fit: its trace may stop at the crossing
         chosen, oracle = make_backend("plan", stop_above=1.0), None
     job = search_mod.SearchJob(model=model, model_config=model_config, target=target_tokens, gpus=gpus,
@@ -193,6 +222,17 @@ def _flash_installed() -> bool:
     from trials.attention import flash_available
 
     return torch.cuda.is_available() and flash_available(torch.device("cuda"))
+
+
+def _warn_if_flash_is_broken() -> None:
+    """flash-attn installed but not importable (an ABI mismatch with torch, a missing CUDA library) would make
+    ``flash`` vanish from a search on a GPU node: say so, loudly, with the import error."""
+    from trials.attention import FLASH_INSTALLED, flash_problem
+
+    problem = flash_problem()
+    if FLASH_INSTALLED and problem:
+        console.print(f"[bold red]warning:[/] {problem}; attention 'flash' is left out of this search "
+                      f"(reinstall it with bin/setup-gpu)")
 
 
 def _print_front(front: list[dict], target: int) -> None:
@@ -263,7 +303,8 @@ def trial(
     config: str = typer.Option(..., help="config file (config-v1 JSON) or 'baseline'"),
     gpus: int = typer.Option(1), steps: int = typer.Option(2, help="measured steps after one warm-up"),
     memory_gib: Optional[float] = typer.Option(None, help="per-rank capacity on CPU (GiB)"),
-    timeout: float = typer.Option(900.0, help="seconds before the trial is killed as hung"),
+    timeout: Optional[float] = typer.Option(
+        None, help="seconds before the trial is killed as hung (default: from its predicted step time)"),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Run one real training trial on this node and print its measured record."""
@@ -278,8 +319,12 @@ def trial(
         fail(f"--steps must be at least 1, got {steps}")
     techniques = _load_config_arg(config, model_config)[0]
     techniques.validate(model_config, gpus, seq_len)
+    _local_checks(gpus, techniques.attention == "flash")
+    if timeout is not None and timeout <= 0:
+        fail(f"--timeout must be a positive number of seconds, got {timeout}")
     hw = _hardware_for("local", "h100-sxm", _memory(memory_gib))
-    backend = make_backend("local", steps=steps, memory_gib=memory_gib, timeout_s=timeout)
+    backend = make_backend("local", steps=steps, memory_gib=memory_gib, timeout_s=timeout,
+                           predictor=make_backend("plan"))
     record = backend.evaluate(Evaluation(model_config, techniques, seq_len, gpus, hw))
     _print_record(record.to_dict(), as_json, f"{model} x{gpus} (measured)")
 

@@ -50,6 +50,25 @@ def full_grads(model) -> dict[str, torch.Tensor]:
     return grads
 
 
+def counted_grad_norm(model, mesh) -> tuple[float, list[str]]:
+    """``trials.step.grad_norm`` and the device of every all-reduce it made (NCCL groups take device tensors
+    only, so with optimizer offload a host-tensor collective would fail on a GPU node)."""
+    import torch.distributed as dist
+    from trials.step import grad_norm
+
+    calls, real = [], dist.all_reduce
+
+    def all_reduce(tensor, *args, **kwargs):
+        calls.append(str(tensor.device))
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = all_reduce
+    try:
+        return grad_norm(model, mesh), calls
+    finally:
+        dist.all_reduce = real
+
+
 def reference(model_config: dict, seq_len: int, dp: int) -> dict:
     """Plain model, one process: dp replicas' mean gradients, mean loss, and mean loss after one AdamW step."""
     from trials.data import make_batch, synthetic_sample
@@ -119,6 +138,9 @@ def run_case(case: dict, seq_len: int, refs: dict, meshes: dict) -> dict:
         if rel > worst:
             worst, worst_name = rel, name
     result.update(grad_rel=worst, grad_rel_param=worst_name, grad_maxabs_rel=worst_abs)
+    norm, collectives = counted_grad_norm(model, mesh)
+    ref_norm = float(sum(float(g.double().square().sum()) for g in ref["grads"].values()) ** 0.5)
+    result.update(grad_norm_rel=abs(norm - ref_norm) / ref_norm, grad_norm_collectives=collectives)
     if case.get("step"):
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
         optimizer.step()

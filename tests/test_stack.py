@@ -107,6 +107,11 @@ def _check_exact(report: dict, expected: int) -> None:
     assert len(results) == expected
     bad = []
     for row in results:
+        # the norm is one scalar collective on the mesh's device (never one per parameter, never a host tensor)
+        if row["grad_norm_rel"] > GRAD_RTOL or len(row["grad_norm_collectives"]) > 1 or any(
+                device != "cpu" for device in row["grad_norm_collectives"]):
+            bad.append(f"{row['name']}: grad norm rel {row['grad_norm_rel']:.2e}, "
+                       f"collectives {row['grad_norm_collectives']}")
         if row["loss_rel"] > LOSS_RTOL or row["grad_rel"] > GRAD_RTOL or row.get("step_loss_rel", 0) > LOSS_RTOL:
             bad.append(f"{row['name']}: loss rel {row['loss_rel']:.2e}, grad rel {row['grad_rel']:.2e} "
                        f"({row['grad_rel_param']}), after-step loss rel {row.get('step_loss_rel', 0):.2e}")

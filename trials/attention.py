@@ -28,13 +28,28 @@ ATTN_IMPLEMENTATION = "autotune"
 try:  # optional GPU extra
     from flash_attn import flash_attn_func  # type: ignore
     FLASH_IMPORT_ERROR = None
+    FLASH_INSTALLED = True
 except Exception as exc:  # pragma: no cover - not installed (CPU machines), or installed but broken: say which
     flash_attn_func = None
     FLASH_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+    # installed but broken (an ABI mismatch with torch, a missing CUDA library) is worth a loud warning;
+    # simply absent is the normal state of a CPU machine
+    FLASH_INSTALLED = not (isinstance(exc, ModuleNotFoundError) and exc.name == "flash_attn")
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def flash_problem() -> str | None:
+    """Why flash-attn cannot be used in this process (None when it can be imported or stands in)."""
+    if _flash.func is not None:
+        return None
+    if FLASH_INSTALLED:
+        return f"flash-attn is installed but cannot be imported ({FLASH_IMPORT_ERROR})"
+    return "flash-attn is not installed (bin/setup-gpu installs it)"
 
 
 def _flash_unavailable(device: torch.device) -> str:
-    why = f"flash-attn cannot be imported ({FLASH_IMPORT_ERROR})" if _flash.func is None else f"the device is {device}"
+    why = flash_problem() or f"the device is {device}"
     return f"attention 'flash' needs flash-attn installed and a CUDA device: {why}"
 
 
@@ -77,15 +92,32 @@ def _wrapped_flash(direction: str):
     return getattr(flash_attn_interface, f"_wrapped_flash_attn_{direction}")
 
 
+def flash_inputs(*tensors):
+    """q/k/v in the one 16-bit dtype flash-attn computes in.
+
+    Under autocast, HF's rotary step multiplies 16-bit q/k by fp32 cos/sin, so q/k arrive in fp32 while v is
+    16-bit; flash-attn takes fp16/bf16 only, all three in one dtype. The target is the autocast dtype when
+    autocast is on, else the 16-bit dtype among the inputs; all-fp32 inputs are an error (flash has no fp32)."""
+    device_type = tensors[0].device.type
+    if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) in FLASH_DTYPES:
+        dtype = torch.get_autocast_dtype(device_type)
+    else:
+        dtype = next((t.dtype for t in reversed(tensors) if t.dtype in FLASH_DTYPES), None)
+    if dtype is None:
+        raise RuntimeError(f"attention 'flash' computes in fp16/bf16 only, got q/k/v in "
+                           f"{', '.join(str(t.dtype) for t in tensors)} (use compute dtype bf16, or attention 'sdpa')")
+    return tuple(t if t.dtype == dtype else t.to(dtype) for t in tensors)
+
+
 def causal_attention(query, key, value, scaling: float | None = None, kernel: str = "sdpa"):
     """[b, hq, s, d] x [b, hkv, s, d] -> [b, s, hq, d], causal."""
     if kernel == "flash":
         if not flash_available(query.device):
             raise RuntimeError(_flash_unavailable(query.device))
-        out = _flash.func(
+        query, key, value = flash_inputs(query, key, value)
+        return _flash.func(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=True, softmax_scale=scaling
         )
-        return out
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
@@ -151,6 +183,7 @@ def attention_forward(query, key, value, scaling: float, kernel: str = "sdpa"):
     if kernel == "flash":
         if not flash_available(query.device):
             raise RuntimeError(_flash_unavailable(query.device))
+        query, key, value = flash_inputs(query, key, value)
         out, lse, _, rng_state = _wrapped_flash("forward")(
             query, key, value, 0.0, scaling, True, -1, -1, 0.0, None, False)
         return out, (lse, rng_state)

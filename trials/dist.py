@@ -3,7 +3,8 @@
     world = dp_size * sp_degree;  rank = dp_rank * sp_degree + sp_rank
     Ulysses group of replica d: ranks [d*sp_degree, (d+1)*sp_degree)
 
-CPU -> gloo, CUDA -> NCCL. World size 1 needs no process group at all (``Mesh.single()``), except for FSDP
+CPU -> gloo; CUDA -> NCCL for device tensors plus gloo for host ones (``process_group_backend``): with optimizer
+offload FSDP2's shards and gradients live on the host, and any collective on them needs a CPU backend. World size 1 needs no process group at all (``Mesh.single()``), except for FSDP
 (``fsdp``/``optimizer_offload`` on one rank): ``ensure_device_mesh`` then starts a 1-rank group in this process
 (an in-memory store, no port, no torchrun) so ``fully_shard`` has a mesh.
 """
@@ -54,6 +55,11 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def process_group_backend(device: torch.device) -> str:
+    """The backend string for ``init_process_group``: one backend per device type the step's tensors live on."""
+    return "cuda:nccl,cpu:gloo" if torch.device(device).type == "cuda" else "gloo"
+
+
 def init_mesh(sp_degree: int, device: torch.device | None = None, timeout_s: float = 600) -> Mesh:
     """Join the torchrun job (or stay single-process) and build the groups."""
     device = device or default_device()
@@ -63,10 +69,9 @@ def init_mesh(sp_degree: int, device: torch.device | None = None, timeout_s: flo
             raise ValueError(f"ulysses_degree {sp_degree} needs {sp_degree} ranks, have 1")
         return Mesh.single(device)
     if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend=process_group_backend(device), timeout=timedelta(seconds=timeout_s))
     return build_mesh(sp_degree, device)
 
 
@@ -77,8 +82,8 @@ def ensure_device_mesh(mesh: Mesh) -> Mesh:
     if not dist.is_initialized():
         if mesh.world_size != 1:
             raise ValueError("a multi-rank mesh without a process group")
-        backend = "nccl" if mesh.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend=process_group_backend(mesh.device), store=dist.HashStore(), rank=0,
+                                world_size=1)
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh.device_mesh = init_device_mesh(mesh.device.type, (dist.get_world_size(),), mesh_dim_names=("fsdp",))
@@ -103,6 +108,7 @@ def build_mesh(sp_degree: int, device: torch.device) -> Mesh:
         import deepspeed.comm
 
         if not deepspeed.comm.is_initialized():
-            deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), verbose=False)
+            # the already-initialised default group is reused; DeepSpeed wants the device backend's plain name
+            deepspeed.comm.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
     return Mesh(rank=rank, world_size=world_size, sp_degree=sp_degree, device=device,
                 sp_group=sp_group, device_mesh=device_mesh)

@@ -1,7 +1,8 @@
 """Device memory accounting: live tensor bytes by category, a capacity, and the peak.
 
-On CUDA the allocator is the truth (``torch.cuda.max_memory_allocated``) and the card's capacity raises OOM.
-On a CPU-only machine the "device" is simulated: ``DeviceMemoryTracker`` is a TorchDispatchMode that sees
+On CUDA the allocator is the truth for the peak (``torch.cuda.max_memory_allocated``) and the card's capacity
+raises OOM; the tracker runs there too (no capacity) for the breakdown by category and the host bytes (storages
+on the CPU). On a CPU-only machine the "device" is simulated: ``DeviceMemoryTracker`` is a TorchDispatchMode that sees
 every tensor an op produces, counts each distinct storage once (views share storage), subtracts it when the
 storage is freed (weakref finalizer), and follows ``UntypedStorage.resize_`` (FSDP2 frees and re-allocates
 unsharded parameters that way, invisibly to dispatch). When the live total crosses ``capacity_bytes`` it
@@ -69,9 +70,12 @@ class TrackerListener:
 class DeviceMemoryTracker(TorchDispatchMode):
     """Live tensor bytes on the (simulated) device, with an optional capacity that raises OOM."""
 
-    def __init__(self, capacity_bytes: int | None = None):
+    def __init__(self, capacity_bytes: int | None = None, device_type: str = "cpu"):
+        """``device_type``: the trial's device. "cpu" = the simulated device (every storage is device memory unless
+        marked host); a real accelerator ("cuda") = storages on the CPU are host memory by where they live."""
         super().__init__()
         self.capacity_bytes = capacity_bytes
+        self.device_type = device_type
         self.phase = "other"
         self.op = None  # the op being dispatched now (what made a new storage)
         self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -122,8 +126,9 @@ class DeviceMemoryTracker(TorchDispatchMode):
         storage = tensor.untyped_storage()
         info = self._storages.get(storage)
         if info is None:
-            info = StorageInfo(storage.nbytes(), category or _PHASE_CATEGORY.get(self.phase, "other"),
-                               host=self._on_host > 0 or self.phase in self.host_phases)
+            on_host = self._on_host > 0 or self.phase in self.host_phases or (
+                self.device_type != "cpu" and tensor.device.type == "cpu")
+            info = StorageInfo(storage.nbytes(), category or _PHASE_CATEGORY.get(self.phase, "other"), host=on_host)
             self._storages[storage] = info
             weakref.finalize(storage, self._on_free, info, None)
             self._add(info, +1)

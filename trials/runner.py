@@ -9,7 +9,6 @@ torchrun tears the job down instead of leaving peers blocked in a collective.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from trials import allocator
 from trials.data import make_batch, synthetic_sample
 from trials.dist import init_mesh
 from trials.memory import DeviceMemoryTracker
@@ -25,25 +25,54 @@ from trials.spec import RankRecord, TrialSpec
 from trials.step import build_training, train_step
 
 
-def _device_peak(device: torch.device, tracker) -> tuple[int, dict, int]:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device), {}, 0
-    return tracker.peak_device_bytes, dict(tracker.peak_breakdown), tracker.peak_host_bytes
+def _measured_memory(device: torch.device, tracker, record: RankRecord) -> None:
+    """Fill the record's memory fields, the same quantities the oracle predicts (``RankRecord``'s docs)."""
+    record.peak_allocated_bytes = int(tracker.peak_device_bytes)
+    record.breakdown, record.host_bytes = dict(tracker.peak_breakdown), int(tracker.peak_host_bytes)
+    if device.type != "cuda":  # the simulated device: no allocator, no runtime beside the tensors
+        record.peak_reserved_bytes = record.peak_device_bytes = record.peak_allocated_bytes
+        return
+    record.peak_allocated_bytes = int(torch.cuda.max_memory_allocated(device))  # the allocator's own count
+    record.peak_reserved_bytes = int(torch.cuda.max_memory_reserved(device))
+    record.runtime_bytes = _runtime_bytes(device)
+    record.peak_device_bytes = record.peak_reserved_bytes + record.runtime_bytes
+
+
+def _runtime_bytes(device: torch.device) -> int:
+    """Device memory this process holds outside PyTorch's allocator: CUDA context, cuBLAS workspaces, NCCL buffers
+    (what the hardware presets' ``cuda_context_bytes`` + ``nccl_buffer_bytes`` stand for)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, total - free - torch.cuda.memory_reserved(device))
+
+
+def _limit_device_memory(device: torch.device, capacity_bytes: int | None) -> None:
+    """``--memory-gib`` on a GPU: the caching allocator refuses to reserve beyond the capacity less what the
+    runtime already holds, so a trial OOMs where a card of that size would."""
+    if capacity_bytes is None or device.type != "cuda":
+        return
+    torch.cuda.init()
+    total = torch.cuda.get_device_properties(device).total_memory
+    usable = capacity_bytes - _runtime_bytes(device)
+    if usable <= 0 or capacity_bytes > total:
+        raise ValueError(f"capacity {capacity_bytes:,} bytes does not fit this device: it has {total:,} bytes, "
+                         f"{_runtime_bytes(device):,} of them held by the CUDA runtime")
+    torch.cuda.set_per_process_memory_fraction(usable / total, device)
 
 
 def run_trial(spec: TrialSpec, mesh=None) -> RankRecord:
     """Run the trial on this rank and return its record."""
     techniques, seq_len, steps, warmup, seed = spec.techniques, spec.seq_len, spec.steps, spec.warmup, spec.seed
-    mesh = mesh or init_mesh(techniques.ulysses_degree)
+    mesh = mesh or init_mesh(techniques.ulysses_degree, timeout_s=spec.collective_timeout_s)
     device = mesh.device
-    use_tracker = device.type != "cuda"
-    tracker = DeviceMemoryTracker(spec.capacity_bytes) if use_tracker else None
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    # the tracker runs on CUDA too (no capacity there: the card raises OOM): the breakdown and the host bytes
+    tracker = DeviceMemoryTracker(spec.capacity_bytes if device.type != "cuda" else None, device_type=device.type)
     record = RankRecord(status="ok", seq_len=seq_len, rank=mesh.rank, device=_describe(device, mesh))
     step_times = []
     try:
-        with tracker if tracker is not None else contextlib.nullcontext():
+        _limit_device_memory(device, spec.capacity_bytes)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        with tracker:
             model, optimizer = build_training(spec.model_config, techniques, mesh, seed, tracker,
                                               compute_dtype=_compute_dtype(spec.compute_dtype))
             tokens = synthetic_sample(mesh.dp_rank, seq_len, model.config.vocab_size, seed)
@@ -66,8 +95,7 @@ def run_trial(spec: TrialSpec, mesh=None) -> RankRecord:
             record.status, record.error = "oom", str(exc).splitlines()[0][:500]
         else:
             record.status, record.error = "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"
-    peak, breakdown, host = _device_peak(device, tracker)
-    record.peak_device_bytes, record.breakdown, record.host_bytes = int(peak), breakdown, int(host)
+    _measured_memory(device, tracker, record)
     if step_times:
         record.step_time_s = sum(step_times) / len(step_times)
         record.tokens_per_s = seq_len * mesh.dp_size / record.step_time_s
@@ -110,6 +138,7 @@ def _describe(device: torch.device, mesh) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     spec_path, out_dir = Path(argv[0]), Path(argv[1])
+    allocator.configure()
     rank = int(os.environ.get("RANK", 0))
     seq_len = None
     try:

@@ -24,9 +24,10 @@ class TrialSpec:
     seq_len: int
     steps: int = 2
     warmup: int = 1
-    capacity_bytes: int | None = None   # CPU: the tracked per-rank capacity (OOM above it); None on CUDA
+    capacity_bytes: int | None = None   # per-rank capacity (--memory-gib): the tracker's on CPU, the allocator's on CUDA
     seed: int = 0
     compute_dtype: str | None = None    # "bf16" | "fp32"; None = the device's default (bf16 CUDA, fp32 CPU)
+    collective_timeout_s: float = 600.0  # the process group's (NCCL watchdog's) timeout: above the longest step
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)  # the techniques too: a dataclass, as its own to_dict gives
@@ -55,9 +56,13 @@ class RankRecord:
     loss: float | None = None            # first step, mean over the global batch
     grad_norm: float | None = None
     error: str | None = None
-    peak_device_bytes: int = 0
-    breakdown: dict[str, int] = field(default_factory=dict)
-    host_bytes: int = 0
+    # memory, the quantities the oracle predicts (on the simulated CPU device all three peaks are the tracker's):
+    peak_device_bytes: int = 0           # everything the process holds on the device: reserved + runtime_bytes
+    peak_allocated_bytes: int = 0        # live tensors (CUDA: max_memory_allocated; the oracle's tensor peak)
+    peak_reserved_bytes: int = 0         # the caching allocator's segments (CUDA: max_memory_reserved)
+    runtime_bytes: int = 0               # CUDA context, library workspaces, NCCL buffers (outside the allocator)
+    breakdown: dict[str, int] = field(default_factory=dict)  # live tensors by category at the tracker's peak
+    host_bytes: int = 0                  # peak host bytes the step holds (offloaded activations, shards, states)
     step_time_s: float | None = None     # mean of the measured steps
     tokens_per_s: float | None = None
     finished_at: float | None = None     # the launcher reports the earliest failure as the root cause

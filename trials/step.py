@@ -27,12 +27,14 @@ class StepResult:
 
 
 def build_training(model_config: dict, techniques, mesh, seed: int = 0, tracker=None, lr: float = 1e-5,
-                   compute_dtype: torch.dtype | None = None):
+                   compute_dtype: torch.dtype | None = None, fused_optimizer: bool | None = None):
     """Model from the preset (seeded), the technique stack applied, and its AdamW optimizer.
 
     ``compute_dtype``: None = bf16 on CUDA, fp32 on CPU; fp32 master weights either way (see
     ``trials.model.set_compute_dtype``). ``tracker``: a ``DeviceMemoryTracker`` (default: the active one, if any),
-    as for ``forward_backward`` and ``train_step``."""
+    as for ``forward_backward`` and ``train_step``. ``fused_optimizer``: AdamW's fused kernel (one launch per
+    parameter group, no temporaries) -- None = where the optimizer steps on a GPU (not offloaded); elsewhere the
+    per-parameter loop, whose temporaries are one parameter's size (the memory oracle says which it models)."""
     tracker = tracker if tracker is not None else active_tracker()
     compute_dtype = compute_dtype or default_compute_dtype(mesh.device)
     # sharded: built on meta, so each rank only ever allocates its shards (the host's, with optimizer offload)
@@ -43,7 +45,10 @@ def build_training(model_config: dict, techniques, mesh, seed: int = 0, tracker=
     set_compute_dtype(model, compute_dtype)
     if tracker is not None:
         tracker.retag(model.parameters(), "params")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
+    if fused_optimizer is None:
+        fused_optimizer = mesh.device.type == "cuda" and not techniques.optimizer_offload
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, **({"fused": True} if fused_optimizer else
+                                                                  {"foreach": False}))
     return model, optimizer
 
 
@@ -51,12 +56,39 @@ def loss_scale(batch: Batch, mesh) -> float:
     return mesh.sp_degree / batch.valid_tokens
 
 
-def grad_norm(model) -> float:
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads)
-    if hasattr(total, "full_tensor"):
-        total = total.full_tensor()
-    return float(total)
+def grad_norm(model, mesh) -> float:
+    """L2 norm of the whole reduced gradient, with at most one collective: a scalar on ``mesh.device``.
+
+    Sharded gradients (FSDP2 DTensors, disjoint shards over the FSDP mesh) contribute the squares of their local
+    shard, summed over ranks; replicated ones (already all-reduced) count once, locally. With optimizer offload
+    the shards live on the host: their squares are summed there and moved to the device, because the step's
+    process group may have no CPU backend (NCCL) -- ``.full_tensor()`` on a host DTensor would all-reduce CPU
+    tensors over it."""
+    from torch.distributed.tensor import DTensor
+
+    sums = {}  # (device, sharded) -> sum of squares in fp32
+    group = None
+    for param in model.parameters():
+        grad = param.grad
+        if grad is None:
+            continue
+        sharded = isinstance(grad, DTensor)
+        if sharded:
+            group = grad.device_mesh.get_group()
+            grad = grad.to_local()
+        key = (grad.device, sharded)
+        square = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+        sums[key] = square if key not in sums else sums[key] + square
+    sharded = torch.zeros((), dtype=torch.float32, device=mesh.device)
+    local = torch.zeros((), dtype=torch.float32, device=mesh.device)
+    for (_, is_sharded), total in sums.items():
+        if is_sharded:
+            sharded += total.to(mesh.device)
+        else:
+            local += total.to(mesh.device)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(sharded, group=group)
+    return float((sharded + local).sqrt())
 
 
 def forward_backward(model, batch: Batch, mesh, tracker=None) -> torch.Tensor:
@@ -89,7 +121,7 @@ def train_step(model, optimizer, batch: Batch, mesh, tracker=None) -> StepResult
     tracker = tracker if tracker is not None else active_tracker()
     phase = tracker.in_phase if tracker is not None else _no_phase
     scaled_loss = forward_backward(model, batch, mesh, tracker)
-    norm = grad_norm(model)
+    norm = grad_norm(model, mesh)
     with phase("optimizer"):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

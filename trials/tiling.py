@@ -93,7 +93,7 @@ class TiledLogitsLoss(torch.autograd.Function):
     """sum over tiles of cross_entropy(lm_head(hidden_tile), labels_tile, reduction=sum) * scale.
 
     hidden [b, s_l, h], labels [b, s_l] -> scalar. Per tile: logits [b*tile, vocab] (fp32), freed before the next.
-    Saves d_hidden [b, s_l, h] and one gradient per lm_head parameter.
+    Saves d_hidden [b, s_l, h] and one gradient per lm_head parameter (fp32: accumulated over the tiles).
     """
 
     @staticmethod
@@ -104,7 +104,9 @@ class TiledLogitsLoss(torch.autograd.Function):
         tiles = _tiles(b * s_l, tile_tokens)
         step = math.ceil(b * s_l / tiles)
         d_hidden = torch.empty_like(x2d) if hidden.requires_grad else None
-        d_params = [torch.zeros_like(p) if p.requires_grad else None for p in params]
+        # the weight gradient is a sum over every tile (~80 at 655K tokens per rank): fp32, whatever the weight's
+        # dtype (FSDP's bf16 unsharded lm_head), rounded once when handed back
+        d_params = [torch.zeros_like(p, dtype=torch.float32) if p.requires_grad else None for p in params]
         wanted = [p for p in params if p.requires_grad]
         total = hidden.new_zeros((), dtype=torch.float32)
         for start in range(0, b * s_l, step):
@@ -126,6 +128,7 @@ class TiledLogitsLoss(torch.autograd.Function):
         ctx.save_for_backward(*(t for t in [d_hidden, *d_params] if t is not None))
         ctx.has_hidden_grad = d_hidden is not None
         ctx.param_mask = [g is not None for g in d_params]
+        ctx.param_dtypes = [p.dtype for p in params]
         ctx.hidden_shape = hidden.shape
         return total
 
@@ -133,7 +136,8 @@ class TiledLogitsLoss(torch.autograd.Function):
     def backward(ctx, grad_total):
         saved = iter(ctx.saved_tensors)
         d_hidden = next(saved).view(ctx.hidden_shape) * grad_total if ctx.has_hidden_grad else None
-        d_params = [next(saved) * grad_total if here else None for here in ctx.param_mask]
+        d_params = [(next(saved) * grad_total).to(dtype) if here else None
+                    for here, dtype in zip(ctx.param_mask, ctx.param_dtypes)]
         return (None, d_hidden, None, None, None, *d_params)
 
 

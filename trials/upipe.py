@@ -174,6 +174,8 @@ class UPipeAttention:
         self.scaling = module.scaling
         self.q_norm = getattr(module, "q_norm", None)
         self.k_norm = getattr(module, "k_norm", None)
+        self._slot_indices: dict = {}  # (chunk, device) -> index tensor, made once: a host list copied to a GPU
+                                       # per use would block the host on every kv group of every layer
 
     # -- called as the attention module's forward -----------------------------------------------------
     def __call__(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
@@ -212,8 +214,14 @@ class UPipeAttention:
         """[b, s_l, kv_hi - kv_lo, d] -> [b, s_l, P*kc, d] (replicas where ranks share a kv head)."""
         if not chunk.needs_select:
             return kv
-        index = torch.tensor([slot - chunk.kv_lo for slot in chunk.kv_slots], device=kv.device)
-        return kv.index_select(2, index)
+        return kv.index_select(2, self.slot_index(chunk, kv.device))
+
+    def slot_index(self, chunk: Chunk, device) -> torch.Tensor:
+        """The kv heads ``select_slots`` picks for ``chunk``, as an index tensor on ``device`` (cached)."""
+        key = (chunk, device)
+        if key not in self._slot_indices:
+            self._slot_indices[key] = torch.tensor([slot - chunk.kv_lo for slot in chunk.kv_slots], device=device)
+        return self._slot_indices[key]
 
     def to_heads(self, *locals_):
         """``seq_to_heads`` of several tensors: one exchange, or one each (``batch_exchanges``)."""
@@ -349,11 +357,12 @@ class _HeadChunkedAttention(torch.autograd.Function):
             d_hidden, grads = _HeadChunkedAttention._backward(
                 ctx.layer, ctx.residuals_per_chunk, grad_out.to(compute), hidden.to(compute), cos.to(compute),
                 sin.to(compute), out, residuals, [None if p is None else p.to(compute) for p in params],
-                [None if p is None else torch.zeros_like(p) for p in params])
+                [None if p is None else torch.zeros_like(p) for p in params], hidden.dtype)
         return (None, d_hidden.to(hidden.dtype), None, None, *grads)
 
     @staticmethod
-    def _backward(layer: UPipeAttention, per_chunk: int, grad_out, hidden, cos, sin, out, residuals, params, grads):
+    def _backward(layer: UPipeAttention, per_chunk: int, grad_out, hidden, cos, sin, out, residuals, params, grads,
+                  accumulate_dtype):
         """Everything in the compute dtype except ``grads`` (zeros like the parameters), accumulated in place."""
         plan = layer.plan
         q_w, q_b, k_w, k_b, v_w, v_b, qn_w, kn_w = params
@@ -362,7 +371,10 @@ class _HeadChunkedAttention(torch.autograd.Function):
         out_heads = out.view(b, s_l, plan.q_heads, d)
         grad_heads = grad_out.reshape(b, s_l, plan.q_heads, d)
         x2d = hidden.reshape(-1, h)
-        d_hidden = torch.zeros_like(hidden)
+        # d_hidden sums every chunk's q and every group's k/v projections: accumulate in the dtype of the gradient
+        # handed back (fp32 under autocast, where the residual stream is fp32; bf16 under FSDP's bf16 params,
+        # where every gradient of the residual stream is bf16 and an fp32 copy would cost 2 bytes/token/h more)
+        d_hidden = torch.zeros_like(hidden, dtype=accumulate_dtype)
         d_x2d = d_hidden.view(-1, h)
         dq_w, dq_b, dk_w, dk_b, dv_w, dv_b, dqn_w, dkn_w = grads
 
@@ -384,7 +396,10 @@ class _HeadChunkedAttention(torch.autograd.Function):
             """d_proj [b, s_l, heads, d] -> accumulate into d_hidden and the weight rows of those heads."""
             rows = slice(first_head * d, (first_head + heads) * d)
             d2d = d_proj.reshape(-1, heads * d)
-            d_x2d.addmm_(d2d, weight[rows])
+            if d_x2d.dtype == d2d.dtype:
+                d_x2d.addmm_(d2d, weight[rows])
+            else:
+                d_x2d.add_(torch.mm(d2d, weight[rows]))
             if d_weight.dtype == d2d.dtype:
                 d_weight[rows].addmm_(d2d.t(), x2d)
             else:  # fp32 gradient of a bf16 computation
@@ -396,8 +411,7 @@ class _HeadChunkedAttention(torch.autograd.Function):
             """Gradient of ``select_slots``: [b, s_l, P*kc, d] -> [b, s_l, n_kv, d], replicas summed."""
             if not chunk.needs_select:
                 return d_slots
-            index = torch.tensor([slot - chunk.kv_lo for slot in chunk.kv_slots], device=d_slots.device)
-            return d_slots.new_zeros(b, s_l, n_kv, d).index_add_(2, index, d_slots)
+            return d_slots.new_zeros(b, s_l, n_kv, d).index_add_(2, layer.slot_index(chunk, d_slots.device), d_slots)
 
         chunk_index = {chunk: i for i, chunk in enumerate(plan.chunks)}
         for group in plan.kv_groups():

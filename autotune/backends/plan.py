@@ -100,8 +100,11 @@ class PlanBackend(Backend):
                      f"(trace stopped there; the full peak is higher)")
         elif not fits:
             error = f"predicted peak {prediction.peak_device_bytes:,} bytes > capacity {capacity:,} bytes (at {where})"
+        tensor_peak = int(prediction.tensor_peak_bytes)
         record = ResultRecord(
             status="ok" if fits else "oom", peak_device_bytes=int(prediction.peak_device_bytes),
+            peak_allocated_bytes=tensor_peak,
+            peak_reserved_bytes=tensor_peak + hw.overhead_bytes(tensor_peak) - hw.runtime_overhead_bytes,
             host_bytes=int(prediction.host_bytes), breakdown=dict(prediction.breakdown), error=error, **base)
         if self.throughput and not prediction.stopped:
             try:

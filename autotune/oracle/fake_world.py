@@ -71,6 +71,7 @@ class FakeFlashAttn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v):
+        check_flash_inputs(q, k, v)
         b, s, h, d = q.shape
         out = torch.empty_like(q)
         lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
@@ -99,6 +100,15 @@ class FakeFlashAttn(torch.autograd.Function):
         return dq, dk, dv
 
 
+def check_flash_inputs(*tensors) -> None:
+    """Refuse what flash-attn's kernels refuse (``mha_fwd``/``mha_bwd``: fp16/bf16 only, one dtype for all), so a
+    config the real kernel would reject fails in the oracle too instead of getting a prediction."""
+    dtypes = {t.dtype for t in tensors if t is not None}
+    if len(dtypes) != 1 or not dtypes <= set(attention.FLASH_DTYPES):
+        raise RuntimeError(f"FlashAttention only supports fp16 and bf16 data type, all inputs alike; got "
+                           f"{', '.join(str(t.dtype) for t in tensors if t is not None)}")
+
+
 def _record_attention(q, k, v, backward: bool, causal: bool = True) -> None:
     """Tell the throughput counter (``autotune.timing.counting.StepCounter``) about the fake kernel's FLOPs."""
     record_attention(q, k, v, causal=causal, backward=backward, layout="bshd")
@@ -111,6 +121,7 @@ def _fake_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fal
 def _fake_wrapped_flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left=-1,
                                      window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False):
     """flash-attn >= 2.7 ``_wrapped_flash_attn_forward``: (out, softmax_lse fp32 [b, h, s], S_dmask, rng_state)."""
+    check_flash_inputs(q, k, v)
     b, s, h, d = q.shape
     _record_attention(q, k, v, backward=False, causal=causal)
     out = torch.empty_like(q)
@@ -123,6 +134,7 @@ def _fake_wrapped_flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, d
                                       window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
                                       deterministic=False, rng_state=None):
     """flash-attn's ``mha_bwd`` into dq/dk/dv, with its scratch (see ``FakeFlashAttn``); returns softmax_d."""
+    check_flash_inputs(dout, q, k, v, out, dq, dk, dv)
     b, s, h, d = q.shape
     _record_attention(q, k, v, backward=True, causal=causal)
     softmax_d = torch.empty((b, h, s), dtype=torch.float32, device=q.device)

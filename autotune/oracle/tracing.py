@@ -95,7 +95,8 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
             ensure_device_mesh(mesh)  # one rank with FSDP: a 1-rank (fake) group, as trials.stack.apply makes
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         with fake_mode, tracker, oracle_mode(gpu_kernels):
-            model, optimizer = build_training(config, techniques, mesh, seed, tracker, compute_dtype=compute_dtype)
+            model, optimizer = build_training(config, techniques, mesh, seed, tracker, compute_dtype=compute_dtype,
+                                              fused_optimizer=gpu_kernels and not techniques.optimizer_offload)
             install_segment_hooks(model, tracker, peaks, runs)
             tokens = torch.zeros(seq_len + 1, dtype=torch.long)
             batch = make_batch(tokens, mesh.sp_rank, mesh.sp_degree, device)

@@ -4,7 +4,7 @@
     trial (int), answered_by (str: local | plan | cache | monotone | oracle),
     one column per knob of ``trials.techniques.Techniques`` (bool, int -- head_chunk null = plain Ulysses -- or
     str, from the knob's kind), seq_len (int), status, source (str), tokens_per_s, step_time_s (float),
-    peak_device_bytes, host_bytes (int), breakdown_<category> (int, one per category of
+    peak_device_bytes, peak_allocated_bytes, peak_reserved_bytes, host_bytes (int), breakdown_<category> (int, one per category of
     autotune.core.record.BREAKDOWN_CATEGORIES), loss, grad_norm (float), device, error (str).
 ``pareto.json`` carries ``"schema": "autotune/pareto-v1"``.
 A predicted ``oom`` row whose trace ran in full keeps ``tokens_per_s`` / ``step_time_s`` as the rate it would have
@@ -34,7 +34,7 @@ _SCHEMA = pa.schema(
     + [(k.name, _ARROW_TYPES[k.kind]) for k in knobs()]
     + [("seq_len", pa.int64()), ("status", pa.string()), ("source", pa.string()),
        ("tokens_per_s", pa.float64()), ("step_time_s", pa.float64()), ("peak_device_bytes", pa.int64()),
-       ("host_bytes", pa.int64())]
+       ("peak_allocated_bytes", pa.int64()), ("peak_reserved_bytes", pa.int64()), ("host_bytes", pa.int64())]
     + [(f"breakdown_{c}", pa.int64()) for c in BREAKDOWN_CATEGORIES]
     + [("loss", pa.float64()), ("grad_norm", pa.float64()), ("device", pa.string()), ("error", pa.string())]
 )
@@ -47,7 +47,8 @@ def trial_rows(study) -> list[dict]:
         row = {"trial": trial.number, "answered_by": trial.user_attrs.get("answered_by")}
         row.update({k: trial.user_attrs["techniques"].get(k, getattr(BASELINE, k)) for k in KNOBS})  # older studies lack new knobs
         row.update({k: record.get(k) for k in ("seq_len", "status", "source", "tokens_per_s", "step_time_s",
-                                                "peak_device_bytes", "host_bytes", "loss", "grad_norm",
+                                                "peak_device_bytes", "peak_allocated_bytes",
+                                                "peak_reserved_bytes", "host_bytes", "loss", "grad_norm",
                                                 "device", "error")})
         breakdown = record.get("breakdown") or {}
         row.update({f"breakdown_{c}": breakdown.get(c) for c in BREAKDOWN_CATEGORIES})

@@ -1,0 +1,176 @@
+"""The CUDA path's defects (issue 15), each caught on CPU where it can be: flash-attn's input dtypes without FSDP,
+the gradient norm's collectives, trial deadlines from the predicted step time, the allocator settings, fp32
+accumulation across loss tiles and head chunks, and the measured record's allocated / reserved / host bytes."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from trials import attention
+from trials.dist import Mesh
+from trials.model_config import load_model_config
+from trials.techniques import Techniques
+
+
+def _flash_stand_in(seen: list):
+    """flash-attn's ``flash_attn_func`` contract on CPU: q/k/v [b, s, h, d] in ONE 16-bit dtype (what mha_fwd
+    checks), computed with torch's SDPA so a step runs for real."""
+
+    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        assert q.dtype == k.dtype == v.dtype and q.dtype in (torch.float16, torch.bfloat16), seen[-1]
+        groups = q.shape[2] // k.shape[2]
+        k, v = (t.repeat_interleave(groups, dim=2) for t in (k, v))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=causal, scale=softmax_scale)
+        return out.transpose(1, 2)
+
+    return flash_attn_func
+
+
+def _one_step(techniques: Techniques, compute_dtype=torch.bfloat16) -> float:
+    from trials.data import make_batch, synthetic_sample
+    from trials.step import build_training, train_step
+
+    mesh = Mesh.single("cpu")
+    model, optimizer = build_training(load_model_config("tiny-llama"), techniques, mesh, seed=0,
+                                      compute_dtype=compute_dtype)
+    batch = make_batch(synthetic_sample(0, 256, model.config.vocab_size, 0), 0, 1, mesh.device)
+    return train_step(model, optimizer, batch, mesh).loss
+
+
+def test_flash_without_fsdp_gets_one_16bit_dtype():
+    # under bf16 autocast HF's rotary step turns q/k fp32 (bf16 x fp32 cos/sin) while v stays bf16
+    seen: list = []
+    with attention.flash_kernels(_flash_stand_in(seen), None, None):
+        flash = _one_step(Techniques(attention="flash"))
+    assert seen and all(dtypes == (torch.bfloat16,) * 3 for dtypes in seen), seen
+    sdpa = _one_step(Techniques(attention="sdpa"))
+    assert abs(flash - sdpa) <= 2e-2 * abs(sdpa), (flash, sdpa)  # the same model, bf16 rounding apart
+
+
+def test_flash_refuses_fp32_compute_with_the_reason():
+    seen: list = []
+    with attention.flash_kernels(_flash_stand_in(seen), None, None):
+        try:
+            _one_step(Techniques(attention="flash"), compute_dtype=torch.float32)
+        except RuntimeError as exc:
+            assert "fp16/bf16" in str(exc) and "sdpa" in str(exc)
+        else:
+            raise AssertionError("flash with fp32 compute ran")
+    assert not seen
+
+
+def test_the_oracle_refuses_what_flash_attn_refuses():
+    from autotune.oracle.fake_world import FakeFlashAttn
+
+    q = torch.empty(1, 16, 4, 8)
+    k = v = torch.empty(1, 16, 2, 8, dtype=torch.bfloat16)
+    try:
+        FakeFlashAttn.apply(q, k, v)
+    except RuntimeError as exc:
+        assert "fp16 and bf16" in str(exc)
+    else:
+        raise AssertionError("the fake flash kernel took fp32 q with bf16 k/v")
+
+
+def test_flash_configs_without_fsdp_get_a_prediction_on_a_gpu_preset():
+    from autotune.backends import Evaluation
+    from autotune.backends.plan import PlanBackend
+    from autotune.core.hardware import load_hardware
+
+    config = load_model_config("tiny-llama")
+    for knobs in ({}, {"ulysses_degree": 2}, {"ulysses_degree": 2, "head_chunk": 1}):
+        techniques = Techniques(attention="flash", **knobs)
+        record = PlanBackend(throughput=False).evaluate(
+            Evaluation(config, techniques, 2048, techniques.ulysses_degree, load_hardware("h100-sxm")))
+        assert record.status == "ok", (knobs, record.error)
+
+
+def test_loss_tiles_accumulate_the_lm_head_gradient_in_fp32():
+    # bf16 lm_head (FSDP's unsharded parameter) over 128 tiles: one rounding, not one per tile
+    from trials.tiling import tiled_loss
+
+    torch.manual_seed(0)
+    tokens, hidden_size, vocab = 4096, 64, 256
+    head = torch.nn.Linear(hidden_size, vocab, bias=False).to(torch.bfloat16)
+    hidden = torch.randn(1, tokens, hidden_size, dtype=torch.bfloat16)
+    labels = torch.randint(0, vocab, (1, tokens))
+    tiled_loss(32)(hidden, head, labels, 1.0 / tokens).backward()
+    reference = head.weight.detach().float().requires_grad_(True)
+    logits = hidden[0].float() @ reference.t()
+    (F.cross_entropy(logits, labels[0], reduction="sum") / tokens).backward()
+    error = float((head.weight.grad.float() - reference.grad).norm() / reference.grad.norm())
+    assert head.weight.grad.dtype == torch.bfloat16
+    assert error < 4e-3, error  # bf16 accumulation over the 128 tiles gives ~1e-2
+
+
+# -- allocator settings, deadlines, the measured record ------------------------------------------------------
+
+def test_allocator_settings_are_merged_into_the_trial_environment_and_known_to_torch():
+    from trials.allocator import SETTINGS, configure, trial_environment
+
+    env = trial_environment({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128,expandable_segments:False", "X": "1"})
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in env and env["X"] == "1"
+    assert env["PYTORCH_ALLOC_CONF"] == "max_split_size_mb:128,expandable_segments:True,pinned_max_round_threshold_mb:1"
+    # torch parses each of our keys (a bad value is refused), and takes ours
+    for key in SETTINGS:
+        try:
+            torch._C._accelerator_setAllocatorSettings(f"{key}:not-a-value")
+        except (ValueError, RuntimeError):
+            pass
+        else:
+            raise AssertionError(f"torch {torch.__version__} does not know the allocator setting {key!r}")
+    assert configure().endswith("expandable_segments:True,pinned_max_round_threshold_mb:1")
+    assert "pinned_max_round_threshold_mb:1" in torch._C._accelerator_getAllocatorSettings()
+
+
+def test_trial_deadlines_follow_the_predicted_step_time():
+    from autotune.backends.local import LocalBackend, trial_deadlines
+    from autotune.core.record import ResultRecord
+
+    # README's 5M prediction is ~14,000 s a step: 1 warm-up + 2 steps must fit, and a collective may wait a step
+    deadline, collective = trial_deadlines(14_068.0, steps=2, warmup=1)
+    assert deadline > 3 * 14_068 and collective > 14_068
+    assert trial_deadlines(0.5, steps=2, warmup=1)[1] == 600.0  # never below the NCCL default
+
+    class Predictor:
+        def evaluate(self, evaluation):
+            return ResultRecord(status="ok", source="predicted", seq_len=evaluation.seq_len, step_time_s=1000.0)
+
+    assert LocalBackend(predictor=Predictor()).deadlines(_evaluation()) == trial_deadlines(1000.0, 2, 1)
+    assert LocalBackend(timeout_s=50.0, predictor=Predictor()).deadlines(_evaluation())[0] == 50.0
+
+
+def _evaluation(**knobs):
+    from autotune.backends import Evaluation
+    from autotune.core.hardware import load_hardware
+
+    return Evaluation(load_model_config("tiny-llama"), Techniques(**knobs), 256, 1, load_hardware("cpu"))
+
+
+def test_the_tracker_counts_host_storages_as_host_on_a_real_accelerator():
+    from trials.memory import DeviceMemoryTracker
+
+    with DeviceMemoryTracker(device_type="cuda") as tracker:
+        host = torch.empty(1000, dtype=torch.float32)  # a CPU storage beside a GPU step: host memory
+        assert tracker.host_bytes == 4000 and tracker.device_bytes == 0
+    with DeviceMemoryTracker() as tracker:              # the simulated device: CPU storages are the device's
+        simulated = torch.empty(1000, dtype=torch.float32)
+        assert tracker.device_bytes == 4000 and tracker.host_bytes == 0
+    del host, simulated
+
+
+def test_a_measured_record_has_the_predicted_quantities():
+    from trials.runner import run_trial
+    from trials.spec import TrialSpec
+
+    spec = TrialSpec(model_config=load_model_config("tiny-llama"),
+                     techniques=Techniques(activation_checkpointing=True, activation_offload_layers=1),
+                     seq_len=256, steps=1, warmup=0)
+    record = run_trial(spec, Mesh.single("cpu"))
+    assert record.status == "ok", record.error
+    # the simulated device has no allocator and no runtime: all three peaks are the tracker's
+    assert record.peak_device_bytes == record.peak_allocated_bytes == record.peak_reserved_bytes > 0
+    assert record.host_bytes > 0 and sum(record.breakdown.values()) == record.peak_allocated_bytes
