@@ -30,6 +30,8 @@ class ResultRecord:
     grad_norm: float | None = None
     device: str | None = None
     error: str | None = None
+    measured_layers: int | None = None       # a reduced-depth real trial: the decoder layers that ran (extended to
+                                             # the model's depth); None at full depth and for predictions
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -5,20 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from trials.segments import Segment
 from autotune.core.record import BREAKDOWN_CATEGORIES
 
 EXTRAPOLATE_FROM = (3, 4)  # traced depths when a model is deeper than the larger one
-
-
-@dataclass
-class Segment:
-    """The peak of one segment of the step: total device bytes, by category, and the host bytes then."""
-
-    device_bytes: int
-    breakdown: dict[str, int]
-    host_bytes: int = 0
-    at_op: str | None = None             # explain mode: the op right before the peak
-    live: list | None = None             # explain mode: the largest live storages at the peak
 
 
 @dataclass

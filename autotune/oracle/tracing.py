@@ -18,7 +18,7 @@ from trials.step import build_training, train_step
 from autotune.core.record import BREAKDOWN_CATEGORIES
 from autotune.oracle.fake_world import fake_flash_kernels, fake_process_group, oracle_mode
 from autotune.oracle.results import Segment, Trace, full_breakdown
-from autotune.oracle.segments import SegmentPeaks, install_segment_hooks
+from trials.segments import SegmentPeaks, install_segment_hooks
 
 
 def compute_dtype_for(hardware) -> torch.dtype:

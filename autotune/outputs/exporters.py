@@ -102,7 +102,7 @@ def deepspeed_python(config: TrialConfig) -> str:
     """The lines that enable the ALST pieces a DeepSpeed JSON cannot express."""
     t = config.techniques
     lines = [
-        "# ALST pieces the DeepSpeed JSON cannot express (DeepSpeed >= 0.18, before deepspeed.initialize):",
+        "# ALST pieces the DeepSpeed JSON cannot express (DeepSpeed >= 0.19.7, before deepspeed.initialize):",
         "from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, TiledMLP",
         f"mpu = UlyssesSPAttentionHF.register_with_transformers(model_name_or_path=model, "
         f"core_attn_implementation={_hf_attention(t)!r}, sequence_parallel_size={t.ulysses_degree}, "

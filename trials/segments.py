@@ -1,12 +1,25 @@
-"""Per-segment peaks of a traced step: a listener on the trials' memory tracker, and the hooks that move it
-along the decoder layers (see ``autotune.oracle`` for the segments)."""
+"""Per-segment peaks of a step: a listener on the trials' memory tracker, and the hooks that move it along the
+decoder layers. The memory oracle's fake traces and reduced-depth real trials both use it (see
+``autotune.oracle`` for what the segments are and how their peaks extend to full depth)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from trials.memory import DeviceMemoryTracker, TrackerListener
-from autotune.oracle.results import Segment
+
+
+@dataclass
+class Segment:
+    """The peak of one segment of the step: total device bytes, by category, and the host bytes then."""
+
+    device_bytes: int
+    breakdown: dict[str, int]
+    host_bytes: int = 0
+    at_op: str | None = None             # explain mode: the op right before the peak
+    live: list | None = None             # explain mode: the largest live storages at the peak
 
 
 class SegmentPeaks(TrackerListener):
