@@ -21,8 +21,10 @@ from trials import allocator
 from trials.data import make_batch, synthetic_sample
 from trials.dist import init_mesh
 from trials.memory import DeviceMemoryTracker
+from trials.segments import SegmentPeaks, install_segment_hooks
 from trials.spec import RankRecord, TrialSpec
 from trials.step import build_training, train_step
+from trials.techniques import Techniques
 
 
 def _measured_memory(device: torch.device, tracker, record: RankRecord) -> None:
@@ -60,21 +62,52 @@ def _limit_device_memory(device: torch.device, capacity_bytes: int | None) -> No
 
 
 def run_trial(spec: TrialSpec, mesh=None) -> RankRecord:
-    """Run the trial on this rank and return its record."""
-    techniques, seq_len, steps, warmup, seed = spec.techniques, spec.seq_len, spec.steps, spec.warmup, spec.seed
-    mesh = mesh or init_mesh(techniques.ulysses_degree, timeout_s=spec.collective_timeout_s)
+    """Run the trial on this rank and return its record: the model itself, or (``spec.copies``) each shallower
+    copy in turn, in this one launch, with its per-segment peaks (``RankRecord.copies``) for the launcher to
+    extend to full depth."""
+    mesh = mesh or init_mesh(spec.techniques.ulysses_degree, timeout_s=spec.collective_timeout_s)
+    if not spec.copies:
+        return _run_model(spec, mesh, spec.model_config, spec.techniques)
+    record = RankRecord(status="ok", seq_len=spec.seq_len, rank=mesh.rank, device=_describe(mesh.device, mesh))
+    for index, copy in enumerate(spec.copies):
+        runs = [tuple(run) for run in copy["runs"]]
+        config = dict(spec.model_config, num_hidden_layers=sum(n for _, n in runs))
+        techniques = Techniques.from_dict(copy["techniques"])
+        result = _run_model(spec, mesh, config, techniques, runs, f"copy {index + 1}/{len(spec.copies)} "
+                                                                 f"({config['num_hidden_layers']} layers)")
+        record.copies.append(result.to_dict())
+        if result.status != "ok":  # a shallower copy that fails: so would the model
+            record.status, record.error = result.status, result.error
+            break
+        if mesh.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return record
+
+
+def _run_model(spec: TrialSpec, mesh, model_config: dict, techniques, runs=None, label: str = "") -> RankRecord:
+    """Build ``model_config`` with ``techniques``, run warm-up + measured steps, record memory and time. With
+    ``runs`` (the decoder layers as runs, ``trials.segments.layer_runs``) also each segment's peak."""
+    seq_len, steps, warmup, seed = spec.seq_len, spec.steps, spec.warmup, spec.seed
     device = mesh.device
     # the tracker runs on CUDA too (no capacity there: the card raises OOM): the breakdown and the host bytes
     tracker = DeviceMemoryTracker(spec.capacity_bytes if device.type != "cuda" else None, device_type=device.type)
-    record = RankRecord(status="ok", seq_len=seq_len, rank=mesh.rank, device=_describe(device, mesh))
+    peaks = None
+    if runs is not None:
+        peaks = SegmentPeaks()
+        tracker.add_listener(peaks)
+    record = RankRecord(status="ok", seq_len=seq_len, rank=mesh.rank, device=_describe(device, mesh),
+                        layers=model_config["num_hidden_layers"])
     step_times = []
+    say = _progress(mesh.rank, label)
     try:
         _limit_device_memory(device, spec.capacity_bytes)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         with tracker:
-            model, optimizer = build_training(spec.model_config, techniques, mesh, seed, tracker,
+            model, optimizer = build_training(model_config, techniques, mesh, seed, tracker,
                                               compute_dtype=_compute_dtype(spec.compute_dtype))
+            if peaks is not None:
+                install_segment_hooks(model, tracker, peaks, runs)
             tokens = synthetic_sample(mesh.dp_rank, seq_len, model.config.vocab_size, seed)
             batch = make_batch(tokens, mesh.sp_rank, mesh.sp_degree, device)
             for index in range(warmup + steps):
@@ -84,6 +117,8 @@ def run_trial(spec: TrialSpec, mesh=None) -> RankRecord:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 elapsed = time.perf_counter() - start
+                say(f"step {index + 1}/{warmup + steps} took {elapsed:.2f} s"
+                    + (" (warm-up)" if index < warmup else ""))
                 if index == 0:
                     record.loss, record.grad_norm = result.loss, result.grad_norm
                 if index >= warmup:
@@ -96,10 +131,25 @@ def run_trial(spec: TrialSpec, mesh=None) -> RankRecord:
         else:
             record.status, record.error = "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"
     _measured_memory(device, tracker, record)
+    if peaks is not None:
+        record.segments = [[phase, position, seg.device_bytes, dict(seg.breakdown), seg.host_bytes]
+                           for (phase, position), seg in peaks.segments.items()]
     if step_times:
         record.step_time_s = sum(step_times) / len(step_times)
         record.tokens_per_s = seq_len * mesh.dp_size / record.step_time_s
     return record
+
+
+def _progress(rank: int, label: str):
+    """Progress lines on rank 0's output (the launcher shows the latest while a long trial runs)."""
+    started = time.perf_counter()
+
+    def say(message: str) -> None:
+        if rank == 0:
+            print(f"progress: {label + ': ' if label else ''}{message}, {time.perf_counter() - started:.0f} s in",
+                  flush=True)
+
+    return say
 
 
 def _compute_dtype(name: str | None) -> torch.dtype | None:

@@ -4,7 +4,7 @@ decoder layers. The memory oracle's fake traces and reduced-depth real trials bo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -20,6 +20,26 @@ class Segment:
     host_bytes: int = 0
     at_op: str | None = None             # explain mode: the op right before the peak
     live: list | None = None             # explain mode: the largest live storages at the peak
+
+
+def layer_runs(techniques, num_layers: int) -> list[tuple[str, int]]:
+    """The model's decoder layers as runs of identical layers: ``[(kind, count), ...]`` in model order.
+
+    All layers are alike except with a partial activation offload (the first N layers' inputs live on the
+    host, ``trials.checkpointing``): then an ``offload`` run and a ``device`` run.
+    """
+    offload = techniques.activation_offload_layers
+    if 0 < offload < num_layers:
+        return [("offload", offload), ("device", num_layers - offload)]
+    return [("layers", num_layers)]
+
+
+def techniques_for_runs(techniques, runs: list[tuple[str, int]]):
+    """``techniques`` for a model whose decoder layers are ``runs`` (a shallower copy of the real one)."""
+    if techniques.activation_offload_layers:
+        offloaded = sum(n for kind, n in runs if kind in ("offload", "layers"))
+        return replace(techniques, activation_offload_layers=offloaded)
+    return techniques
 
 
 class SegmentPeaks(TrackerListener):

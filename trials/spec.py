@@ -28,6 +28,9 @@ class TrialSpec:
     seed: int = 0
     compute_dtype: str | None = None    # "bf16" | "fp32"; None = the device's default (bf16 CUDA, fp32 CPU)
     collective_timeout_s: float = 600.0  # the process group's (NCCL watchdog's) timeout: above the longest step
+    # reduced depth: shallower copies of the model to run instead of it, in order, each
+    # {"runs": [[kind, layers], ...], "techniques": {...}} (``trials.segments.layer_runs``)
+    copies: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)  # the techniques too: a dataclass, as its own to_dict gives
@@ -66,6 +69,9 @@ class RankRecord:
     step_time_s: float | None = None     # mean of the measured steps
     tokens_per_s: float | None = None
     finished_at: float | None = None     # the launcher reports the earliest failure as the root cause
+    layers: int | None = None            # decoder layers of the model that ran
+    segments: list = field(default_factory=list)  # with runs: [phase, position, device_bytes, breakdown, host_bytes]
+    copies: list[dict] = field(default_factory=list)  # reduced depth: one record (as a dict) per copy
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

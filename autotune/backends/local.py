@@ -17,15 +17,21 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 from trials import allocator
 from trials.errors import ConfigError
+from trials.segments import Segment, layer_runs, techniques_for_runs
 from trials.spec import RankRecord, TrialSpec
 from autotune.backends.base import Backend, Evaluation
 from autotune.core.record import ResultRecord
+from autotune.oracle import EXTRAPOLATE_FROM, Trace, extend_value
+from autotune.oracle.extrapolation import extrapolate, plan_traces
+
+DEPTHS = ("full", "reduced")
 
 STARTUP_S = 600.0        # starting the ranks, imports, DeepSpeed's JIT op build, building and sharding the model
 STEP_TIME_MARGIN = 3.0   # the time model's predictions are not exact (docs/throughput.md): allow 3x per step
@@ -59,12 +65,18 @@ class LocalBackend(Backend):
 
     def __init__(self, steps: int = 2, warmup: int = 1, timeout_s: float | None = None,
                  memory_gib: float | None = None, seed: int = 0, keep_logs: str | None = None,
-                 predictor: Backend | None = None):
+                 predictor: Backend | None = None, depth: str = "full", progress=None):
         """``timeout_s``: a fixed deadline per trial; None = from the step time ``predictor`` (a plan backend with
-        the time model; its cached records are reused) predicts for the trial (``trial_deadlines``)."""
+        the time model; its cached records are reused) predicts for what the trial runs (``trial_deadlines``).
+        ``depth``: ``full`` runs the model; ``reduced`` runs its 3- and 4-layer copies (the memory oracle's) in one
+        launch and extends each segment's measured peak and the step time exactly to the model's depth
+        (``ResultRecord.measured_layers``); models of up to 4 layers run whole either way. ``progress``: called
+        with the trial's latest progress line and the seconds elapsed, every few seconds."""
+        if depth not in DEPTHS:
+            raise ConfigError(f"depth must be one of {', '.join(DEPTHS)}, got {depth!r}")
         self.steps, self.warmup, self.timeout_s = steps, warmup, timeout_s
         self.memory_gib, self.seed, self.keep_logs = memory_gib, seed, keep_logs
-        self.predictor = predictor
+        self.predictor, self.depth, self.progress = predictor, depth, progress
 
     def command(self, gpus: int, spec_path: Path, out_dir: Path) -> list[str]:
         if gpus == 1:
@@ -77,30 +89,56 @@ class LocalBackend(Backend):
         card's own capacity raises OOM when not given)."""
         return None if self.memory_gib is None else int(self.memory_gib * 1024**3)
 
-    def deadlines(self, evaluation: Evaluation) -> tuple[float, float]:
+    def deadlines(self, evaluation: Evaluation, copies: list[dict] | None = None) -> tuple[float, float]:
+        """(deadline, collective timeout) for the model, or for its ``copies`` run one after the other."""
         if self.timeout_s is not None:
             return self.timeout_s, max(MIN_COLLECTIVE_TIMEOUT_S, self.timeout_s)
-        predicted = self.predictor.evaluate(evaluation).step_time_s if self.predictor is not None else None
-        return trial_deadlines(predicted, self.steps, self.warmup)
+        if self.predictor is None:
+            return trial_deadlines(None, self.steps, self.warmup)
+        if not copies:
+            return trial_deadlines(self.predictor.evaluate(evaluation).step_time_s, self.steps, self.warmup)
+        times = [self.predictor.evaluate(_copy_evaluation(evaluation, copy)).step_time_s for copy in copies]
+        if not all(times):
+            return trial_deadlines(None, self.steps, self.warmup)
+        each = [trial_deadlines(t, self.steps, self.warmup) for t in times]
+        return STARTUP_S + sum(d - STARTUP_S for d, _ in each), max(c for _, c in each)
+
+    def copies(self, evaluation: Evaluation) -> tuple[list, list[dict]]:
+        """(the model's layer runs, the shallower copies a reduced trial runs: [] = run the model itself)."""
+        layers = evaluation.model_config["num_hidden_layers"]
+        runs = layer_runs(evaluation.techniques, layers)
+        base, varied = plan_traces(runs)
+        if self.depth == "full" or not varied or layers <= EXTRAPOLATE_FROM[1]:
+            return runs, []
+        return runs, [{"runs": [list(r) for r in copy],
+                       "techniques": techniques_for_runs(evaluation.techniques, copy).to_dict()}
+                      for copy in [base] + [longer for _, longer in varied]]
 
     def evaluate(self, evaluation: Evaluation) -> ResultRecord:
         visible = visible_devices()
         if visible and evaluation.gpus > visible:
             raise ConfigError(f"--gpus {evaluation.gpus} but this node shows {visible} CUDA device(s)")
-        deadline_s, collective_timeout_s = self.deadlines(evaluation)
+        runs, copies = self.copies(evaluation)
+        deadline_s, collective_timeout_s = self.deadlines(evaluation, copies)
         spec = TrialSpec(model_config=evaluation.model_config, techniques=evaluation.techniques,
                          seq_len=evaluation.seq_len, steps=self.steps, warmup=self.warmup,
                          capacity_bytes=self.capacity_bytes(evaluation), seed=self.seed,
-                         collective_timeout_s=collective_timeout_s)
+                         collective_timeout_s=collective_timeout_s, copies=copies)
         work = Path(tempfile.mkdtemp(prefix="autotune-trial-"))
         try:
             spec_path = work / "spec.json"
             spec.write(spec_path)
-            return self._run(evaluation, spec_path, work, deadline_s)
+            record, ranks = self._run(evaluation, spec_path, work, deadline_s)
         finally:
             shutil.rmtree(work, ignore_errors=True)
+        if copies and record.status == "ok":
+            capacity = self.capacity_bytes(evaluation) or (evaluation.hardware.device_memory_bytes if visible else None)
+            first = next(r for r in ranks if r.rank == 0)  # rank 0, as the oracle traces
+            record = extend_to_depth(evaluation, first.copies, record.device, runs, capacity)
+        return record
 
-    def _run(self, evaluation: Evaluation, spec_path: Path, work: Path, deadline_s: float) -> ResultRecord:
+    def _run(self, evaluation: Evaluation, spec_path: Path, work: Path,
+             deadline_s: float) -> tuple[ResultRecord, list[RankRecord]]:
         log_path = work / "output.log"
         env = allocator.trial_environment(dict(os.environ))
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // evaluation.gpus)))
@@ -108,7 +146,7 @@ class LocalBackend(Backend):
             proc = subprocess.Popen(self.command(evaluation.gpus, spec_path, work), stdout=log,
                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
             try:
-                returncode = proc.wait(timeout=deadline_s)
+                returncode = self._wait(proc, deadline_s, log_path)
                 timed_out = False
             except subprocess.TimeoutExpired:
                 timed_out = True
@@ -117,7 +155,70 @@ class LocalBackend(Backend):
                 _kill_group(proc)
         tail = _tail(log_path)
         ranks = RankRecord.read_all(work)
-        return merge_rank_records(evaluation, ranks, returncode, timed_out, tail, deadline_s)
+        return merge_rank_records(evaluation, ranks, returncode, timed_out, tail, deadline_s), ranks
+
+
+    def _wait(self, proc: subprocess.Popen, deadline_s: float, log_path: Path):
+        """Wait for the trial, passing its latest progress line to ``progress`` every few seconds."""
+        if self.progress is None:
+            return proc.wait(timeout=deadline_s)
+        started = time.monotonic()
+        while True:
+            left = deadline_s - (time.monotonic() - started)
+            if left <= 0:
+                raise subprocess.TimeoutExpired(proc.args, deadline_s)
+            try:
+                return proc.wait(timeout=min(5.0, left))
+            except subprocess.TimeoutExpired:
+                lines = [line for line in _tail(log_path, 200).splitlines() if line.startswith("progress: ")]
+                self.progress(lines[-1][len("progress: "):] if lines else "starting",
+                              time.monotonic() - started, deadline_s)
+
+
+def _copy_evaluation(evaluation: Evaluation, copy: dict) -> Evaluation:
+    from trials.techniques import Techniques
+
+    layers = sum(n for _, n in copy["runs"])
+    return Evaluation(dict(evaluation.model_config, num_hidden_layers=layers), Techniques.from_dict(copy["techniques"]),
+                      evaluation.seq_len, evaluation.gpus, evaluation.hardware)
+
+
+def extend_to_depth(evaluation: Evaluation, copies: list[dict], device_name: str | None, runs: list,
+                    capacity_bytes: int | None) -> ResultRecord:
+    """The reduced trial's copies (rank 0's segment peaks and step times, ``RankRecord.copies``) extended exactly to the
+    model's ``runs``, the way the oracle extends its traces (``autotune.oracle.extrapolation``): every byte and
+    second measured, only the count of identical layers extended."""
+    traces = []
+    for copy in copies:
+        segments = {(phase, tuple(position) if isinstance(position, list) else position):  # JSON made tuples lists
+                    Segment(int(device), dict(breakdown), int(host))
+                    for phase, position, device, breakdown, host in copy["segments"]}
+        peak = max(segments.values(), key=lambda seg: seg.device_bytes)
+        traces.append(Trace(layers=copy["layers"], peak_device_bytes=peak.device_bytes, breakdown=peak.breakdown,
+                            peak_host_bytes=int(copy["host_bytes"]), segments=segments))
+    _, varied = plan_traces(runs)
+    extended = extrapolate(traces[0], [(index, trace) for (index, _), trace in zip(varied, traces[1:])], runs)
+    lengths = [runs[index][1] - EXTRAPOLATE_FROM[0] for index, _ in varied]
+    step_time = extend_value(copies[0]["step_time_s"], [(c["step_time_s"], n) for c, n in zip(copies[1:], lengths)])
+    last = copies[-1]
+    allocator_slack = (last["peak_reserved_bytes"] or 0) - (last["peak_allocated_bytes"] or 0)
+    allocated = int(extended.peak_device_bytes)
+    reserved = allocated + max(0, allocator_slack)
+    device = reserved + int(last.get("runtime_bytes") or 0)
+    dp = evaluation.gpus // evaluation.techniques.ulysses_degree
+    result = ResultRecord(
+        status="ok", source="measured", seq_len=evaluation.seq_len, step_time_s=float(step_time),
+        tokens_per_s=evaluation.seq_len * dp / step_time if step_time > 0 else None,
+        peak_device_bytes=device, peak_allocated_bytes=allocated, peak_reserved_bytes=reserved,
+        host_bytes=int(extended.peak_host_bytes), breakdown=dict(extended.breakdown), device=device_name,
+        measured_layers=max(c["layers"] for c in copies))
+    if step_time <= 0:
+        result.status, result.error = "error", f"the extended step time is {step_time:.3g} s (timings too noisy)"
+    elif capacity_bytes is not None and device > capacity_bytes:
+        result.status = "oom"
+        result.error = (f"measured at {result.measured_layers} layers and extended: peak {device:,} bytes > capacity "
+                        f"{capacity_bytes:,} bytes (at {'/'.join(map(str, extended.peak_segment or ()))})")
+    return result
 
 
 def merge_rank_records(evaluation: Evaluation, ranks: list[RankRecord], returncode, timed_out: bool, tail: str,

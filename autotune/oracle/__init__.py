@@ -57,7 +57,8 @@ from autotune.core.evaluation import Evaluation
 from autotune.core.record import BREAKDOWN_CATEGORIES
 from autotune.oracle.extrapolation import extend_value, extrapolate, plan_traces
 from autotune.oracle.results import EXTRAPOLATE_FROM, Prediction, Segment, Trace
-from autotune.oracle.tracing import compute_dtype_for, layer_runs, trace
+from trials.segments import layer_runs
+from autotune.oracle.tracing import compute_dtype_for, trace
 
 __all__ = ["EXTRAPOLATE_FROM", "Prediction", "Segment", "Trace", "compute_dtype_for", "explain", "extend_value",
            "layer_runs", "predict", "trace"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import replace
 from typing import Any, Callable, Iterable
 
 import torch
@@ -18,33 +17,13 @@ from trials.step import build_training, train_step
 from autotune.core.record import BREAKDOWN_CATEGORIES
 from autotune.oracle.fake_world import fake_flash_kernels, fake_process_group, oracle_mode
 from autotune.oracle.results import Segment, Trace, full_breakdown
-from trials.segments import SegmentPeaks, install_segment_hooks
+from trials.segments import SegmentPeaks, install_segment_hooks, layer_runs, techniques_for_runs
 
 
 def compute_dtype_for(hardware) -> torch.dtype:
     """The precision a real trial on ``hardware`` computes in: fp32 where the device is the host (CPU trials),
     bf16 on GPUs."""
     return torch.float32 if hardware.device_is_host else torch.bfloat16
-
-
-def layer_runs(techniques, num_layers: int) -> list[tuple[str, int]]:
-    """The model's decoder layers as runs of identical layers: ``[(kind, count), ...]`` in model order.
-
-    All layers are alike except with a partial activation offload (the first N layers' inputs live on the
-    host, ``trials.checkpointing``): then an ``offload`` run and a ``device`` run.
-    """
-    offload = techniques.activation_offload_layers
-    if 0 < offload < num_layers:
-        return [("offload", offload), ("device", num_layers - offload)]
-    return [("layers", num_layers)]
-
-
-def _techniques_for_runs(techniques, runs: list[tuple[str, int]]):
-    """``techniques`` for a model whose decoder layers are ``runs`` (a shallower copy of the real one)."""
-    if techniques.activation_offload_layers:
-        offloaded = sum(n for kind, n in runs if kind in ("offload", "layers"))
-        return replace(techniques, activation_offload_layers=offloaded)
-    return techniques
 
 
 def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
@@ -79,7 +58,7 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
             runs = [("layers", layers)]
     layers = sum(n for _, n in runs)
     config = dict(model_config, num_hidden_layers=layers)
-    techniques = _techniques_for_runs(techniques, runs)
+    techniques = techniques_for_runs(techniques, runs)
     device = torch.device("cpu")
     tracker = DeviceMemoryTracker(stop_above_bytes)
     peaks = SegmentPeaks(explain)

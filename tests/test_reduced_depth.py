@@ -1,0 +1,54 @@
+"""Reduced-depth real trials (issue 16): the copies a reduced trial runs, and its extended record against the full
+trial's on CPU (the tracker's bytes are exact, so the extended peak equals the full peak to the byte)."""
+
+from __future__ import annotations
+
+import pytest
+
+from trials.model_config import load_model_config
+from trials.techniques import Techniques
+from autotune.backends import Evaluation
+from autotune.backends.local import LocalBackend
+from autotune.core.hardware import load_hardware
+
+
+def _evaluation(layers: int, seq: int = 512, gpus: int = 1, **knobs) -> Evaluation:
+    config = dict(load_model_config("tiny-llama"), num_hidden_layers=layers)
+    return Evaluation(config, Techniques.from_dict(knobs, layers), seq, gpus, load_hardware("cpu"))
+
+
+def test_a_reduced_trial_runs_the_oracles_copies():
+    reduced = LocalBackend(depth="reduced")
+    assert reduced.copies(_evaluation(4))[1] == []                      # shallow models run whole
+    assert LocalBackend().copies(_evaluation(16))[1] == []               # depth full
+    runs, copies = reduced.copies(_evaluation(16, activation_checkpointing=True))
+    assert runs == [("layers", 16)] and [c["runs"] for c in copies] == [[["layers", 3]], [["layers", 4]]]
+    runs, copies = reduced.copies(_evaluation(16, activation_checkpointing=True, activation_offload_layers=6))
+    # a partial offload: an offloaded run and a device run, each cut to 3 and varied to 4
+    assert [c["runs"] for c in copies] == [[["offload", 3], ["device", 3]], [["offload", 4], ["device", 3]],
+                                           [["offload", 3], ["device", 4]]]
+    assert [c["techniques"]["activation_offload_layers"] for c in copies] == [3, 4, 3]
+
+
+@pytest.mark.slow
+def test_reduced_trial_equals_the_full_trial_on_cpu():
+    evaluation = _evaluation(8, seq=1024, activation_checkpointing=True, activation_offload_layers=5,
+                             loss_tile_tokens=256)
+    reduced = LocalBackend(depth="reduced", timeout_s=600).evaluate(evaluation)
+    full = LocalBackend(timeout_s=600).evaluate(evaluation)
+    assert reduced.status == full.status == "ok", (reduced.error, full.error)
+    assert reduced.measured_layers == 7 and full.measured_layers is None  # offload 3+1, device 3 (+1 in a copy)
+    assert reduced.peak_device_bytes == full.peak_device_bytes
+    assert reduced.host_bytes == full.host_bytes and reduced.breakdown == full.breakdown
+    assert 0.5 < reduced.tokens_per_s / full.tokens_per_s < 2.0  # timing: same order (bench/reduced_depth.py: +-10%)
+
+
+@pytest.mark.slow
+def test_a_reduced_trial_past_its_capacity_is_oom_not_timeout():
+    # the 3/4-layer copies fit in the capacity, the extended 32-layer model does not: oom from the extension
+    evaluation = _evaluation(32, seq=1024, activation_checkpointing=True)
+    fits = LocalBackend(depth="reduced", timeout_s=600).evaluate(evaluation)
+    assert fits.status == "ok", fits.error
+    capacity_gib = (fits.peak_device_bytes - 1) / 2**30
+    record = LocalBackend(depth="reduced", timeout_s=600, memory_gib=capacity_gib).evaluate(evaluation)
+    assert record.status == "oom" and "extended" in record.error, record
