@@ -354,6 +354,76 @@ def export(
 
 
 @app.command()
+def verify(
+    directory: Path = typer.Argument(..., help="a search output folder (typically of a plan search)"),
+    top: Optional[int] = typer.Option(None, help="verify the K front configs with the highest predicted tokens/s "
+                                                 "(default: the whole front); the best config is always verified"),
+    depth: str = typer.Option("full", help="full | reduced (the model's shallower copies, extended to its depth)"),
+    force: bool = typer.Option(False, help="measure again configs already measured at this depth"),
+    memory_gib: Optional[float] = typer.Option(
+        None, help="per-rank capacity in GiB (default: on CPU the search's, on a GPU the card's)"),
+    trial_timeout: Optional[float] = typer.Option(
+        None, help="seconds before a real trial is killed as hung (default: from its predicted step time)"),
+    storage: Optional[str] = typer.Option(None, help="the search's --storage, when its study is not DIR/study.db"),
+    study: Optional[str] = typer.Option(None, help="the search's --study name"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+):
+    """Re-measure a search's front with real trials on this node; outputs gain the measured records."""
+    from autotune.backends import make_backend
+    from autotune.outputs import verify as verify_mod
+
+    if top is not None and top < 1:
+        fail(f"--top must be at least 1, got {top}")
+    if depth not in verify_mod.DEPTHS:
+        fail(f"--depth must be one of {', '.join(verify_mod.DEPTHS)}, got {depth!r}")
+    if trial_timeout is not None and trial_timeout <= 0:
+        fail(f"--trial-timeout must be a positive number of seconds, got {trial_timeout}")
+    if not directory.exists():
+        fail(f"{str(directory)!r} does not exist: give the --out folder of a search")
+    folder = verify_mod.open_folder(directory, storage, study)
+    chosen = verify_mod.select(folder, top)
+    verify_mod.check_node(folder, chosen)
+    gib = verify_mod.node_memory_gib(folder, _memory(memory_gib))
+    hw = verify_mod.local_hardware(folder.job.hardware, gib)
+    backend = verify_mod.make_local_backend(depth, memory_gib=gib, timeout_s=trial_timeout,
+                                            predictor=make_backend("plan"))
+    console.print(f"autotune verify: {len(chosen)} front config(s) of {folder.job.model} on {folder.job.gpus}x "
+                  f"{hw.name} ({hw.device_memory_bytes / 2**30:.2f} GiB per rank), depth {depth}", highlight=False,
+                  soft_wrap=True)
+    signal.signal(signal.SIGTERM, _interrupt)
+
+    def on_outcome(outcome, index, total):
+        console.print(verify_mod.progress_line(outcome, index, total), markup=False, highlight=False, soft_wrap=True)
+
+    result = verify_mod.verify(folder, chosen, backend, hw, depth=depth, force=force, on_outcome=on_outcome)
+    if as_json:
+        OUT.print(json.dumps(verify_mod.to_json(folder, result, depth, hw)))
+    else:
+        table = Table(title="predicted / measured")
+        for column in verify_mod.TABLE_COLUMNS:
+            table.add_column(column)
+        for row in verify_mod.table_rows(result):
+            table.add_row(*row)
+        wide = Console(file=OUT.file)
+        (wide if wide.is_terminal else Console(file=OUT.file, width=160)).print(table)  # no wrapping in logs
+        best = result.summary["best"]
+        if best:
+            side = "measured" if best["measured"] else "predicted"
+            OUT.print(f"best.json ({side}): {best['seq_len']:,} tokens at "
+                      f"{best[side]['tokens_per_s']:,.0f} tokens/s -> {directory / 'best.json'}")
+    for outcome in result.failed:
+        console.print(f"trial {outcome.trial} failed ({outcome.measured['status']}): {outcome.measured.get('error')}",
+                      markup=False, highlight=False, soft_wrap=True)
+    for line in result.notes + ([result.summary["message"]] if result.summary["message"] else []):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    if result.interrupted:
+        console.print("interrupted: finished trials are saved; run the same command to go on")
+        raise typer.Exit(130)
+    if result.failed:
+        raise typer.Exit(1)
+
+
+@app.command()
 def run(
     config: Path = typer.Option(..., help="config-v1 JSON (best.json) to train with"),
     steps: int = typer.Option(10, help="training steps"),

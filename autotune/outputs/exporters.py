@@ -43,11 +43,13 @@ def choose(front_doc: dict, target: int | None) -> dict:
 
 
 def entry_config(front_doc: dict, entry: dict) -> TrialConfig:
+    """A front entry as a config file. Entries carry ``predicted`` / ``measured`` (both sides, e.g. after
+    ``autotune verify``); older ones only ``record``, which goes on its own side."""
     record = entry["record"]
+    sides = {side: entry[side] if side in entry else (record if record["source"] == side else None)
+             for side in ("predicted", "measured")}
     return TrialConfig(model=front_doc["model"], hardware=front_doc["hardware"], gpus=front_doc["gpus"],
-                       seq_len=entry["seq_len"], techniques=Techniques.from_dict(entry["techniques"]),
-                       predicted=record if record["source"] == "predicted" else None,
-                       measured=record if record["source"] == "measured" else None)
+                       seq_len=entry["seq_len"], techniques=Techniques.from_dict(entry["techniques"]), **sides)
 
 
 def export_config(directory: Path, target: str | None, fmt: str) -> tuple[str, dict[str, str]]:

@@ -5,14 +5,27 @@
     one column per knob of ``trials.techniques.Techniques`` (bool, int -- head_chunk null = plain Ulysses -- or
     str, from the knob's kind), seq_len (int), status, source (str), tokens_per_s, step_time_s (float),
     peak_device_bytes, peak_allocated_bytes, peak_reserved_bytes, host_bytes (int), breakdown_<category> (int, one per category of
-    autotune.core.record.BREAKDOWN_CATEGORIES), loss, grad_norm (float), device, error (str).
-``pareto.json`` carries ``"schema": "autotune/pareto-v1"``.
+    autotune.core.record.BREAKDOWN_CATEGORIES), loss, grad_norm (float), device, error (str): the trial's own
+    record (what the search got: predicted by ``plan``, measured by ``local``);
+    then what ``autotune verify`` measured for the row's config at its length (null where it was not verified):
+    measured_depth (str: full | reduced), measured_status (str), measured_tokens_per_s, measured_step_time_s
+    (float), measured_peak_device_bytes, measured_peak_allocated_bytes, measured_peak_reserved_bytes,
+    measured_host_bytes (int), measured_breakdown_<category> (int), measured_loss, measured_grad_norm (float),
+    measured_device, measured_error (str), measured_layers (int: the decoder layers a reduced-depth trial ran,
+    null at full depth). Both sides derive from ``_RECORD_COLUMNS``.
+``pareto.json`` carries ``"schema": "autotune/pareto-v1"``. Its front is ranked by each config's current record:
+the verified measurement where there is one (a measured oom / error drops the config), else the trial's own;
+each entry's ``record`` is that current record, ``predicted`` / ``measured`` the two sides (null where absent) and
+``measured_depth`` the verify depth (null when not verified). ``best.json`` carries both sides the same way.
 A predicted ``oom`` row whose trace ran in full keeps ``tokens_per_s`` / ``step_time_s`` as the rate it would have
 had with the memory (a what-if); the search's objective, the front and the log count only ``ok`` rows' rates.
+The search job itself (model and its config, target, gpus, the hardware the records are for) is stored as the
+study's user attribute ``search_job`` (``job_attr``), so ``autotune verify`` can reopen the folder.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -22,38 +35,86 @@ import pyarrow.parquet as pq
 from trials.config_file import TrialConfig
 from trials.techniques import BASELINE, Techniques, knob_names, knobs
 from autotune import search
-from autotune.core.record import BREAKDOWN_CATEGORIES, ResultRecord
+from autotune.core.hardware import Hardware, Rates
+from autotune.core.record import BREAKDOWN_CATEGORIES
 from autotune.outputs.exporters import FRONT_SCHEMA
 from autotune.outputs.plots import knob_label, plot_memory, plot_pareto, write_pareto_html
+from autotune.search.front import Point, best_point, front_points, points
 
 _ARROW_TYPES = {"bool": pa.bool_(), "int": pa.int64(), "tokens": pa.int64(), "choice": pa.string()}
 KNOBS = knob_names()
 
+# The result record's columns, in order: (field, arrow type, on the measured side too). ``breakdown`` expands to
+# one column per category. The measured side is ``measured_<field>`` (``measured_layers`` keeps its name).
+_RECORD_COLUMNS = (
+    ("seq_len", pa.int64(), False), ("status", pa.string(), True), ("source", pa.string(), False),
+    ("tokens_per_s", pa.float64(), True), ("step_time_s", pa.float64(), True),
+    ("peak_device_bytes", pa.int64(), True), ("peak_allocated_bytes", pa.int64(), True),
+    ("peak_reserved_bytes", pa.int64(), True), ("host_bytes", pa.int64(), True),
+    ("breakdown", pa.int64(), True),
+    ("loss", pa.float64(), True), ("grad_norm", pa.float64(), True), ("device", pa.string(), True),
+    ("error", pa.string(), True),
+)
+_MEASURED_ONLY = (("measured_layers", pa.int64()),)  # record fields only a verify measurement fills in here
+
+
+def _record_columns(record: dict | None, prefix: str, measured_side: bool) -> list[tuple[str, object, object]]:
+    """(column, arrow type, value) of one record (``None``: the columns with null values)."""
+    record = record or {}
+    columns = []
+    for name, kind, both in _RECORD_COLUMNS:
+        if measured_side and not both:
+            continue
+        if name == "breakdown":
+            breakdown = record.get("breakdown") or {}
+            columns += [(f"{prefix}breakdown_{c}", kind, breakdown.get(c)) for c in BREAKDOWN_CATEGORIES]
+        else:
+            columns.append((f"{prefix}{name}", kind, record.get(name)))
+    if measured_side:
+        columns += [(name, kind, record.get(name)) for name, kind in _MEASURED_ONLY]
+    return columns
+
+
+def _measured_columns(measured: dict | None) -> list[tuple[str, object, object]]:
+    depth = [("measured_depth", pa.string(), measured.get("depth") if measured else None)]
+    return depth + _record_columns(measured["record"] if measured else None, "measured_", True)
+
+
 _SCHEMA = pa.schema(
     [("trial", pa.int64()), ("answered_by", pa.string())]
     + [(k.name, _ARROW_TYPES[k.kind]) for k in knobs()]
-    + [("seq_len", pa.int64()), ("status", pa.string()), ("source", pa.string()),
-       ("tokens_per_s", pa.float64()), ("step_time_s", pa.float64()), ("peak_device_bytes", pa.int64()),
-       ("peak_allocated_bytes", pa.int64()), ("peak_reserved_bytes", pa.int64()), ("host_bytes", pa.int64())]
-    + [(f"breakdown_{c}", pa.int64()) for c in BREAKDOWN_CATEGORIES]
-    + [("loss", pa.float64()), ("grad_norm", pa.float64()), ("device", pa.string()), ("error", pa.string())]
+    + [(name, kind) for name, kind, _ in _record_columns(None, "", False)]
+    + [(name, kind) for name, kind, _ in _measured_columns(None)]
 )
 
 
+def _row(point: Point) -> dict:
+    trial = point.trial
+    row = {"trial": trial.number, "answered_by": trial.user_attrs.get("answered_by")}
+    row.update({k: trial.user_attrs["techniques"].get(k, getattr(BASELINE, k)) for k in KNOBS})  # older studies lack new knobs
+    row.update({name: value for name, _, value in _record_columns(point.own, "", False)})
+    row.update({name: value for name, _, value in _measured_columns(point.measured)})
+    return row
+
+
 def trial_rows(study) -> list[dict]:
-    rows = []
-    for trial in search.finished_trials(study):
-        record = trial.user_attrs["record"]
-        row = {"trial": trial.number, "answered_by": trial.user_attrs.get("answered_by")}
-        row.update({k: trial.user_attrs["techniques"].get(k, getattr(BASELINE, k)) for k in KNOBS})  # older studies lack new knobs
-        row.update({k: record.get(k) for k in ("seq_len", "status", "source", "tokens_per_s", "step_time_s",
-                                                "peak_device_bytes", "peak_allocated_bytes",
-                                                "peak_reserved_bytes", "host_bytes", "loss", "grad_norm",
-                                                "device", "error")})
-        breakdown = record.get("breakdown") or {}
-        row.update({f"breakdown_{c}": breakdown.get(c) for c in BREAKDOWN_CATEGORIES})
-        rows.append(row)
-    return rows
+    return [_row(p) for p in points(study)]
+
+
+def plot_rows(rows: list[dict]) -> list[dict]:
+    """The rows ``plot_pareto`` draws: every trial's own record, and each verified measurement beside it (a
+    measured point; one per config and length)."""
+    drawn, seen = list(rows), set()
+    for row in rows:
+        if row.get("measured_status") is None:
+            continue
+        key = (row["seq_len"], tuple(row[k] for k in KNOBS))
+        if key in seen:
+            continue
+        seen.add(key)
+        drawn.append({**row, "source": "measured", "status": row["measured_status"],
+                      "tokens_per_s": row["measured_tokens_per_s"]})
+    return drawn
 
 
 def write_parquet(study, path: Path) -> int:
@@ -63,27 +124,61 @@ def write_parquet(study, path: Path) -> int:
     return table.num_rows
 
 
+def _sides(point: Point) -> tuple[dict | None, dict | None]:
+    """(predicted, measured) records of a point: its own record on its side, a verify measurement on the
+    measured side."""
+    own = point.own
+    predicted = own if own.get("source") == "predicted" else None
+    measured = point.measured["record"] if point.measured else (own if own.get("source") == "measured" else None)
+    return predicted, measured
+
+
 def front_entries(study) -> list[dict]:
-    return [{"trial": t.number, "seq_len": int(t.values[0]), "tokens_per_s": t.values[1],
-             "techniques": t.user_attrs["techniques"], "record": t.user_attrs["record"]}
-            for t in search.pareto_front(study)]
+    entries = []
+    for p in front_points(study):
+        predicted, measured = _sides(p)
+        entries.append({"trial": p.number, "seq_len": int(p.values[0]), "tokens_per_s": p.values[1],
+                        "techniques": p.techniques, "record": p.record, "predicted": predicted,
+                        "measured": measured, "measured_depth": p.measured["depth"] if p.measured else None})
+    return entries
+
+
+JOB_ATTR = "search_job"
+
+
+def job_attr(job: "search.SearchJob") -> dict:
+    """What ``autotune verify`` needs of a search job, as JSON (the study's user attribute ``search_job``)."""
+    return {"model": job.model, "model_config": job.model_config, "target": job.target, "gpus": job.gpus,
+            "hardware": dataclasses.asdict(job.hardware)}
+
+
+def hardware_from_attr(data: dict) -> Hardware:
+    """The ``Hardware`` of ``job_attr`` (JSON turned its tuples into lists)."""
+    rates = dict(data["rates"])
+    rates["attention_by_head_dim"] = tuple((int(d), tuple(e)) for d, e in rates.get("attention_by_head_dim") or ())
+    known = {f.name for f in dataclasses.fields(Rates)}
+    values = {k: v for k, v in data.items() if k in {f.name for f in dataclasses.fields(Hardware)} and k != "rates"}
+    return Hardware(rates=Rates(**{k: v for k, v in rates.items() if k in known}), **values)
 
 
 def write_outputs(job: "search.SearchJob", study) -> dict:
-    """Write every output file; returns a summary (best trial or why there is none)."""
+    """Write every output file; returns a summary (best trial or why there is none). Stores the job itself in
+    the study (``job_attr``) for ``autotune verify``."""
     out = job.out
-    rows = write_parquet(study, out / "trials.parquet")
+    study.set_user_attr(JOB_ATTR, job_attr(job))
+    rows = trial_rows(study)
+    pq.write_table(pa.Table.from_pylist(rows, schema=_SCHEMA), out / "trials.parquet")
     front = front_entries(study)
     (out / "pareto.json").write_text(json.dumps(
         {"schema": FRONT_SCHEMA, "model": job.model, "hardware": job.hardware.name, "gpus": job.gpus, "target": job.target,
          "capacity_bytes": job.hardware.device_memory_bytes, "front": front}, indent=2) + "\n")
-    plot_pareto(trial_rows(study), front, job.target, out / "pareto.png",
+    plot_pareto(plot_rows(rows), front, job.target, out / "pareto.png",
                 title=f"{job.model} on {job.gpus}x {job.hardware.name}")
     write_pareto_html(study, out / "pareto.html")
     plot_front_memory(front, job.hardware.device_memory_bytes, out / "memory.png",
                       title=f"memory per rank of the front, {job.model} on {job.gpus}x {job.hardware.name}")
-    best = search.best_for_target(study, job.target)
-    summary = {"rows": rows, "front": front, "best": None, "message": None}
+    best = best_point(study, job.target)
+    summary = {"rows": len(rows), "front": front, "best": None, "message": None}
     best_path = out / "best.json"
     if best is None:
         longest = max((f["seq_len"] for f in front), default=0)
@@ -92,12 +187,10 @@ def write_outputs(job: "search.SearchJob", study) -> dict:
         if best_path.exists():  # a stale best from another target must not survive
             best_path.unlink()
         return summary
-    record = ResultRecord.from_dict(best.user_attrs["record"])
+    predicted, measured = _sides(best)
     config = TrialConfig(
         model=job.model, hardware=job.hardware.name, gpus=job.gpus, seq_len=int(best.values[0]),
-        techniques=_techniques(best.user_attrs["techniques"]),
-        predicted=record.to_dict() if record.source == "predicted" else None,
-        measured=record.to_dict() if record.source == "measured" else None,
+        techniques=_techniques(best.techniques), predicted=predicted, measured=measured,
     )
     config.write(best_path)
     summary["best"] = config.to_dict()

@@ -1,44 +1,127 @@
-"""The Pareto front of a study (longest sequence, most tokens/s) and what it says about the target."""
+"""The Pareto front of a study (longest sequence, most tokens/s) and what it says about the target.
+
+A trial's record is what the search got for it (``user_attrs["record"]``: predicted by ``plan``, measured by
+``local``). ``autotune verify`` re-measures some configs with real trials afterwards; Optuna refuses to change a
+finished trial, so each measurement is a user attribute of the *study*, ``measured:<trial number>`` ->
+``{"trial", "techniques", "seq_len", "depth", "record", "at"}`` (``measured_attr``). A measurement describes a
+config at a length, so it applies to every finished trial of that config and length (the search's cache answers
+repeat them). The front, the best config and what bound it read each trial's *current* record: its measurement
+where there is one (a measured ``oom`` or ``error`` drops it from the front), else its own record."""
 
 from __future__ import annotations
+
+import json
+from dataclasses import dataclass
 
 import optuna
 
 from autotune.search.study import FINISHED
+
+MEASURED_PREFIX = "measured:"
 
 
 def finished_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     return [t for t in study.get_trials(deepcopy=False, states=FINISHED) if "record" in t.user_attrs]
 
 
-def pareto_front(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    """Feasible non-dominated trials (seq_len up, tokens/s up), longest first."""
-    feasible = [t for t in finished_trials(study) if t.user_attrs["record"]["status"] == "ok"]
-    front = [t for t in feasible if not any(_dominates(o, t) for o in feasible)]
+def measured_attr(trial_number: int) -> str:
+    """The study user attribute holding the measurement of trial ``trial_number``'s config (``autotune verify``)."""
+    return f"{MEASURED_PREFIX}{trial_number}"
+
+
+def config_key(techniques: dict, seq_len: int) -> str:
+    """One config at one length, as a key (the same for every trial that evaluated it)."""
+    return f"{int(seq_len)}:{json.dumps(techniques, sort_keys=True)}"
+
+
+def measurements(study: optuna.Study) -> dict[str, dict]:
+    """Every stored measurement by ``config_key``; the latest one where a config was measured twice."""
+    found: dict[str, dict] = {}
+    for key, value in study.user_attrs.items():
+        if not key.startswith(MEASURED_PREFIX) or not isinstance(value, dict) or "record" not in value:
+            continue
+        at = config_key(value["techniques"], value["seq_len"])
+        if at not in found or value.get("at", "") >= found[at].get("at", ""):
+            found[at] = value
+    return found
+
+
+@dataclass(frozen=True)
+class Point:
+    """A finished trial with its current record: ``measured`` (a stored measurement) where there is one."""
+
+    trial: optuna.trial.FrozenTrial
+    record: dict            # the current record: the measurement's, else the trial's own
+    own: dict               # the trial's own record (what the search got: predicted or measured)
+    measured: dict | None   # the stored measurement ({"depth", "record", ...}) of this config, or None
+
+    @property
+    def values(self) -> tuple[float, float]:
+        """(seq_len, tokens/s) as the front ranks them: the objective's values, or the measurement's."""
+        if self.measured is None and self.trial.values is not None:
+            return float(self.trial.values[0]), float(self.trial.values[1])
+        rate = self.record.get("tokens_per_s") if self.record["status"] == "ok" else None
+        return float(self.record["seq_len"]), float(rate or 0.0)
+
+    @property
+    def number(self) -> int:
+        return self.trial.number
+
+    @property
+    def techniques(self) -> dict:
+        return self.trial.user_attrs["techniques"]
+
+
+def points(study: optuna.Study, verified: bool = True) -> list[Point]:
+    """Every finished trial with its current record (``verified=False``: its own record only)."""
+    stored = measurements(study) if verified else {}
+    found = []
+    for t in finished_trials(study):
+        own = t.user_attrs["record"]
+        measured = stored.get(config_key(t.user_attrs.get("techniques", {}), own["seq_len"]))
+        found.append(Point(t, measured["record"] if measured else own, own, measured))
+    return found
+
+
+def front_points(study: optuna.Study, verified: bool = True) -> list[Point]:
+    """Feasible non-dominated points (seq_len up, tokens/s up), longest first; one per (seq_len, tokens/s).
+    ``verified=False``: the search's own front, from the trials' own records only."""
+    feasible = [p for p in points(study, verified) if p.record["status"] == "ok"]
+    front = [p for p in feasible if not any(_dominates(o.values, p.values) for o in feasible)]
     unique = {}
-    for t in sorted(front, key=lambda t: (-t.values[0], -t.values[1], t.number)):
-        unique.setdefault((t.values[0], t.values[1]), t)
+    for p in sorted(front, key=lambda p: (-p.values[0], -p.values[1], p.number)):
+        unique.setdefault(p.values, p)
     return list(unique.values())
 
 
-def _dominates(a, b) -> bool:
-    return a.values[0] >= b.values[0] and a.values[1] >= b.values[1] and tuple(a.values) != tuple(b.values)
+def pareto_front(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """Feasible non-dominated trials (seq_len up, tokens/s up), longest first (measured records where stored)."""
+    return [p.trial for p in front_points(study)]
+
+
+def _dominates(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    return a[0] >= b[0] and a[1] >= b[1] and a != b
+
+
+def best_point(study: optuna.Study, target: int) -> Point | None:
+    """The fastest feasible front point whose seq_len reaches the target, or None."""
+    reaching = [p for p in front_points(study) if p.values[0] >= target]
+    return max(reaching, key=lambda p: (p.values[1], -p.values[0]), default=None)
 
 
 def best_for_target(study: optuna.Study, target: int):
     """The fastest feasible trial whose seq_len reaches the target, or None."""
-    reaching = [t for t in pareto_front(study) if t.values[0] >= target]
-    return max(reaching, key=lambda t: (t.values[1], -t.values[0]), default=None)
+    best = best_point(study, target)
+    return None if best is None else best.trial
 
 
 def what_bound(study: optuna.Study) -> str:
     """Which memory category dominated the OOM just past the longest feasible length."""
-    trials = finished_trials(study)
-    ooms = [t for t in trials if t.user_attrs["record"]["status"] == "oom" and t.user_attrs["record"].get("breakdown")]
+    ooms = [p for p in points(study) if p.record["status"] == "oom" and p.record.get("breakdown")]
     if not ooms:
         return "no out-of-memory trial recorded a breakdown"
-    shortest = min(ooms, key=lambda t: t.values[0])
-    breakdown = shortest.user_attrs["record"]["breakdown"]
+    shortest = min(ooms, key=lambda p: p.record["seq_len"])
+    breakdown = shortest.record["breakdown"]
     category = max(breakdown, key=breakdown.get)
-    return (f"the shortest OOM ({shortest.values[0]:,.0f} tokens, trial {shortest.number}) was dominated by "
+    return (f"the shortest OOM ({shortest.record['seq_len']:,} tokens, trial {shortest.number}) was dominated by "
             f"{category} ({breakdown[category] / 2**30:.1f} GiB)")

@@ -1,0 +1,356 @@
+"""``autotune verify DIR``: re-measure a finished search's front with real trials on this node.
+
+The node owner's workflow: plan in minutes without GPUs (``autotune search --backend plan``), verify the few configs
+that matter here (the ``local`` backend: CUDA+NCCL on a GPU node, CPU+gloo with a tracked capacity elsewhere), then
+export a config whose numbers were measured.
+
+What is verified: the search's own front (from the trials' own records, i.e. what the plan predicted), all of it or
+the ``top`` configs with the highest predicted tokens/s; then the config ``best.json`` names (the fastest one at or
+above the target, ranked by measured records where there are), until that one is measured too -- a measured OOM
+moves the best to another config, which is then measured in turn.
+
+Each measurement is stored as soon as its trial ends, as the study's user attribute ``measured:<trial number>``
+(``autotune.search.front``: Optuna refuses to change a finished trial), beside the trial's own ``record``, which stays
+untouched. So a killed verify loses nothing, and running it again skips every config already measured at that depth
+(a full-depth measurement also answers a reduced one; an ``error`` / ``timeout`` is tried again) unless ``force``.
+At the end the folder's outputs are rewritten (``report.write_outputs``): trials.parquet gains the ``measured_*``
+columns, the front and best.json are ranked by measured records where they exist.
+
+The search job (model, target, gpus, the hardware the predictions are for) comes from the study's ``search_job``
+attribute, which ``report.write_outputs`` stores; a folder written before it existed is refused with the remedy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import optuna
+
+from trials.techniques import Techniques
+from trials.attention import flash_problem
+from autotune.backends import Backend, Evaluation, LocalBackend
+from autotune.backends.local import visible_devices
+from autotune.core.errors import UserError
+from autotune.core.hardware import HOST_PRESET, Hardware, load_hardware
+from autotune.core.record import ResultRecord
+from autotune.core.sizes import format_tokens
+from autotune.outputs import report
+from autotune.outputs.exporters import load_front
+from autotune.outputs.plots import knob_label
+from autotune.search.front import Point, best_point, config_key, front_points, measured_attr, points
+from autotune.search.job import SearchJob
+from autotune.search.study import open_storage
+
+DEPTHS = ("full", "reduced")
+RESULTS = ("ok", "oom")  # what a verified trial may end with and still count as a measurement (not a failure)
+
+
+@dataclass
+class Folder:
+    """An opened search folder: its study, and the search job its records are for (``job.hardware``: the hardware
+    the predictions were made for, not this node's)."""
+
+    directory: Path
+    study: optuna.Study
+    job: SearchJob
+
+
+def open_folder(directory: Path, storage: str | None = None, study_name: str | None = None) -> Folder:
+    """The search folder ``directory``: its study (``study.db`` there, else ``storage``/``study_name``) and job."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise UserError(f"{str(directory)!r} is not a folder: give the --out folder of a search")
+    load_front(directory)  # a search output folder has a pareto.json (one clear line when not)
+    if storage is None and not (directory / "study.db").is_file():
+        raise UserError(f"{str(directory)!r} has no study.db: the study lives in the search's --storage; "
+                        f"pass the same --storage (and --study)")
+    opened = open_storage(storage, directory)
+    try:
+        names = optuna.get_all_study_names(storage=opened)
+    except Exception as exc:  # a database that is not an Optuna one
+        raise UserError(f"cannot read the study of {str(directory)!r}: {str(exc).splitlines()[0]}") from None
+    if study_name is None:
+        if len(names) != 1:
+            raise UserError(f"{len(names)} studies in the storage of {str(directory)!r}: pick one with --study "
+                            f"({', '.join(names) or 'none'})")
+        study_name = names[0]
+    elif study_name not in names:
+        raise UserError(f"no study {study_name!r} in the storage of {str(directory)!r} "
+                        f"(it holds {', '.join(names) or 'none'})")
+    study = optuna.load_study(study_name=study_name, storage=opened)
+    data = study.user_attrs.get(report.JOB_ATTR)
+    if not isinstance(data, dict):
+        raise UserError(f"{str(directory)!r} was written by an older autotune (its study does not record the search "
+                        f"job): run the same search command once more to refresh its outputs, then verify")
+    try:
+        hardware = report.hardware_from_attr(data["hardware"])
+        job = SearchJob(model=data["model"], model_config=data["model_config"], target=int(data["target"]),
+                        gpus=int(data["gpus"]), hardware=hardware, space=None, backend=None, out=directory,
+                        trials=len(study.trials), storage=storage, study_name=study_name)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"the search job stored in {str(directory)!r} is unreadable ({exc!r})") from None
+    return Folder(directory, study, job)
+
+
+def node_memory_gib(folder: Folder, memory_gib: float | None) -> float | None:
+    """Per-rank capacity of the real trials: ``memory_gib`` if given; on CPU the capacity the search planned for
+    (CPU trials need one); on a GPU the card's own, unless the search planned for less (``--memory-gib``)."""
+    if memory_gib is not None:
+        return memory_gib
+    planned = folder.job.hardware.device_memory_bytes
+    if not visible_devices():
+        return planned / 1024**3
+    import torch
+
+    card = torch.cuda.get_device_properties(0).total_memory
+    return planned / 1024**3 if planned < card else None
+
+
+def local_hardware(search_hardware: Hardware, memory_gib: float | None) -> Hardware:
+    """This node as a preset (``cli._hardware_for`` of the local backend): the ``cpu`` preset on a machine without
+    CUDA, else the search's hardware with this card's capacity; ``memory_gib`` per rank over either."""
+    if not visible_devices():
+        return load_hardware(HOST_PRESET).with_memory_gib(memory_gib)
+    import torch
+
+    card = torch.cuda.get_device_properties(0).total_memory
+    return dataclasses.replace(search_hardware, device_memory_bytes=card).with_memory_gib(memory_gib)
+
+
+def make_local_backend(depth: str, **options) -> LocalBackend:
+    """The ``local`` backend at ``depth``. ``depth`` is a recent keyword of ``LocalBackend`` (reduced-depth
+    trials); a version without it runs full depth only."""
+    if depth not in DEPTHS:
+        raise UserError(f"--depth must be one of {', '.join(DEPTHS)}, got {depth!r}")
+    # compatibility with a LocalBackend from before reduced-depth trials (no ``depth`` keyword): full depth only
+    if "depth" in inspect.signature(LocalBackend.__init__).parameters:
+        return LocalBackend(depth=depth, **options)
+    if depth != "full":
+        raise UserError("--depth reduced needs reduced-depth trials, which this version's local backend lacks")
+    return LocalBackend(**options)
+
+
+def own_depth(record: dict) -> str:
+    """The depth a measured record was taken at (``measured_layers`` is set by a reduced-depth trial)."""
+    return "reduced" if record.get("measured_layers") else "full"
+
+
+def measured_at(point: Point, depth: str) -> bool:
+    """Whether the point's config already has a measurement (by verify, or by a real search trial) that answers
+    ``depth``: ok or oom, at that depth or at full depth."""
+    if point.measured is not None:
+        taken, record = point.measured.get("depth", "full"), point.measured["record"]
+    elif point.own.get("source") == "measured":
+        taken, record = own_depth(point.own), point.own
+    else:
+        return False
+    return record.get("status") in RESULTS and taken in (depth, "full")
+
+
+def select(folder: Folder, top: int | None) -> list[Point]:
+    """The search's own front (predicted), the ``top`` with the highest predicted tokens/s (all when None), then
+    the current best for the target when it is not among them."""
+    if top is not None and top < 1:
+        raise UserError(f"--top must be at least 1, got {top}")
+    front = sorted(front_points(folder.study, verified=False), key=lambda p: (-(p.own.get("tokens_per_s") or 0.0),
+                                                                             p.number))
+    chosen = front[:top] if top is not None else front
+    best = best_point(folder.study, folder.job.target)
+    keys = {_key(p) for p in chosen}
+    if best is not None and _key(best) not in keys:
+        chosen.append(best)
+    return chosen
+
+
+def check_node(folder: Folder, chosen: list[Point]) -> None:
+    """What the real trials need of this node before any starts: enough visible GPUs, flash-attn where used."""
+    gpus, visible = folder.job.gpus, visible_devices()
+    if visible and gpus > visible:
+        raise UserError(f"the search is for {gpus} GPUs but this node shows {visible} CUDA device(s) "
+                        f"(CUDA_VISIBLE_DEVICES limits them)")
+    flash = [p for p in chosen if _flash_problem(p)]
+    if flash:
+        raise UserError(f"trial(s) {', '.join(str(p.number) for p in flash)} use attention 'flash', which cannot run "
+                        f"here: {_flash_problem(flash[0])}")
+
+
+def _flash_problem(point: Point) -> str | None:
+    """Why the point's config cannot run on this node (attention 'flash' without flash-attn or CUDA), or None."""
+    if point.techniques.get("attention") != "flash":
+        return None
+    return flash_problem() or (None if visible_devices() else "this node has no CUDA device")
+
+
+@dataclass
+class Outcome:
+    """One verified config: the search's record and the measurement (``ran``: measured in this run)."""
+
+    trial: int
+    seq_len: int
+    techniques: dict
+    predicted: dict
+    measured: dict | None
+    depth: str | None
+    ran: bool
+    why: str = "front"  # "front": chosen from the search's front; "best": the best config once others were measured
+
+    @property
+    def label(self) -> str:
+        return f"trial {self.trial} {format_tokens(self.seq_len)} {knob_label(self.techniques)}"
+
+    @property
+    def failed(self) -> bool:
+        return self.measured is not None and self.measured["status"] not in RESULTS
+
+    def ratio(self, field_name: str) -> float | None:
+        """measured / predicted of a record field (None where either is missing or the config does not fit)."""
+        if self.measured is None or self.measured["status"] != "ok" or self.predicted.get("status") != "ok":
+            return None
+        a, b = self.measured.get(field_name), self.predicted.get(field_name)
+        return a / b if a and b else None
+
+    def to_dict(self) -> dict:
+        return {"trial": self.trial, "seq_len": self.seq_len, "config": knob_label(self.techniques),
+                "techniques": self.techniques, "why": self.why, "depth": self.depth, "ran": self.ran,
+                "predicted": self.predicted, "measured": self.measured,
+                "tokens_per_s_ratio": self.ratio("tokens_per_s"), "peak_ratio": self.ratio("peak_device_bytes")}
+
+
+@dataclass
+class Verification:
+    outcomes: list[Outcome] = field(default_factory=list)
+    summary: dict | None = None  # ``report.write_outputs``'s: rows, front, best, message
+    interrupted: bool = False
+    notes: list[str] = field(default_factory=list)  # why the search's best config was left unverified
+
+    @property
+    def failed(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.ran and o.failed]
+
+
+def _key(point: Point) -> str:
+    return config_key(point.techniques, point.own["seq_len"])
+
+
+def _outcome(point: Point, ran: bool, why: str) -> Outcome:
+    if point.measured is not None:
+        measured, depth = point.measured["record"], point.measured.get("depth")
+    elif point.own.get("source") == "measured":
+        measured, depth = point.own, own_depth(point.own)
+    else:
+        measured, depth = None, None
+    return Outcome(point.number, int(point.own["seq_len"]), point.techniques, point.own, measured, depth, ran, why)
+
+
+def _current(folder: Folder, key: str) -> Point:
+    return next(p for p in points(folder.study) if _key(p) == key)
+
+
+def measure(folder: Folder, point: Point, backend: Backend, hardware: Hardware, depth: str) -> ResultRecord:
+    """One real trial of ``point``'s config on this node (``hardware``), stored in the study as it ends."""
+    techniques = Techniques.from_dict(point.techniques, folder.job.model_config["num_hidden_layers"])
+    evaluation = Evaluation(folder.job.model_config, techniques, int(point.own["seq_len"]), folder.job.gpus, hardware)
+    record = backend.evaluate(evaluation)
+    folder.study.set_user_attr(measured_attr(point.number), {
+        "trial": point.number, "techniques": point.techniques, "seq_len": int(point.own["seq_len"]), "depth": depth,
+        "record": record.to_dict(), "at": datetime.datetime.now().isoformat(timespec="seconds")})
+    return record
+
+
+def verify(folder: Folder, chosen: list[Point], backend: Backend, hardware: Hardware, depth: str = "full",
+           force: bool = False, on_outcome: Callable[[Outcome, int, int | None], None] | None = None) -> Verification:
+    """Measure ``chosen`` (``select``) on this node, then the best config until it is measured; rewrite the
+    folder's outputs. ``on_outcome(outcome, index, total)`` as each config is done (``total`` None for the best
+    config followed after the chosen ones). Ctrl-C / SIGTERM (as KeyboardInterrupt) stops after saving what was
+    measured."""
+    result = Verification()
+    queue = [(p, "front") for p in chosen]
+    seen: set[str] = set()
+    try:
+        while True:
+            while queue:
+                wanted, why = queue.pop(0)
+                point = _current(folder, _key(wanted))
+                if _key(point) in seen:
+                    continue
+                seen.add(_key(point))
+                ran = force or not measured_at(point, depth)
+                if ran:
+                    measure(folder, point, backend, hardware, depth)
+                    point = _current(folder, _key(point))
+                outcome = _outcome(point, ran, why)
+                result.outcomes.append(outcome)
+                if on_outcome is not None:
+                    on_outcome(outcome, len(result.outcomes), len(chosen) if why == "front" else None)
+            best = best_point(folder.study, folder.job.target)  # a measured OOM may have moved the best
+            if best is None or _key(best) in seen:
+                break
+            if result.failed:  # a failing node would fail every config: stop at the first failure
+                result.notes.append(f"the best config now (trial {best.number}) was not verified: a trial failed")
+                break
+            if _flash_problem(best):
+                result.notes.append(f"the best config now (trial {best.number}) was not verified: attention 'flash' "
+                                    f"cannot run here ({_flash_problem(best)})")
+                break
+            queue.append((best, "best"))
+    except KeyboardInterrupt:
+        result.interrupted = True
+    result.summary = report.write_outputs(folder.job, folder.study)
+    return result
+
+
+def _gib(value) -> str:
+    return "-" if value is None else f"{value / 2**30:.2f}"
+
+
+def _rate(record: dict | None) -> str:
+    if not record or record.get("status") != "ok" or not record.get("tokens_per_s"):
+        return "-"
+    return f"{record['tokens_per_s']:,.0f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def progress_line(outcome: Outcome, index: int, total: int | None) -> str:
+    """One line per verified config as it finishes: predicted -> measured."""
+    p, m = outcome.predicted, outcome.measured or {}
+    where = f"[{index}/{total}]" if total else f"[{index}] the best config now:"
+    how = "" if outcome.ran else f" (already measured, {outcome.depth} depth)"
+    line = (f"{where} {outcome.label}{how}: {p.get('status')} -> {m.get('status', '-')}, "
+            f"peak {_gib(p.get('peak_device_bytes'))} -> {_gib(m.get('peak_device_bytes'))} GiB, "
+            f"host {_gib(p.get('host_bytes'))} -> {_gib(m.get('host_bytes'))} GiB, "
+            f"tokens/s {_rate(p)} -> {_rate(m)} (x{_ratio(outcome.ratio('tokens_per_s'))})")
+    if outcome.failed:
+        line += f"\n    {(m.get('error') or '').strip().splitlines()[0] if m.get('error') else 'no cause recorded'}"
+    return line
+
+
+TABLE_COLUMNS = ("trial", "seq_len", "config", "status", "peak GiB", "host GiB", "tokens/s", "ratio")
+
+
+def table_rows(result: Verification) -> list[tuple[str, ...]]:
+    """The side-by-side table: each cell ``predicted / measured``; ratio = measured / predicted tokens/s."""
+    rows = []
+    for o in result.outcomes:
+        p, m = o.predicted, o.measured or {}
+        rows.append((str(o.trial), format_tokens(o.seq_len), knob_label(o.techniques),
+                     f"{p.get('status')} / {m.get('status', '-')}",
+                     f"{_gib(p.get('peak_device_bytes'))} / {_gib(m.get('peak_device_bytes'))}",
+                     f"{_gib(p.get('host_bytes'))} / {_gib(m.get('host_bytes'))}",
+                     f"{_rate(p)} / {_rate(m)}", _ratio(o.ratio("tokens_per_s"))))
+    return rows
+
+
+def to_json(folder: Folder, result: Verification, depth: str, hardware: Hardware) -> dict:
+    summary = result.summary or {}
+    return {"dir": str(folder.directory), "depth": depth, "node": hardware.name, "gpus": folder.job.gpus,
+            "capacity_bytes": hardware.device_memory_bytes, "verified": [o.to_dict() for o in result.outcomes],
+            "failed": [o.trial for o in result.failed], "best": summary.get("best"),
+            "message": summary.get("message"), "notes": result.notes, "interrupted": result.interrupted}
