@@ -92,6 +92,19 @@ def _hardware_for(backend_name: str, hardware: str, memory_gib: Optional[float])
     return preset.with_memory_gib(memory_gib)
 
 
+def _depth(depth: str) -> str:
+    from autotune.backends.local import DEPTHS
+
+    if depth not in DEPTHS:
+        fail(f"--depth must be one of {', '.join(DEPTHS)}, got {depth!r}")
+    return depth
+
+
+def _show_progress(line: str, elapsed_s: float, deadline_s: float) -> None:
+    """A long real trial's latest progress line, elapsed vs its deadline (stderr)."""
+    console.print(f"  trial: {line} ({elapsed_s:,.0f} s of at most {deadline_s:,.0f} s)", highlight=False)
+
+
 def _local_checks(gpus: int, techniques_wanting_flash: bool) -> None:
     """What a real trial on this node needs before it starts: enough visible devices, a usable flash-attn."""
     from autotune.backends.local import visible_devices
@@ -144,6 +157,8 @@ def search(
     trial_timeout: Optional[float] = typer.Option(
         None, help="seconds before a real trial is killed as hung (default: from its predicted step time)"),
     prefilter: bool = typer.Option(True, help="local backend: skip real trials the oracle predicts to OOM"),
+    depth: str = typer.Option("reduced", help="local backend: reduced (a model deeper than 4 layers runs its 3/4-layer "
+                                              "copies, extended exactly to full depth) | full"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object (the summary)"),
 ):
     """Search the technique space for the Pareto front of sequence length vs tokens/s."""
@@ -178,7 +193,7 @@ def search(
         oracle = make_backend("plan", stop_above=1 + hw.oracle_margin) if prefilter else None
         # the trial deadlines follow the predicted step time: the prefilter's cached records, else a plan backend
         chosen = make_backend("local", memory_gib=memory_gib, timeout_s=trial_timeout, seed=seed,
-                              predictor=oracle or make_backend("plan"))
+                              predictor=oracle or make_backend("plan"), depth=_depth(depth))
     else:  # the search needs to know only that an OOM does not fit: its trace may stop at the crossing
         chosen, oracle = make_backend("plan", stop_above=1.0), None
     job = search_mod.SearchJob(model=model, model_config=model_config, target=target_tokens, gpus=gpus,
@@ -302,6 +317,7 @@ def trial(
     model: str = typer.Option(...), seq: str = typer.Option(..., help=TARGET_HELP),
     config: str = typer.Option(..., help="config file (config-v1 JSON) or 'baseline'"),
     gpus: int = typer.Option(1), steps: int = typer.Option(2, help="measured steps after one warm-up"),
+    depth: str = typer.Option("full", help="full | reduced (run the 3/4-layer copies, extend to full depth)"),
     memory_gib: Optional[float] = typer.Option(None, help="per-rank capacity on CPU (GiB)"),
     timeout: Optional[float] = typer.Option(
         None, help="seconds before the trial is killed as hung (default: from its predicted step time)"),
@@ -324,7 +340,7 @@ def trial(
         fail(f"--timeout must be a positive number of seconds, got {timeout}")
     hw = _hardware_for("local", "h100-sxm", _memory(memory_gib))
     backend = make_backend("local", steps=steps, memory_gib=memory_gib, timeout_s=timeout,
-                           predictor=make_backend("plan"))
+                           predictor=make_backend("plan"), depth=_depth(depth), progress=_show_progress)
     record = backend.evaluate(Evaluation(model_config, techniques, seq_len, gpus, hw))
     _print_record(record.to_dict(), as_json, f"{model} x{gpus} (measured)")
 
