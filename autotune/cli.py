@@ -390,8 +390,7 @@ def verify(
 
     if top is not None and top < 1:
         fail(f"--top must be at least 1, got {top}")
-    if depth not in verify_mod.DEPTHS:
-        fail(f"--depth must be one of {', '.join(verify_mod.DEPTHS)}, got {depth!r}")
+    _depth(depth)
     if trial_timeout is not None and trial_timeout <= 0:
         fail(f"--trial-timeout must be a positive number of seconds, got {trial_timeout}")
     if not directory.exists():
@@ -401,8 +400,8 @@ def verify(
     verify_mod.check_node(folder, chosen)
     gib = verify_mod.node_memory_gib(folder, _memory(memory_gib))
     hw = verify_mod.local_hardware(folder.job.hardware, gib)
-    backend = verify_mod.make_local_backend(depth, memory_gib=gib, timeout_s=trial_timeout,
-                                            predictor=make_backend("plan"))
+    backend = make_backend("local", depth=depth, memory_gib=gib, timeout_s=trial_timeout,
+                           predictor=make_backend("plan"))
     console.print(f"autotune verify: {len(chosen)} front config(s) of {folder.job.model} on {folder.job.gpus}x "
                   f"{hw.name} ({hw.device_memory_bytes / 2**30:.2f} GiB per rank), depth {depth}", highlight=False,
                   soft_wrap=True)

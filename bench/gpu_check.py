@@ -151,17 +151,17 @@ def predict_row(row: dict, model_config: dict, seq: int, hardware, dtype: str) -
 
     from trials.techniques import Techniques
     from autotune.backends import Evaluation
-    from autotune.backends.plan import step_time
+    from autotune.backends.plan import counter_modes, step_time
     from autotune.oracle import predict
-    from autotune.timing.counting import StepCounter
 
     techniques = Techniques.from_dict(row["techniques"], model_config["num_hidden_layers"])
     evaluation = Evaluation(model_config, techniques, seq, row["world"], hardware)
-    modes = lambda tracker: [StepCounter(tracker, seq_len=seq, world_size=row["world"])]  # noqa: E731
-    prediction = predict(evaluation, modes=modes, compute_dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
+    # the plan backend's prediction, with the compute dtype of the real trials (bf16 on CPU needs saying)
+    prediction = predict(evaluation, modes=counter_modes(evaluation),
+                         compute_dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
     tensor_peak = prediction.tensor_peak_bytes
     return {"peak_allocated_bytes": tensor_peak,
-            "peak_reserved_bytes": tensor_peak + hardware.overhead_bytes(tensor_peak) - hardware.runtime_overhead_bytes,
+            "peak_reserved_bytes": tensor_peak + hardware.fragmentation_bytes(tensor_peak),
             "peak_device_bytes": prediction.peak_device_bytes, "host_bytes": prediction.host_bytes,
             "step_time_s": step_time(evaluation, prediction).step_time_s}
 

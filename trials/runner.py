@@ -54,10 +54,11 @@ def _limit_device_memory(device: torch.device, capacity_bytes: int | None) -> No
         return
     torch.cuda.init()
     total = torch.cuda.get_device_properties(device).total_memory
-    usable = capacity_bytes - _runtime_bytes(device)
+    runtime = _runtime_bytes(device)
+    usable = capacity_bytes - runtime
     if usable <= 0 or capacity_bytes > total:
         raise ValueError(f"capacity {capacity_bytes:,} bytes does not fit this device: it has {total:,} bytes, "
-                         f"{_runtime_bytes(device):,} of them held by the CUDA runtime")
+                         f"{runtime:,} of them held by the CUDA runtime")
     torch.cuda.set_per_process_memory_fraction(usable / total, device)
 
 

@@ -105,10 +105,9 @@ class LocalBackend(Backend):
 
     def copies(self, evaluation: Evaluation) -> tuple[list, list[dict]]:
         """(the model's layer runs, the shallower copies a reduced trial runs: [] = run the model itself)."""
-        layers = evaluation.model_config["num_hidden_layers"]
-        runs = layer_runs(evaluation.techniques, layers)
+        runs = layer_runs(evaluation.techniques, evaluation.model_config["num_hidden_layers"])
         base, varied = plan_traces(runs)
-        if self.depth == "full" or not varied or layers <= EXTRAPOLATE_FROM[1]:
+        if self.depth == "full" or not varied:
             return runs, []
         return runs, [{"runs": [list(r) for r in copy],
                        "techniques": techniques_for_runs(evaluation.techniques, copy).to_dict()}

@@ -78,7 +78,7 @@ class PlanBackend(Backend):
         except ConfigError as exc:
             return ResultRecord(status="error", error=str(exc), **base)
         self.last_prediction = None
-        modes = _counter(evaluation) if self.throughput else None
+        modes = counter_modes(evaluation) if self.throughput else None
         try:
             stop = None if self.stop_above is None else int(hw.device_memory_bytes * self.stop_above)
             prediction = predict(evaluation, modes=modes, stop_above_bytes=stop)
@@ -104,7 +104,7 @@ class PlanBackend(Backend):
         record = ResultRecord(
             status="ok" if fits else "oom", peak_device_bytes=int(prediction.peak_device_bytes),
             peak_allocated_bytes=tensor_peak,
-            peak_reserved_bytes=tensor_peak + hw.overhead_bytes(tensor_peak) - hw.runtime_overhead_bytes,
+            peak_reserved_bytes=tensor_peak + hw.fragmentation_bytes(tensor_peak),
             host_bytes=int(prediction.host_bytes), breakdown=dict(prediction.breakdown), error=error, **base)
         if self.throughput and not prediction.stopped:
             try:
@@ -119,7 +119,7 @@ class PlanBackend(Backend):
         return record
 
 
-def _counter(evaluation: Evaluation):
+def counter_modes(evaluation: Evaluation):
     """The oracle's ``modes``: a step counter inside each traced step's memory tracker."""
     def modes(tracker):
         return [StepCounter(tracker, seq_len=evaluation.seq_len, world_size=evaluation.gpus)]

@@ -124,9 +124,13 @@ class Hardware:
         """Bytes no tensor shows: CUDA context and NCCL buffers."""
         return int(self.cuda_context_bytes + self.nccl_buffer_bytes)
 
+    def fragmentation_bytes(self, tensor_peak: int) -> int:
+        """What the caching allocator reserves beyond the live tensors at a tensor peak (reserved - allocated)."""
+        return int(math.ceil(self.allocator_fragmentation * tensor_peak))
+
     def overhead_bytes(self, tensor_peak: int) -> int:
         """Device bytes no tensor shows at a tensor peak: CUDA context, NCCL buffers, allocator fragmentation."""
-        return int(self.runtime_overhead_bytes + math.ceil(self.allocator_fragmentation * tensor_peak))
+        return int(self.runtime_overhead_bytes + self.fragmentation_bytes(tensor_peak))
 
     def with_memory_gib(self, gib: float | None) -> "Hardware":
         return self if gib is None else replace(self, device_memory_bytes=int(gib * 1024**3))

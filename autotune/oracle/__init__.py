@@ -73,7 +73,7 @@ def _trace_to_full_depth(evaluation: Evaluation, full_depth: bool = False,
     args = (evaluation.model_config, evaluation.techniques, evaluation.seq_len, evaluation.gpus)
     runs = layer_runs(evaluation.techniques, layers)
     base, varied = plan_traces(runs)
-    if full_depth or not varied or layers <= EXTRAPOLATE_FROM[1]:
+    if full_depth or not varied:
         result = trace(*args, runs=runs, **kwargs)
         return result, [result], []
     traces = [trace(*args, runs=base, **kwargs)]

@@ -13,8 +13,10 @@ from autotune.oracle.results import EXTRAPOLATE_FROM, Segment, Trace, full_break
 def plan_traces(runs: list[tuple[str, int]]) -> tuple[list[tuple[str, int]], list[tuple[int, list]]]:
     """Which shallow copies to trace for a model of ``runs``: a base (each run of 3+ layers cut to 3, shorter
     runs as they are) and, per cut run, the base with that run at 4 layers. Returns (base, [(run index,
-    runs), ...]); no cut runs (all shorter than 3) means: trace the model itself."""
+    runs), ...]); no cut runs (all shorter than 3, or a model of at most 4 layers) means: run the model itself."""
     short, long = EXTRAPOLATE_FROM
+    if sum(n for _, n in runs) <= long:  # the copies would be no shallower than the model
+        return list(runs), []
     base = [(kind, min(n, short)) for kind, n in runs]
     varied = []
     for index, (kind, n) in enumerate(runs):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -33,7 +32,7 @@ import optuna
 
 from trials.techniques import Techniques
 from trials.attention import flash_problem
-from autotune.backends import Backend, Evaluation, LocalBackend
+from autotune.backends import Backend, Evaluation
 from autotune.backends.local import visible_devices
 from autotune.core.errors import UserError
 from autotune.core.hardware import HOST_PRESET, Hardware, load_hardware
@@ -46,7 +45,6 @@ from autotune.search.front import Point, best_point, config_key, front_points, m
 from autotune.search.job import SearchJob
 from autotune.search.study import open_storage
 
-DEPTHS = ("full", "reduced")
 RESULTS = ("ok", "oom")  # what a verified trial may end with and still count as a measurement (not a failure)
 
 
@@ -120,19 +118,6 @@ def local_hardware(search_hardware: Hardware, memory_gib: float | None) -> Hardw
 
     card = torch.cuda.get_device_properties(0).total_memory
     return dataclasses.replace(search_hardware, device_memory_bytes=card).with_memory_gib(memory_gib)
-
-
-def make_local_backend(depth: str, **options) -> LocalBackend:
-    """The ``local`` backend at ``depth``. ``depth`` is a recent keyword of ``LocalBackend`` (reduced-depth
-    trials); a version without it runs full depth only."""
-    if depth not in DEPTHS:
-        raise UserError(f"--depth must be one of {', '.join(DEPTHS)}, got {depth!r}")
-    # compatibility with a LocalBackend from before reduced-depth trials (no ``depth`` keyword): full depth only
-    if "depth" in inspect.signature(LocalBackend.__init__).parameters:
-        return LocalBackend(depth=depth, **options)
-    if depth != "full":
-        raise UserError("--depth reduced needs reduced-depth trials, which this version's local backend lacks")
-    return LocalBackend(**options)
 
 
 def own_depth(record: dict) -> str:
