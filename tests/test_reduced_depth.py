@@ -8,7 +8,7 @@ import pytest
 from trials.model_config import load_model_config
 from trials.techniques import Techniques
 from autotune.backends import Evaluation
-from autotune.backends.local import LocalBackend
+from autotune.backends.local import LocalBackend, extend_step_time
 from autotune.core.hardware import load_hardware
 
 
@@ -28,6 +28,49 @@ def test_a_reduced_trial_runs_the_oracles_copies():
     assert [c["runs"] for c in copies] == [[["offload", 3], ["device", 3]], [["offload", 4], ["device", 3]],
                                            [["offload", 3], ["device", 4]]]
     assert [c["techniques"]["activation_offload_layers"] for c in copies] == [3, 4, 3]
+
+
+def test_only_the_deepest_copy_is_timed():
+    _, copies = LocalBackend(depth="reduced").copies(_evaluation(16, activation_offload_layers=6))
+    assert [c["timed"] for c in copies] == [False, False, True]
+
+
+def test_the_step_time_extends_by_middle_layers_and_the_tail_by_parameters():
+    # a 4-layer copy: layers 0.1 (first), 0.2, 0.3 (middle), 0.9 (last); tail 0.5 for 1,000 parameters
+    timed = {"step_time_s": 3.0, "layer_times_s": [0.1, 0.2, 0.3, 0.9], "tail_time_s": 0.5, "parameters": 1000}
+    # 10 layers: 6 more middle layers at their mean 0.25; 2,500 parameters: the tail 1.5x longer
+    assert extend_step_time(timed, [("layers", 4)], [("layers", 10)], 2500) == pytest.approx(3.0 + 6 * 0.25 + 0.75)
+    # two runs: only the run longer than the copy's extends, by its own middle layer
+    timed = dict(timed, layer_times_s=[0.1, 0.2, 0.3, 1.0, 2.0, 3.0])
+    assert extend_step_time(timed, [("offload", 3), ("device", 3)], [("offload", 3), ("device", 8)],
+                            1000) == pytest.approx(3.0 + 5 * 2.0)
+
+
+def test_the_layer_clock_splits_a_real_step():
+    import torch
+
+    from trials.dist import Mesh
+    from trials.layer_clock import LayerClock
+    from trials.memory import DeviceMemoryTracker
+    from trials.data import make_batch, synthetic_sample
+    from trials.step import build_training, train_step
+
+    config = dict(load_model_config("tiny-llama"), num_hidden_layers=3)
+    mesh = Mesh.single(torch.device("cpu"))
+    tracker = DeviceMemoryTracker()
+    with tracker:
+        model, optimizer = build_training(config, Techniques.from_dict({"activation_checkpointing": True}, 3),
+                                          mesh, 0, tracker)
+        clock = LayerClock(model, tracker, mesh.device)
+        batch = make_batch(synthetic_sample(0, 256, model.config.vocab_size, 0), 0, 1, mesh.device)
+        clock.start_step()
+        train_step(model, optimizer, batch, mesh, tracker)
+        split = clock.finish_step()
+    assert len(split.layer_s) == 3 and all(t > 0 for t in split.layer_s) and split.tail_s > 0
+    assert sum(split.layer_s) + split.tail_s < split.step_s  # the head (embedding, loss) is the rest
+    with pytest.raises(RuntimeError, match="no mark"):  # a step the clock did not see is not split
+        clock.start_step()
+        clock.finish_step()
 
 
 @pytest.mark.slow

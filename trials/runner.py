@@ -20,10 +20,11 @@ import torch
 from trials import allocator
 from trials.data import make_batch, synthetic_sample
 from trials.dist import init_mesh
+from trials.layer_clock import LayerClock, local_parameter_count, mean_step_times
 from trials.memory import DeviceMemoryTracker
 from trials.segments import SegmentPeaks, install_segment_hooks
 from trials.spec import RankRecord, TrialSpec
-from trials.step import build_training, train_step
+from trials.step import build_training, prime_optimizer, train_step
 from trials.techniques import Techniques
 
 
@@ -75,7 +76,8 @@ def run_trial(spec: TrialSpec, mesh=None) -> RankRecord:
         config = dict(spec.model_config, num_hidden_layers=sum(n for _, n in runs))
         techniques = Techniques.from_dict(copy["techniques"])
         result = _run_model(spec, mesh, config, techniques, runs, f"copy {index + 1}/{len(spec.copies)} "
-                                                                 f"({config['num_hidden_layers']} layers)")
+                                                                 f"({config['num_hidden_layers']} layers)",
+                            timed=copy.get("timed", True))
         record.copies.append(result.to_dict())
         if result.status != "ok":  # a shallower copy that fails: so would the model
             record.status, record.error = result.status, result.error
@@ -85,9 +87,13 @@ def run_trial(spec: TrialSpec, mesh=None) -> RankRecord:
     return record
 
 
-def _run_model(spec: TrialSpec, mesh, model_config: dict, techniques, runs=None, label: str = "") -> RankRecord:
-    """Build ``model_config`` with ``techniques``, run warm-up + measured steps, record memory and time. With
-    ``runs`` (the decoder layers as runs, ``trials.segments.layer_runs``) also each segment's peak."""
+def _run_model(spec: TrialSpec, mesh, model_config: dict, techniques, runs=None, label: str = "",
+               timed: bool = True) -> RankRecord:
+    """Build ``model_config`` with ``techniques``, run warm-up + measured steps, record memory and time.
+
+    With ``runs`` (a shallower copy of the model, its decoder layers as runs, ``trials.segments.layer_runs``): the
+    optimizer states are primed first (as the oracle traces) and each segment's peak is recorded; ``timed``
+    also splits the measured steps along the layers (``trials.layer_clock``), else one step runs, for memory."""
     seq_len, steps, warmup, seed = spec.seq_len, spec.steps, spec.warmup, spec.seed
     device = mesh.device
     # the tracker runs on CUDA too (no capacity there: the card raises OOM): the breakdown and the host bytes
@@ -107,23 +113,39 @@ def _run_model(spec: TrialSpec, mesh, model_config: dict, techniques, runs=None,
         with tracker:
             model, optimizer = build_training(model_config, techniques, mesh, seed, tracker,
                                               compute_dtype=_compute_dtype(spec.compute_dtype))
+            clock = None
             if peaks is not None:
                 install_segment_hooks(model, tracker, peaks, runs)
+                prime_optimizer(model, optimizer, tracker)
+                peaks.segment = ("setup", None)
+                record.parameters = local_parameter_count(model)
+                if timed:
+                    clock = LayerClock(model, tracker, device)
+                else:
+                    warmup, steps = 0, 1
             tokens = synthetic_sample(mesh.dp_rank, seq_len, model.config.vocab_size, seed)
             batch = make_batch(tokens, mesh.sp_rank, mesh.sp_degree, device)
+            splits = []
             for index in range(warmup + steps):
                 _inject_fault(mesh.rank)
+                if clock is not None and index >= warmup:
+                    clock.start_step()
                 start = time.perf_counter()
                 result = train_step(model, optimizer, batch, mesh, tracker)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 elapsed = time.perf_counter() - start
+                if clock is not None and index >= warmup:
+                    splits.append(clock.finish_step())
                 say(f"step {index + 1}/{warmup + steps} took {elapsed:.2f} s"
-                    + (" (warm-up)" if index < warmup else ""))
+                    + (" (warm-up)" if index < warmup else "" if timed else " (memory only)"))
                 if index == 0:
                     record.loss, record.grad_norm = result.loss, result.grad_norm
-                if index >= warmup:
+                if index >= warmup and timed:
                     step_times.append(elapsed)
+            if splits:
+                split = mean_step_times(splits)
+                record.layer_times_s, record.tail_time_s = split.layer_s, split.tail_s
     except torch.OutOfMemoryError as exc:
         record.status, record.error = "oom", str(exc).splitlines()[0][:500]
     except Exception as exc:  # recorded, classified by the launcher

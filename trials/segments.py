@@ -92,7 +92,7 @@ class SegmentPeaks(TrackerListener):
         return live[:top]
 
 
-def _positions(runs: list[tuple[str, int]]) -> list[tuple[str, str]]:
+def layer_positions(runs: list[tuple[str, int]]) -> list[tuple[str, str]]:
     """Each layer's segment label: (run kind, first | middle | last | only) -- its place inside its run."""
     labels = []
     for kind, count in runs:
@@ -102,11 +102,25 @@ def _positions(runs: list[tuple[str, int]]) -> list[tuple[str, str]]:
     return labels
 
 
+def hidden_of(value):
+    """The hidden states in a decoder layer's output (a tensor, or a tuple led by it)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return value[0]
+    return None
+
+
+def layer_input(args, kwargs):
+    """The hidden states a decoder layer was called with (positional or ``hidden_states=``)."""
+    return hidden_of(args[0] if args else kwargs.get("hidden_states"))
+
+
 def install_segment_hooks(model, tracker: DeviceMemoryTracker, peaks: SegmentPeaks, runs) -> list:
     """Forward pre-hooks and gradient hooks that move ``peaks.segment`` along the decoder layers."""
     layers = list(model.layers)
     count = len(layers)
-    labels = _positions(runs)
+    labels = layer_positions(runs)
     if len(labels) != count:
         raise ValueError(f"runs {runs} do not cover the model's {count} layers")
     handles = []
@@ -116,20 +130,13 @@ def install_segment_hooks(model, tracker: DeviceMemoryTracker, peaks: SegmentPea
             peaks.segment = key
         return hook
 
-    def first_tensor(value):
-        if isinstance(value, torch.Tensor):
-            return value
-        if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
-            return value[0]
-        return None
-
     for index, layer in enumerate(layers):
         def pre(module, args, kwargs, index=index):
             if tracker.phase != "forward":
                 return
             peaks.segment = ("forward", labels[index])
             if index == 0:
-                hidden = first_tensor(args[0] if args else kwargs.get("hidden_states"))
+                hidden = layer_input(args, kwargs)
                 if hidden is not None and hidden.requires_grad:
                     hidden.register_hook(set_segment(("backward", "post")))
 
@@ -138,7 +145,7 @@ def install_segment_hooks(model, tracker: DeviceMemoryTracker, peaks: SegmentPea
                 return
             if index == count - 1:
                 peaks.segment = ("forward", "post")
-            hidden = first_tensor(output)
+            hidden = hidden_of(output)
             if hidden is not None and hidden.requires_grad:
                 hidden.register_hook(set_segment(("backward", labels[index])))
 

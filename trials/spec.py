@@ -29,7 +29,8 @@ class TrialSpec:
     compute_dtype: str | None = None    # "bf16" | "fp32"; None = the device's default (bf16 CUDA, fp32 CPU)
     collective_timeout_s: float = 600.0  # the process group's (NCCL watchdog's) timeout: above the longest step
     # reduced depth: shallower copies of the model to run instead of it, in order, each
-    # {"runs": [[kind, layers], ...], "techniques": {...}} (``trials.segments.layer_runs``)
+    # {"runs": [[kind, layers], ...], "techniques": {...}, "timed": bool} (``trials.segments.layer_runs``); a copy
+    # not timed runs one step after priming the optimizer states (memory only), a timed one warm-up + steps too
     copies: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -72,6 +73,10 @@ class RankRecord:
     layers: int | None = None            # decoder layers of the model that ran
     segments: list = field(default_factory=list)  # with runs: [phase, position, device_bytes, breakdown, host_bytes]
     copies: list[dict] = field(default_factory=list)  # reduced depth: one record (as a dict) per copy
+    # a timed copy's step split along its layers (``trials.layer_clock``), means over the measured steps:
+    layer_times_s: list[float] = field(default_factory=list)  # forward + backward of each decoder layer
+    tail_time_s: float | None = None     # gradient reduction, norm, optimizer: scales with the parameters
+    parameters: int | None = None        # parameters this rank holds
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

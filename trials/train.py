@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from trials import allocator
 from trials.config_file import load_config_file
 from trials.data import make_batch, synthetic_sample
 from trials.dist import init_mesh
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", default=None, help="Parquet/Arrow file of token ids")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    allocator.configure()  # before CUDA starts: the allocator settings the trials measured under
     train(args.config, args.steps, args.data, args.seed)
     import torch.distributed as dist
 

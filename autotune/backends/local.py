@@ -24,7 +24,7 @@ import torch
 
 from trials import allocator
 from trials.errors import ConfigError
-from trials.segments import Segment, layer_runs, techniques_for_runs
+from trials.segments import Segment, layer_positions, layer_runs, techniques_for_runs
 from trials.spec import RankRecord, TrialSpec
 from autotune.backends.base import Backend, Evaluation
 from autotune.core.record import ResultRecord
@@ -100,7 +100,9 @@ class LocalBackend(Backend):
         times = [self.predictor.evaluate(_copy_evaluation(evaluation, copy)).step_time_s for copy in copies]
         if not all(times):
             return trial_deadlines(None, self.steps, self.warmup)
-        each = [trial_deadlines(t, self.steps, self.warmup) for t in times]
+        # a copy for memory only runs one step after priming the optimizer (about one more step's worth)
+        each = [trial_deadlines(t, self.steps, self.warmup) if copy["timed"] else trial_deadlines(t, 2, 0)
+                for t, copy in zip(times, copies)]
         return STARTUP_S + sum(d - STARTUP_S for d, _ in each), max(c for _, c in each)
 
     def copies(self, evaluation: Evaluation) -> tuple[list, list[dict]]:
@@ -109,9 +111,13 @@ class LocalBackend(Backend):
         base, varied = plan_traces(runs)
         if self.depth == "full" or not varied:
             return runs, []
+        shallow = [base] + [longer for _, longer in varied]
+        # memory needs each copy's first step (after priming the optimizer states); time needs only one copy,
+        # its layers split by the layer clock: the last (deepest) one runs warm-up + measured steps
         return runs, [{"runs": [list(r) for r in copy],
-                       "techniques": techniques_for_runs(evaluation.techniques, copy).to_dict()}
-                      for copy in [base] + [longer for _, longer in varied]]
+                       "techniques": techniques_for_runs(evaluation.techniques, copy).to_dict(),
+                       "timed": index == len(shallow) - 1}
+                      for index, copy in enumerate(shallow)]
 
     def evaluate(self, evaluation: Evaluation) -> ResultRecord:
         visible = visible_devices()
@@ -133,7 +139,7 @@ class LocalBackend(Backend):
         if copies and record.status == "ok":
             capacity = self.capacity_bytes(evaluation) or (evaluation.hardware.device_memory_bytes if visible else None)
             first = next(r for r in ranks if r.rank == 0)  # rank 0, as the oracle traces
-            record = extend_to_depth(evaluation, first.copies, record.device, runs, capacity)
+            record = extend_to_depth(evaluation, copies, first.copies, record.device, runs, capacity)
         return record
 
     def _run(self, evaluation: Evaluation, spec_path: Path, work: Path,
@@ -182,13 +188,14 @@ def _copy_evaluation(evaluation: Evaluation, copy: dict) -> Evaluation:
                       evaluation.seq_len, evaluation.gpus, evaluation.hardware)
 
 
-def extend_to_depth(evaluation: Evaluation, copies: list[dict], device_name: str | None, runs: list,
-                    capacity_bytes: int | None) -> ResultRecord:
-    """The reduced trial's copies (rank 0's segment peaks and step times, ``RankRecord.copies``) extended exactly to the
-    model's ``runs``, the way the oracle extends its traces (``autotune.oracle.extrapolation``): every byte and
-    second measured, only the count of identical layers extended."""
+def extend_to_depth(evaluation: Evaluation, copies: list[dict], measured: list[dict], device_name: str | None,
+                    runs: list, capacity_bytes: int | None) -> ResultRecord:
+    """The reduced trial's ``copies`` (as ``copies()`` made them) and rank 0's records of them (``measured``:
+    ``RankRecord.copies``) extended to the model's ``runs``: segment peaks exactly as the oracle extends its traces
+    (``autotune.oracle.extrapolation``), the step time by ``extend_step_time``. Every byte and second measured,
+    only the count of identical layers extended."""
     traces = []
-    for copy in copies:
+    for copy in measured:
         segments = {(phase, tuple(position) if isinstance(position, list) else position):  # JSON made tuples lists
                     Segment(int(device), dict(breakdown), int(host))
                     for phase, position, device, breakdown, host in copy["segments"]}
@@ -198,8 +205,10 @@ def extend_to_depth(evaluation: Evaluation, copies: list[dict], device_name: str
     _, varied = plan_traces(runs)
     extended = extrapolate(traces[0], [(index, trace) for (index, _), trace in zip(varied, traces[1:])], runs)
     lengths = [runs[index][1] - EXTRAPOLATE_FROM[0] for index, _ in varied]
-    step_time = extend_value(copies[0]["step_time_s"], [(c["step_time_s"], n) for c, n in zip(copies[1:], lengths)])
-    last = copies[-1]
+    parameters = extend_value(measured[0]["parameters"], [(c["parameters"], n) for c, n in zip(measured[1:], lengths)])
+    timed = next(i for i, copy in enumerate(copies) if copy["timed"])
+    step_time = extend_step_time(measured[timed], [tuple(r) for r in copies[timed]["runs"]], runs, parameters)
+    last = measured[-1]
     allocator_slack = (last["peak_reserved_bytes"] or 0) - (last["peak_allocated_bytes"] or 0)
     allocated = int(extended.peak_device_bytes)
     reserved = allocated + max(0, allocator_slack)
@@ -210,7 +219,7 @@ def extend_to_depth(evaluation: Evaluation, copies: list[dict], device_name: str
         tokens_per_s=evaluation.seq_len * dp / step_time if step_time > 0 else None,
         peak_device_bytes=device, peak_allocated_bytes=allocated, peak_reserved_bytes=reserved,
         host_bytes=int(extended.peak_host_bytes), breakdown=dict(extended.breakdown), device=device_name,
-        measured_layers=max(c["layers"] for c in copies))
+        measured_layers=max(c["layers"] for c in measured))
     if step_time <= 0:
         result.status, result.error = "error", f"the extended step time is {step_time:.3g} s (timings too noisy)"
     elif capacity_bytes is not None and device > capacity_bytes:
@@ -218,6 +227,26 @@ def extend_to_depth(evaluation: Evaluation, copies: list[dict], device_name: str
         result.error = (f"measured at {result.measured_layers} layers and extended: peak {device:,} bytes > capacity "
                         f"{capacity_bytes:,} bytes (at {'/'.join(map(str, extended.peak_segment or ()))})")
     return result
+
+
+def extend_step_time(timed: dict, timed_runs: list, runs: list, parameters: int) -> float:
+    """The model's step time from the timed copy's (a ``RankRecord`` dict of ``timed_runs``): its step, plus a
+    middle layer's time (its layer clock's mean over the copy's middle layers of that run, ``trials.layer_clock``)
+    for each layer a run has beyond the copy's, plus its tail scaled to the model's ``parameters`` (the tail --
+    gradient reduction, norm, optimizer -- is elementwise over the parameters)."""
+    labels = layer_positions(timed_runs)
+    layer_s = timed["layer_times_s"]
+    if len(layer_s) != len(labels):
+        raise RuntimeError(f"the timed copy has {len(layer_s)} layer times for {len(labels)} layers")
+    step = timed["step_time_s"]
+    for (kind, count), (copy_kind, copy_count) in zip(runs, timed_runs):
+        if count == copy_count:
+            continue
+        middle = [t for t, label in zip(layer_s, labels) if label == (copy_kind, "middle")]
+        if kind != copy_kind or not middle:
+            raise RuntimeError(f"run {kind} x{count} cannot be extended from the copy's {copy_kind} x{copy_count}")
+        step += (count - copy_count) * sum(middle) / len(middle)
+    return step + timed["tail_time_s"] * (parameters / timed["parameters"] - 1)
 
 
 def merge_rank_records(evaluation: Evaluation, ranks: list[RankRecord], returncode, timed_out: bool, tail: str,

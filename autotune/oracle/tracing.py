@@ -13,7 +13,7 @@ from trials import patches
 from trials.data import make_batch
 from trials.dist import Mesh, build_mesh, ensure_device_mesh
 from trials.memory import DeviceMemoryTracker
-from trials.step import build_training, train_step
+from trials.step import build_training, prime_optimizer as prime_optimizer_states, train_step
 from autotune.core.record import BREAKDOWN_CATEGORIES
 from autotune.oracle.fake_world import fake_flash_kernels, fake_process_group, oracle_mode
 from autotune.oracle.results import Segment, Trace, full_breakdown
@@ -80,7 +80,8 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
             tokens = torch.zeros(seq_len + 1, dtype=torch.long)
             batch = make_batch(tokens, mesh.sp_rank, mesh.sp_degree, device)
             if prime_optimizer:
-                _prime_optimizer(model, optimizer, tracker, peaks)
+                prime_optimizer_states(model, optimizer, tracker)
+                peaks.segment = ("setup", None)
             extra_modes = list(modes(tracker)) if modes is not None else []
             try:
                 with contextlib.ExitStack() as stack:
@@ -108,13 +109,3 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
                  peak_host_bytes=int(tracker.peak_host_bytes), peak_segment=peak_key, segments=segments,
                  elapsed_s=time.perf_counter() - started, extras=[extras], runs=list(runs), stopped=stopped)
 
-
-def _prime_optimizer(model, optimizer, tracker, peaks) -> None:
-    """Create the optimizer states as a real first step does: one step on zero gradients."""
-    for param in model.parameters():
-        if param.requires_grad:
-            param.grad = torch.zeros_like(param)
-    with tracker.in_phase("optimizer"):
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    peaks.segment = ("setup", None)
