@@ -12,6 +12,7 @@ ranks share the machine's cores): ``Hardware.rates_for(world_size)``.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
@@ -99,6 +100,21 @@ class Hardware:
     # predicted peak is over capacity by more than this fraction; closer calls run for real
     oracle_margin: float = 0.05
     calibration: dict | None = field(default=None, compare=False)  # per-world measurements (device_is_host)
+    # ``autotune calibrate``'s record in a preset it wrote: when, on what, and how each rate was measured
+    calibrated: dict | None = field(default=None, compare=False)
+    source: str = field(default="shipped", compare=False)  # shipped | user (a preset in user_preset_dir) | file
+
+    def rate_provenance(self) -> str:
+        """One line: where the time model's rates come from (measured here, a typical machine's, or assumed)."""
+        if self.calibrated:
+            return (f"rates measured by `autotune calibrate` on {self.calibrated.get('device', '?')} at "
+                    f"{self.calibrated.get('measured_at', '?')}")
+        if self.calibration:
+            machine = self.calibration.get("machine", {})
+            own = machine == calibration_store.machine_key()
+            return (f"rates from {'this' if own else 'a typical'} machine's calibration "
+                    f"({machine.get('cpu', '?')}, {machine.get('cpus', '?')} cores, {self.calibration.get('measured_at', '?')})")
+        return "rates assumed from public figures, not measured on this node"
 
     @property
     def device_is_host(self) -> bool:
@@ -140,11 +156,43 @@ def _preset_dir() -> Path:
     return Path(str(resources.files("autotune.core") / "hardware_presets"))
 
 
+def user_preset_dir() -> Path:
+    """Where ``autotune calibrate --name NAME`` writes presets: ``$AUTOTUNE_CONFIG_DIR/hardware``, else
+    ``$XDG_CONFIG_HOME/autotune/hardware``, else ``~/.config/autotune/hardware``."""
+    base = os.environ.get("AUTOTUNE_CONFIG_DIR")
+    if base:
+        return Path(base) / "hardware"
+    xdg = os.environ.get("XDG_CONFIG_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".config") / "autotune" / "hardware"
+
+
+def is_shipped(name: str) -> bool:
+    return (_preset_dir() / f"{name}.yaml").is_file()
+
+
 def hardware_names() -> list[str]:
-    return sorted(p.stem for p in _preset_dir().glob("*.yaml"))
+    """Shipped presets, then the user's (a user preset may not shadow a shipped name)."""
+    shipped = sorted(p.stem for p in _preset_dir().glob("*.yaml"))
+    user = sorted(p.stem for p in user_preset_dir().glob("*.yaml")) if user_preset_dir().is_dir() else []
+    return shipped + [name for name in user if name not in shipped]
 
 
-_HARDWARE_KEYS = {f.name for f in fields(Hardware)} - {"rates", "calibration"}
+def preset_path(name: str) -> tuple[Path, str]:
+    """(the YAML file, shipped | user | file) of a preset name or path."""
+    for directory, source in ((_preset_dir(), "shipped"), (user_preset_dir(), "user")):
+        path = directory / f"{name}.yaml"
+        if "/" not in name and path.is_file():
+            return path, source
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") and not path.is_file():
+        raise UserError(f"hardware preset file {name!r} does not exist")
+    if not path.is_file():
+        raise UserError(f"unknown hardware {name!r}: choose one of {', '.join(hardware_names())} "
+                        f"(or a preset YAML file; `autotune calibrate --name NAME` makes one for this node)")
+    return path, "file"
+
+
+_HARDWARE_KEYS = {f.name for f in fields(Hardware)} - {"rates", "calibration", "calibrated", "source"}
 _RATE_KEYS = {f.name for f in fields(Rates)} - {"name", "attention_by_head_dim"}
 
 
@@ -162,20 +210,14 @@ def _cast(kind, value):
 
 def load_hardware(name: str) -> Hardware:
     """A preset by name (``autotune hardware`` lists them) or a path to a preset YAML file."""
-    path = _preset_dir() / f"{name}.yaml"
-    if not path.exists():
-        path = Path(name)
-        if path.suffix in (".yaml", ".yml") and not path.is_file():
-            raise UserError(f"hardware preset file {name!r} does not exist")
-        if not path.is_file():
-            raise UserError(f"unknown hardware {name!r}: choose one of {', '.join(hardware_names())}")
+    path, source = preset_path(name)
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise UserError(f"hardware preset {str(path)!r} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise UserError(f"hardware preset {str(path)!r} must be a YAML mapping")
-    unknown = sorted(set(data) - _HARDWARE_KEYS - _RATE_KEYS - {"calibration"})
+    unknown = sorted(set(data) - _HARDWARE_KEYS - _RATE_KEYS - {"calibration", "calibrated"})
     if unknown:
         raise UserError(f"hardware preset {str(path)!r}: unknown key {unknown[0]!r}")
     types = {f.name: f.type for f in (*fields(Hardware), *fields(Rates))}
@@ -184,9 +226,12 @@ def load_hardware(name: str) -> Hardware:
         values = {k: _cast(types[k], v) for k, v in data.items() if k in _HARDWARE_KEYS}
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"hardware preset {str(path)!r}: {exc}") from None
-    hardware = Hardware(rates=rates, **values)
-    if rates.device_is_host:  # this machine's cached calibration, else the typical machine's the preset ships
-        calibration = calibration_store.load_cached() or data.get("calibration")
+    hardware = Hardware(rates=rates, calibrated=data.get("calibrated"), source=source, **values)
+    if rates.device_is_host:
+        # a calibrated preset's own measurements; else this machine's cached calibration, else the typical
+        # machine's the preset ships
+        calibration = (data.get("calibration") if data.get("calibrated") else None) or \
+            calibration_store.load_cached() or data.get("calibration")
         if calibration:
             hardware = replace(hardware, calibration=calibration)
     return hardware

@@ -76,7 +76,19 @@ def calibrate(quiet: bool = True, repeats: int = 1) -> dict:
                       f"(others busy {busy:.0%}) ...", file=sys.stderr, flush=True)
             runs.append(_run_workers(world, threads))
         result["worlds"][str(world)] = _best_of(runs)
+        if len(runs) > 1:
+            result.setdefault("spread", {})[str(world)] = _spread_of(runs)
     return result
+
+
+def _spread_of(runs: list[dict]) -> dict:
+    """(max - min) / max over the runs of each top-level rate (what ``_best_of`` keeps the best of)."""
+    spread = {}
+    for key, value in runs[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("threads", "world_size"):
+            values = [r[key] for r in runs]
+            spread[key] = round((max(values) - min(values)) / max(values), 4) if max(values) else 0.0
+    return spread
 
 
 _LOWER_IS_BETTER = ("op_overhead_s", "view_overhead_s", "latency_s", "probe_s", "rank_imbalance", "wall_s",

@@ -1,0 +1,234 @@
+"""Microbenchmarks of an accelerator node for ``autotune calibrate`` on GPU presets (CUDA; the same code runs on
+CPU tensors, which is how the tests check it).
+
+Each measurement is in the units the time model (``autotune.timing.model``) divides by, so a rate turns into a
+preset's efficiency by one division (``device_rates``):
+
+- GEMMs at the model's shapes (a tile of tokens times each projection, forward and the two backward GEMMs):
+  FLOP/s per shape and in total -> ``matmul_efficiency`` = total FLOPs / total time / ``bf16_flops``;
+- fused causal attention, forward and backward, across lengths and head counts (flash-attn when installed, and
+  torch's SDPA): the FLOPs of the tiles the kernel computes (``tiled_pairs``) per second ->
+  ``attention_efficiency`` / ``attention_backward_efficiency`` at the longest length (what millions of tokens
+  run at), the whole table kept beside them;
+- elementwise ops on large tensors: output bytes/s -> ``elementwise_efficiency`` = rate * traffic factor / HBM;
+- pinned host<->device copies, each direction -> ``host_bytes_per_s`` (the slower direction);
+- torch AdamW on the host (what optimizer offload runs), with the threads one rank of the node gets ->
+  ``host_optimizer_bytes_per_s`` (output bytes, as ``StepCounter`` counts them);
+- all-to-all / all-gather / reduce-scatter / all-reduce at the node's world size (``measure_collectives``,
+  wire bytes as ``StepCounter`` counts them) -> each kind's efficiency against ``intra_node_bytes_per_s``, and
+  ``collective_latency_s``.
+
+Every timing is the median of several samples; ``spread`` is (max - min) / median of those samples.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from autotune.timing.attention_cost import tiled_pairs
+
+ATTENTION_LENGTHS = (4096, 16384, 65536)
+ATTENTION_HEADS = (1, 4, 16)
+GEMM_TOKENS = 8192
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, samples: int = 5, min_seconds: float = 0.05) -> dict:
+    """{"s": median seconds per call, "spread": (max - min) / median} over ``samples`` samples, each repeating
+    ``fn`` enough to last ``min_seconds`` (the device synchronized around each sample)."""
+    fn()
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    reps = max(1, int(min_seconds / max(time.perf_counter() - start, 1e-7)))
+    times = []
+    for _ in range(samples):
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) / reps)
+    median = statistics.median(times)
+    return {"s": median, "spread": (max(times) - min(times)) / median if median else 0.0}
+
+
+def gemm_shapes(model_config: dict, tokens: int = GEMM_TOKENS) -> list[tuple[int, int, int]]:
+    """(m, k, n) of one decoder layer's GEMMs on ``tokens`` tokens: each projection forward, and its two backward
+    GEMMs (input gradient, weight gradient)."""
+    hidden = model_config["hidden_size"]
+    head_dim = model_config.get("head_dim") or hidden // model_config["num_attention_heads"]
+    projections = [(hidden, model_config["num_attention_heads"] * head_dim),       # q
+                   (hidden, model_config["num_key_value_heads"] * head_dim),       # k, v
+                   (model_config["num_attention_heads"] * head_dim, hidden),       # o
+                   (hidden, model_config["intermediate_size"]),                    # gate, up
+                   (model_config["intermediate_size"], hidden)]                    # down
+    shapes = []
+    for k, n in projections:
+        shapes += [(tokens, k, n), (tokens, n, k), (k, tokens, n)]
+    return list(dict.fromkeys(shapes))
+
+
+def measure_gemms(device: torch.device, dtype: torch.dtype, shapes) -> dict:
+    points, flops, seconds = [], 0.0, 0.0
+    for m, k, n in shapes:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        t = timed(lambda: torch.mm(a, b), device)
+        points.append({"m": m, "k": k, "n": n, "flops_per_s": 2.0 * m * k * n / t["s"], "spread": t["spread"]})
+        flops += 2.0 * m * k * n
+        seconds += t["s"]
+    return {"flops_per_s": flops / seconds, "points": points,
+            "spread": max(p["spread"] for p in points)}
+
+
+def _attention_kernels(device: torch.device):
+    """{name: fn(q, k, v) -> out} of the fused causal kernels available; q/k/v are (batch, seq, heads, dim)."""
+    kernels = {"sdpa": lambda q, k, v: F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)}
+    if device.type == "cuda":
+        try:
+            from flash_attn import flash_attn_func
+        except ImportError:
+            pass
+        else:
+            kernels = {"flash": lambda q, k, v: flash_attn_func(q, k, v, causal=True), **kernels}
+    return kernels
+
+
+def measure_attention(device: torch.device, dtype: torch.dtype, head_dim: int, tile_q: int, tile_kv: int,
+                      lengths=ATTENTION_LENGTHS, heads=ATTENTION_HEADS, max_elements: int = 1 << 30) -> dict:
+    """Computed-FLOP rates of each fused causal kernel, forward and backward, per (length, heads)."""
+    result = {}
+    for name, kernel in _attention_kernels(device).items():
+        points = []
+        for seq in lengths:
+            for h in heads:
+                if seq * h * head_dim > max_elements:
+                    continue
+                q, k, v = (torch.randn(1, seq, h, head_dim, device=device, dtype=dtype, requires_grad=True)
+                           for _ in range(3))
+                out = kernel(q, k, v)
+                grad = torch.randn_like(out)
+                forward = timed(lambda: kernel(q, k, v), device, samples=3)
+                both = timed(lambda: torch.autograd.grad(kernel(q, k, v), (q, k, v), grad), device, samples=3)
+                backward_s = max(both["s"] - forward["s"], 1e-9)
+                pairs = h * tiled_pairs(seq, seq, True, tile_q, tile_kv)
+                points.append({"seq": seq, "heads": h, "fwd_flops_per_s": pairs * 4 * head_dim / forward["s"],
+                               "bwd_flops_per_s": pairs * 10 * head_dim / backward_s,
+                               "spread": max(forward["spread"], both["spread"])})
+        result[name] = points
+    return result
+
+
+def measure_elementwise(device: torch.device, dtype: torch.dtype, numel: int = 1 << 26) -> dict:
+    """Output bytes per second of memory-bound ops (add, mul, silu, copy) on large tensors."""
+    x, y = torch.randn(numel, device=device, dtype=dtype), torch.randn(numel, device=device, dtype=dtype)
+
+    def mix():
+        x + y, x * y, F.silu(x), x.clone()
+
+    t = timed(mix, device)
+    return {"bytes_per_s": 4 * numel * x.element_size() / t["s"], "spread": t["spread"]}
+
+
+def measure_host_copies(device: torch.device, numel: int = 1 << 28) -> dict:
+    """Bytes per second of pinned host -> device and device -> host copies (fp16 buffers of 512 MiB)."""
+    pin = device.type == "cuda"
+    host = torch.empty(numel, dtype=torch.float16, pin_memory=pin)
+    dev = torch.empty(numel, dtype=torch.float16, device=device)
+    h2d = timed(lambda: dev.copy_(host, non_blocking=True), device)
+    d2h = timed(lambda: host.copy_(dev, non_blocking=True), device)
+    nbytes = numel * 2
+    return {"h2d_bytes_per_s": nbytes / h2d["s"], "d2h_bytes_per_s": nbytes / d2h["s"],
+            "spread": max(h2d["spread"], d2h["spread"])}
+
+
+def measure_host_optimizer(threads: int, numel: int = 1 << 24) -> dict:
+    """torch AdamW (``foreach=False``, as offloaded shards step) on the host with ``threads`` threads: output
+    bytes per second as ``StepCounter`` counts an optimizer step (parameters, two states: 3 fp32 outputs)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        params = [torch.nn.Parameter(torch.randn(numel // 4)) for _ in range(4)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optimizer = torch.optim.AdamW(params, lr=1e-5, foreach=False)
+        t = timed(optimizer.step, torch.device("cpu"), samples=3)
+    finally:
+        torch.set_num_threads(previous)
+    return {"bytes_per_s": 3 * 4 * numel / t["s"], "spread": t["spread"]}
+
+
+def measure_collectives(device: torch.device, dtype: torch.dtype = torch.float32,
+                        sizes=(1 << 10, 1 << 22, 1 << 24)) -> dict:
+    """Per collective kind over the default process group: ``latency + wire_bytes / bandwidth`` -- latency from
+    the smallest message, bandwidth from the large ones (wire bytes as ``StepCounter`` counts them)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    factor = (world - 1) / world
+    size = torch.tensor([], dtype=dtype).element_size()
+
+    def op(kind, numel):
+        x = torch.randn(numel, device=device, dtype=dtype)
+        if kind == "all_to_all":
+            out = torch.empty_like(x)
+            return (lambda: dist.all_to_all_single(out, x)), numel * size * factor
+        if kind == "all_gather":
+            out = torch.empty(numel * world, device=device, dtype=dtype)
+            return (lambda: dist.all_gather_into_tensor(out, x)), numel * world * size * factor
+        if kind == "reduce_scatter":
+            big = torch.randn(numel * world, device=device, dtype=dtype)
+            return (lambda: dist.reduce_scatter_tensor(x, big)), numel * world * size * factor
+        return (lambda: dist.all_reduce(x)), numel * size * 2 * factor
+
+    result = {}
+    for kind in ("all_to_all", "all_gather", "reduce_scatter", "all_reduce"):
+        points = []
+        for numel in sizes:
+            fn, wire = op(kind, numel)
+            dist.barrier()
+            t = timed(fn, device, samples=3, min_seconds=0.02)
+            points.append((wire, t["s"]))
+        latency = max(points[0][1], 1e-7)
+        big = points[1:]
+        bandwidth = sum(w for w, _ in big) / max(sum(t - latency for _, t in big), 1e-9)
+        result[kind] = {"latency_s": latency, "bytes_per_s": bandwidth, "points": points}
+    return result
+
+
+def device_rates(measured: dict, base) -> dict:
+    """The preset keys a device calibration sets, from ``measured`` (what the worker wrote) and the base preset
+    (``Hardware``: its peaks stay, the efficiencies become measured)."""
+    rates = base.rates
+    values = {"matmul_efficiency": measured["gemm"]["flops_per_s"] / rates.bf16_flops}
+    attention = measured["attention"]
+    kernel = "flash" if attention.get("flash") else "sdpa"
+    if attention.get(kernel):
+        longest = max(p["seq"] for p in attention[kernel])
+        at_longest = [p for p in attention[kernel] if p["seq"] == longest]
+        values["attention_efficiency"] = statistics.median(p["fwd_flops_per_s"] for p in at_longest) / rates.bf16_flops
+        values["attention_backward_efficiency"] = (statistics.median(p["bwd_flops_per_s"] for p in at_longest)
+                                                   / rates.bf16_flops)
+    values["elementwise_efficiency"] = (measured["elementwise"]["bytes_per_s"] * rates.elementwise_traffic_factor
+                                        / rates.hbm_bytes_per_s)
+    copies = measured["host_copies"]
+    values["host_bytes_per_s"] = min(copies["h2d_bytes_per_s"], copies["d2h_bytes_per_s"])
+    values["host_copy_efficiency"] = 1.0
+    values["host_optimizer_bytes_per_s"] = measured["host_optimizer"]["bytes_per_s"]
+    collectives = measured.get("collectives")
+    if collectives:
+        for kind in ("all_to_all", "all_gather", "reduce_scatter", "all_reduce"):
+            values[f"{kind}_efficiency"] = collectives[kind]["bytes_per_s"] / rates.intra_node_bytes_per_s
+        values["collective_latency_s"] = statistics.median(c["latency_s"] for c in collectives.values())
+    return values

@@ -1,0 +1,136 @@
+"""`autotune calibrate` (issue 17): the presets it writes, where they live, how every command finds them, and the
+device microbenchmarks' arithmetic (run on CPU tensors here; the same code measures CUDA devices)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from autotune.core.errors import UserError
+from autotune.core.hardware import hardware_names, load_hardware, preset_path
+from autotune.timing.calibration import preset as preset_mod
+from autotune.timing.calibration.device_bench import device_rates, gemm_shapes
+from conftest import ROOT
+
+
+@pytest.fixture
+def config_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOTUNE_CONFIG_DIR", str(tmp_path / "config"))
+    return tmp_path / "config"
+
+
+def _env(config_dir):
+    import os
+
+    return {**os.environ, "AUTOTUNE_CONFIG_DIR": str(config_dir), "PYTHONPATH": str(ROOT)}
+
+
+def test_calibrate_needs_exactly_one_destination_and_never_shadows_a_shipped_preset(config_dir):
+    with pytest.raises(UserError, match="exactly one"):
+        preset_mod.output_path(None, None)
+    with pytest.raises(UserError, match="exactly one"):
+        preset_mod.output_path("mine", config_dir / "x.yaml")
+    with pytest.raises(UserError, match="shipped"):
+        preset_mod.output_path("h100-sxm", None)
+    assert preset_mod.output_path("my-node", None) == ("my-node", config_dir / "hardware" / "my-node.yaml")
+
+
+def _cpu_preset_as_calibrated(name: str) -> dict:
+    """What `calibrate --hardware cpu` writes, with the shipped typical machine's measurements standing in."""
+    data = yaml.safe_load(preset_path("cpu")[0].read_text())
+    data.update(name=name, description="test node")
+    data["calibrated"] = {"device": "test cpu", "measured_at": "2026-11-23 06:00:00", "base": "cpu",
+                          "how": preset_mod.CPU_HOW, "spread": {}}
+    return data
+
+
+def test_a_user_preset_is_found_by_name_listed_and_used_by_every_command(config_dir):
+    path = preset_mod.write_preset(_cpu_preset_as_calibrated("my-node"), config_dir / "hardware" / "my-node.yaml")
+    hw = load_hardware("my-node")
+    assert hw.source == "user" and hw.calibrated["device"] == "test cpu"
+    assert "measured by `autotune calibrate`" in hw.rate_provenance()
+    assert "my-node" in hardware_names() and load_hardware(str(path)).source == "file"
+    listed = subprocess.run([sys.executable, "-m", "autotune.cli", "hardware"], capture_output=True, text=True,
+                            env=_env(config_dir), cwd=ROOT, timeout=120)
+    assert listed.returncode == 0 and "my-node" in listed.stdout and "measured 2026-11-23" in listed.stdout
+
+    def estimate(hardware):
+        return subprocess.run([sys.executable, "-m", "autotune.cli", "estimate", "--model", "tiny-llama", "--seq",
+                               "1K", "--gpus", "1", "--config", "baseline", "--hardware", hardware, "--json"],
+                              capture_output=True, text=True, env=_env(config_dir), cwd=ROOT, timeout=300)
+
+    measured, assumed = estimate("my-node"), estimate("h100-sxm")
+    assert measured.returncode == 0 and assumed.returncode == 0, (measured.stderr[-2000:], assumed.stderr[-2000:])
+    assert json.loads(measured.stdout)["status"] == "ok"
+    notes = [line for line in assumed.stderr.splitlines() if line.startswith("note: hardware h100-sxm")]
+    assert len(notes) == 1 and "assumed" in notes[0] and "autotune calibrate --name" in notes[0]
+    assert not any(line.startswith("note: hardware") for line in measured.stderr.splitlines())
+
+
+def test_device_rates_divide_measured_rates_by_the_base_presets_peaks():
+    base = load_hardware("h100-sxm")
+    r = base.rates
+    measured = {
+        "gemm": {"flops_per_s": 0.6 * r.bf16_flops, "spread": 0.01},
+        "attention": {"flash": [{"seq": 4096, "heads": 4, "fwd_flops_per_s": 1.0, "bwd_flops_per_s": 1.0},
+                                {"seq": 65536, "heads": 1, "fwd_flops_per_s": 0.40 * r.bf16_flops,
+                                 "bwd_flops_per_s": 0.30 * r.bf16_flops},
+                                {"seq": 65536, "heads": 16, "fwd_flops_per_s": 0.42 * r.bf16_flops,
+                                 "bwd_flops_per_s": 0.32 * r.bf16_flops}],
+                      "sdpa": []},
+        "elementwise": {"bytes_per_s": 0.25 * r.hbm_bytes_per_s, "spread": 0.0},
+        "host_copies": {"h2d_bytes_per_s": 50e9, "d2h_bytes_per_s": 40e9, "spread": 0.0},
+        "host_optimizer": {"bytes_per_s": 12e9, "spread": 0.0},
+        "collectives": {k: {"latency_s": latency, "bytes_per_s": 0.5 * r.intra_node_bytes_per_s}
+                        for k, latency in (("all_to_all", 1e-5), ("all_gather", 2e-5), ("reduce_scatter", 3e-5),
+                                           ("all_reduce", 4e-5))},
+    }
+    values = device_rates(measured, base)
+    assert values["matmul_efficiency"] == pytest.approx(0.6)
+    # the longest length only (what millions of tokens run at), the median over head counts
+    assert values["attention_efficiency"] == pytest.approx(0.41)
+    assert values["attention_backward_efficiency"] == pytest.approx(0.31)
+    assert values["elementwise_efficiency"] == pytest.approx(0.25 * r.elementwise_traffic_factor)
+    assert values["host_bytes_per_s"] == 40e9 and values["host_optimizer_bytes_per_s"] == 12e9
+    assert values["all_gather_efficiency"] == pytest.approx(0.5) and values["collective_latency_s"] == 2.5e-5
+
+
+def test_gemm_shapes_are_the_models_projections_forward_and_backward(tiny_llama):
+    shapes = gemm_shapes(tiny_llama, tokens=512)
+    hidden, inter = tiny_llama["hidden_size"], tiny_llama["intermediate_size"]
+    assert (512, hidden, inter) in shapes and (512, inter, hidden) in shapes and (hidden, 512, inter) in shapes
+    assert len(shapes) == len(set(shapes))
+
+
+@pytest.mark.slow
+def test_the_device_worker_measures_every_rate_on_cpu_tensors(tmp_path, tiny_llama):
+    settings = {"model_config": tiny_llama, "model_name": "tiny-llama", "head_dim": 16, "tile_q": 256,
+                "tile_kv": 512, "host_threads": 1, "small": True}
+    (tmp_path / "settings.json").write_text(json.dumps(settings))
+    result = subprocess.run([sys.executable, "-m", "autotune.timing.calibration.device_worker",
+                             str(tmp_path / "settings.json"), str(tmp_path)], capture_output=True, text=True,
+                            cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    measured = json.loads((tmp_path / "device.json").read_text())
+    assert measured["gemm"]["flops_per_s"] > 0 and measured["attention"]["sdpa"]
+    assert all(p["fwd_flops_per_s"] > 0 and p["bwd_flops_per_s"] > 0 for p in measured["attention"]["sdpa"])
+    values = device_rates(measured, load_hardware("h100-sxm"))
+    assert all(v > 0 for v in values.values()), values
+
+
+@pytest.mark.slow
+def test_calibrate_writes_a_cpu_preset_that_search_and_estimate_accept(tmp_path, config_dir):
+    env = _env(config_dir)
+    result = subprocess.run([sys.executable, "-m", "autotune.cli", "calibrate", "--hardware", "cpu", "--name",
+                             "this-vm", "--repeats", "1"], capture_output=True, text=True, env=env, cwd=ROOT,
+                            timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "use it: --hardware this-vm" in result.stdout and "calibrating" in result.stderr
+    hw = load_hardware("this-vm")
+    assert hw.calibrated["base"] == "cpu" and hw.calibration["machine"]["cpus"] >= 1
+    assert hw.device_memory_bytes == load_hardware("cpu").device_memory_bytes  # the base's memory facts
+    assert hw.rates_for(1).bf16_flops == hw.calibration["worlds"]["1"]["in_step"]["matmul_flops"]
