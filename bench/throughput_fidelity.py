@@ -20,9 +20,10 @@ For each config (tiny models, 1-2 ranks, 1K-8K tokens, technique stacks):
   correction) is printed beside it, and the summary counts both.
 
 Prints one row per config with the ratio predicted / measured, the worst ratio last, and writes the same text
-to bench/results/throughput_fidelity.txt. Goal: every ratio within [0.77, 1.3].
+to bench/results/throughput_fidelity.txt. Goal (issue 17): every ratio within [0.8, 1.25], from one fresh
+`autotune calibrate` (written to bench/results/calibrated-cpu.yaml).
 
-    .venv/bin/python bench/throughput_fidelity.py            # calibrate, then 13 configs x 2 passes (~9 min)
+    .venv/bin/python bench/throughput_fidelity.py            # calibrate, then 25 configs x 2 passes
     .venv/bin/python bench/throughput_fidelity.py --quick --passes 1   # 4 configs
 """
 
@@ -41,7 +42,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-# (model, seq_len, ranks, techniques)
+# (model, seq_len, ranks, techniques). The first 13 are the configs the time model was developed against; the
+# rest (issue 17) are deliberately unlike them and unlike the calibration's shapes (its in-step model runs 2,048
+# tokens, its attention kernels 2,048 tokens at 8 heads): other lengths (1.5K-16K, not powers of two), head
+# chunks, tile sizes from 512 to 4K, 4 ranks (two per core), optimizer and activation offload.
 CONFIGS = [
     ("tiny-llama", 1024, 1, {}),
     ("tiny-llama", 4096, 1, {}),
@@ -58,7 +62,26 @@ CONFIGS = [
                              "activation_checkpointing": True, "activation_offload_layers": 4}),
     ("tiny-llama", 1024, 2, {"fsdp": True, "activation_checkpointing": True}),
     ("tiny-qwen3", 4096, 1, {"activation_checkpointing": True, "norm_tile_tokens": 1024}),
+    # -- new (issue 17) --
+    ("tiny-llama", 3072, 1, {"activation_checkpointing": True, "mlp_tile_tokens": 512, "loss_tile_tokens": 512}),
+    ("tiny-qwen3", 6144, 1, {"activation_checkpointing": True, "activation_offload_layers": 2}),
+    ("tiny-llama", 12288, 1, {"activation_checkpointing": True, "norm_tile_tokens": 2048,
+                              "loss_tile_tokens": 4096}),
+    ("tiny-llama", 1536, 1, {"fsdp": True, "optimizer_offload": True}),
+    ("tiny-llama", 6144, 2, {"ulysses_degree": 2, "activation_checkpointing": True}),
+    ("tiny-llama", 5120, 2, {"ulysses_degree": 2, "head_chunk": 1, "fsdp": True, "activation_checkpointing": True,
+                             "mlp_tile_tokens": 2048, "loss_tile_tokens": 512}),
+    ("tiny-qwen3", 6144, 2, {"ulysses_degree": 2, "head_chunk": 2, "activation_checkpointing": True}),
+    ("tiny-qwen3", 3072, 2, {"fsdp": True, "optimizer_offload": True, "activation_checkpointing": True,
+                             "activation_offload_layers": 4, "mlp_tile_tokens": 1024}),
+    ("tiny-llama", 16384, 2, {"ulysses_degree": 2, "head_chunk": 1, "activation_checkpointing": True,
+                              "norm_tile_tokens": 4096, "loss_tile_tokens": 2048}),
+    ("tiny-llama", 2048, 4, {"ulysses_degree": 2, "fsdp": True}),
+    ("tiny-qwen3", 4096, 4, {"ulysses_degree": 4, "activation_checkpointing": True}),
+    ("tiny-llama", 3072, 4, {"fsdp": True, "activation_checkpointing": True}),
 ]
+NEW_FROM = 13  # CONFIGS[NEW_FROM:] are the ones no calibration or model change was tuned on
+RANGE = (0.8, 1.25)  # issue 17's done-when: predicted / measured step time
 QUICK = [CONFIGS[0], CONFIGS[3], CONFIGS[6], CONFIGS[8]]
 CONTENDED = 0.10  # others' share of the machine's CPUs above which a step does not count
 
@@ -194,17 +217,15 @@ def _combine(launches: list[dict], probe_calibrated_s: float | None) -> dict:
             "slowdown": statistics.median(speed), "clean_steps": len(clean), "contended_steps": len(contended)}
 
 
-def predict(model: str, seq_len: int, ranks: int, techniques: dict):
+def predict(model: str, seq_len: int, ranks: int, techniques: dict, hardware):
     from autotune.backends import Evaluation
     from autotune.backends.plan import PlanBackend, step_counts
     from trials.techniques import Techniques
-    from autotune.core.hardware import load_hardware
     from trials.model_config import load_model_config
     from autotune.timing.model import predict_step_time
 
     cfg = load_model_config(model)
     tech = Techniques.from_dict(techniques, cfg["num_hidden_layers"])
-    hardware = load_hardware("cpu")
     backend = PlanBackend()
     evaluation = Evaluation(cfg, tech, seq_len, ranks, hardware)
     record = backend.evaluate(evaluation)
@@ -231,9 +252,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="measured steps per launch (after 1 warm-up)")
     parser.add_argument("--attempts", type=int, default=4, help="launches per config when every step is contended")
     parser.add_argument("--passes", type=int, default=2, help="launches per config, in separate passes")
-    parser.add_argument("--cached-calibration", action="store_true",
-                        help="use the cached cpu calibration instead of re-measuring this machine first")
-    parser.add_argument("--calibration-runs", type=int, default=3,
+    parser.add_argument("--preset", default=None,
+                        help="a preset `autotune calibrate` wrote; default: calibrate this machine now (fresh)")
+    parser.add_argument("--calibration-runs", type=int, default=2,
                         help="calibration runs, keeping each number's best (other processes and drift only slow)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "throughput_fidelity.txt"))
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT_DIR"), help=argparse.SUPPRESS)
@@ -242,15 +263,21 @@ def main(argv=None) -> int:
         worker(*args.worker)
         return 0
 
-    from autotune.core import calibration_store as calibrate
+    from autotune.core.hardware import load_hardware
 
     started = time.time()
-    # predictions and measurements side by side: calibrate now, not hours ago (this shared host's speed drifts)
-    # best of several runs: on this host one calibration run can come out 1.6x (kernels) or 3x (gloo) slow
-    cal = calibrate.load_or_calibrate(force=not args.cached_calibration, quiet=False, repeats=args.calibration_runs)
+    # predictions and measurements side by side: one fresh `autotune calibrate`, not hours ago (this shared
+    # host's speed drifts); best of several runs: one run can come out 1.6x (kernels) or 3x (gloo) slow
+    preset = Path(args.preset) if args.preset else REPO / "bench" / "results" / "calibrated-cpu.yaml"
+    if not args.preset:
+        subprocess.run([sys.executable, "-m", "autotune.cli", "calibrate", "--hardware", "cpu", "-o", str(preset),
+                        "--repeats", str(args.calibration_runs)], check=True, cwd=REPO)
+    hardware = load_hardware(str(preset))
+    cal = hardware.calibration
     lines = [f"# throughput model fidelity on this machine ({cal['machine']['cpu']}, {cal['machine']['cpus']} CPUs, "
-             f"torch {cal['machine']['torch']}); cpu preset calibrated {cal.get('measured_at')}",
-             "# predicted: plan backend (oracle fake trace + StepCounter + predict_step_time, cpu preset)",
+             f"torch {cal['machine']['torch']}); preset {preset.name} from `autotune calibrate` "
+             f"{hardware.calibrated['measured_at']}",
+             "# predicted: plan backend (oracle fake trace + StepCounter + predict_step_time) on that preset",
              "# measured: trials.runner.run_trial under torchrun, gloo, fp32; median uncontended step; raw, and in the",
              "#   calibration's units (each step x probe at calibration / probe just before it: 'slow' is the host's",
              "#   slowdown since the calibration); ratio = predicted / calibrated-units, raw = predicted / raw",
@@ -266,7 +293,7 @@ def main(argv=None) -> int:
             passes[index].append(measure(model, seq_len, ranks, techniques, args.steps, args.attempts))
     for index, (model, seq_len, ranks, techniques) in enumerate(configs):
         name = f"{model} {seq_len // 1024}K x{ranks} {describe(techniques)}"
-        record, timing = predict(model, seq_len, ranks, techniques)
+        record, timing = predict(model, seq_len, ranks, techniques, hardware)
         world = max(int(k) for k in cal["worlds"] if int(k) <= ranks)
         measured = _combine(passes[index], cal["worlds"][str(world)].get("probe_s"))
         if "error" in measured or record.step_time_s is None:
@@ -276,7 +303,7 @@ def main(argv=None) -> int:
             continue
         ratio = record.step_time_s / measured["step_time_s"]
         raw_ratio = record.step_time_s / measured["raw_step_time_s"]
-        rows.append((ratio, name, raw_ratio))
+        rows.append((ratio, name, raw_ratio, index >= NEW_FROM))
         parts = (f"c {timing.compute_s:.3f} r {timing.recompute_s:.3f} comm {timing.exposed_comm_s:.3f} "
                  f"host {timing.exposed_host_s:.3f} opt {timing.optimizer_s:.3f}") if timing else ""
         line = (f"{name:52s} {measured['raw_step_time_s']:8.4f} {measured['slowdown']:5.2f} "
@@ -285,11 +312,14 @@ def main(argv=None) -> int:
         print(line, flush=True)
         lines.append(line)
     if rows:
-        inside = sum(1 for r, *_ in rows if 0.77 <= r <= 1.3)
-        inside_raw = sum(1 for *_, r in rows if 0.77 <= r <= 1.3)
+        low, high = RANGE
+        inside = sum(1 for r, *_ in rows if low <= r <= high)
+        inside_raw = sum(1 for _, _, r, _ in rows if low <= r <= high)
+        new = [row for row in rows if row[3]]
+        inside_new = sum(1 for r, *_ in new if low <= r <= high)
         worst = max(rows, key=lambda row: max(row[0], 1 / row[0]))
-        lines.append(f"# {inside}/{len(rows)} ratios within [0.77, 1.3] ({inside_raw}/{len(rows)} raw, without the "
-                     f"drift correction); took {time.time() - started:.0f} s")
+        lines.append(f"# {inside}/{len(rows)} ratios within [{low}, {high}] ({inside_new}/{len(new)} of the new configs; "
+                     f"{inside_raw}/{len(rows)} raw, without the drift correction); took {time.time() - started:.0f} s")
         lines.append(f"worst: {worst[1]}  ratio {worst[0]:.2f}")
         print("\n".join(lines[-2:]))
     out = Path(args.out)

@@ -93,9 +93,10 @@ def rates_from_calibration(calibration: dict, world_size: int) -> dict:
         "view_overhead_s": m["view_overhead_s"],
         "launch_overlaps_compute": False,
     }
-    # gloo: measured with 2 ranks; a 1-rank trial has no collectives, larger worlds reuse the 2-rank numbers
-    gloo = next((per_world[str(k)].get("gloo") for k in sorted(keys, reverse=True) if per_world[str(k)].get("gloo")),
-                None)
+    # gloo: measured per world of 2+ ranks; a 1-rank trial has no collectives; a world between measured ones takes
+    # the nearest measured world below it
+    gloo = next((per_world[str(k)].get("gloo") for k in sorted(keys, reverse=True)
+                 if k <= max(2, chosen) and per_world[str(k)].get("gloo")), None)
     if gloo:
         link = gloo["all_to_all"]["bytes_per_s"]
         values.update({

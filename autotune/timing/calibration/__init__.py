@@ -2,7 +2,7 @@
 
 CPU trials (``trials.runner`` on gloo, fp32) run ``world_size`` processes that share this machine's cores,
 each with ``cpus // world_size`` threads (what the local backend sets). So the calibration is per world size:
-for each world size ``w`` (1 and, when there are at least two cores, 2), ``w`` worker processes run the same
+for each world size ``w`` (1 and, when there are at least two cores, 2 and 4), ``w`` worker processes run the same
 microbenchmarks at the same time, with the same thread count a trial rank gets, and rank 0's numbers are kept:
 
 - ``bf16_flops``: fp32 matmul FLOP/s over a handful of transformer-like GEMM shapes (total FLOPs / total time);
@@ -45,8 +45,9 @@ from autotune.timing.calibration.sampling import wait_for_idle
 
 
 def world_sizes() -> list[int]:
+    """The world sizes calibrated: 1, and with 2+ cores 2 and 4 (trials of 4 ranks share the cores too)."""
     cpus = os.cpu_count() or 1
-    return [1, 2] if cpus >= 2 else [1]
+    return [1, 2, 4] if cpus >= 2 else [1]
 
 
 def load_or_calibrate(force: bool = False, quiet: bool = True, repeats: int = 1) -> dict:
