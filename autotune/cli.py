@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from trials.errors import ConfigError
+from autotune.cli_options import ranged_option
 from autotune.core.errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -48,18 +49,6 @@ TARGET_HELP = "tokens: an integer or K/M suffix (K=1024, M=1024^2; 5M = 5,242,88
 
 def fail(message: str) -> None:
     raise UserError(message)
-
-
-def _positive_gpus(gpus: int) -> int:
-    if gpus < 1:
-        fail(f"--gpus must be at least 1, got {gpus}")
-    return gpus
-
-
-def _memory(memory_gib: Optional[float]) -> Optional[float]:
-    if memory_gib is not None and not (0 < memory_gib < 1e6):
-        fail(f"--memory-gib must be a positive number of GiB, got {memory_gib}")
-    return memory_gib
 
 
 def _out_dir(out: Path) -> Path:
@@ -142,20 +131,21 @@ def _print_record(record: dict, as_json: bool, title: str) -> None:
 def search(
     model: str = typer.Option(..., help="preset name or path to a Hugging Face config.json"),
     target: str = typer.Option(..., help=TARGET_HELP),
-    gpus: int = typer.Option(8, help="devices on the node"),
+    gpus: int = ranged_option("--gpus", 8, "devices on the node"),
     hardware: str = typer.Option("h100-sxm", help="hardware preset (autotune hardware)"),
     backend: str = typer.Option("auto", help="auto | plan | local"),
     space: Optional[Path] = typer.Option(None, help="search space YAML (default: autotune/search/spaces/default.yaml, "
                                                     "shipped in the package)"),
-    trials: int = typer.Option(30, help="finished trials the study should hold (resumes count)"),
-    timeout: Optional[float] = typer.Option(None, help="stop starting new trials after this many seconds"),
+    trials: int = ranged_option("--trials", 30, "finished trials the study should hold (resumes count)"),
+    timeout: Optional[float] = ranged_option("--timeout", None, "stop starting new trials after this many seconds"),
     out: Path = typer.Option(Path("autotune-out"), help="output folder (study.db, trials.parquet, ...)"),
     storage: Optional[str] = typer.Option(None, help="Optuna RDB URL or journal file shared by workers"),
     study: Optional[str] = typer.Option(None, help="study name (workers sharing --storage use the same)"),
-    seed: int = typer.Option(0, help="sampler seed"),
-    memory_gib: Optional[float] = typer.Option(None, help="per-rank capacity in GiB (CPU trials; overrides preset)"),
-    trial_timeout: Optional[float] = typer.Option(
-        None, help="seconds before a real trial is killed as hung (default: from its predicted step time)"),
+    seed: int = ranged_option("--seed", 0, "sampler seed"),
+    memory_gib: Optional[float] = ranged_option("--memory-gib", None,
+                                                "per-rank capacity in GiB (CPU trials; overrides preset)"),
+    trial_timeout: Optional[float] = ranged_option(
+        "--trial-timeout", None, "seconds before a real trial is killed as hung (default: from its predicted step time)"),
     prefilter: bool = typer.Option(True, help="local backend: skip real trials the oracle predicts to OOM"),
     depth: str = typer.Option("reduced", help="local backend: reduced (a model deeper than 4 layers runs its 3/4-layer "
                                               "copies, extended exactly to full depth) | full"),
@@ -172,10 +162,6 @@ def search(
 
     target_tokens = parse_tokens(target, "--target")
     model_config = load_model_config(model)
-    _positive_gpus(gpus)
-    _memory(memory_gib)
-    if trials < 1:
-        fail(f"--trials must be at least 1, got {trials}")
     backend_name = resolve_backend(backend, gpus)
     if backend_name not in ("plan", "local"):
         fail(f"unknown backend {backend!r}: choose auto, plan or local")
@@ -187,8 +173,6 @@ def search(
         _local_checks(gpus, False)
         _warn_if_flash_is_broken()
     search_space = load_space(space, model_config, gpus, target_tokens, flash_ok=flash_ok)
-    if trial_timeout is not None and trial_timeout <= 0:
-        fail(f"--trial-timeout must be a positive number of seconds, got {trial_timeout}")
     if backend_name == "local":
         oracle = make_backend("plan", stop_above=1 + hw.oracle_margin) if prefilter else None
         # the trial deadlines follow the predicted step time: the prefilter's cached records, else a plan backend
@@ -203,11 +187,10 @@ def search(
     console.print(f"autotune: {model} on {gpus}x {hw.name}, target {format_tokens(target_tokens)}, "
                   f"backend {backend_name}, out {out}")
     interrupted = False
-    signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's SIGTERM is a Ctrl-C: save the outputs, then stop
     with SearchProgress(job, console=console, enabled=not as_json) as progress:
         try:
             search_mod.run(job, on_record=progress.on_record, study=result_study)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (main): the trial it cut short is queued again
             interrupted = True
     summary = report.write_outputs(job, result_study)
     summary["avoided"] = dict(job.avoided)
@@ -222,12 +205,13 @@ def search(
     if interrupted:
         console.print("interrupted: finished trials are saved; run the same command to resume")
         raise typer.Exit(130)
-    if summary["message"]:
-        console.print(summary["message"])
+    if summary["message"]:  # no config reached the target: no best.json
+        console.print(summary["message"], markup=False, highlight=False, soft_wrap=True)  # one line, the last
         raise typer.Exit(1)
 
 
 def _interrupt(signum, frame):
+    """SIGTERM (a scheduler's stop) handled as Ctrl-C: the command saves what it has, then exits 130."""
     raise KeyboardInterrupt
 
 
@@ -268,13 +252,15 @@ def _print_front(front: list[dict], target: int) -> None:
 def estimate(
     model: str = typer.Option(...), seq: Optional[str] = typer.Option(None, help=TARGET_HELP),
     config: str = typer.Option(..., help="config file (config-v1 JSON) or 'baseline'"),
-    gpus: Optional[int] = typer.Option(None), hardware: Optional[str] = typer.Option(None),
+    gpus: Optional[int] = ranged_option("--gpus", None, "devices (default: the config file's)"),
+    hardware: Optional[str] = typer.Option(None),
     max_seq: bool = typer.Option(False, "--max-seq", help="bisect for the longest sequence that fits"),
     plot: Optional[Path] = typer.Option(None, help="write the memory (and time) breakdown as a PNG"),
-    memory_gib: Optional[float] = typer.Option(None),
+    memory_gib: Optional[float] = ranged_option("--memory-gib", None, "per-rank capacity in GiB (overrides preset)"),
     as_json: bool = typer.Option(False, "--json"),
 ):
-    """Predict peak memory per rank and step time for one config (plan backend, no GPU needed)."""
+    """Predict peak memory per rank and step time for one config (plan backend, no GPU needed). Exit 1 when the
+    prediction itself failed (status error); an OOM prediction is an answer (exit 0)."""
     from trials.model_config import load_model_config
     from autotune.backends import Evaluation, make_backend
     from autotune.core.hardware import load_hardware
@@ -282,8 +268,10 @@ def estimate(
 
     model_config = load_model_config(model)
     techniques, file_gpus, file_hw, file_seq = _load_config_arg(config, model_config)
-    gpus = _positive_gpus(gpus if gpus is not None else file_gpus)
-    hw = load_hardware(hardware or file_hw).with_memory_gib(_memory(memory_gib))
+    gpus = gpus if gpus is not None else file_gpus
+    if gpus < 1:
+        fail(f"config {config!r} has gpus {gpus}: it must be at least 1")
+    hw = load_hardware(hardware or file_hw).with_memory_gib(memory_gib)
     if seq is None and file_seq is None and not max_seq:
         fail("--seq is required (or --max-seq, or a config file with seq_len)")
     seq_len = parse_tokens(seq, "--seq") if seq is not None else file_seq
@@ -300,6 +288,15 @@ def estimate(
 
         plot_memory([record], hw.device_memory_bytes, plot)
     _print_record(record.to_dict(), as_json, f"{model} on {gpus}x {hw.name} (predicted)")
+    if record.status == "error":
+        _fail_outcome(f"the prediction failed: {record.error}")
+
+
+def _fail_outcome(cause: str) -> None:
+    """The command ran but its outcome is a failure: ``cause``'s first line as the last line of stderr, exit 1."""
+    lines = cause.strip().splitlines()
+    print(f"autotune: {lines[0] if lines else 'failed'}", file=sys.stderr, flush=True)
+    raise typer.Exit(1)
 
 
 def _load_config_arg(config: str, model_config: dict):
@@ -316,33 +313,32 @@ def _load_config_arg(config: str, model_config: dict):
 def trial(
     model: str = typer.Option(...), seq: str = typer.Option(..., help=TARGET_HELP),
     config: str = typer.Option(..., help="config file (config-v1 JSON) or 'baseline'"),
-    gpus: int = typer.Option(1), steps: int = typer.Option(2, help="measured steps after one warm-up"),
+    gpus: int = ranged_option("--gpus", 1, "ranks"),
+    steps: int = ranged_option("--steps", 2, "measured steps after one warm-up"),
     depth: str = typer.Option("full", help="full | reduced (run the 3/4-layer copies, extend to full depth)"),
-    memory_gib: Optional[float] = typer.Option(None, help="per-rank capacity on CPU (GiB)"),
-    timeout: Optional[float] = typer.Option(
-        None, help="seconds before the trial is killed as hung (default: from its predicted step time)"),
+    memory_gib: Optional[float] = ranged_option("--memory-gib", None, "per-rank capacity on CPU (GiB)"),
+    timeout: Optional[float] = ranged_option(
+        "--timeout", None, "seconds before the trial is killed as hung (default: from its predicted step time)"),
     as_json: bool = typer.Option(False, "--json"),
 ):
-    """Run one real training trial on this node and print its measured record."""
+    """Run one real training trial on this node and print its measured record (exit 1 when its status is not
+    ok: oom, error or timeout, the cause on the last line of stderr)."""
     from trials.model_config import load_model_config
     from autotune.backends import Evaluation, make_backend
     from autotune.core.sizes import parse_tokens
 
     model_config = load_model_config(model)
     seq_len = parse_tokens(seq, "--seq")
-    _positive_gpus(gpus)
-    if steps < 1:
-        fail(f"--steps must be at least 1, got {steps}")
     techniques = _load_config_arg(config, model_config)[0]
     techniques.validate(model_config, gpus, seq_len)
     _local_checks(gpus, techniques.attention == "flash")
-    if timeout is not None and timeout <= 0:
-        fail(f"--timeout must be a positive number of seconds, got {timeout}")
-    hw = _hardware_for("local", "h100-sxm", _memory(memory_gib))
+    hw = _hardware_for("local", "h100-sxm", memory_gib)
     backend = make_backend("local", steps=steps, memory_gib=memory_gib, timeout_s=timeout,
                            predictor=make_backend("plan"), depth=_depth(depth), progress=_show_progress)
     record = backend.evaluate(Evaluation(model_config, techniques, seq_len, gpus, hw))
     _print_record(record.to_dict(), as_json, f"{model} x{gpus} (measured)")
+    if record.status != "ok":
+        _fail_outcome(f"the trial ended {record.status}: {record.error or 'no cause recorded'}")
 
 
 @app.command()
@@ -372,14 +368,15 @@ def export(
 @app.command()
 def verify(
     directory: Path = typer.Argument(..., help="a search output folder (typically of a plan search)"),
-    top: Optional[int] = typer.Option(None, help="verify the K front configs with the highest predicted tokens/s "
-                                                 "(default: the whole front); the best config is always verified"),
+    top: Optional[int] = ranged_option("--top", None, "verify the K front configs with the highest predicted "
+                                                      "tokens/s (default: the whole front); the best config is always "
+                                                      "verified"),
     depth: str = typer.Option("full", help="full | reduced (the model's shallower copies, extended to its depth)"),
     force: bool = typer.Option(False, help="measure again configs already measured at this depth"),
-    memory_gib: Optional[float] = typer.Option(
-        None, help="per-rank capacity in GiB (default: on CPU the search's, on a GPU the card's)"),
-    trial_timeout: Optional[float] = typer.Option(
-        None, help="seconds before a real trial is killed as hung (default: from its predicted step time)"),
+    memory_gib: Optional[float] = ranged_option(
+        "--memory-gib", None, "per-rank capacity in GiB (default: on CPU the search's, on a GPU the card's)"),
+    trial_timeout: Optional[float] = ranged_option(
+        "--trial-timeout", None, "seconds before a real trial is killed as hung (default: from its predicted step time)"),
     storage: Optional[str] = typer.Option(None, help="the search's --storage, when its study is not DIR/study.db"),
     study: Optional[str] = typer.Option(None, help="the search's --study name"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
@@ -388,24 +385,19 @@ def verify(
     from autotune.backends import make_backend
     from autotune.outputs import verify as verify_mod
 
-    if top is not None and top < 1:
-        fail(f"--top must be at least 1, got {top}")
     _depth(depth)
-    if trial_timeout is not None and trial_timeout <= 0:
-        fail(f"--trial-timeout must be a positive number of seconds, got {trial_timeout}")
     if not directory.exists():
         fail(f"{str(directory)!r} does not exist: give the --out folder of a search")
     folder = verify_mod.open_folder(directory, storage, study)
     chosen = verify_mod.select(folder, top)
     verify_mod.check_node(folder, chosen)
-    gib = verify_mod.node_memory_gib(folder, _memory(memory_gib))
+    gib = verify_mod.node_memory_gib(folder, memory_gib)
     hw = verify_mod.local_hardware(folder.job.hardware, gib)
     backend = make_backend("local", depth=depth, memory_gib=gib, timeout_s=trial_timeout,
                            predictor=make_backend("plan"))
     console.print(f"autotune verify: {len(chosen)} front config(s) of {folder.job.model} on {folder.job.gpus}x "
                   f"{hw.name} ({hw.device_memory_bytes / 2**30:.2f} GiB per rank), depth {depth}", highlight=False,
                   soft_wrap=True)
-    signal.signal(signal.SIGTERM, _interrupt)
 
     def on_outcome(outcome, index, total):
         console.print(verify_mod.progress_line(outcome, index, total), markup=False, highlight=False, soft_wrap=True)
@@ -441,23 +433,27 @@ def verify(
 @app.command()
 def run(
     config: Path = typer.Option(..., help="config-v1 JSON (best.json) to train with"),
-    steps: int = typer.Option(10, help="training steps"),
+    steps: int = ranged_option("--steps", 10, "training steps"),
     data: Optional[Path] = typer.Option(None, help="Parquet/Arrow file of token ids (column input_ids or tokens)"),
-    seed: int = typer.Option(0),
+    seed: int = ranged_option("--seed", 0, "seed of the weights and the synthetic tokens"),
 ):
-    """Train with a tuned config through the same runner as trials (synthetic tokens or --data)."""
-    import subprocess
-
+    """Train with a tuned config through the same runner as trials (synthetic tokens or --data). Exit 1 when
+    training fails, its root cause on the last line of stderr."""
     from trials.config_file import load_config_file
+    from trials.model_config import load_model_config
+    from autotune import cli_run
     from autotune.outputs.exporters import torchrun_command
 
     loaded = load_config_file(config)
     if loaded.seq_len is None:
         fail(f"config {str(config)!r} has no seq_len to train at")
-    if steps < 1:
-        fail(f"--steps must be at least 1, got {steps}")
-    if data is not None and not data.is_file():
-        fail(f"--data {str(data)!r} does not exist")
+    if loaded.gpus < 1:
+        fail(f"config {str(config)!r} has gpus {loaded.gpus}: it must be at least 1")
+    model_config = load_model_config(loaded.model)
+    loaded.techniques.validate(model_config, loaded.gpus, loaded.seq_len)
+    _local_checks(loaded.gpus, loaded.techniques.attention == "flash")
+    if data is not None:
+        cli_run.check_token_file(data, model_config["vocab_size"], loaded.seq_len)
     command = torchrun_command(str(config), loaded.gpus, str(steps)).split()
     if data is not None:
         command += ["--data", str(data)]
@@ -467,7 +463,7 @@ def run(
     else:
         command = [sys.executable, "-m", "torch.distributed.run", *command[1:]]
     console.print(" ".join(command), markup=False, highlight=False)
-    raise typer.Exit(subprocess.call(command, stdout=OUT.file))
+    raise typer.Exit(cli_run.train(command, stdout=OUT.file))
 
 
 @app.command()
@@ -581,28 +577,33 @@ def _library_noise_to_stderr():
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: one line and exit 2 for bad input (ours or the parser's), never a traceback."""
+    """Entry point; returns the exit code (README, "Exit codes"): 0 done; 1 ran, but the outcome is a failure;
+    2 bad input (ours or the parser's: one line on stderr, never a traceback); 130 interrupted (Ctrl-C, SIGTERM)."""
     args = sys.argv[1:] if argv is None else list(argv)
     # help is our own output (``autotune --help | less``); nothing else runs then, so no library noise to divert
     wants_help = "--help" in args or not args
+    sigterm_before = signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's stop is a Ctrl-C: save, then exit 130
     try:
         with contextlib.nullcontext() if wants_help else _library_noise_to_stderr():
-            app(args=args, standalone_mode=False)
+            # standalone_mode=False lets the errors below reach us; in this mode click *returns* the code of a
+            # typer.Exit (130 for a KeyboardInterrupt) instead of exiting, and a command's return value (None)
+            # when it ends normally
+            exit_code = app(args=args, standalone_mode=False)
     except ConfigError as exc:  # bad input: ours (UserError) or the library's (a config that cannot run)
         print(f"autotune: error: {exc}", file=sys.stderr)
         return 2
-    except typer.Exit as exc:
-        return exc.exit_code
     except click_exceptions.NoArgsIsHelpError as exc:
         print(exc.format_message(), file=sys.stderr)
         return 2
-    except (typer.Abort, KeyboardInterrupt):
+    except (typer.Abort, KeyboardInterrupt):  # interrupted outside the command itself
         print("autotune: aborted", file=sys.stderr)
         return 130
-    except click_exceptions.ClickException as exc:  # the parser's own usage errors
+    except click_exceptions.ClickException as exc:  # the parser's own usage errors, options out of range
         print(f"autotune: error: {exc.format_message()}", file=sys.stderr)
         return 2
-    return 0
+    finally:
+        signal.signal(signal.SIGTERM, sigterm_before)
+    return exit_code if isinstance(exit_code, int) else 0
 
 
 if __name__ == "__main__":

@@ -1,15 +1,20 @@
 """Bad-input cases for the CLI: each must exit 2 with one line on stderr naming the bad value.
 
 Shared by tests/test_bad_input.py (asserts) and bench/bad_inputs.py (prints README's troubleshooting
-table from real runs). ``make_files(dir)`` writes the broken files the cases point at.
+table from real runs). ``make_files(dir)`` writes the broken files the cases point at. ``range_cases()`` adds,
+for every numeric option of every command, values just outside its range (``autotune.cli_options.RANGES``).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
+import typing
 from pathlib import Path
 
 GOOD_TECHNIQUES = {"fsdp": True, "ulysses_degree": 8, "activation_checkpointing": True}
+TINY_VOCAB = 4096  # tiny-llama's vocab_size
+RUN_SEQ = 512  # run-config.json's seq_len
 
 
 def _config(**overrides) -> dict:
@@ -36,6 +41,7 @@ def make_files(root: Path) -> None:
     (root / "config-truncated.json").write_text(json.dumps(_config())[:50])
     (root / "config-good.json").write_text(json.dumps(_config()))
     (root / "a-file").write_text("not a folder\n")
+    _make_run_files(root)
     front = root / "finished-search"
     front.mkdir(exist_ok=True)
     (front / "pareto.json").write_text(json.dumps({
@@ -54,7 +60,10 @@ CASES: list[tuple[str, list[str], str]] = [
     ("negative target", ["search", "--model", "llama3-8b", "--target", "-1"], "'-1'"),
     ("absurd target", ["search", "--model", "llama3-8b", "--target", "1e99"], "'1e99'"),
     ("float target", ["search", "--model", "llama3-8b", "--target", "2.5M"], "'2.5M'"),
-    ("zero GPUs", ["search", "--model", "llama3-8b", "--target", "5M", "--gpus", "0"], "--gpus must be at least 1, got 0"),
+    ("zero GPUs", ["search", "--model", "llama3-8b", "--target", "5M", "--gpus", "0"],
+     "Invalid value for '--gpus': must be at least 1, got 0"),
+    ("negative search timeout", ["search", "--model", "llama3-8b", "--target", "5M", "--timeout", "-5"],
+     "Invalid value for '--timeout': must be above 0 seconds, got -5"),
     ("GPU count no Ulysses degree divides", ["search", "--model", "llama3-8b", "--target", "5M", "--gpus", "3",
                                              "--space", "{d}/space-no-degree.yaml"], "--gpus 3"),
     ("config's Ulysses degree vs 3 GPUs", ["estimate", "--model", "llama3-8b", "--seq", "1M", "--gpus", "3",
@@ -92,6 +101,102 @@ CASES: list[tuple[str, list[str], str]] = [
     ("unknown option", ["search", "--model", "llama3-8b", "--target", "5M", "--bogus"], "--bogus"),
     ("non-integer --gpus", ["search", "--model", "llama3-8b", "--target", "5M", "--gpus", "eight"], "--gpus"),
 ]
+
+
+# ``autotune run``: the data file problems it finds before launching training
+CASES += [
+    ("--data missing", ["run", "--config", "{d}/run-config.json", "--data", "{d}/no-tokens.parquet"],
+     "does not exist"),
+    ("--data not Parquet/Arrow", ["run", "--config", "{d}/run-config.json", "--data", "{d}/tokens.txt"],
+     "cannot be read as a Parquet or Arrow file"),
+    ("--data .arrow that is not Arrow", ["run", "--config", "{d}/run-config.json", "--data", "{d}/tokens.arrow"],
+     "cannot be read as a Parquet or Arrow file"),
+    ("--data without a token column", ["run", "--config", "{d}/run-config.json", "--data", "{d}/text.parquet"],
+     "needs a column 'input_ids'"),
+    ("--data with ids outside the vocabulary", ["run", "--config", "{d}/run-config.json", "--data",
+                                                "{d}/big-ids.parquet"], f"token ids must lie in [0, {TINY_VOCAB})"),
+    ("--data with negative ids", ["run", "--config", "{d}/run-config.json", "--data", "{d}/negative-ids.parquet"],
+     f"token ids must lie in [0, {TINY_VOCAB})"),
+    ("--data with string tokens", ["run", "--config", "{d}/run-config.json", "--data", "{d}/string-tokens.parquet"],
+     "does not hold integer token ids"),
+    ("--data shorter than one sequence", ["run", "--config", "{d}/run-config.json", "--data", "{d}/short.parquet"],
+     f"fewer than one sequence of {RUN_SEQ}"),
+]
+
+
+def _make_run_files(root: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    techniques = {"ulysses_degree": 1, "activation_checkpointing": True, "attention": "sdpa"}
+    (root / "run-config.json").write_text(json.dumps(_config(model="tiny-llama", hardware="cpu", gpus=1,
+                                                             seq_len=RUN_SEQ, techniques=techniques)))
+    (root / "tokens.txt").write_text(" ".join(str(i) for i in range(4 * RUN_SEQ)) + "\n")
+    (root / "tokens.arrow").write_text("not an Arrow IPC file\n")
+    pq.write_table(pa.table({"text": ["a document"] * 4}), root / "text.parquet")
+    pq.write_table(pa.table({"tokens": [TINY_VOCAB + 5] * (2 * RUN_SEQ)}), root / "big-ids.parquet")
+    pq.write_table(pa.table({"tokens": [-1] * (2 * RUN_SEQ)}), root / "negative-ids.parquet")
+    pq.write_table(pa.table({"tokens": ["17"] * (2 * RUN_SEQ)}), root / "string-tokens.parquet")
+    pq.write_table(pa.table({"input_ids": [[1, 2, 3]] * 100}), root / "short.parquet")  # 300 tokens < 513
+
+
+# the smallest valid command line of each command with numeric options; range_cases adds one bad option to it
+COMMAND_ARGV = {
+    "search": ["search", "--model", "tiny-llama", "--target", "4K", "--out", "{d}/out"],
+    "estimate": ["estimate", "--model", "tiny-llama", "--seq", "1K", "--config", "baseline"],
+    "trial": ["trial", "--model", "tiny-llama", "--seq", "1K", "--config", "baseline"],
+    "verify": ["verify", "{d}/finished-search"],
+    "run": ["run", "--config", "{d}/run-config.json"],
+}
+
+
+def numeric_options() -> list[tuple[str, str, type]]:
+    """(command, flag, int or float) for every numeric option of every command, read from the typer app."""
+    from autotune.cli import app
+
+    found = []
+    for command in app.registered_commands:
+        function = command.callback
+        hints = typing.get_type_hints(function)
+        for name, parameter in inspect.signature(function).parameters.items():
+            kinds = {hints[name], *typing.get_args(hints[name])} & {int, float}  # int, float, Optional[...]
+            if not kinds:
+                continue
+            declared = getattr(parameter.default, "param_decls", None)
+            flag = declared[0] if declared else "--" + name.replace("_", "-")
+            found.append((command.name or function.__name__, flag, kinds.pop()))
+    return found
+
+
+def _outside(allowed, kind: type) -> list[str]:
+    """Values just outside ``allowed`` (an ``autotune.cli_options.Range``) as a user would type them."""
+    def typed(value: float) -> str:
+        return str(int(value)) if kind is int else str(float(value))
+
+    values = [typed(allowed.minimum - 1)]
+    if allowed.above_minimum:
+        values.append(typed(allowed.minimum))
+    if allowed.maximum is not None:
+        values.append(typed(allowed.maximum + 1))
+    if kind is float:
+        values += ["nan", "inf"]
+    return values
+
+
+def range_cases() -> list[tuple[str, list[str], str]]:
+    """For every numeric option of every command in ``COMMAND_ARGV``, each value just outside its range: (what,
+    argv, fragment). (tests/test_bad_input.py checks that every command with numeric options is there.)"""
+    from autotune.cli_options import RANGES
+
+    cases = []
+    for command, flag, kind in numeric_options():
+        if command not in COMMAND_ARGV or flag not in RANGES:
+            continue
+        allowed = RANGES[flag]
+        for value in _outside(allowed, kind):
+            cases.append((f"{command} {flag} {value}", [*COMMAND_ARGV[command], flag, value],
+                          f"Invalid value for '{flag}': must be {allowed.describe()}, got "))
+    return cases
 
 
 def argv_for(case_argv: list[str], files: Path) -> list[str]:

@@ -12,7 +12,7 @@ from autotune.core.evaluation import Evaluation
 from autotune.core.record import ResultRecord
 from autotune.search.job import SearchJob
 from autotune.search.policy import enqueue_follow_ups, infer_record, seed_params
-from autotune.search.study import FINISHED, WORKER, SurplusTrial, create_study
+from autotune.search.study import FINISHED, WORKER, SurplusTrial, create_study, queue_again
 
 
 def constraint_value(record: ResultRecord, capacity_bytes: int) -> float:
@@ -31,6 +31,15 @@ def make_objective(job: SearchJob, study: optuna.Study, on_record: Callable | No
     capacity = job.hardware.device_memory_bytes
 
     def objective(trial: optuna.Trial):
+        try:
+            return evaluate(trial)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: Optuna marks the trial FAIL; its point is queued again,
+            # like a killed worker's RUNNING trial (reap_dead_trials), so a resumed search loses nothing
+            queue_again(study, study._storage.get_trial(trial._trial_id))
+            raise
+
+    def evaluate(trial: optuna.Trial):
+        trial.set_user_attr("worker", WORKER)  # first: a trial this worker leaves RUNNING when killed is reaped
         # several workers share one study: the trial is surplus if the study already holds ``job.trials``
         # trials created before it (finished or still running), so together they run exactly that many
         ahead = sum(1 for t in study.get_trials(deepcopy=False, states=(*FINISHED, TrialState.RUNNING))
@@ -38,7 +47,6 @@ def make_objective(job: SearchJob, study: optuna.Study, on_record: Callable | No
         if ahead >= job.trials:
             study.stop()
             raise SurplusTrial(f"trial {trial.number}: the study already holds {job.trials} trials")
-        trial.set_user_attr("worker", WORKER)
         techniques, seq_len = job.space.sample(trial, layers)
         techniques.validate(job.model_config, job.gpus, seq_len)
         trial.set_user_attr("techniques", techniques.to_dict())

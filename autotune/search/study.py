@@ -1,5 +1,5 @@
 """The study in its storage: opening storages (SQLite, RDB URLs, journal files), creating or resuming the
-study, and reaping trials a killed worker left RUNNING."""
+study, and queueing again the trials a killed worker left RUNNING or an interrupted one cut short."""
 
 from __future__ import annotations
 
@@ -100,9 +100,18 @@ def reap_dead_trials(study: optuna.Study) -> list[int]:
         if worker_host != host or not pid.isdigit() or _alive(int(pid)):
             continue
         study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
-        study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
+        queue_again(study, trial)
         reaped.append(trial.number)
     return reaped
+
+
+def queue_again(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+    """Queue ``trial``'s point (the params it was queued with, then those it sampled) as a new trial, marked
+    ``retry_of``: what a killed or interrupted trial was evaluating is evaluated after all. A trial cut short
+    before it had any params had no point yet: nothing to queue."""
+    params = {**trial.system_attrs.get("fixed_params", {}), **trial.params}
+    if params:
+        study.enqueue_trial(params, user_attrs={"retry_of": trial.number})
 
 
 def _alive(pid: int) -> bool:

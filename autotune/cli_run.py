@@ -1,0 +1,102 @@
+"""``autotune run``: what it checks before it launches training, and how it reports the way training ended.
+
+Bad input it can find before launching is a ``UserError`` (exit 2, one line): a ``--data`` file that cannot be read
+as Parquet/Arrow, has no token column, holds ids outside the model's vocabulary, or fewer tokens than one sequence.
+The data file is read with ``trials.train.read_token_file``, exactly as the training reads it. Training that fails
+exits 1 with its root cause (the first exception a rank raised) on the last line of stderr."""
+
+from __future__ import annotations
+
+import collections
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from autotune.core.errors import UserError
+
+# the last line of a Python traceback ("ValueError: ...", "torch.OutOfMemoryError: ..."), as a rank prints it
+# (torchrun may prefix each line of a rank's output with "[rankN]:")
+_EXCEPTION_LINE = re.compile(r"^(?:\[rank(\d+)\]:\s*)?((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception)(?::.*)?)$")
+# torchrun's own summary of a failed rank: a symptom, the rank's own exception is the cause
+_SYMPTOMS = ("ChildFailedError",)
+_STDERR_KEPT = 2000  # lines of the training's stderr searched for the root cause
+
+
+def check_token_file(path: Path, vocab_size: int, seq_len: int) -> int:
+    """The number of tokens in ``path``, a Parquet/Arrow token file for a model of ``vocab_size`` trained on
+    ``seq_len``-token sequences; ``UserError`` (one line) when training could not use it."""
+    import pyarrow as pa
+
+    from trials.train import read_token_file
+
+    if not path.is_file():
+        raise UserError(f"--data {str(path)!r} does not exist")
+    try:
+        stream = read_token_file(str(path), vocab_size)
+    except (pa.ArrowException, OSError) as exc:  # before ValueError: pyarrow's ArrowInvalid is a ValueError too
+        raise UserError(f"--data {str(path)!r} cannot be read as a Parquet or Arrow file: "
+                        f"{_first_line(exc)}") from None
+    except ValueError as exc:  # read_token_file's own: no token column, ids outside the vocabulary, < 2 tokens
+        raise UserError(f"--data {_first_line(exc)}") from None
+    except TypeError:  # a token column of strings: torch cannot make token ids of it
+        raise UserError(f"--data {str(path)!r}: the token column does not hold integer token ids") from None
+    if stream.numel() < seq_len + 1:
+        raise UserError(f"--data {str(path)!r} holds {stream.numel():,} tokens, fewer than one sequence of "
+                        f"{seq_len:,} (+1 for the shifted labels)")
+    return stream.numel()
+
+
+def train(command: list[str], stdout) -> int:
+    """Run the training ``command`` (its stdout to ``stdout``, its stderr passed through to ours); 0 when it
+    trained, else 1 after printing its root cause as the last line of stderr. Ctrl-C or SIGTERM (a
+    ``KeyboardInterrupt``) stops the training and is raised again."""
+    kept: collections.deque[str] = collections.deque(maxlen=_STDERR_KEPT)
+    process = subprocess.Popen(command, stdout=stdout, stderr=subprocess.PIPE, text=True, errors="replace")
+    try:
+        for line in process.stderr:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            kept.append(line.rstrip("\n"))
+        returncode = process.wait()
+    except KeyboardInterrupt:
+        _stop(process)
+        print("autotune: interrupted: training stopped", file=sys.stderr, flush=True)
+        raise
+    if returncode == 0:
+        return 0
+    print(f"autotune: training failed: {root_cause(list(kept), returncode)}", file=sys.stderr, flush=True)
+    return 1
+
+
+def root_cause(stderr_lines: list[str], returncode: int) -> str:
+    """The first exception a rank raised (a peer's, or torchrun's own report of it, is a symptom), else how the
+    process ended."""
+    for line in stderr_lines:
+        match = _EXCEPTION_LINE.match(line.strip())
+        if match is None:
+            continue
+        rank, exception = match.groups()
+        if not any(symptom in exception.split(":")[0] for symptom in _SYMPTOMS):
+            return exception if rank is None else f"rank {rank}: {exception}"
+    if returncode < 0:
+        return f"killed by signal {signal.Signals(-returncode).name}"
+    return f"exited with code {returncode} without a Python exception (see the output above)"
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """Stop the training: Ctrl-C reached it too, a SIGTERM to autotune did not; drain its output meanwhile."""
+    if process.poll() is None:
+        process.terminate()
+    try:
+        _, rest = process.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        _, rest = process.communicate()
+    sys.stderr.write(rest or "")
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
