@@ -345,24 +345,39 @@ def trial(
 def export(
     directory: Path = typer.Argument(..., help="a search output folder"),
     target: Optional[str] = typer.Option(None, help="export the fastest front config reaching this length"),
-    format: str = typer.Option("autotune", help="autotune | deepspeed | arctic | torchrun"),
+    format: str = typer.Option("autotune", help="autotune | deepspeed | arctic | accelerate | torchrun"),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="write here instead of stdout"),
+    allow_partial: bool = typer.Option(
+        False, "--allow-partial", help="export the fastest config at the target even where the format cannot "
+        "express all of it (with what it will not do and the oracle's re-estimate of what it runs)"),
 ):
-    """Export a config from a search's front in a format your training already reads."""
-    from autotune.outputs.exporters import export_config
+    """Export the fastest front config the format's trainer can run in full (ArcticTraining, Accelerate/Trainer,
+    DeepSpeed, autotune's own runner); exit 1 when none reaches the target."""
+    from autotune.core.sizes import parse_tokens
+    from autotune.outputs.exporters import NotExpressible, export as export_front, make_exporter
 
-    text, extras = export_config(directory, target, format)
+    exporter = make_exporter(format)
+    length = parse_tokens(target, "--target") if target is not None else None
+    try:
+        result = export_front(directory, length, exporter, allow_partial,
+                              str(output) if output is not None else exporter.default_file)
+    except NotExpressible as exc:
+        console.print(f"autotune: {exc}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+    text, companions = result.rendered.text, result.rendered.companions
     if output is None:
         OUT.print(text)
-        for body in extras.values():
-            console.print(body, markup=False, highlight=False)
+        for body in companions.values():
+            console.print(body, markup=False, highlight=False, soft_wrap=True)
     else:
-        output.write_text(text + "\n")
-        console.print(f"wrote {output}")
-        for suffix, body in extras.items():
-            extra_path = output.with_suffix(suffix)
-            extra_path.write_text(body + "\n")
-            console.print(f"wrote {extra_path}")
+        for line in result.notes[1:-1]:  # what the trainer runs differently (the export carries them too)
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+        for path, body in [(output, text), *((output.with_suffix(s), b) for s, b in companions.items())]:
+            try:
+                path.write_text(body + "\n")
+            except OSError as exc:
+                fail(f"-o {str(path)!r} cannot be written: {exc.strerror}")
+            console.print(f"wrote {path}")
 
 
 @app.command()

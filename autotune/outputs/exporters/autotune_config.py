@@ -1,0 +1,22 @@
+"""``--format autotune``: the config file itself (``autotune/config-v1``), for ``trials`` in your own loop,
+``autotune estimate`` / ``trial`` / ``run``. It expresses every knob: autotune's own stack runs all of them."""
+
+from __future__ import annotations
+
+import json
+from trials.config_file import TrialConfig
+from trials.techniques import knobs
+from autotune.outputs.exporters.base import Exporter, Rendered, exactly
+
+
+class AutotuneConfigExporter(Exporter):
+    name = "autotune"
+    default_file = "autotune-config.json"
+    trainer = "autotune's own runner (trials)"
+    expresses = {k.name: exactly(f"techniques.{k.name}") for k in knobs()}
+
+    def render(self, config: TrialConfig, notes: list[str], path: str) -> Rendered:
+        return Rendered(json.dumps(config.to_dict(), indent=2))  # JSON carries no comments: notes go to stderr
+
+    def launch(self, path: str, config: TrialConfig) -> str:
+        return f"autotune run --config {path} --steps 100"

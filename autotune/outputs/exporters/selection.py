@@ -1,0 +1,167 @@
+"""Which front config a format exports, and what the export says about it.
+
+``export(directory, target, exporter, allow_partial, path)``: the fastest front config at or above ``target``
+that the format expresses in full (``Exporter.expresses_in_full``). Where none does, ``NotExpressible`` (one line,
+exit 1) names the longest length the format's expressible configs reach; with ``allow_partial`` the fastest
+config at the target is exported anyway. Whenever the trainer runs anything differently from the searched config
+(``Exporter.gaps``), the plan backend re-estimates what the trainer will run, and where that does not fit at the
+config's length the export is for the longest length it fits (``find_max_seq``): an export never claims a length
+its trainer cannot reach.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from trials.config_file import TrialConfig
+from trials.model_config import load_model_config
+from autotune.core.errors import UserError
+from autotune.core.record import ResultRecord
+from autotune.outputs.exporters.base import ExportJob, Exporter, Gap, Rendered
+from autotune.outputs.exporters.front import entry_config, entry_techniques, load_front
+
+GIB = 2**30
+
+
+class NotExpressible(Exception):
+    """No front config at the target can be exported in full by the format (one line; the command exits 1)."""
+
+
+@dataclass
+class Export:
+    """What ``autotune export`` writes: the rendered format and what it says about the config."""
+
+    exporter: Exporter
+    entry: dict                       # the front entry exported
+    config: TrialConfig               # as the trainer runs it (its length: where that fits)
+    gaps: list[Gap]                   # where the trainer runs differently from the front config
+    re_estimate: ResultRecord | None  # the plan backend's record of what the trainer runs (None: no gaps)
+    notes: list[str]
+    rendered: Rendered
+
+    @property
+    def partial(self) -> bool:
+        return any(gap.needs_more_memory for gap in self.gaps)
+
+
+def export_job(front_doc: dict, entry: dict, model_config: dict) -> ExportJob:
+    return ExportJob(model=front_doc["model"], model_config=model_config, gpus=front_doc["gpus"],
+                     seq_len=entry["seq_len"], techniques=entry_techniques(entry))
+
+
+def _fastest(entries: list[dict]) -> dict:
+    return max(entries, key=lambda f: (f["tokens_per_s"], -f["seq_len"]))
+
+
+def choose(front_doc: dict, exporter: Exporter, target: int, allow_partial: bool, model_config: dict) -> dict:
+    """The front entry to export (see the module docstring)."""
+    front = front_doc["front"]
+    reaching = [f for f in front if f["seq_len"] >= target]
+    if not reaching:
+        longest = max((f["seq_len"] for f in front), default=0)
+        raise UserError(f"no front config reaches {target:,} tokens; the longest reached is {longest:,}")
+    in_full = [f for f in reaching if exporter.expresses_in_full(export_job(front_doc, f, model_config))]
+    if in_full:
+        return _fastest(in_full)
+    if allow_partial:
+        return _fastest(reaching)
+    expressible = [f["seq_len"] for f in front if exporter.expresses_in_full(export_job(front_doc, f, model_config))]
+    blocking = sorted({gap.knob.name for f in reaching for gap in exporter.gaps(export_job(front_doc, f, model_config))
+                       if gap.needs_more_memory})
+    reach = (f"the longest its expressible configs reach is {max(expressible):,}" if expressible
+             else "none of the front's configs is expressible")
+    raise NotExpressible(
+        f"no front config that --format {exporter.name} expresses in full reaches {target:,} tokens "
+        f"({exporter.trainer} cannot do {', '.join(blocking)} as searched); {reach}; "
+        f"--allow-partial exports the fastest at {target:,} anyway, with what it will not do and a re-estimate")
+
+
+def search_hardware(front_doc: dict):
+    """The hardware the front's records are for: the preset, at the capacity the search planned for."""
+    from autotune.core.hardware import load_hardware
+
+    hardware = load_hardware(front_doc["hardware"])
+    if front_doc.get("capacity_bytes"):
+        hardware = dataclasses.replace(hardware, device_memory_bytes=int(front_doc["capacity_bytes"]))
+    return hardware
+
+
+def re_estimate(exporter: Exporter, job: ExportJob, hardware) -> tuple[ExportJob, ResultRecord]:
+    """What the trainer runs for ``job`` (its techniques, at ``job``'s length or, where that does not fit, at the
+    longest length it fits) and the plan backend's record of it; the record is a failure where it fits nowhere.
+    A trainer's own values can depend on the length (ArcticTraining's loss tile), so they are derived again at
+    the shorter length and that is what is estimated."""
+    from autotune.backends import Evaluation, make_backend
+    from autotune.search.max_seq import find_max_seq
+
+    backend = make_backend("plan")
+    trainer_job = dataclasses.replace(job, techniques=exporter.trainer_techniques(job))
+    evaluation = Evaluation(job.model_config, trainer_job.techniques, job.seq_len, job.gpus, hardware)
+    record = backend.evaluate(evaluation)
+    if record.status != "oom":
+        return trainer_job, record
+    longest = find_max_seq(evaluation, backend=backend)
+    if longest.status != "ok":
+        return trainer_job, longest
+    shorter = dataclasses.replace(job, seq_len=longest.seq_len)
+    trainer_job = dataclasses.replace(shorter, techniques=exporter.trainer_techniques(shorter))
+    record = backend.evaluate(dataclasses.replace(evaluation, techniques=trainer_job.techniques,
+                                                  seq_len=longest.seq_len))
+    return trainer_job, record
+
+
+def _record_line(record: dict | ResultRecord, capacity: int) -> str:
+    r = record if isinstance(record, dict) else record.to_dict()
+    peak = (r.get("peak_device_bytes") or 0) / GIB
+    rate = f", {r['tokens_per_s']:,.0f} tokens/s" if r.get("tokens_per_s") else ""
+    return (f"{r['status']} at {r['seq_len']:,} tokens, peak {peak:.2f} GiB of {capacity / GIB:.2f} GiB per rank"
+            f"{rate} ({r['source']})")
+
+
+def export(directory: Path, target: int | None, exporter: Exporter, allow_partial: bool, path: str) -> Export:
+    """``autotune export``: the chosen front config (``choose``) in ``exporter``'s format, for ``path``."""
+    front_doc = load_front(directory)
+    model_config = load_model_config(front_doc["model"])
+    target = front_doc["target"] if target is None else target
+    entry = choose(front_doc, exporter, target, allow_partial, model_config)
+    return export_entry(front_doc, entry, exporter, path, model_config)
+
+
+def export_entry(front_doc: dict, entry: dict, exporter: Exporter, path: str, model_config: dict) -> Export:
+    """One front entry in ``exporter``'s format, as its trainer runs it (re-estimated where that differs)."""
+    searched = entry_config(front_doc, entry)
+    job = export_job(front_doc, entry, model_config)
+    gaps = exporter.gaps(job)
+    trainer_job = dataclasses.replace(job, techniques=exporter.trainer_techniques(job))
+    hardware = search_hardware(front_doc)
+    record = entry["record"]
+    notes = [f"autotune: {searched.model}, {searched.seq_len:,} tokens on {searched.gpus}x {searched.hardware}, "
+             f"front trial {entry['trial']}: {_record_line(record, hardware.device_memory_bytes)}"]
+    estimate = None
+    seq_len = searched.seq_len
+    if gaps:
+        trainer_job, estimate = re_estimate(exporter, job, hardware)
+        partial = any(gap.needs_more_memory for gap in gaps)
+        notes.append(f"PARTIAL EXPORT (--allow-partial): {exporter.trainer} will not do all that trial "
+                     f"{entry['trial']} does:" if partial else
+                     f"{exporter.trainer} does some of it its own way, never with more memory:")
+        notes += [f"  {gap.line(exporter.trainer)}" for gap in gaps]
+        notes.append(f"re-estimate of what {exporter.trainer} runs: "
+                     f"{_record_line(estimate, hardware.device_memory_bytes)}")
+        if estimate.status != "ok":
+            raise NotExpressible(
+                f"{exporter.trainer}'s version of front trial {entry['trial']} runs at no length: "
+                f"{_record_line(estimate, hardware.device_memory_bytes)}")
+        if estimate.seq_len != searched.seq_len:
+            seq_len = estimate.seq_len
+            notes.append(f"so this export is for {seq_len:,} tokens, the longest {exporter.trainer}'s version fits "
+                         f"(the searched config reached {searched.seq_len:,})")
+    config = TrialConfig(model=searched.model, hardware=searched.hardware, gpus=searched.gpus, seq_len=seq_len,
+                         techniques=trainer_job.techniques,
+                         predicted=estimate.to_dict() if estimate else searched.predicted,
+                         measured=None if estimate else searched.measured)
+    notes.append(f"launch: {exporter.launch(path, config)}")
+    rendered = exporter.render(config, notes, path)
+    return Export(exporter, entry, config, gaps, estimate, notes, rendered)

@@ -1,0 +1,38 @@
+"""``--format torchrun``: a shell script with the config inline and the command that trains with autotune's own
+runner (``python -m trials.train`` under torchrun). It expresses every knob, like ``--format autotune``."""
+
+from __future__ import annotations
+
+import json
+from trials.config_file import TrialConfig
+from trials.techniques import knobs
+from autotune.outputs.exporters.base import Exporter, Rendered, comment_block, exactly
+
+
+def torchrun_command(config_path: str, gpus: int, steps: str = "${STEPS:-10}") -> str:
+    if gpus == 1:
+        return f"python -m trials.train --config {config_path} --steps {steps}"
+    return f"torchrun --standalone --nproc-per-node={gpus} -m trials.train --config {config_path} --steps {steps}"
+
+
+class TorchrunScriptExporter(Exporter):
+    name = "torchrun"
+    default_file = "train.sh"
+    trainer = "autotune's own runner under torchrun"
+    expresses = {k.name: exactly(f"techniques.{k.name} of the inline config") for k in knobs()}
+
+    def render(self, config: TrialConfig, notes: list[str], path: str) -> Rendered:
+        return Rendered("\n".join([
+            "#!/usr/bin/env bash",
+            comment_block(notes),
+            "# usage: STEPS=100 DATA=tokens.parquet bash this-file",
+            "set -euo pipefail",
+            "config=\"${CONFIG:-autotune-config.json}\"",
+            "cat > \"$config\" <<'JSON'",
+            json.dumps(config.to_dict(), indent=2),
+            "JSON",
+            torchrun_command('"$config"', config.gpus) + ' ${DATA:+--data "$DATA"}',
+        ]))
+
+    def launch(self, path: str, config: TrialConfig) -> str:
+        return f"STEPS=100 bash {path}"
