@@ -249,6 +249,29 @@ def test_trial_whose_record_is_not_ok_exits_1_with_the_record():
     assert json.loads(done.stdout)["status"] == "oom"  # the record is still printed
 
 
+def test_trial_stopped_by_sigterm_exits_130_and_leaves_no_process():
+    """The trial runs in its own process group (torchrun and its ranks): a SIGTERM to autotune kills it all."""
+    import psutil
+
+    process = subprocess.Popen([str(AUTOTUNE), "trial", "--model", "tiny-llama", "--seq", "1K", "--config", "baseline",
+                                "--gpus", "2", "--steps", "100000", "--timeout", "600"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        for line in process.stderr:  # the progress line of a running trial comes every few seconds
+            if line.startswith("  trial: "):
+                break
+        trial_processes = psutil.Process(process.pid).children(recursive=True)
+        assert trial_processes, "no trial process was running"
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130
+    _, alive = psutil.wait_procs(trial_processes, timeout=30)
+    assert not alive, alive
+
+
 def test_trial_bad_input_exits_2():
     assert_bad_input(autotune("trial", "--model", "tiny-llama", "--seq", "1K", "--config", "baseline", "--steps", "0"),
                      "Invalid value for '--steps': must be at least 1, got 0")
@@ -330,12 +353,15 @@ def test_run_bad_data_exits_2_before_launching(tmp_path):
 
 def test_run_stopped_by_sigterm_exits_130(tmp_path):
     """A scheduler's SIGTERM to autotune (not to its training, which is another process) stops the training too."""
+    import psutil
+
     config = write_config(tmp_path / "cfg.json")
     process = subprocess.Popen([str(AUTOTUNE), "run", "--config", str(config), "--steps", "100000"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         first = process.stdout.readline()  # rank 0's first step line: training runs
         assert first.startswith("step 1/"), first
+        training = psutil.Process(process.pid).children(recursive=True)
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=120)
     finally:
@@ -343,6 +369,8 @@ def test_run_stopped_by_sigterm_exits_130(tmp_path):
             process.kill()
     assert process.returncode == 130, stderr[-3000:]
     assert "interrupted" in stderr.splitlines()[-1], stderr[-3000:]
+    _, alive = psutil.wait_procs(training, timeout=30)
+    assert training and not alive, (training, alive)
 
 
 def test_the_root_cause_is_the_first_exception_a_rank_raised():
