@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 
@@ -29,6 +30,7 @@ def judge_arctic(model_dir: str, world: int, recipes: list[str]) -> None:
                       MASTER_PORT=os.environ.get("JUDGE_PORT", "29561"))
     dist.init_process_group("gloo", rank=0, world_size=1)
     os.environ["WORLD_SIZE"] = str(world)
+    os.chdir(tempfile.mkdtemp())  # the loader creates train-log-metrics.jsonl in the working folder
     from arctic_training.config.trainer import get_config
 
     for path in recipes:
