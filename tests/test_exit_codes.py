@@ -317,6 +317,23 @@ def test_export_show_plot_exit_0_on_a_search_folder_and_2_on_another(reached, tm
         assert_bad_input(autotune(command, str(tmp_path)), "no pareto.json")
 
 
+def test_export_exits_1_when_the_format_expresses_no_config_at_the_target(tmp_path):
+    """ArcticTraining has no tiled loss without Ulysses: a front of only that config has nothing it runs in full."""
+    from trials.techniques import Techniques
+
+    record = {"status": "ok", "source": "predicted", "seq_len": 1024, "tokens_per_s": 1000.0}
+    techniques = Techniques(activation_checkpointing=True, loss_tile_tokens=512).to_dict()
+    (tmp_path / "pareto.json").write_text(json.dumps({
+        "schema": "autotune/pareto-v1", "model": "tiny-llama", "hardware": "cpu", "gpus": 1, "target": 1024,
+        "capacity_bytes": 2**30, "front": [{"trial": 0, "seq_len": 1024, "tokens_per_s": 1000.0,
+                                            "techniques": techniques, "record": record, "predicted": record,
+                                            "measured": None}]}))
+    assert_exit(autotune("export", str(tmp_path), "--format", "autotune"), 0)
+    done = autotune("export", str(tmp_path), "--format", "arctic")
+    assert_exit(done, 1, "no front config that --format arctic expresses in full reaches 1,024 tokens")
+    assert done.stdout == ""
+
+
 def test_models_and_hardware_exit_0():
     for command in ("models", "hardware"):
         done = autotune(command)
