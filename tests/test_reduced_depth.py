@@ -97,3 +97,36 @@ def test_a_reduced_trial_past_its_capacity_is_oom_not_timeout():
     capacity_gib = (fits.peak_device_bytes - 1) / 2**30
     record = LocalBackend(depth="reduced", timeout_s=600, memory_gib=capacity_gib).evaluate(evaluation)
     assert record.status == "oom" and "extended" in record.error, record
+
+
+@pytest.mark.slow
+def test_a_local_search_runs_long_lengths_reduced_within_a_deadline_full_depth_would_miss(tmp_path):
+    import json
+
+    import pyarrow.parquet as pq
+
+    from autotune.backends import make_backend
+    from conftest import run_cli
+
+    layers, deadline_s = 96, 100
+    model = tmp_path / "tiny-llama-96.json"
+    model.write_text(json.dumps(dict(load_model_config("tiny-llama"), num_hidden_layers=layers)))
+    space = tmp_path / "space.yaml"
+    space.write_text("schema: autotune/space-v1\nseq_len: {min_fraction: 0.5, max_fraction: 1.0, "
+                     "points_per_doubling: 1, multiple_of: 1024}\nknobs:\n  fsdp: [false]\n  ulysses_degree: [1]\n"
+                     "  activation_checkpointing: [true]\n  activation_offload_layers: [0]\n  mlp_tile_tokens: [0]\n"
+                     "  loss_tile_tokens: [0]\n  attention: [sdpa]\n")
+    # the full-depth trial at the longest length (warm-up + 2 steps) is predicted well past the deadline
+    longest = _evaluation(layers, seq=4096, activation_checkpointing=True)
+    full_step_s = make_backend("plan").evaluate(longest).step_time_s
+    assert 3 * full_step_s > 1.3 * deadline_s, full_step_s
+    out = tmp_path / "out"
+    result = run_cli("search", "--model", str(model), "--target", "4K", "--gpus", "1", "--backend", "local",
+                     "--hardware", "cpu", "--space", str(space), "--trials", "2", "--no-prefilter",
+                     "--depth", "reduced", "--trial-timeout", str(deadline_s), "--out", str(out), timeout=900)
+    assert (out / "trials.parquet").is_file(), result.stderr[-3000:]
+    rows = pq.read_table(out / "trials.parquet").to_pylist()
+    local = [r for r in rows if r["answered_by"] == "local"]
+    assert {r["seq_len"] for r in local} == {2048, 4096}, [(r["seq_len"], r["status"]) for r in rows]
+    assert all(r["status"] in ("ok", "oom") and r["reduced_layers"] == 4 for r in local), \
+        [(r["seq_len"], r["status"], r["error"]) for r in local] + [result.stderr[-2000:]]

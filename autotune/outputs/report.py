@@ -5,8 +5,9 @@
     one column per knob of ``trials.techniques.Techniques`` (bool, int -- head_chunk null = plain Ulysses -- or
     str, from the knob's kind), seq_len (int), status, source (str), tokens_per_s, step_time_s (float),
     peak_device_bytes, peak_allocated_bytes, peak_reserved_bytes, host_bytes (int), breakdown_<category> (int, one per category of
-    autotune.core.record.BREAKDOWN_CATEGORIES), loss, grad_norm (float), device, error (str): the trial's own
-    record (what the search got: predicted by ``plan``, measured by ``local``);
+    autotune.core.record.BREAKDOWN_CATEGORIES), loss, grad_norm (float), device, error (str), reduced_layers (int:
+    the decoder layers a reduced-depth local trial ran, null otherwise): the trial's own record (what the search
+    got: predicted by ``plan``, measured by ``local``);
     then what ``autotune verify`` measured for the row's config at its length (null where it was not verified):
     measured_depth (str: full | reduced), measured_status (str), measured_tokens_per_s, measured_step_time_s
     (float), measured_peak_device_bytes, measured_peak_allocated_bytes, measured_peak_reserved_bytes,
@@ -55,6 +56,7 @@ _RECORD_COLUMNS = (
     ("loss", pa.float64(), True), ("grad_norm", pa.float64(), True), ("device", pa.string(), True),
     ("error", pa.string(), True),
 )
+_OWN_ONLY = (("reduced_layers", "measured_layers", pa.int64()),)  # (column, record field): a reduced local trial
 _MEASURED_ONLY = (("measured_layers", pa.int64()),)  # record fields only a verify measurement fills in here
 
 
@@ -72,6 +74,8 @@ def _record_columns(record: dict | None, prefix: str, measured_side: bool) -> li
             columns.append((f"{prefix}{name}", kind, record.get(name)))
     if measured_side:
         columns += [(name, kind, record.get(name)) for name, kind in _MEASURED_ONLY]
+    else:
+        columns += [(name, kind, record.get(field)) for name, field, kind in _OWN_ONLY]
     return columns
 
 
