@@ -166,6 +166,7 @@ def search(
     if backend_name not in ("plan", "local"):
         fail(f"unknown backend {backend!r}: choose auto, plan or local")
     hw = _hardware_for(backend_name, hardware, memory_gib)
+    _note_rates(hw)
     out = _out_dir(out)
     opened_storage = search_mod.open_storage(storage, out)
     flash_ok = backend_name == "plan" and not hw.device_is_host or _flash_installed()
@@ -272,6 +273,7 @@ def estimate(
     if gpus < 1:
         fail(f"config {config!r} has gpus {gpus}: it must be at least 1")
     hw = load_hardware(hardware or file_hw).with_memory_gib(memory_gib)
+    _note_rates(hw)
     if seq is None and file_seq is None and not max_seq:
         fail("--seq is required (or --max-seq, or a config file with seq_len)")
     seq_len = parse_tokens(seq, "--seq") if seq is not None else file_seq
@@ -552,21 +554,86 @@ def models():
 
 @app.command()
 def hardware():
-    """List hardware presets."""
-    from autotune.core.hardware import hardware_names, load_hardware
+    """List hardware presets: the shipped ones and yours (``autotune calibrate --name NAME``)."""
+    from autotune.core.hardware import hardware_names, load_hardware, user_preset_dir
 
     table = Table(title="hardware presets")
-    for column in ("name", "memory GiB", "bf16 TFLOP/s", "HBM TB/s", "link GB/s/dir", "host GB/s/dir", "description"):
-        table.add_column(column)
+    for column in ("name", "from", "GiB", "TFLOP/s", "HBM TB/s", "link GB/s", "host GB/s", "rates"):
+        table.add_column(column, no_wrap=column in ("name", "rates"))
     for name in hardware_names():
         hw = load_hardware(name)
         rates = hw.rates_for(1)  # what the time model uses (a calibrated preset's measured rates)
-        table.add_row(name, f"{hw.device_memory_bytes / 2**30:.0f}", f"{rates.bf16_flops / 1e12:.3g}",
+        table.add_row(name, hw.source, f"{hw.device_memory_bytes / 2**30:.0f}", f"{rates.bf16_flops / 1e12:.3g}",
                       f"{rates.hbm_bytes_per_s / 1e12:.2f}", f"{rates.intra_node_bytes_per_s / 1e9:.0f}",
-                      f"{rates.host_bytes_per_s / 1e9:.0f}", hw.description)
+                      f"{rates.host_bytes_per_s / 1e9:.0f}", _rates_origin(hw))
     OUT.rich(table)
 
 
+    OUT.print(f"user presets: {user_preset_dir()} (autotune calibrate --name NAME writes one)")
+
+
+def _rates_origin(hw) -> str:
+    if hw.calibrated:
+        return f"measured {hw.calibrated.get('measured_at', '')[:10]}"
+    if hw.calibration:
+        return "typical CPU's"
+    return "assumed"
+
+
+def _note_rates(hw) -> None:
+    """One line on stderr when the time model's rates were not measured on this node."""
+    if hw.calibrated:
+        return
+    print(f"note: hardware {hw.name}: {hw.rate_provenance()}; `autotune calibrate --name NAME` measures this "
+          f"node's, then --hardware NAME", file=sys.stderr)
+
+
+@app.command()
+def calibrate(
+    hardware: Optional[str] = typer.Option(None, help="base preset whose memory facts the new preset keeps "
+                                                      "(default: the one matching this node's devices; cpu without CUDA)"),
+    gpus: Optional[int] = ranged_option("--gpus", None, "devices to measure the collectives over (default: all visible)"),
+    name: Optional[str] = typer.Option(None, help="save as a user preset, usable as --hardware NAME everywhere"),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="write the preset YAML to this file instead"),
+    model: str = typer.Option("llama3-8b", help="model whose GEMM shapes and head dim to measure (GPU presets)"),
+    repeats: int = ranged_option("--repeats", 2, "CPU: calibration runs, best of each rate kept, spread recorded"),
+):
+    """Measure this node's rates (GEMMs, attention, elementwise, host copies, host AdamW, collectives, per-op
+    overheads) and write a hardware preset with them; a few minutes, with progress."""
+    import torch
+
+    from trials.model_config import load_model_config
+    from autotune.backends.local import visible_devices
+    from autotune.core.hardware import load_hardware
+    from autotune.timing.calibration import preset as preset_mod
+
+    preset_name, path = preset_mod.output_path(name, output)
+    base = hardware or preset_mod.default_base()
+    base_hw = load_hardware(base)
+    visible = visible_devices()
+    if not base_hw.device_is_host and not visible:
+        fail(f"--hardware {base} is a GPU preset, but this machine shows no CUDA device: calibrate it on the node "
+             f"(here: --hardware cpu)")
+    world = gpus or (visible if visible else 2)
+    if visible and world > visible:
+        fail(f"--gpus {world} but this node shows {visible} CUDA device(s)")
+    model_config = load_model_config(model)
+    print(f"calibrating {preset_name} on {torch.cuda.get_device_name(0) + f' x{world}' if visible else 'this CPU'} "
+          f"(base preset {base}); a few minutes", file=sys.stderr, flush=True)
+    data = preset_mod.calibrate_preset(base, preset_name, world, model_config, model, repeats=repeats)
+    written = preset_mod.write_preset(data, path)
+    hw = load_hardware(str(written))
+    rates = hw.rates_for(world)
+    OUT.print(f"wrote {written}")
+    OUT.print(f"  matmul {rates.matmul_flops_per_s / 1e12:.4g} TFLOP/s, attention fwd/bwd efficiency "
+              f"{rates.attention_eff(128, False):.3f}/{rates.attention_eff(128, True):.3f}, elementwise "
+              f"{rates.hbm_bytes_per_s * rates.elementwise_efficiency / 1e9:.4g} GB/s, host link "
+              f"{rates.host_bytes_per_s / 1e9:.3g} GB/s, host AdamW {rates.host_optimizer_bytes_per_s / 1e9:.3g} GB/s",
+              highlight=False)
+    spread = data["calibrated"].get("spread")
+    if spread:
+        OUT.print(f"  spread (max-min)/max between runs or samples: {json.dumps(spread)}")
+    OUT.print(f"use it: --hardware {preset_name if name else written}")
 @contextlib.contextmanager
 def _library_noise_to_stderr():
     """Point fd 1 and sys.stdout at stderr while a command runs; ``OUT`` keeps the real stdout."""

@@ -48,6 +48,7 @@ RANGES: dict[str, Range] = {
     "--trials": Range(1),
     "--steps": Range(1),
     "--top": Range(1),
+    "--repeats": Range(1, maximum=10),
     # Optuna's TPE sampler seeds NumPy's RandomState, which takes 32 bits; trials seed torch with the same value
     "--seed": Range(0, maximum=2**32 - 1),
     "--timeout": SECONDS,
