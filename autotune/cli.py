@@ -362,15 +362,17 @@ def export(
     length = parse_tokens(target, "--target") if target is not None else None
     try:
         result = export_front(directory, length, exporter, allow_partial,
-                              str(output) if output is not None else exporter.default_file)
+                              str(output) if output is not None else exporter.default_file,
+                              progress=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True))
     except NotExpressible as exc:
         console.print(f"autotune: {exc}", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(1)
     text, companions = result.rendered.text, result.rendered.companions
     if output is None:
         OUT.print(text)
-        for body in companions.values():
-            console.print(body, markup=False, highlight=False, soft_wrap=True)
+        for suffix, body in companions.items():  # the files the export refers to, under the names it uses
+            console.print(f"# ---- {Path(exporter.default_file).with_suffix(suffix)} ----\n{body}", markup=False,
+                          highlight=False, soft_wrap=True)
     else:
         for line in result.notes[1:-1]:  # what the trainer runs differently (the export carries them too)
             console.print(line, markup=False, highlight=False, soft_wrap=True)

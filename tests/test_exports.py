@@ -259,7 +259,7 @@ def test_a_partial_export_lists_what_its_trainer_will_not_do(exports):
 def test_a_trainers_own_way_is_said_but_still_in_full(exports):
     result, path = exports["arctic", "middle"]
     assert result.gaps and not result.partial
-    assert "ArcticTraining does some of it its own way, never with more memory" in path.read_text()
+    assert "ArcticTraining does some of it its own way, never with more device memory" in path.read_text()
     assert result.re_estimate.status == "ok" and result.config.seq_len == 4096
 
 

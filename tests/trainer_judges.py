@@ -1,11 +1,11 @@
 """Each trainer's own code judging autotune's exports (run by tests/test_exports.py in a fresh process each:
 the trainers set up process groups, loggers and environment variables that must not leak into the tests).
 
-    python tests/trainer_judges.py arctic MODEL_DIR WORLD RECIPE...      ArcticTraining's config loader
-    python tests/trainer_judges.py accelerate CONFIG...                  Accelerate's loader, launcher, ParallelismConfig,
-                                                                         DeepSpeedPlugin, and the Trainer snippet's
-                                                                         TrainingArguments
-    python tests/trainer_judges.py alst ALST_PY MODEL_DIR                a DeepSpeed .alst.py run on a tiny model
+    python tests/trainer_judges.py arctic MODEL_DIR WORLD RECIPE...   ArcticTraining's config loader
+    python tests/trainer_judges.py accelerate CONFIG...               Accelerate's loader, launcher,
+                                                                      ParallelismConfig, DeepSpeedPlugin, and the
+                                                                      Trainer snippet's TrainingArguments
+    python tests/trainer_judges.py alst ALST_PY MODEL_DIR             a DeepSpeed .alst.py run on a tiny model
 
 Prints one JSON object per judged file; a refusal is the trainer's exception (the process exits non-zero).
 """

@@ -19,8 +19,8 @@ import yaml
 
 from trials.config_file import TrialConfig
 from autotune.outputs.exporters.base import (
-    ExportJob, Exporter, Rendered, comment_block, MODEL_PLACEHOLDER, exactly, hf_attention, hf_model_name, not_expressed,
-    runs_as,
+    MODEL_PLACEHOLDER, ExportJob, Exporter, Rendered, comment_block, exactly, hf_attention, hf_model_name,
+    not_expressed, runs_as,
 )
 
 DATA_PLACEHOLDER = "REPLACE-WITH-YOUR-DATASET"
@@ -91,7 +91,8 @@ class ArcticRecipeExporter(Exporter):
         replace = [f"replace data.sources' {DATA_PLACEHOLDER} with your text dataset (a Hugging Face id or a "
                    "folder with a 'text' column); causal packs it into max_length windows"]
         if hf_model_name(config.model) == MODEL_PLACEHOLDER:
-            replace.append(f"replace model.name_or_path {MODEL_PLACEHOLDER} with your model (a Hugging Face id or folder)")
+            replace.append(f"replace model.name_or_path {MODEL_PLACEHOLDER} with your model (a Hugging Face id or "
+                           "folder)")
         header = comment_block(notes + replace)
         return Rendered(header + "\n" + yaml.safe_dump(self.recipe(config), sort_keys=False).rstrip())
 

@@ -126,7 +126,7 @@ class Gap:
         return _memory_rank(self.knob, self.runs) < _memory_rank(self.knob, self.asked)
 
     def line(self, trainer: str) -> str:
-        kind = "will not do" if self.needs_more_memory else "does its own way (never more memory)"
+        kind = "will not do" if self.needs_more_memory else "does its own way (never more device memory)"
         return (f"{self.knob.name}: asked {_word(self.asked)}, {trainer} runs {_word(self.runs)} -- {kind}; "
                 f"{self.how}")
 
@@ -182,7 +182,8 @@ class Exporter(abc.ABC):
                 for knob in knobs() if getattr(runs, knob.name) != getattr(job.techniques, knob.name)]
 
     def expresses_in_full(self, job: ExportJob) -> bool:
-        """The trainer runs everything the config asks for, or differs only where it never needs more memory."""
+        """The trainer runs everything the config asks for, or differs only where that never needs more device
+        memory (the re-estimate still checks the host memory, which offloading more layers takes)."""
         return not any(gap.needs_more_memory for gap in self.gaps(job))
 
     @abc.abstractmethod

@@ -76,7 +76,8 @@ class DeepSpeedConfigExporter(Exporter):
         return Rendered(json_text, {".alst.py": alst_python(config, notes, json_name=path)})
 
     def launch(self, path: str, config: TrialConfig) -> str:
-        return f"deepspeed --num_gpus {config.gpus} your_train.py  (your_train.py uses {path} and the .alst.py beside it)"
+        return (f"deepspeed --num_gpus {config.gpus} your_train.py  (your_train.py uses {path} and the .alst.py "
+                "beside it)")
 
 
 def alst_python(config: TrialConfig, notes: list[str], json_name: str) -> str:

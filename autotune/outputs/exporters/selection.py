@@ -14,9 +14,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from trials.config_file import TrialConfig
 from trials.model_config import load_model_config
+from trials.techniques import knobs
 from autotune.core.errors import UserError
 from autotune.core.record import ResultRecord
 from autotune.outputs.exporters.base import ExportJob, Exporter, Gap, Rendered
@@ -88,28 +90,46 @@ def search_hardware(front_doc: dict):
     return hardware
 
 
-def re_estimate(exporter: Exporter, job: ExportJob, hardware) -> tuple[ExportJob, ResultRecord]:
+class _TrainerAtEachLength:
+    """``find_max_seq``'s backend here: the plan backend evaluating, at each length it is asked for, what the
+    trainer runs there (a trainer's own values can depend on the length: ArcticTraining's loss tile)."""
+
+    name = "plan"
+
+    def __init__(self, exporter: Exporter, job: ExportJob, plan):
+        self.exporter, self.job, self.plan = exporter, job, plan
+
+    def techniques_at(self, seq_len: int):
+        return self.exporter.trainer_techniques(dataclasses.replace(self.job, seq_len=seq_len))
+
+    def evaluate(self, evaluation):
+        return self.plan.evaluate(dataclasses.replace(evaluation, techniques=self.techniques_at(evaluation.seq_len)))
+
+
+def re_estimate(exporter: Exporter, job: ExportJob, hardware,
+                progress: Callable[[str], None] | None = None) -> tuple[ExportJob, ResultRecord]:
     """What the trainer runs for ``job`` (its techniques, at ``job``'s length or, where that does not fit, at the
     longest length it fits) and the plan backend's record of it; the record is a failure where it fits nowhere.
-    A trainer's own values can depend on the length (ArcticTraining's loss tile), so they are derived again at
-    the shorter length and that is what is estimated."""
+    Lengths tried are multiples of 1024 and of what the length must divide (the Ulysses degree), not of the
+    trainer's tile sizes: tiles need not divide the sequence."""
     from autotune.backends import Evaluation, make_backend
     from autotune.search.max_seq import find_max_seq
 
-    backend = make_backend("plan")
-    trainer_job = dataclasses.replace(job, techniques=exporter.trainer_techniques(job))
+    say = progress or (lambda line: None)
+    trainer = _TrainerAtEachLength(exporter, job, make_backend("plan"))
+    trainer_job = dataclasses.replace(job, techniques=trainer.techniques_at(job.seq_len))
     evaluation = Evaluation(job.model_config, trainer_job.techniques, job.seq_len, job.gpus, hardware)
-    record = backend.evaluate(evaluation)
+    say(f"re-estimating what {exporter.trainer} runs at {job.seq_len:,} tokens (plan backend)")
+    record = trainer.evaluate(evaluation)
     if record.status != "oom":
         return trainer_job, record
-    longest = find_max_seq(evaluation, backend=backend)
-    if longest.status != "ok":
-        return trainer_job, longest
-    shorter = dataclasses.replace(job, seq_len=longest.seq_len)
-    trainer_job = dataclasses.replace(shorter, techniques=exporter.trainer_techniques(shorter))
-    record = backend.evaluate(dataclasses.replace(evaluation, techniques=trainer_job.techniques,
-                                                  seq_len=longest.seq_len))
-    return trainer_job, record
+    say(f"{exporter.trainer}'s version does not fit at {job.seq_len:,} tokens: finding the longest length it fits")
+    untiled = {k.name: 0 for k in knobs() if k.length_unit == "grid"}  # the grid find_max_seq steps on
+    longest = find_max_seq(dataclasses.replace(evaluation, techniques=dataclasses.replace(trainer_job.techniques,
+                                                                                          **untiled)),
+                           backend=trainer, progress=lambda r: say(f"  {r.seq_len:,} tokens: {r.status}"))
+    return dataclasses.replace(job, seq_len=longest.seq_len, techniques=trainer.techniques_at(longest.seq_len)), \
+        longest
 
 
 def _record_line(record: dict | ResultRecord, capacity: int) -> str:
@@ -120,17 +140,20 @@ def _record_line(record: dict | ResultRecord, capacity: int) -> str:
             f"{rate} ({r['source']})")
 
 
-def export(directory: Path, target: int | None, exporter: Exporter, allow_partial: bool, path: str) -> Export:
+def export(directory: Path, target: int | None, exporter: Exporter, allow_partial: bool, path: str,
+           progress: Callable[[str], None] | None = None) -> Export:
     """``autotune export``: the chosen front config (``choose``) in ``exporter``'s format, for ``path``."""
     front_doc = load_front(directory)
     model_config = load_model_config(front_doc["model"])
     target = front_doc["target"] if target is None else target
     entry = choose(front_doc, exporter, target, allow_partial, model_config)
-    return export_entry(front_doc, entry, exporter, path, model_config)
+    return export_entry(front_doc, entry, exporter, path, model_config, progress)
 
 
-def export_entry(front_doc: dict, entry: dict, exporter: Exporter, path: str, model_config: dict) -> Export:
-    """One front entry in ``exporter``'s format, as its trainer runs it (re-estimated where that differs)."""
+def export_entry(front_doc: dict, entry: dict, exporter: Exporter, path: str, model_config: dict,
+                 progress: Callable[[str], None] | None = None) -> Export:
+    """One front entry in ``exporter``'s format, as its trainer runs it (re-estimated where that differs;
+    ``progress`` gets a line per oracle run: at millions of tokens each takes a while)."""
     searched = entry_config(front_doc, entry)
     job = export_job(front_doc, entry, model_config)
     gaps = exporter.gaps(job)
@@ -142,11 +165,11 @@ def export_entry(front_doc: dict, entry: dict, exporter: Exporter, path: str, mo
     estimate = None
     seq_len = searched.seq_len
     if gaps:
-        trainer_job, estimate = re_estimate(exporter, job, hardware)
+        trainer_job, estimate = re_estimate(exporter, job, hardware, progress)
         partial = any(gap.needs_more_memory for gap in gaps)
         notes.append(f"PARTIAL EXPORT (--allow-partial): {exporter.trainer} will not do all that trial "
                      f"{entry['trial']} does:" if partial else
-                     f"{exporter.trainer} does some of it its own way, never with more memory:")
+                     f"{exporter.trainer} does some of it its own way, never with more device memory:")
         notes += [f"  {gap.line(exporter.trainer)}" for gap in gaps]
         notes.append(f"re-estimate of what {exporter.trainer} runs: "
                      f"{_record_line(estimate, hardware.device_memory_bytes)}")
