@@ -166,7 +166,6 @@ def search(
     if backend_name not in ("plan", "local"):
         fail(f"unknown backend {backend!r}: choose auto, plan or local")
     hw = _hardware_for(backend_name, hardware, memory_gib)
-    _note_rates(hw)
     out = _out_dir(out)
     opened_storage = search_mod.open_storage(storage, out)
     flash_ok = backend_name == "plan" and not hw.device_is_host or _flash_installed()
@@ -185,6 +184,7 @@ def search(
                                hardware=hw, space=search_space, backend=chosen, out=out, trials=trials,
                                timeout_s=timeout, storage=storage, study_name=study, seed=seed, prefilter=oracle)
     result_study = search_mod.open_study(job, opened_storage)
+    _note_rates(hw)  # after every input check (storage, space, study): bad input stays one line
     console.print(f"autotune: {model} on {gpus}x {hw.name}, target {format_tokens(target_tokens)}, "
                   f"backend {backend_name}, out {out}")
     interrupted = False

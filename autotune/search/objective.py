@@ -11,7 +11,9 @@ from optuna.trial import TrialState
 from autotune.core.evaluation import Evaluation
 from autotune.core.record import ResultRecord
 from autotune.search.job import SearchJob
-from autotune.search.policy import enqueue_follow_ups, infer_record, seed_params
+from autotune.search.policy import enqueue_follow_ups, seed_params
+from autotune.search.sharing import claim_or_answer, requeue_surplus, wait_for_others
+from autotune.search.storage import set_constraints
 from autotune.search.study import FINISHED, WORKER, SurplusTrial, create_study, queue_again
 
 
@@ -46,12 +48,13 @@ def make_objective(job: SearchJob, study: optuna.Study, on_record: Callable | No
                     if t.number < trial.number)
         if ahead >= job.trials:
             study.stop()
+            requeue_surplus(study, trial)  # a seed or follow-up it was handed stays queued, not lost
             raise SurplusTrial(f"trial {trial.number}: the study already holds {job.trials} trials")
         techniques, seq_len = job.space.sample(trial, layers)
         techniques.validate(job.model_config, job.gpus, seq_len)
         trial.set_user_attr("techniques", techniques.to_dict())
         evaluation = Evaluation(job.model_config, techniques, seq_len, job.gpus, job.hardware)
-        answered = infer_record(study, techniques, seq_len)
+        answered = claim_or_answer(study, trial, techniques, seq_len)  # None: claimed, no other worker runs it
         how = None
         if answered is not None:
             record, how = answered
@@ -67,7 +70,7 @@ def make_objective(job: SearchJob, study: optuna.Study, on_record: Callable | No
             job.avoided[how] += 1
         trial.set_user_attr("record", record.to_dict())
         trial.set_user_attr("answered_by", how or job.backend.name)
-        trial.set_constraint("memory", constraint_value(record, capacity))
+        set_constraints(trial, [constraint_value(record, capacity)])  # where Optuna and optuna-dashboard read them
         if job.follow_ups:
             enqueue_follow_ups(job, study, techniques, record, trial.number)
         if on_record is not None:
@@ -90,4 +93,5 @@ def run(job: SearchJob, on_record: Callable | None = None, study: optuna.Study |
     if remaining:
         study.optimize(make_objective(job, study, on_record), n_trials=remaining, timeout=job.timeout_s,
                        catch=(SurplusTrial,))
+    wait_for_others(study, job.trials)  # other workers' last trials: the outputs written next hold them too
     return study

@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 import warnings
 from pathlib import Path
 
 import optuna
-from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
-from optuna.storages.journal import JournalFileBackend, JournalStorage
 from optuna.trial import TrialState
 
 from autotune.core.errors import UserError
 from autotune.search.job import SearchJob
+from autotune.search.storage import open_storage, redact, scrub  # open_storage: re-exported (autotune.search)
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)  # our own progress display says what happens
 # heartbeats and metric names are marked experimental; the CLI should not print that on every run
@@ -26,42 +24,6 @@ FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 
 class SurplusTrial(Exception):
     """Raised (and caught, leaving a FAIL trial outside every report) when the study is already full."""
-
-def open_storage(storage: str | None, out: Path):
-    """SQLite in ``out`` by default; an RDB URL; or a journal file (path ending .log/.jsonl or ``journal:PATH``)."""
-    try:
-        if storage is None:
-            url = f"sqlite:///{(out / 'study.db').resolve()}"
-            return _rdb(url)
-        if storage.startswith("journal:") or storage.endswith((".log", ".jsonl", ".journal")):
-
-            path = storage.removeprefix("journal:")
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            return JournalStorage(JournalFileBackend(path))
-        if "://" not in storage:
-            raise UserError(f"--storage {storage!r} is neither a database URL nor a journal file (.log)")
-        return _rdb(storage)
-    except UserError:
-        raise
-    except Exception as exc:  # sqlalchemy/driver errors: a bad URL or unreachable server
-        raise UserError(f"--storage {storage!r} cannot be opened: {str(exc).splitlines()[0]}") from None
-
-
-def _rdb(url: str, attempts: int = 5):
-
-    for attempt in range(attempts):
-        try:
-            # heartbeats: a trial whose worker was killed is marked FAIL after the grace period and retried once
-            return RDBStorage(url, heartbeat_interval=5, grace_period=20,
-                              heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1))
-        except Exception as exc:
-            # workers starting together race to create the schema: the loser sees "already exists" or a lock
-            # (or both insert the schema version: a UNIQUE violation on alembic_version)
-            transient = any(sign in str(exc) for sign in ("already exists", "locked", "UNIQUE constraint failed"))
-            if not transient or attempt == attempts - 1:
-                raise
-            time.sleep(0.5 * (attempt + 1))
-
 
 def study_name_for(job: SearchJob) -> str:
     return job.study_name or f"autotune-{Path(job.model).stem}-{job.gpus}x{job.hardware.name}-{job.target}"
@@ -77,7 +39,8 @@ def create_study(job: SearchJob, storage=None, seeds: list[dict] = ()) -> optuna
         study = optuna.create_study(storage=storage, sampler=sampler, study_name=study_name_for(job),
                                     directions=["maximize", "maximize"], load_if_exists=True)
     except Exception as exc:
-        raise UserError(f"cannot open the study in {job.storage or job.out}: {str(exc).splitlines()[0]}") from None
+        where = redact(job.storage) if job.storage else job.out
+        raise UserError(f"cannot open the study in {where}: {scrub(str(exc).splitlines()[0], job.storage)}") from None
     study.set_metric_names(["seq_len", "tokens_per_s"])
     reap_dead_trials(study)
     if not study.trials:
