@@ -60,6 +60,11 @@ CASES: list[tuple[str, list[str], str]] = [
     ("negative target", ["search", "--model", "llama3-8b", "--target", "-1"], "'-1'"),
     ("absurd target", ["search", "--model", "llama3-8b", "--target", "1e99"], "'1e99'"),
     ("float target", ["search", "--model", "llama3-8b", "--target", "2.5M"], "'2.5M'"),
+    ("calibrate with no destination", ["calibrate", "--hardware", "cpu"], "exactly one of --name NAME"),
+    ("calibrate over a shipped preset", ["calibrate", "--hardware", "cpu", "--name", "h100-sxm"], "is a shipped preset"),
+    ("calibrate a GPU preset without a GPU", ["calibrate", "--hardware", "h100-sxm", "-o", "{d}/p.yaml"],
+     "shows no CUDA device"),
+    ("calibrate an unknown base", ["calibrate", "--hardware", "tpu9", "-o", "{d}/p.yaml"], "unknown hardware 'tpu9'"),
     ("zero GPUs", ["search", "--model", "llama3-8b", "--target", "5M", "--gpus", "0"],
      "Invalid value for '--gpus': must be at least 1, got 0"),
     ("negative search timeout", ["search", "--model", "llama3-8b", "--target", "5M", "--timeout", "-5"],
@@ -147,6 +152,7 @@ COMMAND_ARGV = {
     "trial": ["trial", "--model", "tiny-llama", "--seq", "1K", "--config", "baseline"],
     "verify": ["verify", "{d}/finished-search"],
     "run": ["run", "--config", "{d}/run-config.json"],
+    "calibrate": ["calibrate", "--hardware", "cpu", "-o", "{d}/preset.yaml"],  # ranges refuse before measuring
 }
 
 
