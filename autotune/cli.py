@@ -9,7 +9,6 @@ import contextlib
 import io
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -20,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from trials.errors import ConfigError
+from autotune.cli_interrupts import interrupts_at_safe_points
 from autotune.cli_options import ranged_option
 from autotune.core.errors import UserError
 
@@ -209,11 +209,6 @@ def search(
     if summary["message"]:  # no config reached the target: no best.json
         console.print(summary["message"], markup=False, highlight=False, soft_wrap=True)  # one line, the last
         raise typer.Exit(1)
-
-
-def _interrupt(signum, frame):
-    """SIGTERM (a scheduler's stop) handled as Ctrl-C: the command saves what it has, then exits 130."""
-    raise KeyboardInterrupt
 
 
 def _flash_installed() -> bool:
@@ -666,9 +661,9 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     # help is our own output (``autotune --help | less``); nothing else runs then, so no library noise to divert
     wants_help = "--help" in args or not args
-    sigterm_before = signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's stop is a Ctrl-C: save, then exit 130
     try:
-        with contextlib.nullcontext() if wants_help else _library_noise_to_stderr():
+        # Ctrl-C and a scheduler's SIGTERM: KeyboardInterrupt, never inside the study's storage (exit 130)
+        with interrupts_at_safe_points(), contextlib.nullcontext() if wants_help else _library_noise_to_stderr():
             # standalone_mode=False lets the errors below reach us; in this mode click *returns* the code of a
             # typer.Exit (130 for a KeyboardInterrupt) instead of exiting, and a command's return value (None)
             # when it ends normally
@@ -685,8 +680,6 @@ def main(argv: list[str] | None = None) -> int:
     except click_exceptions.ClickException as exc:  # the parser's own usage errors, options out of range
         print(f"autotune: error: {exc.format_message()}", file=sys.stderr)
         return 2
-    finally:
-        signal.signal(signal.SIGTERM, sigterm_before)
     return exit_code if isinstance(exit_code, int) else 0
 
 

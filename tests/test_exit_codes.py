@@ -401,3 +401,28 @@ def test_the_root_cause_is_the_first_exception_a_rank_raised():
                "During handling of the above exception, another exception occurred:", "RuntimeError: cleanup"]
     assert root_cause(chained, 1) == "ValueError: bad ids"
     assert root_cause(["step 1/10  loss 8.3"], -9) == "killed by signal SIGKILL"
+
+
+def test_an_interrupt_inside_storage_code_waits_until_that_code_returns():
+    """Ctrl-C inside SQLAlchemy / Optuna's storage would leave the study's database locked or a trial half told:
+    the interrupt is held there and raised as soon as the main thread is back in other code."""
+    from autotune.cli_interrupts import interrupts_at_safe_points
+
+    namespace = {}
+    source = ("import os, signal, time\n"
+              "def storage_call(steps):\n"
+              "    os.kill(os.getpid(), signal.SIGINT)\n"
+              "    time.sleep(0.3)\n"
+              "    steps.append('storage call finished')\n")
+    exec(compile(source, "/site-packages/sqlalchemy/orm/session_stand_in.py", "exec"), namespace)
+    steps = []
+    with interrupts_at_safe_points():
+        with pytest.raises(KeyboardInterrupt):
+            namespace["storage_call"](steps)
+            steps.append("back in our code")
+            time.sleep(2)  # the held interrupt lands here, within a retry or two
+            steps.append("never")
+        with pytest.raises(KeyboardInterrupt):  # anywhere else: at once
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(2)
+    assert steps == ["storage call finished", "back in our code"]
