@@ -109,6 +109,43 @@ def _local_checks(gpus: int, techniques_wanting_flash: bool) -> None:
             fail(f"attention 'flash' cannot run here: {problem}")
 
 
+RDZV_HELP = ("HOST:PORT for real trials over --nodes nodes: run the same command on every node; the agent on HOST "
+             "drives, the others follow (torchrun's c10d rendezvous)")
+NODES_HELP = "nodes of --gpus devices each (the world is nodes x gpus)"
+
+
+def _node_group(nodes: int, rdzv_endpoint: Optional[str], backend_name: str = "local"):
+    """The agents of a command running real trials over several nodes (``autotune.backends.nodes``), or None."""
+    if rdzv_endpoint is not None and (nodes < 2 or backend_name != "local"):
+        fail("--rdzv-endpoint is for real trials over several nodes: give it with --nodes 2 or more (local backend)")
+    if backend_name != "local" or nodes < 2:
+        return None
+    if rdzv_endpoint is None:
+        fail(f"--nodes {nodes} runs real trials on every node: give --rdzv-endpoint HOST:PORT, the same on every node")
+    from autotune.backends.nodes import NodeGroup
+
+    return NodeGroup.open(rdzv_endpoint, nodes)
+
+
+def _follow(backend, what: str):
+    """A follower's part of a multi-node command: run what the driver publishes; returns what came with its stop."""
+    group = backend.group
+    console.print(f"autotune: node {group.node} of {group.nodes}: following the {what} driven at {group.endpoint}",
+                  markup=False, highlight=False)
+    try:
+        return backend.follow()
+    except RuntimeError as exc:  # the driver's store went away before it said stop
+        _fail_outcome(f"the driver at {group.endpoint} went away before the end: {str(exc).splitlines()[0]}")
+
+
+def _check_node_size(hw, gpus: int, nodes: int) -> None:
+    """``--gpus`` counts one node's devices: more than a node of this preset has is several nodes."""
+    if hw.gpus_per_node and gpus > hw.gpus_per_node:
+        per, world = hw.gpus_per_node, gpus * nodes
+        hint = f" (for {world} GPUs: --nodes {world // per} --gpus {per})" if world % per == 0 else ""
+        fail(f"--gpus {gpus}: a {hw.name} node has {per} GPUs, and --gpus counts one node's{hint}")
+
+
 def _print_record(record: dict, as_json: bool, title: str) -> None:
     if as_json:
         OUT.print(json.dumps(record))
@@ -132,6 +169,7 @@ def search(
     model: str = typer.Option(..., help="preset name or path to a Hugging Face config.json"),
     target: str = typer.Option(..., help=TARGET_HELP),
     gpus: int = ranged_option("--gpus", 8, "devices on the node"),
+    nodes: int = ranged_option("--nodes", 1, NODES_HELP),
     hardware: str = typer.Option("h100-sxm", help="hardware preset (autotune hardware)"),
     backend: str = typer.Option("auto", help="auto | plan | local"),
     space: Optional[Path] = typer.Option(None, help="search space YAML (default: autotune/search/spaces/default.yaml, "
@@ -149,6 +187,7 @@ def search(
     prefilter: bool = typer.Option(True, help="local backend: skip real trials the oracle predicts to OOM"),
     depth: str = typer.Option("reduced", help="local backend: reduced (a model deeper than 4 layers runs its 3/4-layer "
                                               "copies, extended exactly to full depth) | full"),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help=RDZV_HELP),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object (the summary)"),
 ):
     """Search the technique space for the Pareto front of sequence length vs tokens/s."""
@@ -163,36 +202,49 @@ def search(
     target_tokens = parse_tokens(target, "--target")
     model_config = load_model_config(model)
     backend_name = resolve_backend(backend, gpus)
+    if backend == "auto" and nodes > 1 and rdzv_endpoint is None:
+        backend_name = "plan"  # real trials over several nodes need the rendezvous
     if backend_name not in ("plan", "local"):
         fail(f"unknown backend {backend!r}: choose auto, plan or local")
-    hw = _hardware_for(backend_name, hardware, memory_gib)
+    group = _node_group(nodes, rdzv_endpoint, backend_name)
+    hw = _hardware_for(backend_name, hardware, memory_gib).for_nodes(nodes)
+    if backend_name == "plan":
+        _check_node_size(hw, gpus, nodes)
+    if group is not None and not group.driver:
+        _local_checks(gpus, False)
+        _follow(make_backend("local", memory_gib=memory_gib, group=group), "search")
+        return
     out = _out_dir(out)
     opened_storage = search_mod.open_storage(storage, out)
     flash_ok = backend_name == "plan" and not hw.device_is_host or _flash_installed()
     if backend_name == "local":
         _local_checks(gpus, False)
         _warn_if_flash_is_broken()
-    search_space = load_space(space, model_config, gpus, target_tokens, flash_ok=flash_ok)
+    search_space = load_space(space, model_config, gpus * nodes, target_tokens, flash_ok=flash_ok)
     if backend_name == "local":
         oracle = make_backend("plan", stop_above=1 + hw.oracle_margin) if prefilter else None
         # the trial deadlines follow the predicted step time: the prefilter's cached records, else a plan backend
         chosen = make_backend("local", memory_gib=memory_gib, timeout_s=trial_timeout, seed=seed,
-                              predictor=oracle or make_backend("plan"), depth=_depth(depth))
+                              predictor=oracle or make_backend("plan"), depth=_depth(depth), group=group)
     else:  # the search needs to know only that an OOM does not fit: its trace may stop at the crossing
         chosen, oracle = make_backend("plan", stop_above=1.0), None
     job = search_mod.SearchJob(model=model, model_config=model_config, target=target_tokens, gpus=gpus,
                                hardware=hw, space=search_space, backend=chosen, out=out, trials=trials,
-                               timeout_s=timeout, storage=storage, study_name=study, seed=seed, prefilter=oracle)
+                               timeout_s=timeout, storage=storage, study_name=study, seed=seed, prefilter=oracle,
+                               nodes=nodes)
     result_study = search_mod.open_study(job, opened_storage)
     _note_rates(hw)  # after every input check (storage, space, study): bad input stays one line
-    console.print(f"autotune: {model} on {gpus}x {hw.name}, target {format_tokens(target_tokens)}, "
-                  f"backend {backend_name}, out {out}")
+    console.print(f"autotune: {model} on {f'{nodes} nodes x ' if nodes > 1 else ''}{gpus}x {hw.name}, target "
+                  f"{format_tokens(target_tokens)}, backend {backend_name}, out {out}")
     interrupted = False
     with SearchProgress(job, console=console, enabled=not as_json) as progress:
         try:
             search_mod.run(job, on_record=progress.on_record, study=result_study)
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (main): the trial it cut short is queued again
             interrupted = True
+        finally:
+            if group is not None:
+                group.finish()
     summary = report.write_outputs(job, result_study)
     summary["avoided"] = dict(job.avoided)
     if as_json:
@@ -248,7 +300,8 @@ def _print_front(front: list[dict], target: int) -> None:
 def estimate(
     model: str = typer.Option(...), seq: Optional[str] = typer.Option(None, help=TARGET_HELP),
     config: str = typer.Option(..., help="config file (config-v1 JSON) or 'baseline'"),
-    gpus: Optional[int] = ranged_option("--gpus", None, "devices (default: the config file's)"),
+    gpus: Optional[int] = ranged_option("--gpus", None, "devices per node (default: the config file's)"),
+    nodes: Optional[int] = ranged_option("--nodes", None, NODES_HELP + " (default: the config file's)"),
     hardware: Optional[str] = typer.Option(None),
     max_seq: bool = typer.Option(False, "--max-seq", help="bisect for the longest sequence that fits"),
     plot: Optional[Path] = typer.Option(None, help="write the memory (and time) breakdown as a PNG"),
@@ -267,24 +320,27 @@ def estimate(
     gpus = gpus if gpus is not None else file_gpus
     if gpus < 1:
         fail(f"config {config!r} has gpus {gpus}: it must be at least 1")
-    hw = load_hardware(hardware or file_hw).with_memory_gib(memory_gib)
-    _note_rates(hw)
+    nodes = nodes if nodes is not None else _config_nodes(config)
+    hw = load_hardware(hardware or file_hw).with_memory_gib(memory_gib).for_nodes(nodes)
+    _check_node_size(hw, gpus, nodes)
     if seq is None and file_seq is None and not max_seq:
         fail("--seq is required (or --max-seq, or a config file with seq_len)")
     seq_len = parse_tokens(seq, "--seq") if seq is not None else file_seq
-    techniques.validate(model_config, gpus, seq_len if not max_seq else None)
+    techniques.validate(model_config, gpus * nodes, seq_len if not max_seq else None)
+    _note_rates(hw)  # after the input checks: bad input stays one line
     plan = make_backend("plan")
     if max_seq:
         from autotune.search.max_seq import find_max_seq
 
-        record = find_max_seq(Evaluation(model_config, techniques, seq_len or 0, gpus, hw))
+        record = find_max_seq(Evaluation(model_config, techniques, seq_len or 0, gpus, hw, nodes))
     else:
-        record = plan.evaluate(Evaluation(model_config, techniques, seq_len, gpus, hw))
+        record = plan.evaluate(Evaluation(model_config, techniques, seq_len, gpus, hw, nodes))
     if plot is not None:
         from autotune.outputs.plots import plot_memory
 
         plot_memory([record], hw.device_memory_bytes, plot)
-    _print_record(record.to_dict(), as_json, f"{model} on {gpus}x {hw.name} (predicted)")
+    _print_record(record.to_dict(), as_json,
+                  f"{model} on {f'{nodes} nodes x ' if nodes > 1 else ''}{gpus}x {hw.name} (predicted)")
     if record.status == "error":
         _fail_outcome(f"the prediction failed: {record.error}")
 
@@ -306,34 +362,57 @@ def _load_config_arg(config: str, model_config: dict):
     return loaded.techniques, loaded.gpus, loaded.hardware, loaded.seq_len
 
 
+def _config_nodes(config: str) -> int:
+    """The nodes a config file is for (1 for ``baseline`` and files without ``nodes``)."""
+    from trials.config_file import load_config_file
+
+    return 1 if config == "baseline" else load_config_file(config).nodes
+
+
 @app.command()
 def trial(
     model: str = typer.Option(...), seq: str = typer.Option(..., help=TARGET_HELP),
     config: str = typer.Option(..., help="config file (config-v1 JSON) or 'baseline'"),
-    gpus: int = ranged_option("--gpus", 1, "ranks"),
+    gpus: int = ranged_option("--gpus", 1, "ranks (per node)"),
+    nodes: int = ranged_option("--nodes", 1, NODES_HELP),
     steps: int = ranged_option("--steps", 2, "measured steps after one warm-up"),
     depth: str = typer.Option("full", help="full | reduced (run the 3/4-layer copies, extend to full depth)"),
     memory_gib: Optional[float] = ranged_option("--memory-gib", None, "per-rank capacity on CPU (GiB)"),
     timeout: Optional[float] = ranged_option(
         "--timeout", None, "seconds before the trial is killed as hung (default: from its predicted step time)"),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help=RDZV_HELP),
     as_json: bool = typer.Option(False, "--json"),
 ):
-    """Run one real training trial on this node and print its measured record (exit 1 when its status is not
-    ok: oom, error or timeout, the cause on the last line of stderr)."""
+    """Run one real training trial on this node (or, with --nodes, on every node) and print its measured record
+    (exit 1 when its status is not ok: oom, error or timeout, the cause on the last line of stderr)."""
     from trials.model_config import load_model_config
     from autotune.backends import Evaluation, make_backend
+    from autotune.core.record import ResultRecord
     from autotune.core.sizes import parse_tokens
 
     model_config = load_model_config(model)
     seq_len = parse_tokens(seq, "--seq")
     techniques = _load_config_arg(config, model_config)[0]
-    techniques.validate(model_config, gpus, seq_len)
+    techniques.validate(model_config, gpus * nodes, seq_len)
     _local_checks(gpus, techniques.attention == "flash")
-    hw = _hardware_for("local", "h100-sxm", memory_gib)
+    group = _node_group(nodes, rdzv_endpoint)
+    hw = _hardware_for("local", "h100-sxm", memory_gib).for_nodes(nodes)
     backend = make_backend("local", steps=steps, memory_gib=memory_gib, timeout_s=timeout,
-                           predictor=make_backend("plan"), depth=_depth(depth), progress=_show_progress)
-    record = backend.evaluate(Evaluation(model_config, techniques, seq_len, gpus, hw))
-    _print_record(record.to_dict(), as_json, f"{model} x{gpus} (measured)")
+                           predictor=make_backend("plan"), depth=_depth(depth), progress=_show_progress, group=group)
+    where = f"{nodes} nodes x {gpus}" if nodes > 1 else f"x{gpus}"
+    if group is not None and not group.driver:
+        final = _follow(backend, "trial")
+        if final is None:
+            _fail_outcome(f"the driver at {group.endpoint} stopped without a record")
+        record = ResultRecord.from_dict(final)
+    else:
+        record = None
+        try:
+            record = backend.evaluate(Evaluation(model_config, techniques, seq_len, gpus, hw, nodes))
+        finally:
+            if group is not None:
+                group.finish(record.to_dict() if record is not None else None)
+    _print_record(record.to_dict(), as_json, f"{model} {where} (measured)")
     if record.status != "ok":
         _fail_outcome(f"the trial ended {record.status}: {record.error or 'no cause recorded'}")
 
@@ -342,7 +421,7 @@ def trial(
 def export(
     directory: Path = typer.Argument(..., help="a search output folder"),
     target: Optional[str] = typer.Option(None, help="export the fastest front config reaching this length"),
-    format: str = typer.Option("autotune", help="autotune | deepspeed | arctic | accelerate | torchrun"),
+    format: str = typer.Option("autotune", help="autotune | deepspeed | arctic | accelerate | torchrun | slurm"),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="write here instead of stdout"),
     allow_partial: bool = typer.Option(
         False, "--allow-partial", help="export the fastest config at the target even where the format cannot "
@@ -393,23 +472,48 @@ def verify(
         "--trial-timeout", None, "seconds before a real trial is killed as hung (default: from its predicted step time)"),
     storage: Optional[str] = typer.Option(None, help="the search's --storage, when its study is not DIR/study.db"),
     study: Optional[str] = typer.Option(None, help="the search's --study name"),
+    nodes: Optional[int] = ranged_option("--nodes", None, "the nodes the search planned for (default: the search's; "
+                                                          "with --rdzv-endpoint say it on every node)"),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help=RDZV_HELP + "; only the driver needs DIR"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ):
-    """Re-measure a search's front with real trials on this node; outputs gain the measured records."""
+    """Re-measure a search's front with real trials on this node (or its nodes); outputs gain the measured
+    records."""
     from autotune.backends import make_backend
     from autotune.outputs import verify as verify_mod
 
     _depth(depth)
+    group = _node_group(nodes or 1, rdzv_endpoint) if rdzv_endpoint is not None else None
+    if group is not None and not group.driver:
+        _follow(make_backend("local", group=group), "verify")
+        return
+    try:
+        _verify(directory, top, depth, force, memory_gib, trial_timeout, storage, study, nodes, group, as_json)
+    finally:
+        if group is not None:
+            group.finish()
+
+
+def _verify(directory, top, depth, force, memory_gib, trial_timeout, storage, study, nodes, group, as_json) -> None:
+    from autotune.backends import make_backend
+    from autotune.outputs import verify as verify_mod
+
     if not directory.exists():
         fail(f"{str(directory)!r} does not exist: give the --out folder of a search")
     folder = verify_mod.open_folder(directory, storage, study)
+    if nodes is not None and nodes != folder.job.nodes:
+        fail(f"--nodes {nodes}, but the search in {str(directory)!r} planned for {folder.job.nodes} node(s)")
+    if folder.job.nodes > 1 and group is None:
+        fail(f"the search planned for {folder.job.nodes} nodes: run verify on every node with --nodes "
+             f"{folder.job.nodes} --rdzv-endpoint HOST:PORT")
     chosen = verify_mod.select(folder, top)
     verify_mod.check_node(folder, chosen)
     gib = verify_mod.node_memory_gib(folder, memory_gib)
     hw = verify_mod.local_hardware(folder.job.hardware, gib)
     backend = make_backend("local", depth=depth, memory_gib=gib, timeout_s=trial_timeout,
-                           predictor=make_backend("plan"))
-    console.print(f"autotune verify: {len(chosen)} front config(s) of {folder.job.model} on {folder.job.gpus}x "
+                           predictor=make_backend("plan"), group=group)
+    where = f"{folder.job.nodes} nodes x " if folder.job.nodes > 1 else ""
+    console.print(f"autotune verify: {len(chosen)} front config(s) of {folder.job.model} on {where}{folder.job.gpus}x "
                   f"{hw.name} ({hw.device_memory_bytes / 2**30:.2f} GiB per rank), depth {depth}", highlight=False,
                   soft_wrap=True)
 
@@ -463,6 +567,9 @@ def run(
         fail(f"config {str(config)!r} has no seq_len to train at")
     if loaded.gpus < 1:
         fail(f"config {str(config)!r} has gpus {loaded.gpus}: it must be at least 1")
+    if loaded.nodes > 1:
+        fail(f"config {str(config)!r} is for {loaded.nodes} nodes: `autotune export --format slurm` (or --format "
+             f"torchrun, run on every node) trains it there")
     model_config = load_model_config(loaded.model)
     loaded.techniques.validate(model_config, loaded.gpus, loaded.seq_len)
     _local_checks(loaded.gpus, loaded.techniques.attention == "flash")

@@ -45,6 +45,7 @@ SECONDS = Range(0, above_minimum=True, unit="seconds")
 
 RANGES: dict[str, Range] = {
     "--gpus": Range(1),
+    "--nodes": Range(1),
     "--trials": Range(1),
     "--steps": Range(1),
     "--top": Range(1),

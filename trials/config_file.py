@@ -1,4 +1,5 @@
-"""The config file ``autotune/config-v1``: which techniques, for which model, node and sequence length.
+"""The config file ``autotune/config-v1``: which techniques, for which model, nodes and sequence length
+(``gpus`` per node, ``nodes`` of them: 1 when absent).
 
 The hand-off from the tuner to training: ``best.json`` of a search, the input of ``autotune estimate/trial``
 and of ``python -m trials.train``. Unknown keys and values of the wrong type are refused (``ConfigError``) with
@@ -17,7 +18,7 @@ from trials.model_config import load_model_config
 from trials.techniques import Techniques
 
 SCHEMA = "autotune/config-v1"
-_KEYS = {"schema", "model", "hardware", "gpus", "seq_len", "techniques", "predicted", "measured"}
+_KEYS = {"schema", "model", "hardware", "gpus", "nodes", "seq_len", "techniques", "predicted", "measured"}
 
 
 @dataclass
@@ -27,15 +28,17 @@ class TrialConfig:
     model: str
     techniques: Techniques
     hardware: str = "h100-sxm"
-    gpus: int = 8
+    gpus: int = 8                       # per node
     seq_len: int | None = None
     predicted: dict | None = None
     measured: dict | None = None
     schema: str = SCHEMA
+    nodes: int = 1                      # the world is nodes x gpus
 
     def to_dict(self) -> dict[str, Any]:
+        nodes = {"nodes": self.nodes} if self.nodes != 1 else {}  # one node: the file as it always was
         return {
-            "schema": self.schema, "model": self.model, "hardware": self.hardware, "gpus": self.gpus,
+            "schema": self.schema, "model": self.model, "hardware": self.hardware, "gpus": self.gpus, **nodes,
             "seq_len": self.seq_len, "techniques": self.techniques.to_dict(),
             "predicted": self.predicted, "measured": self.measured,
         }
@@ -59,12 +62,15 @@ def parse_config(data: Any, source: str = "config") -> TrialConfig:
     gpus = data.get("gpus", 8)
     if isinstance(gpus, bool) or not isinstance(gpus, int):
         raise ConfigError(f"{source}: gpus must be an integer, got {gpus!r}")
+    nodes = data.get("nodes", 1)
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise ConfigError(f"{source}: nodes must be a positive integer, got {nodes!r}")
     seq_len = data.get("seq_len")
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int)):
         raise ConfigError(f"{source}: seq_len must be an integer, got {seq_len!r}")
     return TrialConfig(
         model=model, techniques=Techniques.from_dict(data.get("techniques", {}), layers),
-        hardware=data.get("hardware", "h100-sxm"), gpus=gpus, seq_len=seq_len,
+        hardware=data.get("hardware", "h100-sxm"), gpus=gpus, nodes=nodes, seq_len=seq_len,
         predicted=data.get("predicted"), measured=data.get("measured"),
     )
 

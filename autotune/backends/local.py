@@ -1,4 +1,5 @@
-"""The ``local`` backend: a real trial, ``torchrun --nproc-per-node N -m trials.runner`` on this node.
+"""The ``local`` backend: a real trial, ``torchrun --nproc-per-node N -m trials.runner`` on this node (on several
+nodes: the same on every node through torchrun's c10d rendezvous, one agent per node, ``autotune.backends.nodes``).
 
 Every trial runs in its own process group (session) with a deadline; on timeout the whole group is killed,
 so a hung collective cannot outlive its trial. The deadline and the ranks' collective (NCCL watchdog) timeout
@@ -10,6 +11,7 @@ writing a record (killed by a signal, segfault) becomes ``error`` with its last 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -27,6 +29,7 @@ from trials.errors import ConfigError
 from trials.segments import Segment, layer_positions, layer_runs, techniques_for_runs
 from trials.spec import RankRecord, TrialSpec
 from autotune.backends.base import Backend, Evaluation
+from autotune.backends.nodes import NodeGroup, NodeResult
 from autotune.core.record import ResultRecord
 from autotune.oracle import EXTRAPOLATE_FROM, Trace, extend_value
 from autotune.oracle.extrapolation import extrapolate, plan_traces
@@ -35,6 +38,7 @@ DEPTHS = ("full", "reduced")
 
 STARTUP_S = 600.0        # starting the ranks, imports, DeepSpeed's JIT op build, building and sharding the model
 STEP_TIME_MARGIN = 3.0   # the time model's predictions are not exact (docs/throughput.md): allow 3x per step
+FOLLOWER_GRACE_S = 60.0  # how long after its deadline the driver still waits for another node's report
 MIN_COLLECTIVE_TIMEOUT_S = 600.0
 
 
@@ -65,24 +69,36 @@ class LocalBackend(Backend):
 
     def __init__(self, steps: int = 2, warmup: int = 1, timeout_s: float | None = None,
                  memory_gib: float | None = None, seed: int = 0, keep_logs: str | None = None,
-                 predictor: Backend | None = None, depth: str = "full", progress=None):
+                 predictor: Backend | None = None, depth: str = "full", progress=None,
+                 group: NodeGroup | None = None):
         """``timeout_s``: a fixed deadline per trial; None = from the step time ``predictor`` (a plan backend with
         the time model; its cached records are reused) predicts for what the trial runs (``trial_deadlines``).
         ``depth``: ``full`` runs the model; ``reduced`` runs its 3- and 4-layer copies (the memory oracle's) in one
         launch and extends each segment's measured peak and the step time exactly to the model's depth
         (``ResultRecord.measured_layers``); models of up to 4 layers run whole either way. ``progress``: called
-        with the trial's latest progress line and the seconds elapsed, every few seconds."""
+        with the trial's latest progress line and the seconds elapsed, every few seconds. ``group``: the agents of
+        a job over several nodes (``NodeGroup``), which evaluations with ``nodes`` > 1 need; only its driver
+        evaluates, its followers ``follow``."""
         if depth not in DEPTHS:
             raise ConfigError(f"depth must be one of {', '.join(DEPTHS)}, got {depth!r}")
         self.steps, self.warmup, self.timeout_s = steps, warmup, timeout_s
         self.memory_gib, self.seed, self.keep_logs = memory_gib, seed, keep_logs
         self.predictor, self.depth, self.progress = predictor, depth, progress
+        self.group = group
 
-    def command(self, gpus: int, spec_path: Path, out_dir: Path) -> list[str]:
+    def command(self, gpus: int, spec_path: Path, out_dir: Path, nodes: int = 1,
+                rdzv_id: str | None = None) -> list[str]:
+        """The trial's launch on this node: one process, ``torchrun --standalone``, or (``nodes`` > 1) torchrun
+        joining the c10d rendezvous at the group's endpoint under ``rdzv_id`` (``autotune.backends.nodes``)."""
+        runner = ["-m", "trials.runner", str(spec_path), str(out_dir)]
+        if nodes > 1:
+            if self.group is None or rdzv_id is None:
+                raise ConfigError(f"a trial over {nodes} nodes needs --rdzv-endpoint HOST:PORT (the same on every node)")
+            return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={gpus}",
+                    "--rdzv-backend=c10d", f"--rdzv-endpoint={self.group.endpoint}", f"--rdzv-id={rdzv_id}", *runner]
         if gpus == 1:
-            return [sys.executable, "-m", "trials.runner", str(spec_path), str(out_dir)]
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
-                "-m", "trials.runner", str(spec_path), str(out_dir)]
+            return [sys.executable, *runner]
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}", *runner]
 
     def capacity_bytes(self, evaluation: Evaluation) -> int | None:
         """``--memory-gib`` per rank: the tracker's capacity on CPU, the caching allocator's limit on a GPU (the
@@ -144,11 +160,55 @@ class LocalBackend(Backend):
 
     def _run(self, evaluation: Evaluation, spec_path: Path, work: Path,
              deadline_s: float) -> tuple[ResultRecord, list[RankRecord]]:
+        if evaluation.nodes == 1:
+            ranks, returncode, timed_out, tail = self.launch(evaluation.gpus, spec_path, work, deadline_s)
+            return merge_rank_records(evaluation, ranks, returncode, timed_out, tail, deadline_s), ranks
+        if self.group is None or not self.group.driver:
+            raise ConfigError(f"a trial over {evaluation.nodes} nodes needs --rdzv-endpoint HOST:PORT, the same on "
+                              f"every node")
+        # every node runs the same spec under the same rendezvous id; the followers report their ranks back
+        started = time.monotonic()
+        number, rdzv_id = self.group.publish({"spec": json.loads(spec_path.read_text()), "gpus": evaluation.gpus,
+                                              "nodes": evaluation.nodes, "deadline_s": deadline_s})
+        ranks, returncode, timed_out, tail = self.launch(evaluation.gpus, spec_path, work, deadline_s,
+                                                         evaluation.nodes, rdzv_id)
+        left = max(0.0, deadline_s - (time.monotonic() - started))
+        for result in sorted(self.group.collect(number, wait_s=left + FOLLOWER_GRACE_S), key=lambda r: r.node):
+            ranks += [RankRecord.from_dict(r) for r in result.ranks]
+            timed_out = timed_out or result.timed_out
+            returncode = returncode or result.returncode
+            tail += f"\n--- node {result.node} ---\n{result.tail}"
+        return merge_rank_records(evaluation, ranks, returncode, timed_out, tail, deadline_s), ranks
+
+    def follow(self) -> dict | None:
+        """A follower's whole part in a multi-node command: run every trial the driver publishes on this node and
+        report its ranks back, until the driver stops; returns what the driver sent with ``stop`` (``trial``'s
+        merged record)."""
+        group = self.group
+        if group is None or group.driver:
+            raise ValueError("only a follower of a node group follows")
+        for number, job in group.jobs():
+            work = Path(tempfile.mkdtemp(prefix="autotune-trial-"))
+            try:
+                spec_path = work / "spec.json"
+                spec_path.write_text(json.dumps(job["spec"]))
+                ranks, returncode, timed_out, tail = self.launch(int(job["gpus"]), spec_path, work,
+                                                                 float(job["deadline_s"]), int(job["nodes"]),
+                                                                 job["rdzv_id"])
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+            group.report(number, NodeResult(group.node, [r.to_dict() for r in ranks], returncode, timed_out, tail))
+        return group.final
+
+    def launch(self, gpus: int, spec_path: Path, work: Path, deadline_s: float, nodes: int = 1,
+               rdzv_id: str | None = None) -> tuple[list[RankRecord], int | None, bool, str]:
+        """Run the trial's processes of this node: (the records its ranks wrote, the exit code, whether it ran past
+        ``deadline_s`` and was killed, the tail of its output)."""
         log_path = work / "output.log"
         env = allocator.trial_environment(dict(os.environ))
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // evaluation.gpus)))
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // gpus)))
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(self.command(evaluation.gpus, spec_path, work), stdout=log,
+            proc = subprocess.Popen(self.command(gpus, spec_path, work, nodes, rdzv_id), stdout=log,
                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
             try:
                 returncode = self._wait(proc, deadline_s, log_path)
@@ -158,9 +218,7 @@ class LocalBackend(Backend):
                 returncode = None
             finally:
                 _kill_group(proc)
-        tail = _tail(log_path)
-        ranks = RankRecord.read_all(work)
-        return merge_rank_records(evaluation, ranks, returncode, timed_out, tail, deadline_s), ranks
+        return RankRecord.read_all(work), returncode, timed_out, _tail(log_path)
 
 
     def _wait(self, proc: subprocess.Popen, deadline_s: float, log_path: Path):
@@ -185,7 +243,7 @@ def _copy_evaluation(evaluation: Evaluation, copy: dict) -> Evaluation:
 
     layers = sum(n for _, n in copy["runs"])
     return Evaluation(dict(evaluation.model_config, num_hidden_layers=layers), Techniques.from_dict(copy["techniques"]),
-                      evaluation.seq_len, evaluation.gpus, evaluation.hardware)
+                      evaluation.seq_len, evaluation.gpus, evaluation.hardware, evaluation.nodes)
 
 
 def extend_to_depth(evaluation: Evaluation, copies: list[dict], measured: list[dict], device_name: str | None,
@@ -213,7 +271,7 @@ def extend_to_depth(evaluation: Evaluation, copies: list[dict], measured: list[d
     allocated = int(extended.peak_device_bytes)
     reserved = allocated + max(0, allocator_slack)
     device = reserved + int(last.get("runtime_bytes") or 0)
-    dp = evaluation.gpus // evaluation.techniques.ulysses_degree
+    dp = evaluation.world_size // evaluation.techniques.ulysses_degree
     result = ResultRecord(
         status="ok", source="measured", seq_len=evaluation.seq_len, step_time_s=float(step_time),
         tokens_per_s=evaluation.seq_len * dp / step_time if step_time > 0 else None,
@@ -260,7 +318,7 @@ def merge_rank_records(evaluation: Evaluation, ranks: list[RankRecord], returnco
         return ResultRecord(status="timeout", **base, peak_device_bytes=peak,
                             error=f"trial exceeded its {timeout_s:g} s deadline; last output:\n{tail}")
     ooms = [r for r in ranks if r.status == "oom"]
-    missing = sorted(set(range(evaluation.gpus)) - {r.rank for r in ranks})
+    missing = sorted(set(range(evaluation.world_size)) - {r.rank for r in ranks})
     errors = sorted((r for r in ranks if r.status == "error"), key=lambda r: r.finished_at or 0)
     # a peer's broken connection is a symptom: report the rank that caused it
     primary = [r for r in errors if not _PEER_LOST.search(r.error or "")]

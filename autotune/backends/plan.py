@@ -31,7 +31,8 @@ from trials.errors import ConfigError
 def _key(evaluation: Evaluation) -> str:
     hw = evaluation.hardware
     return json.dumps([evaluation.model_config, evaluation.techniques.to_dict(), evaluation.seq_len,
-                       evaluation.gpus, hw.name, hw.device_memory_bytes], sort_keys=True, default=str)
+                       evaluation.gpus, hw.name, hw.device_memory_bytes, evaluation.nodes,
+                       hw.runtime_overhead_bytes], sort_keys=True, default=str)
 
 
 class PlanBackend(Backend):
@@ -72,9 +73,10 @@ class PlanBackend(Backend):
 
     def _evaluate(self, evaluation: Evaluation) -> ResultRecord:
         hw = evaluation.hardware
-        base = dict(source="predicted", seq_len=evaluation.seq_len, device=f"{hw.name} x{evaluation.gpus} (predicted)")
+        nodes = str(evaluation.nodes) if evaluation.nodes > 1 else ""  # "h100-sxm 2x8": 2 nodes of 8
+        base = dict(source="predicted", seq_len=evaluation.seq_len, device=f"{hw.name} {nodes}x{evaluation.gpus} (predicted)")
         try:
-            evaluation.techniques.validate(evaluation.model_config, evaluation.gpus, evaluation.seq_len)
+            evaluation.techniques.validate(evaluation.model_config, evaluation.world_size, evaluation.seq_len)
         except ConfigError as exc:
             return ResultRecord(status="error", error=str(exc), **base)
         self.last_prediction = None
@@ -122,7 +124,7 @@ class PlanBackend(Backend):
 def counter_modes(evaluation: Evaluation):
     """The oracle's ``modes``: a step counter inside each traced step's memory tracker."""
     def modes(tracker):
-        return [StepCounter(tracker, seq_len=evaluation.seq_len, world_size=evaluation.gpus)]
+        return [StepCounter(tracker, seq_len=evaluation.seq_len, world_size=evaluation.world_size)]
     return modes
 
 
@@ -146,5 +148,6 @@ def step_counts(prediction: Prediction) -> StepCounts:
 
 
 def step_time(evaluation: Evaluation, prediction: Prediction) -> TimeBreakdown:
-    return predict_step_time(step_counts(prediction), evaluation.hardware.rates_for(evaluation.gpus), evaluation.gpus,
-                             evaluation.techniques, seq_len=evaluation.seq_len)
+    return predict_step_time(step_counts(prediction), evaluation.hardware.rates_for(evaluation.world_size),
+                             evaluation.world_size, evaluation.techniques, seq_len=evaluation.seq_len,
+                             gpus_per_node=evaluation.gpus if evaluation.nodes > 1 else None)

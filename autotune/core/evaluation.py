@@ -1,4 +1,5 @@
-"""What to evaluate: one config of one model at one sequence length on ``gpus`` devices of a hardware preset."""
+"""What to evaluate: one config of one model at one sequence length on ``nodes`` nodes of ``gpus`` devices of a
+hardware preset."""
 
 from __future__ import annotations
 
@@ -10,10 +11,16 @@ from autotune.core.hardware import Hardware
 
 @dataclass(frozen=True)
 class Evaluation:
-    """A model, a technique set, a sequence length, on ``gpus`` devices of ``hardware``."""
+    """A model, a technique set, a sequence length, on ``nodes`` nodes of ``gpus`` devices of ``hardware`` each
+    (``world_size`` ranks in all, filling the nodes in rank order)."""
 
     model_config: dict
     techniques: Techniques
     seq_len: int
-    gpus: int
+    gpus: int  # per node
     hardware: Hardware
+    nodes: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus * self.nodes

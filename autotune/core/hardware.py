@@ -50,6 +50,11 @@ class Rates:
     reduce_scatter_efficiency: float = 0.8  # ... reduce-scatter (FSDP gradient reduction)
     all_reduce_efficiency: float = 0.8      # ... all-reduce (replicated gradients, loss)
     collective_latency_s: float = 20e-6     # fixed cost per collective call
+    # the inter-node fabric (jobs over several nodes): per GPU, per direction (one NIC per GPU, rail-optimised);
+    # 0 = no fabric of its own: collectives across nodes are priced on the intra-node link
+    inter_node_bytes_per_s: float = 0.0
+    inter_node_efficiency: float = 0.9      # achieved fraction of inter_node_bytes_per_s per NIC
+    inter_node_latency_s: float = 0.0       # fixed cost of a collective spanning nodes (0: collective_latency_s)
     host_copy_efficiency: float = 1.0       # achieved fraction of host_bytes_per_s
     host_optimizer_bytes_per_s: float = 50e9  # optimizer-step output bytes per second on the host, per rank
     op_overhead_s: float = 0.0              # host time per dispatched op that does work (python + launch)
@@ -96,6 +101,9 @@ class Hardware:
     nccl_buffer_bytes: int = 0
     allocator_fragmentation: float = 0.0
     host_memory_bytes_per_device: int = 0  # the node's host RAM / its accelerators; 0 = not checked
+    gpus_per_node: int = 0                 # accelerators in one node of this kind (0: any number, e.g. cpu)
+    # NCCL's buffers for peers on other nodes (network transport), added to nccl_buffer_bytes when a job spans nodes
+    nccl_inter_node_buffer_bytes: int = 0
     # the oracle's error band on this hardware: a local search's prefilter skips a real trial only when the
     # predicted peak is over capacity by more than this fraction; closer calls run for real
     oracle_margin: float = 0.05
@@ -147,6 +155,13 @@ class Hardware:
     def overhead_bytes(self, tensor_peak: int) -> int:
         """Device bytes no tensor shows at a tensor peak: CUDA context, NCCL buffers, allocator fragmentation."""
         return int(self.runtime_overhead_bytes + self.fragmentation_bytes(tensor_peak))
+
+    def for_nodes(self, nodes: int) -> "Hardware":
+        """The preset as a job over ``nodes`` nodes sees it: NCCL's inter-node buffers join the runtime overhead."""
+        if nodes <= 1 or not self.nccl_inter_node_buffer_bytes:
+            return self
+        return replace(self, nccl_buffer_bytes=self.nccl_buffer_bytes + self.nccl_inter_node_buffer_bytes,
+                       nccl_inter_node_buffer_bytes=0)
 
     def with_memory_gib(self, gib: float | None) -> "Hardware":
         return self if gib is None else replace(self, device_memory_bytes=int(gib * 1024**3))

@@ -70,7 +70,7 @@ def _trace_to_full_depth(evaluation: Evaluation, full_depth: bool = False,
     layers, extended exactly to full depth; a copy that stops (``stop_above_bytes``) ends it there. Returns
     (the full-depth trace, the traces run, layers added per extended run)."""
     layers = evaluation.model_config["num_hidden_layers"]
-    args = (evaluation.model_config, evaluation.techniques, evaluation.seq_len, evaluation.gpus)
+    args = (evaluation.model_config, evaluation.techniques, evaluation.seq_len, evaluation.world_size)
     runs = layer_runs(evaluation.techniques, layers)
     base, varied = plan_traces(runs)
     if full_depth or not varied:

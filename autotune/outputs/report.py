@@ -153,7 +153,7 @@ JOB_ATTR = "search_job"
 def job_attr(job: "search.SearchJob") -> dict:
     """What ``autotune verify`` needs of a search job, as JSON (the study's user attribute ``search_job``)."""
     return {"model": job.model, "model_config": job.model_config, "target": job.target, "gpus": job.gpus,
-            "hardware": dataclasses.asdict(job.hardware)}
+            "nodes": job.nodes, "hardware": dataclasses.asdict(job.hardware)}
 
 
 def hardware_from_attr(data: dict) -> Hardware:
@@ -174,13 +174,14 @@ def write_outputs(job: "search.SearchJob", study) -> dict:
     pq.write_table(pa.Table.from_pylist(rows, schema=_SCHEMA), out / "trials.parquet")
     front = front_entries(study)
     (out / "pareto.json").write_text(json.dumps(
-        {"schema": FRONT_SCHEMA, "model": job.model, "hardware": job.hardware.name, "gpus": job.gpus, "target": job.target,
+        {"schema": FRONT_SCHEMA, "model": job.model, "hardware": job.hardware.name, "gpus": job.gpus,
+         "nodes": job.nodes, "target": job.target,
          "capacity_bytes": job.hardware.device_memory_bytes, "front": front}, indent=2) + "\n")
     plot_pareto(plot_rows(rows), front, job.target, out / "pareto.png",
-                title=f"{job.model} on {job.gpus}x {job.hardware.name}")
+                title=f"{job.model} on {_where(job)}")
     write_pareto_html(study, out / "pareto.html")
     plot_front_memory(front, job.hardware.device_memory_bytes, out / "memory.png",
-                      title=f"memory per rank of the front, {job.model} on {job.gpus}x {job.hardware.name}")
+                      title=f"memory per rank of the front, {job.model} on {_where(job)}")
     best = best_point(study, job.target)
     summary = {"rows": len(rows), "front": front, "best": None, "message": None}
     best_path = out / "best.json"
@@ -193,12 +194,17 @@ def write_outputs(job: "search.SearchJob", study) -> dict:
         return summary
     predicted, measured = _sides(best)
     config = TrialConfig(
-        model=job.model, hardware=job.hardware.name, gpus=job.gpus, seq_len=int(best.values[0]),
+        model=job.model, hardware=job.hardware.name, gpus=job.gpus, nodes=job.nodes, seq_len=int(best.values[0]),
         techniques=_techniques(best.techniques), predicted=predicted, measured=measured,
     )
     config.write(best_path)
     summary["best"] = config.to_dict()
     return summary
+
+
+def _where(job) -> str:
+    """"8x h100-sxm", or "2 nodes x 8x h100-sxm"."""
+    return (f"{job.nodes} nodes x " if job.nodes > 1 else "") + f"{job.gpus}x {job.hardware.name}"
 
 
 def plot_front_memory(front: list[dict], capacity_bytes: int, path: Path, title: str = "") -> int:

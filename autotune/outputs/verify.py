@@ -89,7 +89,8 @@ def open_folder(directory: Path, storage: str | None = None, study_name: str | N
         hardware = report.hardware_from_attr(data["hardware"])
         job = SearchJob(model=data["model"], model_config=data["model_config"], target=int(data["target"]),
                         gpus=int(data["gpus"]), hardware=hardware, space=None, backend=None, out=directory,
-                        trials=len(study.trials), storage=storage, study_name=study_name)
+                        trials=len(study.trials), storage=storage, study_name=study_name,
+                        nodes=int(data.get("nodes", 1)))
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"the search job stored in {str(directory)!r} is unreadable ({exc!r})") from None
     return Folder(directory, study, job)
@@ -239,7 +240,8 @@ def _current(folder: Folder, key: str) -> Point:
 def measure(folder: Folder, point: Point, backend: Backend, hardware: Hardware, depth: str) -> ResultRecord:
     """One real trial of ``point``'s config on this node (``hardware``), stored in the study as it ends."""
     techniques = Techniques.from_dict(point.techniques, folder.job.model_config["num_hidden_layers"])
-    evaluation = Evaluation(folder.job.model_config, techniques, int(point.own["seq_len"]), folder.job.gpus, hardware)
+    evaluation = Evaluation(folder.job.model_config, techniques, int(point.own["seq_len"]), folder.job.gpus, hardware,
+                            folder.job.nodes)
     record = backend.evaluate(evaluation)
     folder.study.set_user_attr(measured_attr(point.number), {
         "trial": point.number, "techniques": point.techniques, "seq_len": int(point.own["seq_len"]), "depth": depth,
@@ -336,6 +338,7 @@ def table_rows(result: Verification) -> list[tuple[str, ...]]:
 def to_json(folder: Folder, result: Verification, depth: str, hardware: Hardware) -> dict:
     summary = result.summary or {}
     return {"dir": str(folder.directory), "depth": depth, "node": hardware.name, "gpus": folder.job.gpus,
+            "nodes": folder.job.nodes,
             "capacity_bytes": hardware.device_memory_bytes, "verified": [o.to_dict() for o in result.outcomes],
             "failed": [o.trial for o in result.failed], "best": summary.get("best"),
             "message": summary.get("message"), "notes": result.notes, "interrupted": result.interrupted}

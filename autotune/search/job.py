@@ -15,7 +15,7 @@ class SearchJob:
     model: str
     model_config: dict
     target: int
-    gpus: int
+    gpus: int  # per node
     hardware: Hardware
     space: SearchSpace
     backend: Backend
@@ -28,3 +28,8 @@ class SearchJob:
     prefilter: Backend | None = None  # the plan backend in front of real trials
     follow_ups: bool = True  # climb front configs and step down in memory at their walls (see follow_ups)
     avoided: dict = field(default_factory=lambda: {"cache": 0, "monotone": 0, "oracle": 0})
+    nodes: int = 1  # nodes of ``gpus`` devices each
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus * self.nodes

@@ -51,9 +51,9 @@ def make_objective(job: SearchJob, study: optuna.Study, on_record: Callable | No
             requeue_surplus(study, trial)  # a seed or follow-up it was handed stays queued, not lost
             raise SurplusTrial(f"trial {trial.number}: the study already holds {job.trials} trials")
         techniques, seq_len = job.space.sample(trial, layers)
-        techniques.validate(job.model_config, job.gpus, seq_len)
+        techniques.validate(job.model_config, job.world_size, seq_len)
         trial.set_user_attr("techniques", techniques.to_dict())
-        evaluation = Evaluation(job.model_config, techniques, seq_len, job.gpus, job.hardware)
+        evaluation = Evaluation(job.model_config, techniques, seq_len, job.gpus, job.hardware, job.nodes)
         answered = claim_or_answer(study, trial, techniques, seq_len)  # None: claimed, no other worker runs it
         how = None
         if answered is not None:

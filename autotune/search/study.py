@@ -26,7 +26,8 @@ class SurplusTrial(Exception):
     """Raised (and caught, leaving a FAIL trial outside every report) when the study is already full."""
 
 def study_name_for(job: SearchJob) -> str:
-    return job.study_name or f"autotune-{Path(job.model).stem}-{job.gpus}x{job.hardware.name}-{job.target}"
+    nodes = f"{job.nodes}x" if job.nodes > 1 else ""  # 2x8xh100-sxm: 2 nodes of 8
+    return job.study_name or f"autotune-{Path(job.model).stem}-{nodes}{job.gpus}x{job.hardware.name}-{job.target}"
 
 
 def create_study(job: SearchJob, storage=None, seeds: list[dict] = ()) -> optuna.Study:

@@ -17,7 +17,9 @@ Two pieces, used in this order:
    - collectives: the bytes of each call and the bytes this rank puts on the wire, with the algorithmic
      factor ``(P-1)/P`` (all-to-all, all-gather, reduce-scatter) or ``2(P-1)/P`` (all-reduce). Collectives
      issued inside FSDP's ``record_function("FSDP::...")`` regions run on FSDP's side streams and can overlap
-     compute; all others (Ulysses all-to-all, gradient all-reduce, the loss all-reduce) stall the step;
+     compute; all others (Ulysses all-to-all, gradient all-reduce, the loss all-reduce) stall the step. Each is
+     kept by the size of its process group (a Ulysses group, or every rank), which tells the time model whether
+     it spans nodes;
    - host<->device bytes: copies between device types (``_to_copy`` / ``copy_`` cuda<->cpu), and on the CPU
      path, where everything is ``cpu``, tensors the memory tracker is told live on the host (``mark_host``)
      and copies out of such tensors;
@@ -428,7 +430,8 @@ class StepCounter(TorchDispatchMode):
             factor = 1.0
         fsdp = self._in_scope("FSDP::")
         wire = nbytes * factor
-        key = f"{kind}/{phase}/{'fsdp' if fsdp else 'sync'}"
+        # the group size too: the time model prices a group spanning nodes on the inter-node fabric
+        key = f"{kind}/{phase}/{'fsdp' if fsdp else 'sync'}/{int(size)}"
         self.counts.phases[phase].ops += 1  # its dispatch costs host time like any op
         c = self.counts.collectives.setdefault(key, CollectiveCounts())
         c.calls += 1

@@ -43,7 +43,8 @@ class StepCounts:
     """Everything ``StepCounter`` counted over one step on one rank."""
 
     phases: dict[str, PhaseCounts] = field(default_factory=lambda: {p: PhaseCounts() for p in PHASES})
-    # key: "<kind>/<phase>/<fsdp|sync>", kind in all_to_all, all_gather, reduce_scatter, all_reduce, other
+    # key: "<kind>/<phase>/<fsdp|sync>/<group size>", kind in all_to_all, all_gather, reduce_scatter, all_reduce,
+    # other (counts from before group sizes were kept have no "/<group size>")
     collectives: dict[str, CollectiveCounts] = field(default_factory=dict)
     optimizer_params: int = 0              # elements stepped by the optimizer on this rank
     optimizer_param_bytes: int = 0         # their bytes (master dtype)
@@ -70,15 +71,31 @@ class StepCounts:
     def attention_flops(self) -> float:
         return self.total("attention_flops") + self.total("attention_bwd_flops")
 
-    def collective(self, kind: str | None = None, phase: str | None = None, fsdp: bool | None = None) -> CollectiveCounts:
+    def collective(self, kind: str | None = None, phase: str | None = None, fsdp: bool | None = None,
+                   group_size: int | None = None) -> CollectiveCounts:
+        """The calls that match, summed (``group_size``: only those over groups of that many ranks)."""
         out = CollectiveCounts()
         for key, c in self.collectives.items():
-            k, p, f = key.split("/")
-            if (kind is None or k == kind) and (phase is None or p == phase) and (fsdp is None or (f == "fsdp") == fsdp):
+            k, p, f, size = _parts(key)
+            if (kind is None or k == kind) and (phase is None or p == phase) and (fsdp is None or (f == "fsdp") == fsdp) \
+                    and (group_size is None or size == group_size):
                 out.calls += c.calls
                 out.bytes += c.bytes
                 out.wire_bytes += c.wire_bytes
                 out.max_wire_bytes = max(out.max_wire_bytes, c.max_wire_bytes)
+        return out
+
+    def by_group(self, kind: str | None = None, fsdp: bool | None = None) -> dict[int | None, CollectiveCounts]:
+        """The matching collectives summed per process-group size (None: counted before sizes were kept)."""
+        out: dict[int | None, CollectiveCounts] = {}
+        for key, c in self.collectives.items():
+            k, _, f, size = _parts(key)
+            if (kind is None or k == kind) and (fsdp is None or (f == "fsdp") == fsdp):
+                total = out.setdefault(size, CollectiveCounts())
+                total.calls += c.calls
+                total.bytes += c.bytes
+                total.wire_bytes += c.wire_bytes
+                total.max_wire_bytes = max(total.max_wire_bytes, c.max_wire_bytes)
         return out
 
     def scaled(self, factor: float) -> "StepCounts":
@@ -122,3 +139,9 @@ class StepCounts:
             lines.append(f"{key:32s} calls {c.calls:5d}  bytes {c.bytes / 1e6:10.3f} MB  wire {c.wire_bytes / 1e6:10.3f} MB")
         lines.append(f"optimizer params {self.optimizer_params:,} ({self.optimizer_param_bytes:,} bytes)")
         return "\n".join(lines)
+
+
+def _parts(key: str) -> tuple[str, str, str, int | None]:
+    """(kind, phase, fsdp|sync, group size or None) of a ``StepCounts.collectives`` key."""
+    parts = key.split("/")
+    return parts[0], parts[1], parts[2], int(parts[3]) if len(parts) > 3 else None

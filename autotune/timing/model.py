@@ -10,6 +10,7 @@ A small roofline-style model, every rate and efficiency a named field of the har
                 + elementwise_bytes * elementwise_traffic_factor / (hbm * elementwise_efficiency)
                 (+ ops * op_overhead_s, added -- or as a floor, when launches overlap compute: GPUs)
        stalled comm   = sum over non-FSDP collectives (wire bytes / (link * eff) + latency)     -> exposed
+                        (link: NVLink inside a node; a group spanning nodes is bound by the NICs: ``_transfer_time``)
        FSDP comm      = same for FSDP's; hidden behind compute up to the compute time (side streams) except
                         the first all-gather and the last reduce-scatter
        host transfers = (d2h, h2d) / host link per direction, per phase; hidden behind that phase's compute
@@ -94,19 +95,84 @@ def _combine(work: float, overhead: float, r: Rates) -> float:
     return max(work, overhead) if r.launch_overlaps_compute else work + overhead
 
 
-def _collective_time(c: CollectiveCounts, kind: str, r: Rates) -> float:
+def group_layout(group_size: int | None, world_size: int, gpus_per_node: int | None) -> tuple[int, int]:
+    """(nodes, fewest ranks on one node) of the worst-placed process group of ``group_size`` ranks.
+
+    Groups are consecutive ranks starting at multiples of their size (``trials.dist``: Ulysses groups; the FSDP /
+    data-parallel group is every rank), ranks fill nodes of ``gpus_per_node`` in order (torchrun), and ranks run
+    in lockstep, so the group that spans most nodes with fewest ranks on one of them sets the pace. (1, size)
+    when the job is one node, or the group size is unknown (counts from before sizes were kept)."""
+    if not group_size or not gpus_per_node or world_size <= gpus_per_node:
+        return 1, group_size or 1
+    worst = (1, group_size)
+    for start in range(0, max(world_size, group_size), group_size):
+        per_node: dict[int, int] = {}
+        for rank in range(start, start + group_size):
+            per_node[rank // gpus_per_node] = per_node.get(rank // gpus_per_node, 0) + 1
+        layout = (len(per_node), min(per_node.values()))
+        if layout[0] > 1 and (layout[0], -layout[1]) > (worst[0], -worst[1]):
+            worst = layout
+    return worst
+
+
+def _collective_time(c: CollectiveCounts, kind: str, r: Rates, group_size: int | None = None,
+                     world_size: int = 1, gpus_per_node: int | None = None) -> float:
     if not c.calls:
         return 0.0
-    eff = {"all_to_all": r.all_to_all_efficiency, "all_gather": r.all_gather_efficiency,
-           "reduce_scatter": r.reduce_scatter_efficiency}.get(kind, r.all_reduce_efficiency)
-    return c.wire_bytes / (r.intra_node_bytes_per_s * eff) + c.calls * r.collective_latency_s
+    return (_transfer_time(c.wire_bytes, kind, r, group_size, world_size, gpus_per_node)
+            + c.calls * _latency(r, group_size, world_size, gpus_per_node))
+
+
+def _efficiency(kind: str, r: Rates) -> float:
+    return {"all_to_all": r.all_to_all_efficiency, "all_gather": r.all_gather_efficiency,
+            "reduce_scatter": r.reduce_scatter_efficiency}.get(kind, r.all_reduce_efficiency)
+
+
+def _spans_fabric(r: Rates, group_size: int | None, world_size: int, gpus_per_node: int | None) -> tuple[int, int]:
+    """(nodes, fewest ranks on one node) of the group when it crosses an inter-node fabric, else (1, size)."""
+    if not r.inter_node_bytes_per_s:  # no fabric of its own (cpu: "nodes" on one machine): the intra-node link
+        return 1, group_size or 1
+    return group_layout(group_size, world_size, gpus_per_node)
+
+
+def _latency(r: Rates, group_size: int | None, world_size: int, gpus_per_node: int | None) -> float:
+    nodes, _ = _spans_fabric(r, group_size, world_size, gpus_per_node)
+    return (r.inter_node_latency_s or r.collective_latency_s) if nodes > 1 else r.collective_latency_s
+
+
+def _transfer_time(wire_bytes: float, kind: str, r: Rates, group_size: int | None = None, world_size: int = 1,
+                   gpus_per_node: int | None = None) -> float:
+    """Seconds to move ``wire_bytes`` (this rank's share, the algorithmic factor applied) of a ``kind`` collective
+    over a group of ``group_size`` ranks.
+
+    Inside a node: the NVLink/NVSwitch link at the kind's efficiency. Across nodes (docs/throughput.md, "Several
+    nodes"), with one NIC per GPU (``inter_node_bytes_per_s``) and ``local`` = the group's fewest ranks on one node:
+      - all-to-all: each rank sends (local-1)/(P-1) of its wire bytes over NVLink and (P-local)/(P-1) through its own
+        NIC, at once; the NIC share bounds it (an all-to-all cannot aggregate several NICs: nccl-tests #130, #267);
+      - ring / tree collectives (all-gather, reduce-scatter, all-reduce): NCCL runs one channel per NIC, so each
+        ring crosses a node boundary through a different NIC: the node's ``local`` NICs carry the wire bytes
+        together (wire / (local x NIC)), while every rank also moves its wire bytes over NVLink.
+    """
+    eff = _efficiency(kind, r)
+    intra = r.intra_node_bytes_per_s * eff
+    nodes, local = _spans_fabric(r, group_size, world_size, gpus_per_node)
+    if nodes <= 1:
+        return wire_bytes / intra
+    nic = r.inter_node_bytes_per_s * r.inter_node_efficiency
+    size = group_size or 1
+    if kind == "all_to_all":
+        return max(wire_bytes * (local - 1) / max(1, size - 1) / intra,
+                   wire_bytes * (size - local) / max(1, size - 1) / nic)
+    return max(wire_bytes / intra if local > 1 else 0.0, wire_bytes / (local * nic))
 
 
 def predict_step_time(counts: StepCounts, rates: Rates, world_size: int, techniques: Techniques,
-                      seq_len: int | None = None) -> TimeBreakdown:
+                      seq_len: int | None = None, gpus_per_node: int | None = None) -> TimeBreakdown:
     """Predicted time of one training step from ``counts`` (one rank's ``StepCounts``) at ``rates``
     (``Hardware.rates_for(world_size)``). ``techniques`` gives the Ulysses degree (tokens/s) and where the
-    optimizer runs. See the module docstring and docs/throughput.md for the model and its assumptions.
+    optimizer runs. ``gpus_per_node``: ranks per node of a job over several nodes (None: one node), so
+    collectives whose group spans nodes are priced on the inter-node fabric. See the module docstring and
+    docs/throughput.md for the model and its assumptions.
     """
     r = rates
     degree = techniques.ulysses_degree
@@ -127,21 +193,24 @@ def predict_step_time(counts: StepCounts, rates: Rates, world_size: int, techniq
     # collectives: FSDP's overlap compute on side streams, the rest stall
     sync = 0.0
     kinds = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce", "other")
+    layout = {"world_size": world_size, "gpus_per_node": gpus_per_node}
     for kind in kinds:
-        t = _collective_time(counts.collective(kind, fsdp=False), kind, r)
+        t = sum(_collective_time(c, kind, r, size, **layout) for size, c in counts.by_group(kind, fsdp=False).items())
         detail[f"{kind}_sync_s"] = t
         sync += t
     fsdp_total = 0.0
     for kind in kinds:
-        t = _collective_time(counts.collective(kind, fsdp=True), kind, r)
+        t = sum(_collective_time(c, kind, r, size, **layout) for size, c in counts.by_group(kind, fsdp=True).items())
         detail[f"{kind}_fsdp_s"] = t
         fsdp_total += t
     first_last = 0.0
     if fsdp_total:
         # the first all-gather of forward and the last reduce-scatter of backward have nothing to hide behind
-        first_last = (counts.first_fsdp_all_gather_wire_bytes / (r.intra_node_bytes_per_s * r.all_gather_efficiency)
-                      + counts.last_fsdp_reduce_scatter_wire_bytes
-                      / (r.intra_node_bytes_per_s * r.reduce_scatter_efficiency) + 2 * r.collective_latency_s)
+        # (FSDP's group is every rank)
+        first_last = (_transfer_time(counts.first_fsdp_all_gather_wire_bytes, "all_gather", r, world_size, **layout)
+                      + _transfer_time(counts.last_fsdp_reduce_scatter_wire_bytes, "reduce_scatter", r, world_size,
+                                       **layout)
+                      + 2 * _latency(r, world_size, **layout))
         first_last = min(first_last, fsdp_total)
     hideable = max(0.0, fsdp_total - first_last)
     fsdp_exposed = first_last + max(0.0, hideable - r.side_stream_overlap * busy)

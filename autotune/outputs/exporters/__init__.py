@@ -10,6 +10,7 @@ what the trainer runs derive from that declaration (``selection``).
     deepspeed    ``deepspeed_config``  a DeepSpeed JSON and the ALST Python it cannot carry
     arctic       ``arctic_recipe``     an ArcticTraining recipe
     accelerate   ``accelerate_config`` an Accelerate config, its DeepSpeed JSON and a Trainer snippet
+    slurm        ``slurm_script``      an sbatch script: srun + torchrun's c10d rendezvous on the config's nodes
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from autotune.outputs.exporters.base import Exporter
 from autotune.outputs.exporters.deepspeed_config import DeepSpeedConfigExporter
 from autotune.outputs.exporters.front import FRONT_SCHEMA, entry_config, load_front
 from autotune.outputs.exporters.selection import Export, NotExpressible, export
+from autotune.outputs.exporters.slurm_script import SlurmScriptExporter
 from autotune.outputs.exporters.torchrun_script import TorchrunScriptExporter, torchrun_command
 
 __all__ = ["EXPORTERS", "Export", "Exporter", "FORMATS", "FRONT_SCHEMA", "NotExpressible", "entry_config",
@@ -29,7 +31,7 @@ __all__ = ["EXPORTERS", "Export", "Exporter", "FORMATS", "FRONT_SCHEMA", "NotExp
 
 EXPORTERS: dict[str, type[Exporter]] = {cls.name: cls for cls in (
     AutotuneConfigExporter, DeepSpeedConfigExporter, ArcticRecipeExporter, AccelerateConfigExporter,
-    TorchrunScriptExporter)}
+    TorchrunScriptExporter, SlurmScriptExporter)}
 FORMATS = tuple(EXPORTERS)
 
 

@@ -49,6 +49,7 @@ class ExportJob:
     gpus: int
     seq_len: int
     techniques: Techniques
+    nodes: int = 1  # nodes of ``gpus`` each
 
     @property
     def layers(self) -> int:

@@ -38,4 +38,5 @@ def entry_config(front_doc: dict, entry: dict) -> TrialConfig:
     sides = {side: entry[side] if side in entry else (record if record["source"] == side else None)
              for side in ("predicted", "measured")}
     return TrialConfig(model=front_doc["model"], hardware=front_doc["hardware"], gpus=front_doc["gpus"],
-                       seq_len=entry["seq_len"], techniques=entry_techniques(entry), **sides)
+                       nodes=front_doc.get("nodes", 1), seq_len=entry["seq_len"], techniques=entry_techniques(entry),
+                       **sides)

@@ -50,7 +50,7 @@ class Export:
 
 def export_job(front_doc: dict, entry: dict, model_config: dict) -> ExportJob:
     return ExportJob(model=front_doc["model"], model_config=model_config, gpus=front_doc["gpus"],
-                     seq_len=entry["seq_len"], techniques=entry_techniques(entry))
+                     seq_len=entry["seq_len"], techniques=entry_techniques(entry), nodes=front_doc.get("nodes", 1))
 
 
 def _fastest(entries: list[dict]) -> dict:
@@ -84,7 +84,7 @@ def search_hardware(front_doc: dict):
     """The hardware the front's records are for: the preset, at the capacity the search planned for."""
     from autotune.core.hardware import load_hardware
 
-    hardware = load_hardware(front_doc["hardware"])
+    hardware = load_hardware(front_doc["hardware"]).for_nodes(front_doc.get("nodes", 1))
     if front_doc.get("capacity_bytes"):
         hardware = dataclasses.replace(hardware, device_memory_bytes=int(front_doc["capacity_bytes"]))
     return hardware
@@ -118,7 +118,7 @@ def re_estimate(exporter: Exporter, job: ExportJob, hardware,
     say = progress or (lambda line: None)
     trainer = _TrainerAtEachLength(exporter, job, make_backend("plan"))
     trainer_job = dataclasses.replace(job, techniques=trainer.techniques_at(job.seq_len))
-    evaluation = Evaluation(job.model_config, trainer_job.techniques, job.seq_len, job.gpus, hardware)
+    evaluation = Evaluation(job.model_config, trainer_job.techniques, job.seq_len, job.gpus, hardware, job.nodes)
     say(f"re-estimating what {exporter.trainer} runs at {job.seq_len:,} tokens (plan backend)")
     record = trainer.evaluate(evaluation)
     if record.status != "oom":
@@ -160,7 +160,8 @@ def export_entry(front_doc: dict, entry: dict, exporter: Exporter, path: str, mo
     trainer_job = dataclasses.replace(job, techniques=exporter.trainer_techniques(job))
     hardware = search_hardware(front_doc)
     record = entry["record"]
-    notes = [f"autotune: {searched.model}, {searched.seq_len:,} tokens on {searched.gpus}x {searched.hardware}, "
+    where = f"{searched.nodes} nodes x " if searched.nodes > 1 else ""
+    notes = [f"autotune: {searched.model}, {searched.seq_len:,} tokens on {where}{searched.gpus}x {searched.hardware}, "
              f"front trial {entry['trial']}: {_record_line(record, hardware.device_memory_bytes)}"]
     estimate = None
     seq_len = searched.seq_len
@@ -181,7 +182,8 @@ def export_entry(front_doc: dict, entry: dict, exporter: Exporter, path: str, mo
             seq_len = estimate.seq_len
             notes.append(f"so this export is for {seq_len:,} tokens, the longest {exporter.trainer}'s version fits "
                          f"(the searched config reached {searched.seq_len:,})")
-    config = TrialConfig(model=searched.model, hardware=searched.hardware, gpus=searched.gpus, seq_len=seq_len,
+    config = TrialConfig(model=searched.model, hardware=searched.hardware, gpus=searched.gpus, nodes=searched.nodes,
+                         seq_len=seq_len,
                          techniques=trainer_job.techniques,
                          predicted=estimate.to_dict() if estimate else searched.predicted,
                          measured=None if estimate else searched.measured)

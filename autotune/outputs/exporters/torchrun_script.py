@@ -7,6 +7,7 @@ import json
 from trials.config_file import TrialConfig
 from trials.techniques import knobs
 from autotune.outputs.exporters.base import Exporter, Rendered, comment_block, exactly
+from autotune.outputs.exporters.slurm_script import multi_node_command
 
 
 def torchrun_command(config_path: str, gpus: int, steps: str = "${STEPS:-10}") -> str:
@@ -22,16 +23,24 @@ class TorchrunScriptExporter(Exporter):
     expresses = {k.name: exactly(f"techniques.{k.name} of the inline config") for k in knobs()}
 
     def render(self, config: TrialConfig, notes: list[str], path: str) -> Rendered:
+        command = torchrun_command('"$config"', config.gpus)
+        usage = "# usage: STEPS=100 DATA=tokens.parquet bash this-file"
+        if config.nodes > 1:  # the same script on every node, all joining one c10d rendezvous
+            command = multi_node_command('"$config"', config.gpus, str(config.nodes),
+                                         '"${RDZV_ENDPOINT:?set RDZV_ENDPOINT=HOST:PORT, the same on every node}"',
+                                         '"${RDZV_ID:-autotune}"')
+            usage = (f"# usage, on each of the {config.nodes} nodes: RDZV_ENDPOINT=first-node:29500 STEPS=100 "
+                     f"DATA=tokens.parquet bash this-file")
         return Rendered("\n".join([
             "#!/usr/bin/env bash",
             comment_block(notes),
-            "# usage: STEPS=100 DATA=tokens.parquet bash this-file",
+            usage,
             "set -euo pipefail",
             "config=\"${CONFIG:-autotune-config.json}\"",
             "cat > \"$config\" <<'JSON'",
             json.dumps(config.to_dict(), indent=2),
             "JSON",
-            torchrun_command('"$config"', config.gpus) + ' ${DATA:+--data "$DATA"}',
+            command + ' ${DATA:+--data "$DATA"}',
         ]))
 
     def launch(self, path: str, config: TrialConfig) -> str:

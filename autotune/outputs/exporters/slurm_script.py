@@ -1,0 +1,69 @@
+"""``--format slurm``: an sbatch script that trains the exported config on its nodes with autotune's own runner.
+
+``srun`` starts one task per node; each writes the inline config to its node's temporary folder (no shared
+filesystem needed) and starts ``torchrun --nnodes N --nproc-per-node G`` joining a c10d rendezvous on the
+allocation's first node (``--rdzv-endpoint FIRST_NODE:PORT --rdzv-id $SLURM_JOB_ID``), which runs
+``python -m trials.train`` on every GPU. It expresses every knob, like ``--format torchrun``; the config's
+``nodes`` x ``gpus`` are the allocation (``#SBATCH --nodes``, ``--gpus-per-node``)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+from trials.config_file import TrialConfig
+from trials.techniques import knobs
+from autotune.outputs.exporters.base import Exporter, Rendered, comment_block, exactly
+
+CONFIG_ENV = "AUTOTUNE_CONFIG_JSON"  # the config, handed to every node's task through srun's environment
+
+
+def multi_node_command(config_path: str, gpus: int, nodes: str, endpoint: str, rdzv_id: str,
+                       steps: str = "${STEPS:-10}", python: str = "python") -> str:
+    """``torchrun`` on one node of a multi-node job: the c10d rendezvous at ``endpoint`` under ``rdzv_id``."""
+    return (f"{python} -m torch.distributed.run --nnodes={nodes} --nproc-per-node={gpus} --rdzv-backend=c10d "
+            f"--rdzv-endpoint={endpoint} --rdzv-id={rdzv_id} -m trials.train --config {config_path} --steps {steps}")
+
+
+class SlurmScriptExporter(Exporter):
+    name = "slurm"
+    default_file = "train.sbatch"
+    trainer = "autotune's own runner under torchrun, one agent per Slurm node"
+    expresses = {k.name: exactly(f"techniques.{k.name} of the inline config") for k in knobs()}
+
+    def render(self, config: TrialConfig, notes: list[str], path: str) -> Rendered:
+        gpu_line = [] if config.hardware == "cpu" else [f"#SBATCH --gpus-per-node={config.gpus}"]
+        node_command = multi_node_command(
+            '"$config"', config.gpus, '"$SLURM_NNODES"', '"$head_node:$port"', '"autotune-$SLURM_JOB_ID"',
+            steps='"${STEPS:-10}"', python='"${PYTHON:-python}"') + ' ${DATA:+--data "$DATA"}'
+        per_node = "\n".join([
+            'config="${TMPDIR:-/tmp}/autotune-config-$SLURM_JOB_ID.json"',
+            f'printf "%s\\n" "${CONFIG_ENV}" > "$config"',
+            f"exec {node_command}",
+        ])
+        return Rendered("\n".join([
+            "#!/usr/bin/env bash",
+            f"#SBATCH --job-name=autotune-{Path(config.model).stem}",
+            f"#SBATCH --nodes={config.nodes}",
+            "#SBATCH --ntasks-per-node=1",
+            *gpu_line,
+            "#SBATCH --exclusive",
+            comment_block(notes),
+            "# usage: STEPS=100 DATA=/shared/tokens.parquet sbatch this-file",
+            "#   (PYTHON: the interpreter with autotune installed on every node, default python; RDZV_PORT: a free",
+            "#   port on the first node, default 29500; DATA must be a path every node can read)",
+            "set -euo pipefail",
+            f"export {CONFIG_ENV}=$(cat <<'JSON'",
+            json.dumps(config.to_dict(), indent=2),
+            "JSON",
+            ")",
+            'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+            "port=${RDZV_PORT:-29500}",
+            "export head_node port",
+            "# one task per node: write the config there, then one torchrun agent joining the rendezvous",
+            f"srun --nodes={config.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c {shlex.quote(per_node)}",
+        ]))
+
+    def launch(self, path: str, config: TrialConfig) -> str:
+        return f"STEPS=100 sbatch {path}"
