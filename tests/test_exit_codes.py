@@ -5,6 +5,7 @@ when interrupted (outputs saved) -- for every command."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -249,26 +250,42 @@ def test_trial_whose_record_is_not_ok_exits_1_with_the_record():
     assert json.loads(done.stdout)["status"] == "oom"  # the record is still printed
 
 
-def test_trial_stopped_by_sigterm_exits_130_and_leaves_no_process():
-    """The trial runs in its own process group (torchrun and its ranks): a SIGTERM to autotune kills it all."""
+def _stop_a_running_trial(gpus: int, settle_s: float) -> tuple[int, list]:
+    """SIGTERM to ``autotune trial`` ``settle_s`` after its ranks started: (its exit code, the trial processes still
+    alive 30 s on)."""
     import psutil
 
     process = subprocess.Popen([str(AUTOTUNE), "trial", "--model", "tiny-llama", "--seq", "1K", "--config", "baseline",
-                                "--gpus", "2", "--steps", "100000", "--timeout", "600"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                                "--gpus", str(gpus), "--steps", "100000", "--timeout", "600"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    trial_processes = []
     try:
-        for line in process.stderr:  # the progress line of a running trial comes every few seconds
-            if line.startswith("  trial: "):
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and process.poll() is None:
+            trial_processes = psutil.Process(process.pid).children(recursive=True)
+            ranks = [p for p in trial_processes if "trials.runner" in p.cmdline()  # not torchrun, which names it
+                     and "torch.distributed.run" not in p.cmdline()]
+            if len(ranks) == gpus:
                 break
-        trial_processes = psutil.Process(process.pid).children(recursive=True)
-        assert trial_processes, "no trial process was running"
+            time.sleep(0.2)
+        assert len(ranks) == gpus, "the trial's ranks never started"
+        time.sleep(settle_s)
         process.send_signal(signal.SIGTERM)
-        process.communicate(timeout=120)
+        code = process.wait(timeout=120)
+        _, alive = psutil.wait_procs(trial_processes, timeout=30)
+        return code, alive
     finally:
         if process.poll() is None:
             process.kill()
-    assert process.returncode == 130
-    _, alive = psutil.wait_procs(trial_processes, timeout=30)
+        for leftover in trial_processes:  # this test's own processes only
+            with contextlib.suppress(psutil.NoSuchProcess):
+                leftover.kill()
+
+
+def test_trial_stopped_by_sigterm_exits_130_and_leaves_no_process():
+    """A one-rank trial runs in its own process group: a SIGTERM to autotune kills it."""
+    code, alive = _stop_a_running_trial(gpus=1, settle_s=3)
+    assert code == 130
     assert not alive, alive
 
 
