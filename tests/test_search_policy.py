@@ -144,11 +144,19 @@ def test_follow_ups_climb_and_step_down(tmp_path):
     lens = job.space.seq_lens
     follow = [t for t in trials if "follow_up_of" in t.user_attrs]
     assert len(follow) >= 10
-    climbs = steps = 0
+    climbs = steps = walls = 0
     for trial in follow:
         origin = by_number[trial.user_attrs["follow_up_of"]]
         record, before = trial.user_attrs["record"], origin.user_attrs["record"]
-        if trial.user_attrs["techniques"] == origin.user_attrs["techniques"]:
+        if record["seq_len"] not in lens:
+            # a wall step: the same config between its longest fit and its shortest OOM, off the grid
+            assert trial.user_attrs["techniques"] == origin.user_attrs["techniques"]
+            same = [t.user_attrs["record"] for t in trials if t.number < trial.number
+                    and t.user_attrs["techniques"] == trial.user_attrs["techniques"]]
+            assert max(r["seq_len"] for r in same if r["status"] == "ok") < record["seq_len"] \
+                < min(r["seq_len"] for r in same if r["status"] == "oom")
+            walls += 1
+        elif trial.user_attrs["techniques"] == origin.user_attrs["techniques"]:
             # a climb: the same config at the next longer length, after it fit there
             assert before["status"] == "ok"
             assert record["seq_len"] == min(s for s in lens if s > before["seq_len"])
@@ -161,7 +169,7 @@ def test_follow_ups_climb_and_step_down(tmp_path):
             assert new in job.space.memory_steps(old, 4)
             steps += 1
         assert trial.user_attrs["answered_by"] == "plan"  # never a point the study already knew
-    assert climbs >= 3 and steps >= 3
+    assert climbs >= 3 and steps >= 3 and walls >= 1
     # every backend call was a new point
     assert len(backend.calls) == len({(t, s) for t, s in backend.calls})
 

@@ -10,7 +10,8 @@ traces are extended to full depth like the memory. A time prediction that fails 
 count, a model error) makes the record ``error`` with the reason: a config never drops off the front silently.
 
 Records are cached per (model, techniques, seq_len, gpus, hardware), so the search and ``--max-seq`` never
-trace the same point twice in one process.
+trace the same point twice in one process; with a ``store`` (``autotune.backends.plan_store``) never twice on
+this machine, across studies and runs, as long as the code is the same.
 """
 
 from __future__ import annotations
@@ -20,15 +21,17 @@ import traceback
 from collections import OrderedDict
 
 from autotune.backends.base import Backend, Evaluation
+from autotune.backends.plan_store import Entry, PlanStore, evaluation_key
 from autotune.core.record import ResultRecord
-from autotune.oracle import Prediction, extend_value, predict
+from autotune.oracle import Prediction, extend_value, predict, stop_tensor_bytes
 from autotune.timing.counting import StepCounter
 from autotune.timing.counts import StepCounts
 from autotune.timing.model import TimeBreakdown, predict_step_time
 from trials.errors import ConfigError
 
 
-def _key(evaluation: Evaluation) -> str:
+def record_key(evaluation: Evaluation) -> str:
+    """The in-process cache key of one evaluation."""
     hw = evaluation.hardware
     return json.dumps([evaluation.model_config, evaluation.techniques.to_dict(), evaluation.seq_len,
                        evaluation.gpus, hw.name, hw.device_memory_bytes, evaluation.nodes,
@@ -40,36 +43,87 @@ class PlanBackend(Backend):
 
     name = "plan"
 
-    def __init__(self, throughput: bool = True, cache_size: int = 4096, stop_above: float | None = None):
-        """``stop_above``: a fraction of device capacity (e.g. 1.0, or 1.05 for a prefilter's margin); a trace
-        crossing it stops there and the record is ``oom`` with the bytes at the crossing as a lower bound of
+    def __init__(self, throughput: bool = True, cache_size: int = 4096, stop_above: float | None = None,
+                 store: PlanStore | None = None):
+        """``stop_above``: a fraction of device capacity (e.g. 1.0, or 1.05 for a prefilter's margin) and of the
+        node's host memory per device; a trace crossing it stops there (a 4-layer copy as soon as its extension
+        to full depth is known to) and the record is ``oom`` with the bytes at the crossing as a lower bound of
         the peak -- much cheaper for the search, which only needs to know it does not fit. None (estimate,
-        --max-seq, the ablation): always the full trace, with the whole breakdown."""
+        --max-seq, the ablation): always the full trace, with the whole breakdown. ``store``: records kept on
+        disk (``plan_store``); ``last_prediction`` is then None after a record read back from it."""
         self.throughput = throughput
         self.stop_above = stop_above
         self.cache_size = cache_size
+        self.store = store
         self._cache: OrderedDict[str, ResultRecord] = OrderedDict()
         self._peak_at: dict[str, tuple | None] = {}
         self.last_prediction = None  # the oracle's full Prediction of the latest uncached evaluation
 
+    def options(self) -> dict:
+        """The constructor's arguments: another process builds the same backend from them (``PooledBackend``)."""
+        return {"throughput": self.throughput, "cache_size": self.cache_size, "stop_above": self.stop_above,
+                "store": self.store}
+
     def peak_at(self, evaluation: Evaluation):
         """Where the peak of an evaluated point is: (phase, position) of the oracle's segment, or None."""
-        return self._peak_at.get(_key(evaluation))
+        return self._peak_at.get(record_key(evaluation))
+
+    def stored(self, evaluation: Evaluation) -> ResultRecord | None:
+        """The record of ``evaluation`` if this backend has it without tracing (in memory or in its store)."""
+        cached = self._cache.get(record_key(evaluation))
+        if cached is None:
+            entry = self._from_store(evaluation)
+            cached = entry.record if entry is not None else None
+        return None if cached is None else ResultRecord.from_dict(cached.to_dict())
 
     def evaluate(self, evaluation: Evaluation) -> ResultRecord:
-        key = _key(evaluation)
+        key = record_key(evaluation)
         cached = self._cache.get(key)
         if cached is not None:
             self._cache.move_to_end(key)
             return ResultRecord.from_dict(cached.to_dict())
-        record = self._evaluate(evaluation)
+        stored = self._from_store(evaluation)
+        if stored is not None:
+            record, peak_at = stored.record, stored.peak_segment
+            self.last_prediction = None
+        else:
+            record = self._evaluate(evaluation)
+            peak_at = self.last_prediction.peak_segment if self.last_prediction is not None else None
+            self._to_store(evaluation, record)
         self._cache[key] = record
-        if self.last_prediction is not None and record.status in ("ok", "oom"):
-            self._peak_at[key] = self.last_prediction.peak_segment
+        if peak_at is not None and record.status in ("ok", "oom"):
+            self._peak_at[key] = peak_at
         while len(self._cache) > self.cache_size:
             old_key, _ = self._cache.popitem(last=False)
             self._peak_at.pop(old_key, None)
         return ResultRecord.from_dict(record.to_dict())
+
+    # -- the store: whole records answer any stop they stay below; stopped ones only their own stop ----------
+    def _limits(self, evaluation: Evaluation) -> dict | None:
+        """Where traces stop for ``evaluation`` (tensor bytes on the device, host bytes), or None."""
+        if self.stop_above is None:
+            return None
+        hw = evaluation.hardware
+        host = int(hw.host_memory_bytes_per_device * self.stop_above) if hw.host_memory_bytes_per_device else None
+        return {"device": stop_tensor_bytes(hw, int(hw.device_memory_bytes * self.stop_above)), "host": host}
+
+    def _store_key(self, evaluation: Evaluation) -> str:
+        return evaluation_key(evaluation, {"throughput": self.throughput})
+
+    def _from_store(self, evaluation: Evaluation) -> Entry | None:
+        if self.store is None:
+            return None
+        return self.store.get(self._store_key(evaluation), self._limits(evaluation))
+
+    def _to_store(self, evaluation: Evaluation, record: ResultRecord) -> None:
+        prediction = self.last_prediction
+        if self.store is None or prediction is None:  # an invalid config: no trace to keep
+            return
+        reached = {"device": prediction.reached_tensor_bytes,
+                   "host": max([prediction.host_bytes] + [t.peak_host_bytes for t in prediction.traces])}
+        self.store.put(self._store_key(evaluation),
+                       Entry(record, prediction.peak_segment, reached,
+                             self._limits(evaluation) if prediction.stopped else None))
 
     def _evaluate(self, evaluation: Evaluation) -> ResultRecord:
         hw = evaluation.hardware
@@ -83,7 +137,8 @@ class PlanBackend(Backend):
         modes = counter_modes(evaluation) if self.throughput else None
         try:
             stop = None if self.stop_above is None else int(hw.device_memory_bytes * self.stop_above)
-            prediction = predict(evaluation, modes=modes, stop_above_bytes=stop)
+            host_stop = (self._limits(evaluation) or {}).get("host")
+            prediction = predict(evaluation, modes=modes, stop_above_bytes=stop, stop_host_bytes=host_stop)
         except Exception as exc:  # a config the trial code cannot run is an error record, not a crash
             return ResultRecord(status="error", error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}",
                                 **base)
@@ -92,14 +147,19 @@ class PlanBackend(Backend):
         fits = prediction.peak_device_bytes <= capacity and not prediction.stopped
         where = '/'.join(str(p) for p in prediction.peak_segment or ())
         error = None
+        copy = prediction.traces[-1].layers
+        extended = (f"the {copy}-layer copy extended to {evaluation.model_config['num_hidden_layers']} layers"
+                    if prediction.extension else f"a {copy}-layer copy")
         if fits and not hw.host_fits(prediction.host_bytes):  # offloaded states need the node's RAM too
             fits = False
             error = (f"predicted host memory {prediction.host_bytes:,} bytes per rank > the node's "
                      f"{hw.host_memory_bytes_per_device:,} bytes per device (host out of memory)")
+        elif prediction.stopped and prediction.stop_reason == "host":
+            error = (f"predicted host out of memory: {extended} already holds {prediction.host_bytes:,} bytes per "
+                     f"rank on the host > {host_stop:,} bytes (trace stopped there; the full amount is higher)")
         elif prediction.stopped:
-            error = (f"predicted out of memory: a {prediction.traces[-1].layers}-layer copy already reaches "
-                     f"{prediction.peak_device_bytes:,} bytes > capacity {capacity:,} bytes at {where} "
-                     f"(trace stopped there; the full peak is higher)")
+            error = (f"predicted out of memory: {extended} already reaches {prediction.peak_device_bytes:,} bytes "
+                     f"> capacity {capacity:,} bytes at {where} (trace stopped there; the full peak is higher)")
         elif not fits:
             error = f"predicted peak {prediction.peak_device_bytes:,} bytes > capacity {capacity:,} bytes (at {where})"
         tensor_peak = int(prediction.tensor_peak_bytes)

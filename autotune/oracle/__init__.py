@@ -55,43 +55,60 @@ import torch
 
 from autotune.core.evaluation import Evaluation
 from autotune.core.record import BREAKDOWN_CATEGORIES
-from autotune.oracle.extrapolation import extend_value, extrapolate, plan_traces
+from autotune.oracle.extrapolation import extend_value, extension_limits, extrapolate, plan_traces
 from autotune.oracle.results import EXTRAPOLATE_FROM, Prediction, Segment, Trace
 from trials.segments import layer_runs
 from autotune.oracle.tracing import compute_dtype_for, trace
 
 __all__ = ["EXTRAPOLATE_FROM", "Prediction", "Segment", "Trace", "compute_dtype_for", "explain", "extend_value",
-           "layer_runs", "predict", "trace"]
+           "layer_runs", "predict", "stop_tensor_bytes", "trace"]
 
 
-def _trace_to_full_depth(evaluation: Evaluation, full_depth: bool = False,
-                         **kwargs) -> tuple[Trace, list[Trace], list[int]]:
+def stop_tensor_bytes(hardware, stop_above_bytes: int) -> int:
+    """The live tensor bytes above which a trace is stopped for a device limit of ``stop_above_bytes`` (overheads
+    included): any ``t`` above it has ``t + hardware.overhead_bytes(t) > stop_above_bytes``."""
+    return max(0, int((stop_above_bytes - hardware.runtime_overhead_bytes) / (1 + hardware.allocator_fragmentation)))
+
+
+def _trace_to_full_depth(evaluation: Evaluation, full_depth: bool = False, stop_above_bytes: int | None = None,
+                         stop_host_bytes: int | None = None, **kwargs) -> tuple[Trace, list[Trace], list[int]]:
     """Trace the model, or (deeper than ``EXTRAPOLATE_FROM``) its 3-layer copy and one 4-layer copy per run of
-    layers, extended exactly to full depth; a copy that stops (``stop_above_bytes``) ends it there. Returns
+    layers, extended exactly to full depth. ``stop_above_bytes`` (tensor bytes) / ``stop_host_bytes``: a copy
+    that crosses them stops (a shallower copy that does not fit means the model does not either); with one run
+    of layers, the 4-layer copy also stops as soon as its extension is known to cross them
+    (``extension_limits``), and the result is then the extension of what it reached, a lower bound. Returns
     (the full-depth trace, the traces run, layers added per extended run)."""
     layers = evaluation.model_config["num_hidden_layers"]
     args = (evaluation.model_config, evaluation.techniques, evaluation.seq_len, evaluation.world_size)
     runs = layer_runs(evaluation.techniques, layers)
     base, varied = plan_traces(runs)
+    stops = dict(stop_above_bytes=stop_above_bytes,
+                 host_limit=stop_host_bytes if stop_above_bytes is not None else None)
     if full_depth or not varied:
-        result = trace(*args, runs=runs, **kwargs)
+        result = trace(*args, runs=runs, **stops, **kwargs)
         return result, [result], []
-    traces = [trace(*args, runs=base, **kwargs)]
+    traces = [trace(*args, runs=base, **stops, **kwargs)]
     varied_traces = []
-    for index, longer in varied:
+    extension = [runs[index][1] - EXTRAPOLATE_FROM[0] for index, _ in varied]
+    for (index, longer), added in zip(varied, extension):
         if traces[-1].stopped:
             break
-        varied_traces.append((index, trace(*args, runs=longer, **kwargs)))
+        deeper = dict(stops)
+        if stop_above_bytes is not None and len(varied) == 1:
+            deeper["segment_limits"], deeper["host_limit"] = extension_limits(traces[0], added, stop_above_bytes,
+                                                                              stops["host_limit"])
+        varied_traces.append((index, trace(*args, runs=longer, **deeper, **kwargs)))
         traces.append(varied_traces[-1][1])
     if traces[-1].stopped:
+        if len(varied) == 1 and len(traces) == 2:
+            return extrapolate(traces[0], varied_traces, runs, partial=True), traces, extension
         return traces[-1], traces, []
-    extension = [runs[index][1] - EXTRAPOLATE_FROM[0] for index, _ in varied]
     return extrapolate(traces[0], varied_traces, runs), traces, extension
 
 
 def predict(evaluation: Evaluation, modes: Callable[[Any], Iterable] | None = None, full_depth: bool = False,
             compute_dtype: torch.dtype | None = None, gpu_kernels: bool | None = None,
-            stop_above_bytes: int | None = None) -> Prediction:
+            stop_above_bytes: int | None = None, stop_host_bytes: int | None = None) -> Prediction:
     """The oracle's prediction for ``evaluation``.
 
     ``compute_dtype`` / ``gpu_kernels`` default from the hardware preset (fp32 and CPU kernels on ``cpu``,
@@ -100,15 +117,17 @@ def predict(evaluation: Evaluation, modes: Callable[[Any], Iterable] | None = No
     ``stop_above_bytes`` (device bytes, overheads included): the search only needs to know that a config is
     out of memory, not by how much, so a trace stops as soon as it crosses this -- a shallow copy that does
     not fit means the full model, which holds at least as much, does not either. The prediction is then
-    ``stopped`` and its peak is a lower bound (the bytes at the crossing).
+    ``stopped`` and its peak is a lower bound (the bytes at the crossing, extended to full depth where the
+    4-layer copy was stopped). ``stop_host_bytes`` (with ``stop_above_bytes``): the same for host bytes per rank
+    (``stop_reason`` "host": ``host_bytes`` is then the lower bound).
     """
     started = time.perf_counter()
     hardware = evaluation.hardware
     kwargs = dict(compute_dtype=compute_dtype or compute_dtype_for(hardware),
                   gpu_kernels=not hardware.device_is_host if gpu_kernels is None else gpu_kernels, modes=modes)
     if stop_above_bytes is not None:  # tensor bytes t with t + overheads(t) above the limit
-        kwargs["stop_above_bytes"] = max(0, int((stop_above_bytes - hardware.runtime_overhead_bytes)
-                                                / (1 + hardware.allocator_fragmentation)))
+        kwargs["stop_above_bytes"] = stop_tensor_bytes(hardware, stop_above_bytes)
+        kwargs["stop_host_bytes"] = stop_host_bytes
     result, traces, extension = _trace_to_full_depth(evaluation, full_depth, **kwargs)
     extra = hardware.overhead_bytes(result.peak_device_bytes)
     breakdown = dict(result.breakdown)
@@ -116,7 +135,8 @@ def predict(evaluation: Evaluation, modes: Callable[[Any], Iterable] | None = No
     return Prediction(tensor_peak_bytes=result.peak_device_bytes, peak_device_bytes=result.peak_device_bytes + extra,
                       breakdown=breakdown, host_bytes=result.peak_host_bytes, overhead_bytes=extra,
                       peak_segment=result.peak_segment, traces=traces, elapsed_s=time.perf_counter() - started,
-                      extension=extension, stopped=result.stopped)
+                      extension=extension, stopped=result.stopped, stop_reason=result.stop_reason,
+                      reached_tensor_bytes=max([result.peak_device_bytes] + [t.peak_device_bytes for t in traces]))
 
 
 def explain(evaluation: Evaluation, top: int = 12) -> str:

@@ -27,15 +27,34 @@ def plan_traces(runs: list[tuple[str, int]]) -> tuple[list[tuple[str, int]], lis
     return base, varied
 
 
-def extrapolate(base: Trace, varied: list[tuple[int, Trace]], runs: list[tuple[str, int]]) -> Trace:
+def extension_limits(base: Trace, layers_added: int, device_limit: int,
+                     host_limit: int | None) -> tuple[dict[tuple, int], int | None]:
+    """Limits for the one deeper copy of a model with a single cut run, above which its extension cannot fit:
+    a segment whose running peak ``b`` in that copy passes ``a + (device_limit - a) // n`` (``a`` its peak in
+    ``base``, ``n`` = ``layers_added``) extends to ``a + (b - a) * n > device_limit``, and so does the host.
+    Peaks only grow as a trace runs, and the extension grows with them, so a copy stopped there proves an OOM
+    (``extrapolate(..., partial=True)`` gives its lower bound)."""
+    n = layers_added
+    segments = {key: seg.device_bytes + (device_limit - seg.device_bytes) // n for key, seg in base.segments.items()}
+    host = None if host_limit is None else base.peak_host_bytes + (host_limit - base.peak_host_bytes) // n
+    return segments, host
+
+
+def extrapolate(base: Trace, varied: list[tuple[int, Trace]], runs: list[tuple[str, int]],
+                partial: bool = False) -> Trace:
     """Extend the traces of ``plan_traces`` to the model of ``runs``: each segment's peak (and each category
-    in it, and the host bytes then) is ``base + sum over cut runs of (trace_run - base) * (length - 3)``."""
+    in it, and the host bytes then) is ``base + sum over cut runs of (trace_run - base) * (length - 3)``.
+
+    ``partial``: the one deeper copy was stopped (``extension_limits``); the segments it reached are extended
+    from their peaks so far and the result, ``stopped``, is a lower bound of the model's peak and host bytes."""
     short = EXTRAPOLATE_FROM[0]
     steps = [(trace, runs[index][1] - short) for index, trace in varied]
     segments: dict[tuple, Segment] = {}
     for key, a in base.segments.items():
         device, host = a.device_bytes, a.host_bytes
         breakdown = {c: a.breakdown.get(c, 0) for c in BREAKDOWN_CATEGORIES}
+        if partial and any(key not in trace.segments for trace, _ in steps):
+            continue
         for trace, n in steps:
             b = trace.segments.get(key)
             if b is None:
@@ -45,6 +64,8 @@ def extrapolate(base: Trace, varied: list[tuple[int, Trace]], runs: list[tuple[s
             for c in BREAKDOWN_CATEGORIES:
                 breakdown[c] += (b.breakdown.get(c, 0) - a.breakdown.get(c, 0)) * n
         segments[key] = Segment(int(device), {c: int(v) for c, v in breakdown.items()}, int(host))
+    if not segments:  # a deeper copy stopped before its first segment: the model holds at least the base's
+        segments = dict(base.segments)
     peak_key = max(segments, key=lambda k: segments[k].device_bytes)
     peak = segments[peak_key]
     host = base.peak_host_bytes + sum((t.peak_host_bytes - base.peak_host_bytes) * n for t, n in steps)
@@ -53,7 +74,8 @@ def extrapolate(base: Trace, varied: list[tuple[int, Trace]], runs: list[tuple[s
     return Trace(layers=sum(n for _, n in runs), peak_device_bytes=peak.device_bytes,
                  breakdown=full_breakdown(peak.breakdown), peak_host_bytes=int(host), peak_segment=peak_key,
                  segments=segments, elapsed_s=sum(t.elapsed_s for t in traces),
-                 extras=[e for t in traces for e in t.extras], runs=list(runs))
+                 extras=[e for t in traces for e in t.extras], runs=list(runs), stopped=partial,
+                 stop_reason=traces[-1].stop_reason if partial else None)
 
 
 def extend_value(base, others: list[tuple[Any, int]]):

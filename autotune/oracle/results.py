@@ -25,6 +25,7 @@ class Trace:
     extras: list = field(default_factory=list)  # what ``modes`` returned, per traced depth (see ``trace``)
     runs: list = field(default_factory=list)    # the traced decoder layers as runs (``layer_runs``)
     stopped: bool = False                # ``stop_above_bytes`` crossed: the step was cut short there
+    stop_reason: str | None = None       # what stopped it: "device" or "host" (``tracing.Limits``)
 
 
 @dataclass
@@ -41,6 +42,8 @@ class Prediction:
     elapsed_s: float
     extension: list[int] = field(default_factory=list)  # per extended run: layers beyond the base trace
     stopped: bool = False                # cut short at a crossing of ``stop_above_bytes``: peak is a lower bound
+    stop_reason: str | None = None       # "device" or "host" (the host limit: ``host_bytes`` is a lower bound)
+    reached_tensor_bytes: int = 0        # the most live tensor bytes any traced copy or the extension reached
 
 
 def full_breakdown(breakdown: dict) -> dict[str, int]:

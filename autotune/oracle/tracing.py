@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from trials import patches
 from trials.data import make_batch
 from trials.dist import Mesh, build_mesh, ensure_device_mesh
-from trials.memory import DeviceMemoryTracker
+from trials.memory import DeviceMemoryTracker, TrackerListener
 from trials.step import build_training, prime_optimizer as prime_optimizer_states, train_step
 from autotune.core.record import BREAKDOWN_CATEGORIES
 from autotune.oracle.fake_world import fake_flash_kernels, fake_process_group, oracle_mode
@@ -30,7 +30,8 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
           compute_dtype: torch.dtype = torch.float32, gpu_kernels: bool = False, layers: int | None = None,
           runs: list[tuple[str, int]] | None = None, modes: Callable[[Any], Iterable] | None = None,
           prime_optimizer: bool = True, steps: int = 1, seed: int = 0, explain: bool = False,
-          stop_above_bytes: int | None = None) -> Trace:
+          stop_above_bytes: int | None = None, segment_limits: dict[tuple, int] | None = None,
+          host_limit: int | None = None) -> Trace:
     """Run ``steps`` training steps of the trial under FakeTensorMode on rank 0 of a fake world and return
     the tracked peak.
 
@@ -44,6 +45,9 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
     storages then (with the op, shape and dtype that made each) -- slower; see ``explain``.
     ``stop_above_bytes``: stop the step at the first allocation that takes live tensor bytes above this (like
     a real trial's OOM); the returned trace is then ``stopped`` and its peak is where it stopped.
+    ``segment_limits`` ({segment: tensor bytes}) and ``host_limit`` (host bytes) stop it the same way, as soon
+    as the current segment's live bytes, or the host bytes, go above their limit (``Limits``); they need
+    ``stop_above_bytes``. The trace's ``stop_reason`` says which limit stopped it.
     """
 
 
@@ -63,6 +67,12 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
     tracker = DeviceMemoryTracker(stop_above_bytes)
     peaks = SegmentPeaks(explain)
     tracker.add_listener(peaks)
+    limits = None
+    if segment_limits or host_limit is not None:
+        if stop_above_bytes is None:
+            raise ValueError("segment_limits / host_limit stop a trace: they need stop_above_bytes")
+        limits = Limits(peaks, segment_limits or {}, host_limit)
+        tracker.add_listener(limits)
     extras: list = []
     stopped = False
     with fake_process_group(world_size, world_size > 1 or techniques.fsdp):
@@ -74,16 +84,19 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
             ensure_device_mesh(mesh)  # one rank with FSDP: a 1-rank (fake) group, as trials.stack.apply makes
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         with fake_mode, tracker, oracle_mode(gpu_kernels):
-            model, optimizer = build_training(config, techniques, mesh, seed, tracker, compute_dtype=compute_dtype,
-                                              fused_optimizer=gpu_kernels and not techniques.optimizer_offload)
-            install_segment_hooks(model, tracker, peaks, runs)
-            tokens = torch.zeros(seq_len + 1, dtype=torch.long)
-            batch = make_batch(tokens, mesh.sp_rank, mesh.sp_degree, device)
-            if prime_optimizer:
-                prime_optimizer_states(model, optimizer, tracker)
-                peaks.segment = ("setup", None)
-            extra_modes = list(modes(tracker)) if modes is not None else []
-            try:
+            model = optimizer = batch = tokens = None
+            extra_modes = []
+            try:  # a stop may come while the model is built (it is whole on the device before sharding)
+                model, optimizer = build_training(config, techniques, mesh, seed, tracker,
+                                                  compute_dtype=compute_dtype,
+                                                  fused_optimizer=gpu_kernels and not techniques.optimizer_offload)
+                install_segment_hooks(model, tracker, peaks, runs)
+                tokens = torch.zeros(seq_len + 1, dtype=torch.long)
+                batch = make_batch(tokens, mesh.sp_rank, mesh.sp_degree, device)
+                if prime_optimizer:
+                    prime_optimizer_states(model, optimizer, tracker)
+                    peaks.segment = ("setup", None)
+                extra_modes = list(modes(tracker)) if modes is not None else []
                 with contextlib.ExitStack() as stack:
                     # the step alone: flash stand-ins for its attention, FSDP's buffers labelled params
                     stack.enter_context(fake_flash_kernels(gpu_kernels and techniques.attention == "flash"))
@@ -98,7 +111,7 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
                     raise
                 stopped = True
             extras = extra_modes
-            del model, optimizer, batch, tokens
+            model = optimizer = batch = tokens = None
     # ("setup", None) is building the model and the batch: trial code builds the whole model on the device
     # before FSDP shards it, so that can be the peak (a real trial measures it too); it scales with depth
     # like any other segment
@@ -107,5 +120,27 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
     peak = segments[peak_key] if peak_key else Segment(0, dict.fromkeys(BREAKDOWN_CATEGORIES, 0))
     return Trace(layers=layers, peak_device_bytes=int(peak.device_bytes), breakdown=full_breakdown(peak.breakdown),
                  peak_host_bytes=int(tracker.peak_host_bytes), peak_segment=peak_key, segments=segments,
-                 elapsed_s=time.perf_counter() - started, extras=[extras], runs=list(runs), stopped=stopped)
+                 elapsed_s=time.perf_counter() - started, extras=[extras], runs=list(runs), stopped=stopped,
+                 stop_reason=((limits.reason if limits is not None else None) or "device") if stopped else None)
+
+
+class Limits(TrackerListener):
+    """Stops a trace (``torch.OutOfMemoryError``, like the tracker's own capacity) as soon as the live bytes of the
+    current segment go above that segment's limit, or the host bytes above ``host_limit``; ``reason`` says
+    which ("device" / "host"). Listeners run after ``SegmentPeaks`` has seen the change and before the
+    tracker's capacity check."""
+
+    def __init__(self, peaks: SegmentPeaks, segment_limits: dict[tuple, int], host_limit: int | None):
+        self.peaks, self.segment_limits, self.host_limit = peaks, segment_limits, host_limit
+        self.reason: str | None = None
+
+    def on_change(self, tracker: DeviceMemoryTracker) -> None:
+        if self.host_limit is not None and tracker.host_bytes > self.host_limit:
+            self.reason = "host"
+            raise torch.OutOfMemoryError(f"host bytes {tracker.host_bytes:,} > limit {self.host_limit:,}")
+        limit = self.segment_limits.get(self.peaks.segment)
+        if limit is not None and tracker.device_bytes > limit:
+            self.reason = "device"
+            raise torch.OutOfMemoryError(f"{tracker.device_bytes:,} bytes live in segment {self.peaks.segment} "
+                                         f"> limit {limit:,}")
 

@@ -28,6 +28,8 @@ class SearchJob:
     prefilter: Backend | None = None  # the plan backend in front of real trials
     follow_ups: bool = True  # climb front configs and step down in memory at their walls (see follow_ups)
     avoided: dict = field(default_factory=lambda: {"cache": 0, "monotone": 0, "oracle": 0})
+    workers: int | None = None  # plan backend: processes evaluating trials (None: one per core; see parallel.py)
+    stats: dict = field(default_factory=dict)  # plan backend with workers: what the pool did (PooledBackend.stats)
     nodes: int = 1  # nodes of ``gpus`` devices each
 
     @property

@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from trials.rules import length_unit
 from autotune.backends import Backend, make_backend
+from autotune.backends.plan_store import default_store
 from autotune.core.evaluation import Evaluation
 from autotune.core.record import ResultRecord
 
@@ -21,11 +22,12 @@ def find_max_seq(evaluation: Evaluation, backend: Backend | None = None, max_tok
     Peak memory grows with the sequence (nearly affinely: every activation is linear in it), so the search
     brackets the capacity crossing and then steps to where the line through the two nearest points meets
     the capacity (bisecting when that makes no progress); ~5-10 evaluations on a grid of
-    ``trials.rules.length_unit`` multiples. ``backend``: a plan backend (default: a new one; its cache is reused).
+    ``trials.rules.length_unit`` multiples. ``backend``: a plan backend (default: a new one, with the on-disk
+    ``plan_store``: records a search or an earlier run already has are read back, not traced).
     """
 
     if backend is None:
-        backend = make_backend("plan")
+        backend = make_backend("plan", store=default_store())
     unit = length_unit(evaluation.techniques)
     top = max(1, max_tokens // unit)
     capacity = evaluation.hardware.device_memory_bytes

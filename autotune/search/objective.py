@@ -11,6 +11,7 @@ from optuna.trial import TrialState
 from autotune.core.evaluation import Evaluation
 from autotune.core.record import ResultRecord
 from autotune.search.job import SearchJob
+from autotune.search.parallel import plan_workers
 from autotune.search.policy import enqueue_follow_ups, seed_params
 from autotune.search.sharing import claim_or_answer, requeue_surplus, wait_for_others
 from autotune.search.storage import set_constraints
@@ -91,7 +92,8 @@ def run(job: SearchJob, on_record: Callable | None = None, study: optuna.Study |
     done = len(study.get_trials(deepcopy=False, states=FINISHED))
     remaining = max(0, job.trials - done)
     if remaining:
-        study.optimize(make_objective(job, study, on_record), n_trials=remaining, timeout=job.timeout_s,
-                       catch=(SurplusTrial,))
+        with plan_workers(job, study):  # plan records from every core, the study unchanged (parallel.py)
+            study.optimize(make_objective(job, study, on_record), n_trials=remaining, timeout=job.timeout_s,
+                           catch=(SurplusTrial,))
     wait_for_others(study, job.trials)  # other workers' last trials: the outputs written next hold them too
     return study

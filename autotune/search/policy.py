@@ -3,9 +3,12 @@ follow-ups (see ``autotune.search``)."""
 
 from __future__ import annotations
 
+import math
+
 import optuna
 from optuna.trial import TrialState
 
+from trials.rules import length_unit
 from trials.techniques import Techniques, knobs
 from autotune.core.record import ResultRecord
 from autotune.search.job import SearchJob
@@ -82,31 +85,92 @@ def _known_points(study: optuna.Study) -> list[tuple[dict, int, ResultRecord]]:
     return known
 
 
+WALL_TOLERANCE = 0.01  # a config's wall is reached when its longest fitting length is within this of its shortest OOM
+
+
+def _on_front(known: list[tuple[dict, int, ResultRecord]], length: int, rate: float) -> bool:
+    feasible = [(s, r.tokens_per_s or 0.0) for _, s, r in known if r.status == "ok"]
+    return not any(s >= length and t >= rate and (s, t) != (length, rate) for s, t in feasible)
+
+
+def wall_step(job: SearchJob, known: list[tuple[dict, int, ResultRecord]], techniques: Techniques) -> int | None:
+    """The next length at which to look for ``techniques``' memory wall, or None.
+
+    A config whose longest fitting length ``lo`` is on the front and whose shortest OOM above it is ``hi`` has its
+    wall in between; the grid (2 points per doubling) leaves up to 30% of the length there. Lengths are
+    multiples of the config's ``length_unit`` (as ``autotune estimate --max-seq``'s). The step is where the line
+    through the two longest fitting points' device peaks (and host bytes) reaches capacity -- memory is nearly
+    affine in the length -- or, with one fitting point, the line through it and the origin; rounded down to the
+    unit and kept inside (lo, hi). When a step off the grid was out of memory and the line points at or past
+    it again (the peak bends upward), bisection. None when no multiple of the unit lies inside, or ``lo`` is
+    within ``WALL_TOLERANCE`` of ``hi``: the front then reaches the wall."""
+    wanted = techniques.to_dict()
+    mine = sorted((s, r) for t, s, r in known if t == wanted and r.status in ("ok", "oom"))
+    fits = [(s, r) for s, r in mine if r.status == "ok"]
+    if not fits:
+        return None
+    lo, lo_record = fits[-1]
+    above = [(s, r) for s, r in mine if r.status == "oom" and s > lo]
+    if not above or not _on_front(known, lo, lo_record.tokens_per_s or 0.0):
+        return None
+    hi = above[0][0]
+    if any(lo < s < hi and s % techniques.ulysses_degree == 0 for s in job.space.seq_lens):
+        return None  # the climb goes on along the grid first
+    unit = math.lcm(length_unit(techniques), techniques.ulysses_degree)
+    first, last = (lo // unit + 1) * unit, (hi - 1) // unit * unit  # the unit's multiples strictly inside
+    if first > last or lo >= hi * (1 - WALL_TOLERANCE):
+        return None
+    origin = (0, ResultRecord(status="ok", source="", seq_len=0, peak_device_bytes=0, host_bytes=0))
+    crossing = _crossing(fits[-2] if len(fits) >= 2 else origin, fits[-1], job.hardware)
+    overshot = not job.space.on_grid(hi)  # hi is an earlier step that did not fit
+    if crossing is None or (overshot and crossing >= last):
+        crossing = (lo + hi) // 2
+    return min(max(crossing // unit * unit, first), last)
+
+
+def _crossing(a: tuple[int, ResultRecord], b: tuple[int, ResultRecord], hardware) -> int | None:
+    """Where the line through two fitting points reaches the device capacity or the host memory, whichever first."""
+    (la, ra), (lb, rb) = a, b
+    limits = [(ra.peak_device_bytes, rb.peak_device_bytes, hardware.device_memory_bytes)]
+    if hardware.host_memory_bytes_per_device:
+        limits.append((ra.host_bytes, rb.host_bytes, hardware.host_memory_bytes_per_device))
+    found = []
+    for pa, pb, capacity in limits:
+        if pa is None or pb is None or pb <= pa or lb <= la:
+            continue
+        found.append(lb + (capacity - pb) * (lb - la) / (pb - pa))
+    return int(min(found)) if found else None
+
+
 def follow_ups(job: SearchJob, known: list[tuple[dict, int, ResultRecord]], techniques: Techniques,
                record: ResultRecord) -> list[tuple[Techniques, int]]:
     """Points worth evaluating next, given a new record (already in ``known``) -- the structure TPE cannot see:
 
     - climb: a config that fits at L and is on the current front (nothing known is both as long and as fast) is
       tried at the next longer length of the grid: each front config is followed up to its own memory wall;
-    - step down in memory: a config that is out of memory at L, having fit on the front at the previous
-      length, is tried at L with each one-knob change that should need less memory
+    - reach the wall: a front config that fits at L and is out of memory at the next length it was tried at
+      is tried in between (``wall_step``, a length off the grid), until its longest fitting length is its wall;
+    - step down in memory: a config that is out of memory at a grid length L, having fit on the front at the
+      previous one, is tried at L with each one-knob change that should need less memory
       (``SearchSpace.memory_steps``): the fastest way past that wall is usually one technique more.
 
     Points already known (or answered by monotone inference) are left out. Returns (techniques, seq_len)."""
     lens = [s for s in job.space.seq_lens]
     wanted = techniques.to_dict()
     seq_len = record.seq_len
-    feasible = [(s, r.tokens_per_s or 0.0) for _, s, r in known if r.status == "ok"]
 
     def on_front(length: int, rate: float) -> bool:
-        return not any(s >= length and t >= rate and (s, t) != (length, rate) for s, t in feasible)
+        return _on_front(known, length, rate)
 
     candidates: list[tuple[Techniques, int]] = []
+    wall = wall_step(job, known, techniques) if record.status in ("ok", "oom") else None
+    if wall is not None:
+        candidates.append((techniques, wall))
     if record.status == "ok" and on_front(seq_len, record.tokens_per_s or 0.0):
         longer = [s for s in lens if s > seq_len and s % techniques.ulysses_degree == 0]
         if longer:
             candidates.append((techniques, longer[0]))
-    elif record.status == "oom":
+    elif record.status == "oom" and seq_len in lens:
         shorter = [(s, r) for t, s, r in known if t == wanted and s < seq_len and r.status == "ok"]
         if shorter:
             last_len, last = max(shorter, key=lambda item: item[0])

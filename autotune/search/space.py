@@ -18,6 +18,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import optuna
 import yaml
 
 from trials.rules import head_chunk_problem, ulysses_degree_problem
@@ -26,6 +27,10 @@ from autotune.core.errors import UserError
 from autotune.core.sizes import parse_tokens
 
 SPACE_SCHEMA = "autotune/space-v1"
+# a trial between two grid lengths (``policy.wall_step``: reaching a config's memory wall) keeps ``seq_len`` at the
+# grid length below it, a choice TPE knows, and evaluates the length this parameter holds
+WALL_PARAM = "wall_seq_len"
+_WALL_RANGE = (1, 2**40)
 SPACES_DIR = Path(str(resources.files("autotune.search") / "spaces"))
 DEFAULT_SPACE = SPACES_DIR / "default.yaml"
 KNOBS = knob_names()
@@ -79,7 +84,13 @@ class SearchSpace:
             value = trial.suggest_categorical(param_name(knob, values), choices)
             values[knob.name] = num_layers if value == ALL_LAYERS else value
         seq_len = trial.suggest_categorical("seq_len", [s for s in self.seq_lens if s % values["ulysses_degree"] == 0])
+        if WALL_PARAM in _fixed_params(trial):  # queued between two grid lengths: that length
+            seq_len = trial.suggest_int(WALL_PARAM, *_WALL_RANGE)
         return Techniques(**values), seq_len
+
+    def point_of(self, params: dict, num_layers: int) -> tuple[Techniques, int]:
+        """The config and length ``sample`` gives under ``params`` (a queued trial's)."""
+        return self.sample(optuna.trial.FixedTrial(params), num_layers)
 
     def head_chunks(self, degree: int) -> list:
         return self.head_chunks_by_degree.get(degree, [None])
@@ -105,10 +116,19 @@ class SearchSpace:
             if value not in choices:
                 return None
             params[param_name(knob, values)] = value
-        if seq_len not in [s for s in self.seq_lens if s % techniques.ulysses_degree == 0]:
-            return None
-        params["seq_len"] = seq_len
+        lengths = [s for s in self.seq_lens if s % techniques.ulysses_degree == 0]
+        if seq_len in lengths:
+            params["seq_len"] = seq_len
+            return params
+        below = [s for s in lengths if s < seq_len]
+        if not below or seq_len > lengths[-1] or seq_len % techniques.ulysses_degree:
+            return None  # between two grid lengths only
+        params["seq_len"] = below[-1]
+        params[WALL_PARAM] = seq_len
         return params
+
+    def on_grid(self, seq_len: int) -> bool:
+        return seq_len in self.seq_lens
 
     def memory_steps(self, techniques: Techniques, num_layers: int) -> list[Techniques]:
         """The configs one knob away that should need less memory (each knob's ``less_memory``, in declaration
@@ -146,6 +166,14 @@ class SearchSpace:
             choices = self.knob_choices(knob, values)
             return knob.default if knob.default in choices else choices[0]
         return knob.default
+
+
+def _fixed_params(trial) -> dict:
+    """The params a queued trial was handed (Optuna keeps them as the system attribute ``fixed_params``; a
+    ``FixedTrial`` holds them all)."""
+    if isinstance(trial, optuna.trial.FixedTrial):
+        return trial._params
+    return getattr(trial, "_fixed_params", None) or {}
 
 
 def load_space(path: str | Path | None, model_config: dict, gpus: int, target: int,
