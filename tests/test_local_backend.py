@@ -57,6 +57,30 @@ def test_hang_becomes_timeout_and_leaves_no_process(tiny_llama, monkeypatch):
 
 
 @pytest.mark.slow
+def test_a_hung_two_rank_trial_leaves_no_rank_behind(tiny_llama, monkeypatch):
+    """torchrun starts each rank in a session of its own: killing torchrun's group alone would orphan them."""
+    import uuid
+
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv("AUTOTUNE_TEST_FAULT", "hang:1")
+    monkeypatch.setenv("AUTOTUNE_TEST_MARK", mark)
+
+    def marked():
+        found = []
+        for process in psutil.process_iter():
+            try:
+                if process.environ().get("AUTOTUNE_TEST_MARK") == mark:
+                    found.append(process.pid)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass
+        return found
+
+    record = LocalBackend(steps=1, timeout_s=90).evaluate(evaluation(tiny_llama, gpus=2))
+    assert record.status == "timeout", record.error
+    assert marked() == []
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("fault, status, expected", [
     ("crash:1", "error", "injected crash on rank 1"),
     ("signal:1", "error", "without a record from every rank"),

@@ -360,12 +360,41 @@ def _signal_reason(returncode) -> str:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """Kill the trial's whole process group (torchrun and every rank)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    """Kill the trial: its process group (torchrun, or the one rank) and every process below it. torchrun starts
+    each rank in a session of its own (torch.distributed.elastic's ``SubprocessHandler``), so killing torchrun's
+    group alone would leave the ranks running; their process trees are collected first, then all are killed."""
+    ranks = _descendants(proc.pid)
+    for pid in [proc.pid, *ranks]:
+        try:
+            os.killpg(pid, signal.SIGKILL)  # a rank leads its own group: its children (compile workers) too
+        except (ProcessLookupError, PermissionError):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
     proc.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, grandchildren, ...), from /proc; [] where there is no /proc."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return []
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
 
 
 def _tail(path: Path, lines: int = 20) -> str:
