@@ -671,8 +671,6 @@ def hardware():
                       f"{rates.hbm_bytes_per_s / 1e12:.2f}", f"{rates.intra_node_bytes_per_s / 1e9:.0f}",
                       f"{rates.host_bytes_per_s / 1e9:.0f}", _rates_origin(hw))
     OUT.rich(table)
-
-
     OUT.print(f"user presets: {user_preset_dir()} (autotune calibrate --name NAME writes one)")
 
 
@@ -738,6 +736,8 @@ def calibrate(
     if spread:
         OUT.print(f"  spread (max-min)/max between runs or samples: {json.dumps(spread)}")
     OUT.print(f"use it: --hardware {preset_name if name else written}")
+
+
 @contextlib.contextmanager
 def _library_noise_to_stderr():
     """Point fd 1 and sys.stdout at stderr while a command runs; ``OUT`` keeps the real stdout."""
