@@ -694,7 +694,8 @@ def _note_rates(hw) -> None:
 def calibrate(
     hardware: Optional[str] = typer.Option(None, help="base preset whose memory facts the new preset keeps "
                                                       "(default: the one matching this node's devices; cpu without CUDA)"),
-    gpus: Optional[int] = ranged_option("--gpus", None, "devices to measure the collectives over (default: all visible)"),
+    gpus: Optional[int] = ranged_option("--gpus", None, "devices to measure the collectives over (default: all "
+                                                        "visible; cpu: trial world sizes 1, 2, 4 up to this)"),
     name: Optional[str] = typer.Option(None, help="save as a user preset, usable as --hardware NAME everywhere"),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="write the preset YAML to this file instead"),
     model: str = typer.Option("llama3-8b", help="model whose GEMM shapes and head dim to measure (GPU presets)"),
@@ -716,7 +717,7 @@ def calibrate(
     if not base_hw.device_is_host and not visible:
         fail(f"--hardware {base} is a GPU preset, but this machine shows no CUDA device: calibrate it on the node "
              f"(here: --hardware cpu)")
-    world = gpus or (visible if visible else 2)
+    world = gpus or (visible if visible else 4)  # CPU: world sizes 1, 2 and 4 up to --gpus
     if visible and world > visible:
         fail(f"--gpus {world} but this node shows {visible} CUDA device(s)")
     model_config = load_model_config(model)

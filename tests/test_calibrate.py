@@ -126,11 +126,12 @@ def test_the_device_worker_measures_every_rate_on_cpu_tensors(tmp_path, tiny_lla
 def test_calibrate_writes_a_cpu_preset_that_search_and_estimate_accept(tmp_path, config_dir):
     env = _env(config_dir)
     result = subprocess.run([sys.executable, "-m", "autotune.cli", "calibrate", "--hardware", "cpu", "--name",
-                             "this-vm", "--repeats", "1"], capture_output=True, text=True, env=env, cwd=ROOT,
-                            timeout=1200)
+                             "this-vm", "--repeats", "1", "--gpus", "1"], capture_output=True, text=True, env=env,
+                            cwd=ROOT, timeout=850)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "use it: --hardware this-vm" in result.stdout and "calibrating" in result.stderr
     hw = load_hardware("this-vm")
     assert hw.calibrated["base"] == "cpu" and hw.calibration["machine"]["cpus"] >= 1
+    assert list(hw.calibration["worlds"]) == ["1"]  # --gpus 1: trials of one rank only
     assert hw.device_memory_bytes == load_hardware("cpu").device_memory_bytes  # the base's memory facts
     assert hw.rates_for(1).bf16_flops == hw.calibration["worlds"]["1"]["in_step"]["matmul_flops"]

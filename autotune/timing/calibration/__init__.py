@@ -61,13 +61,13 @@ def load_or_calibrate(force: bool = False, quiet: bool = True, repeats: int = 1)
     return data
 
 
-def calibrate(quiet: bool = True, repeats: int = 1) -> dict:
+def calibrate(quiet: bool = True, repeats: int = 1, max_world: int | None = None) -> dict:
     """Measure every world size (``repeats`` times, keeping the best of each number: other processes only ever
     make a measurement slower). Each timing already discards samples taken while other processes were busy
     (see ``_sample``); benchmarks that never got a quiet sample are listed under ``contended``."""
     result = {"machine": calibration_store.machine_key(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "worlds": {}}
     cpus = os.cpu_count() or 1
-    for world in world_sizes():
+    for world in [w for w in world_sizes() if max_world is None or w <= max_world]:
         threads = max(1, cpus // world)
         runs = []
         for index in range(repeats):

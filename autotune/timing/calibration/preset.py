@@ -72,7 +72,7 @@ def calibrate_preset(base_name: str, name: str, gpus: int, model_config: dict, m
     if base.device_is_host:
         from autotune.timing.calibration import calibrate
 
-        measured = calibrate(quiet=False, repeats=repeats)
+        measured = calibrate(quiet=False, repeats=repeats, max_world=gpus)  # trials of up to --gpus ranks
         machine = measured["machine"]
         device = f"{machine['cpu']} ({machine['cpus']} cores, torch {machine['torch']})"
         data["description"] = f"{device}, calibrated {when} (base: {base_name})"
