@@ -36,6 +36,8 @@ from autotune import search
 from autotune.timing import calibration as calibrate  # noqa: E402
 from autotune.backends import Evaluation  # noqa: E402
 from autotune.backends.plan import PlanBackend  # noqa: E402
+from autotune.backends.plan_store import PlanStore  # noqa: E402
+from autotune.search.space import WALL_PARAM  # noqa: E402
 from trials.techniques import Techniques  # noqa: E402
 from autotune.core.hardware import load_hardware
 from trials.model_config import load_model_config  # noqa: E402
@@ -114,9 +116,10 @@ def exhaustive(grid, model_config, hardware, workers: int, use_cache: bool = Tru
 
 
 def run_search(model_config, hardware, space, budget: int, follow_ups: bool) -> dict:
-    """The product's search (``autotune.search.run``, plan backend stopping traces at capacity as the CLI does)."""
+    """The product's search (``autotune.search.run``, plan backend stopping traces at capacity as the CLI does, on
+    a worker per core), with an empty plan store of its own: its time is the work, not what earlier runs kept."""
     with tempfile.TemporaryDirectory() as tmp:
-        backend = PlanBackend(stop_above=1.0)
+        backend = PlanBackend(stop_above=1.0, store=PlanStore(Path(tmp) / "plan"))
         job = search.SearchJob(model=MODEL, model_config=model_config, target=TARGET, gpus=GPUS, hardware=hardware,
                                space=space, backend=backend, out=Path(tmp), trials=budget, seed=0,
                                follow_ups=follow_ups)
@@ -127,7 +130,8 @@ def run_search(model_config, hardware, space, budget: int, follow_ups: bool) -> 
                 "front": sorted((int(t.values[0]), t.values[1]) for t in search.pareto_front(study)),
                 "avoided": dict(job.avoided), "trials": len(trials),
                 "stopped": sum(1 for t in trials if "trace stopped" in (t.user_attrs["record"].get("error") or "")),
-                "follow_ups": sum(1 for t in trials if "follow_up_of" in t.user_attrs)}
+                "follow_ups": sum(1 for t in trials if "follow_up_of" in t.user_attrs),
+                "walls": sum(1 for t in trials if WALL_PARAM in t.params), "workers": job.stats.get("workers", 1)}
 
 
 def main() -> int:
@@ -154,8 +158,9 @@ def main() -> int:
     for name, follow in (("TPE alone", False), ("search", True)):
         result = results[name] = run_search(model_config, hardware, space, budget, follow)
         avoided = result["avoided"]
-        print(f"{name + ':':11s}{budget} trials (10%) in {result['seconds']:.0f} s, {result['follow_ups']} of them "
-              f"follow-ups; {avoided['cache'] + avoided['monotone']} answered from the study (cache "
+        print(f"{name + ':':11s}{budget} trials (10%) in {result['seconds']:.0f} s on {result['workers']} worker(s), "
+              f"{result['follow_ups']} of them follow-ups ({result['walls']} wall steps); "
+              f"{avoided['cache'] + avoided['monotone']} answered from the study (cache "
               f"{avoided['cache']}, monotone {avoided['monotone']}), {avoided.get('follow_up_inferred', 0)} "
               f"follow-ups never queued (monotone), {result['stopped']} OOMs cut short at capacity; hypervolume ratio {hypervolume(result['front'], space.seq_lens[0]) / hv_grid:.3f}; front:")
         print("    " + ", ".join(f"{seq:,} @ {rate:,.0f}" for seq, rate in result["front"]))
