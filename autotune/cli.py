@@ -731,8 +731,7 @@ def calibrate(
     OUT.print(f"  matmul {rates.matmul_flops_per_s / 1e12:.4g} TFLOP/s, attention fwd/bwd efficiency "
               f"{rates.attention_eff(128, False):.3f}/{rates.attention_eff(128, True):.3f}, elementwise "
               f"{rates.hbm_bytes_per_s * rates.elementwise_efficiency / 1e9:.4g} GB/s, host link "
-              f"{rates.host_bytes_per_s / 1e9:.3g} GB/s, host AdamW {rates.host_optimizer_bytes_per_s / 1e9:.3g} GB/s",
-              highlight=False)
+              f"{rates.host_bytes_per_s / 1e9:.3g} GB/s, host AdamW {rates.host_optimizer_bytes_per_s / 1e9:.3g} GB/s")
     spread = data["calibrated"].get("spread")
     if spread:
         OUT.print(f"  spread (max-min)/max between runs or samples: {json.dumps(spread)}")

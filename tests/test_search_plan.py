@@ -106,7 +106,9 @@ def test_kill_9_then_resume_loses_nothing(tmp_path):
 def test_two_workers_share_one_study(tmp_path, kind):
     storage = f"sqlite:///{tmp_path / 'shared.db'}" if kind == "sqlite" else str(tmp_path / "shared.log")
     args = ["search", *TINY, "--trials", "12", "--storage", storage, "--study", "shared"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # Traced, not read back from the plan store that earlier tests filled: read back, twelve trials take less
+    # than a process's start-up, and the first worker would finish the study before the second joined it.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "AUTOTUNE_PLAN_CACHE": "off"}
     workers = [subprocess.Popen([sys.executable, "-m", "autotune.cli", *args, "--out", str(tmp_path / f"w{i}"),
                                  "--seed", str(i)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True) for i in range(2)]

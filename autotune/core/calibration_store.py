@@ -42,7 +42,7 @@ def machine_key() -> dict:
     except OSError:
         pass
     return {"version": VERSION, "host": socket.gethostname(), "cpu": model, "cpus": os.cpu_count() or 1,
-            "torch": torch.__version__}
+            "torch": str(torch.__version__)}
 
 
 def load_cached() -> dict | None:

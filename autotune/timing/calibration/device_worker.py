@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         device, dtype = torch.device("cpu"), torch.float32
     small = settings.get("small", False)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "world_size": world, "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__}
+              "world_size": world, "dtype": str(dtype).replace("torch.", ""), "torch": str(torch.__version__)}
     if rank == 0:
         tokens = 256 if small else bench.GEMM_TOKENS
         _say(rank, f"GEMMs at {settings['model_name']}'s shapes ({tokens} tokens)")
