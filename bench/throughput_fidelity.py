@@ -249,6 +249,8 @@ def describe(techniques: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 configs")
+    parser.add_argument("--only", type=int, nargs="+", metavar="INDEX",
+                        help="only these configs (0-based indices into CONFIGS), e.g. to re-measure an outlier")
     parser.add_argument("--steps", type=int, default=5, help="measured steps per launch (after 1 warm-up)")
     parser.add_argument("--attempts", type=int, default=4, help="launches per config when every step is contended")
     parser.add_argument("--passes", type=int, default=2, help="launches per config, in separate passes")
@@ -285,7 +287,7 @@ def main(argv=None) -> int:
              f"{'raw':>5s}  clean  predicted breakdown"]
     print("\n".join(lines), flush=True)
     rows = []
-    configs = QUICK if args.quick else CONFIGS
+    configs = [CONFIGS[i] for i in args.only] if args.only else QUICK if args.quick else CONFIGS
     # every config is launched once per pass, the passes minutes apart: this machine's speed drifts over time
     passes: list[list[dict]] = [[] for _ in configs]
     for _ in range(args.passes):
@@ -303,7 +305,7 @@ def main(argv=None) -> int:
             continue
         ratio = record.step_time_s / measured["step_time_s"]
         raw_ratio = record.step_time_s / measured["raw_step_time_s"]
-        rows.append((ratio, name, raw_ratio, index >= NEW_FROM))
+        rows.append((ratio, name, raw_ratio, CONFIGS.index(configs[index]) >= NEW_FROM))
         parts = (f"c {timing.compute_s:.3f} r {timing.recompute_s:.3f} comm {timing.exposed_comm_s:.3f} "
                  f"host {timing.exposed_host_s:.3f} opt {timing.optimizer_s:.3f}") if timing else ""
         line = (f"{name:52s} {measured['raw_step_time_s']:8.4f} {measured['slowdown']:5.2f} "
