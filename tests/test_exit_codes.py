@@ -160,9 +160,8 @@ def test_sigint_during_a_search_exits_130_and_the_resumed_search_loses_nothing(t
     assert len(pq.read_table(out / "trials.parquet")) == 10
 
 
-def test_an_interrupted_trial_is_queued_again_and_evaluated_on_resume(tmp_path):
-    """In process, the interrupt lands in a known trial: Ctrl-C inside the second seed's evaluation. The study marks
-    it failed and queues its point again; resuming evaluates it, and the budget is still the trials asked for."""
+def _analytic_search(tmp_path):
+    """A backend whose memory and speed come from the length alone (no trace), and a 6-trial search job on it."""
     from autotune import search
     from autotune.backends import Backend
     from autotune.core.hardware import load_hardware
@@ -194,6 +193,15 @@ def test_an_interrupted_trial_is_queued_again_and_evaluated_on_resume(tmp_path):
                                 space=load_space(SPACES_DIR / "reduced-tiny.yaml", config, 2, 8192, flash_ok=False),
                                 backend=backend, out=tmp_path, trials=6, seed=0, follow_ups=False)
 
+    return Analytic, job
+
+
+def test_an_interrupted_trial_is_queued_again_and_evaluated_on_resume(tmp_path):
+    """In process, the interrupt lands in a known trial: Ctrl-C inside the second seed's evaluation. The study marks
+    it failed and queues its point again; resuming evaluates it, and the budget is still the trials asked for."""
+    from autotune import search
+
+    Analytic, job = _analytic_search(tmp_path)
     with pytest.raises(KeyboardInterrupt):
         search.run(job(Analytic(interrupt_at=2)))
     study = search.open_study(job(Analytic()))
@@ -207,6 +215,26 @@ def test_an_interrupted_trial_is_queued_again_and_evaluated_on_resume(tmp_path):
     assert len(finished) == 6
     evaluated = {t.number: t for t in finished}
     assert retry.number in evaluated and _point(evaluated[retry.number]) == _point(cut_short)
+
+
+def test_a_trial_killed_before_it_was_marked_is_evaluated_in_the_same_resumed_run(tmp_path, monkeypatch):
+    """kill -9 right after Optuna created a trial, before the objective marked it as its worker's: the resumed
+    search cannot tell it from another worker's until it is an orphan (``sharing.ORPHAN_S``), and while RUNNING it
+    counted against the budget. Once the wait fails it and queues its point again, the same run evaluates it: the
+    study ends with the trials asked for, the orphan's point among them."""
+    from autotune import search
+    from autotune.search import sharing
+
+    Analytic, job = _analytic_search(tmp_path)
+    study = search.open_study(job(Analytic()))
+    orphan = study.ask()  # a seed, RUNNING, with no worker: what a search killed at that instant leaves
+    monkeypatch.setattr(sharing, "ORPHAN_S", 0.0)
+    search.run(job(Analytic()), study=study)
+    assert study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,))[0].number == orphan.number
+    finished = search.finished_trials(study)
+    assert len(finished) == 6
+    (retry,) = [t for t in finished if t.user_attrs.get("retry_of") == orphan.number]
+    assert retry.system_attrs["fixed_params"] == _point(study.trials[orphan.number])  # the seed it was handed
 
 
 # --- estimate -------------------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import optuna
@@ -89,11 +90,18 @@ def open_study(job: SearchJob, storage=None) -> optuna.Study:
 def run(job: SearchJob, on_record: Callable | None = None, study: optuna.Study | None = None) -> optuna.Study:
     """Run (or resume) the study until it holds ``job.trials`` finished trials or the timeout passes."""
     study = study or open_study(job)
-    done = len(study.get_trials(deepcopy=False, states=FINISHED))
-    remaining = max(0, job.trials - done)
-    if remaining:
-        with plan_workers(job, study):  # plan records from every core, the study unchanged (parallel.py)
-            study.optimize(make_objective(job, study, on_record), n_trials=remaining, timeout=job.timeout_s,
-                           catch=(SurplusTrial,))
-    wait_for_others(study, job.trials)  # other workers' last trials: the outputs written next hold them too
-    return study
+    deadline = None if job.timeout_s is None else time.monotonic() + job.timeout_s
+    while True:
+        remaining = max(0, job.trials - len(study.get_trials(deepcopy=False, states=FINISHED)))
+        timeout = None if deadline is None else deadline - time.monotonic()
+        if remaining and (timeout is None or timeout > 0):
+            with plan_workers(job, study):  # plan records from every core, the study unchanged (parallel.py)
+                study.optimize(make_objective(job, study, on_record), n_trials=remaining, timeout=timeout,
+                               catch=(SurplusTrial,))
+        wait_for_others(study, job.trials)  # other workers' last trials: the outputs written next hold them too
+        # a dead worker's trial the wait failed (one killed before it was marked as its worker's is only found
+        # then) was queued again, and while RUNNING it counted against the budget: evaluate the study's rest now
+        short = len(study.get_trials(deepcopy=False, states=FINISHED)) < job.trials
+        running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))  # the wait gave up on them
+        if not short or running or (deadline is not None and time.monotonic() >= deadline):
+            return study
