@@ -19,11 +19,23 @@ from rich.console import Console
 from rich.table import Table
 
 from trials.errors import ConfigError
-from autotune.cli_interrupts import interrupts_at_safe_points
+from autotune.cli_interrupts import interrupts_at_safe_points, interrupts_deferred
 from autotune.cli_options import ranged_option
 from autotune.core.errors import UserError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+class _CommandInterrupted(Exception):
+    """A KeyboardInterrupt a command did not handle, carried past Typer (which would exit 130 without a word)."""
+
+
+class _Commands(typer.core.TyperGroup):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as exc:
+            raise _CommandInterrupted from exc
+
+
+app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Find the memory/throughput configuration for multi-million-token training.")
 console = Console(stderr=True)
 
@@ -237,25 +249,28 @@ def search(
     console.print(f"autotune: {model} on {f'{nodes} nodes x ' if nodes > 1 else ''}{gpus}x {hw.name}, target "
                   f"{format_tokens(target_tokens)}, backend {backend_name}, out {out}")
     interrupted = False
-    with SearchProgress(job, console=console, enabled=not as_json) as progress:
-        try:
-            search_mod.run(job, on_record=progress.on_record, study=result_study)
-        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (main): the trial it cut short is queued again
-            interrupted = True
-        finally:
-            if group is not None:
-                group.finish()
-    summary = report.write_outputs(job, result_study)
-    summary["avoided"] = dict(job.avoided)
-    if as_json:
-        OUT.print(json.dumps({k: summary[k] for k in ("rows", "best", "message", "avoided")}))
-    else:
-        _print_front(summary["front"], target_tokens)
-        if summary["best"]:
-            best = summary["best"]
-            OUT.rich(f"best for {format_tokens(target_tokens)}: {format_tokens(best['seq_len'])} at "
-                              f"{(best['predicted'] or best['measured'])['tokens_per_s']:,.0f} tokens/s -> {out / 'best.json'}")
-    if interrupted:
+    with interrupts_deferred() as deferral:  # once the search stops, its outputs are written whatever comes
+        with SearchProgress(job, console=console, enabled=not as_json) as progress:
+            try:
+                with deferral.lifted():
+                    search_mod.run(job, on_record=progress.on_record, study=result_study)
+            except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (main): the trial it cut short is queued again
+                interrupted = True
+            finally:
+                if group is not None:
+                    group.finish()
+        summary = report.write_outputs(job, result_study)
+        summary["avoided"] = dict(job.avoided)
+        if as_json:
+            OUT.print(json.dumps({k: summary[k] for k in ("rows", "best", "message", "avoided")}))
+        else:
+            _print_front(summary["front"], target_tokens)
+            if summary["best"]:
+                best = summary["best"]
+                OUT.rich(f"best for {format_tokens(target_tokens)}: {format_tokens(best['seq_len'])} at "
+                         f"{(best['predicted'] or best['measured'])['tokens_per_s']:,.0f} tokens/s -> "
+                         f"{out / 'best.json'}")
+    if interrupted or deferral.arrived:
         console.print("interrupted: finished trials are saved; run the same command to resume")
         raise typer.Exit(130)
     if summary["message"]:  # no config reached the target: no best.json
@@ -520,7 +535,10 @@ def _verify(directory, top, depth, force, memory_gib, trial_timeout, storage, st
     def on_outcome(outcome, index, total):
         console.print(verify_mod.progress_line(outcome, index, total), markup=False, highlight=False, soft_wrap=True)
 
-    result = verify_mod.verify(folder, chosen, backend, hw, depth=depth, force=force, on_outcome=on_outcome)
+    with interrupts_deferred() as deferral:  # once measuring stops, the outputs are written whatever comes
+        result = verify_mod.verify(folder, chosen, backend, hw, depth=depth, force=force, on_outcome=on_outcome,
+                                   interruptible=deferral.lifted)
+    result.interrupted = result.interrupted or deferral.arrived
     if as_json:
         OUT.print(json.dumps(verify_mod.to_json(folder, result, depth, hw)))
     else:
@@ -781,8 +799,8 @@ def main(argv: list[str] | None = None) -> int:
     except click_exceptions.NoArgsIsHelpError as exc:
         print(exc.format_message(), file=sys.stderr)
         return 2
-    except (typer.Abort, KeyboardInterrupt):  # interrupted outside the command itself
-        print("autotune: aborted", file=sys.stderr)
+    except (typer.Abort, KeyboardInterrupt, _CommandInterrupted):  # a command that saves nothing on Ctrl-C
+        print("autotune: interrupted", file=sys.stderr)
         return 130
     except click_exceptions.ClickException as exc:  # the parser's own usage errors, options out of range
         print(f"autotune: error: {exc.format_message()}", file=sys.stderr)

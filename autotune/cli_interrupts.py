@@ -23,6 +23,7 @@ HOLD_AT_MOST_S = 10.0
 
 _held_since: float | None = None
 _retry: threading.Timer | None = None
+_deferral: "Deferral | None" = None  # set while work that must finish runs (``interrupts_deferred``)
 
 
 def in_unsafe_code(frame) -> bool:
@@ -36,6 +37,9 @@ def in_unsafe_code(frame) -> bool:
 
 def _interrupt(signum, frame) -> None:
     global _held_since, _retry
+    if _deferral is not None and _deferral.deferring:
+        _deferral.arrived = True
+        return
     now = time.monotonic()
     if in_unsafe_code(frame) and (_held_since is None or now - _held_since < HOLD_AT_MOST_S):
         _held_since = _held_since or now
@@ -60,3 +64,32 @@ def interrupts_at_safe_points():
             _retry.cancel()
         for signum, handler in before.items():
             signal.signal(signum, handler)
+
+
+class Deferral:
+    """What ``interrupts_deferred`` yields: ``arrived`` once an interrupt came while deferred; ``lifted()`` a block
+    inside where interrupts raise again (the search itself)."""
+
+    def __init__(self):
+        self.deferring, self.arrived = True, False
+
+    @contextlib.contextmanager
+    def lifted(self):
+        self.deferring = False
+        try:
+            yield
+        finally:  # an interrupt before this line raises out of the block, one after it is deferred: no gap
+            self.deferring = True
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """For the block: an interrupt is remembered (``Deferral.arrived``), not raised, so that what must finish
+    does -- the outputs of a search whose last trial ended as Ctrl-C came (Typer turns a KeyboardInterrupt it
+    sees into a silent exit 130, the outputs unwritten). Only under ``interrupts_at_safe_points``."""
+    global _deferral
+    before, _deferral = _deferral, Deferral()
+    try:
+        yield _deferral
+    finally:
+        _deferral = before

@@ -62,7 +62,7 @@ def train(command: list[str], stdout) -> int:
         returncode = process.wait()
     except KeyboardInterrupt:
         _stop(process)
-        print("autotune: interrupted: training stopped", file=sys.stderr, flush=True)
+        print("autotune: training stopped", file=sys.stderr, flush=True)  # main says "interrupted" after it
         raise
     if returncode == 0:
         return 0

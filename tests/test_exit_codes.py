@@ -471,3 +471,40 @@ def test_an_interrupt_inside_storage_code_waits_until_that_code_returns():
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(2)
     assert steps == ["storage call finished", "back in our code"]
+
+
+def test_an_interrupt_while_the_outputs_are_written_is_deferred_until_they_are(tmp_path, monkeypatch, capsys):
+    """Ctrl-C that lands as the search's last trial ends (a held retry, a slow host) used to reach Typer, which
+    exits 130 silently: no message and the outputs unwritten. It waits until they are written, then exits 130."""
+    from autotune import cli
+    from autotune.outputs import report
+
+    write_outputs = report.write_outputs
+
+    def interrupted_while_writing(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)  # an interrupt raised at once would land here
+        return write_outputs(*args, **kwargs)
+
+    monkeypatch.setattr(report, "write_outputs", interrupted_while_writing)
+    out = tmp_path / "out"
+    code = cli.main(["search", *PLAN, "--target", "1K", "--memory-gib", "0.5", "--trials", "3", "--out", str(out)])
+    stderr = capsys.readouterr().err
+    assert code == 130, stderr[-2000:]
+    assert "interrupted" in stderr.splitlines()[-1], stderr[-2000:]
+    assert (out / "trials.parquet").is_file() and (out / "pareto.json").is_file()
+    assert len(pq.read_table(out / "trials.parquet")) == 3
+
+
+def test_a_command_that_saves_nothing_says_it_was_interrupted(monkeypatch, capsys):
+    """Typer turns a KeyboardInterrupt a command does not handle into exit 130 without a word; ours says so."""
+    import trials.model_config
+    from autotune import cli
+
+    def interrupted(name):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trials.model_config, "load_model_config", interrupted)
+    code = cli.main(["estimate", "--model", "tiny-llama", "--seq", "1K", "--config", "baseline"])
+    assert code == 130
+    assert capsys.readouterr().err.splitlines()[-1] == "autotune: interrupted"

@@ -22,11 +22,12 @@ attribute, which ``report.write_outputs`` stores; a folder written before it exi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ContextManager
 
 import optuna
 
@@ -250,45 +251,53 @@ def measure(folder: Folder, point: Point, backend: Backend, hardware: Hardware, 
 
 
 def verify(folder: Folder, chosen: list[Point], backend: Backend, hardware: Hardware, depth: str = "full",
-           force: bool = False, on_outcome: Callable[[Outcome, int, int | None], None] | None = None) -> Verification:
+           force: bool = False, on_outcome: Callable[[Outcome, int, int | None], None] | None = None,
+           interruptible: Callable[[], ContextManager] = contextlib.nullcontext) -> Verification:
     """Measure ``chosen`` (``select``) on this node, then the best config until it is measured; rewrite the
     folder's outputs. ``on_outcome(outcome, index, total)`` as each config is done (``total`` None for the best
     config followed after the chosen ones). Ctrl-C / SIGTERM (as KeyboardInterrupt) stops after saving what was
-    measured."""
+    measured; ``interruptible()`` wraps the measuring alone (the CLI defers an interrupt while the outputs are
+    written)."""
     result = Verification()
-    queue = [(p, "front") for p in chosen]
-    seen: set[str] = set()
     try:
-        while True:
-            while queue:
-                wanted, why = queue.pop(0)
-                point = _current(folder, _key(wanted))
-                if _key(point) in seen:
-                    continue
-                seen.add(_key(point))
-                ran = force or not measured_at(point, depth)
-                if ran:
-                    measure(folder, point, backend, hardware, depth)
-                    point = _current(folder, _key(point))
-                outcome = _outcome(point, ran, why)
-                result.outcomes.append(outcome)
-                if on_outcome is not None:
-                    on_outcome(outcome, len(result.outcomes), len(chosen) if why == "front" else None)
-            best = best_point(folder.study, folder.job.target)  # a measured OOM may have moved the best
-            if best is None or _key(best) in seen:
-                break
-            if result.failed:  # a failing node would fail every config: stop at the first failure
-                result.notes.append(f"the best config now (trial {best.number}) was not verified: a trial failed")
-                break
-            if _flash_problem(best):
-                result.notes.append(f"the best config now (trial {best.number}) was not verified: attention 'flash' "
-                                    f"cannot run here ({_flash_problem(best)})")
-                break
-            queue.append((best, "best"))
+        with interruptible():
+            _measure_chosen(folder, chosen, backend, hardware, depth, force, on_outcome, result)
     except KeyboardInterrupt:
         result.interrupted = True
     result.summary = report.write_outputs(folder.job, folder.study)
     return result
+
+
+def _measure_chosen(folder, chosen, backend, hardware, depth, force, on_outcome, result) -> None:
+    """The chosen configs, then the best until it is measured (``verify``); outcomes into ``result``."""
+    queue = [(p, "front") for p in chosen]
+    seen: set[str] = set()
+    while True:
+        while queue:
+            wanted, why = queue.pop(0)
+            point = _current(folder, _key(wanted))
+            if _key(point) in seen:
+                continue
+            seen.add(_key(point))
+            ran = force or not measured_at(point, depth)
+            if ran:
+                measure(folder, point, backend, hardware, depth)
+                point = _current(folder, _key(point))
+            outcome = _outcome(point, ran, why)
+            result.outcomes.append(outcome)
+            if on_outcome is not None:
+                on_outcome(outcome, len(result.outcomes), len(chosen) if why == "front" else None)
+        best = best_point(folder.study, folder.job.target)  # a measured OOM may have moved the best
+        if best is None or _key(best) in seen:
+            break
+        if result.failed:  # a failing node would fail every config: stop at the first failure
+            result.notes.append(f"the best config now (trial {best.number}) was not verified: a trial failed")
+            break
+        if _flash_problem(best):
+            result.notes.append(f"the best config now (trial {best.number}) was not verified: attention 'flash' "
+                                f"cannot run here ({_flash_problem(best)})")
+            break
+        queue.append((best, "best"))
 
 
 def _gib(value) -> str:
