@@ -123,7 +123,9 @@ CASES += [
     ("--data with negative ids", ["run", "--config", "{d}/run-config.json", "--data", "{d}/negative-ids.parquet"],
      f"token ids must lie in [0, {TINY_VOCAB})"),
     ("--data with string tokens", ["run", "--config", "{d}/run-config.json", "--data", "{d}/string-tokens.parquet"],
-     "does not hold integer token ids"),
+     "holds string values, not integer token ids"),
+    ("--data with float tokens", ["run", "--config", "{d}/run-config.json", "--data", "{d}/float-tokens.parquet"],
+     "holds double values, not integer token ids"),
     ("--data shorter than one sequence", ["run", "--config", "{d}/run-config.json", "--data", "{d}/short.parquet"],
      f"fewer than one sequence of {RUN_SEQ}"),
 ]
@@ -142,6 +144,7 @@ def _make_run_files(root: Path) -> None:
     pq.write_table(pa.table({"tokens": [TINY_VOCAB + 5] * (2 * RUN_SEQ)}), root / "big-ids.parquet")
     pq.write_table(pa.table({"tokens": [-1] * (2 * RUN_SEQ)}), root / "negative-ids.parquet")
     pq.write_table(pa.table({"tokens": ["17"] * (2 * RUN_SEQ)}), root / "string-tokens.parquet")
+    pq.write_table(pa.table({"tokens": [17.5] * (2 * RUN_SEQ)}), root / "float-tokens.parquet")
     pq.write_table(pa.table({"input_ids": [[1, 2, 3]] * 100}), root / "short.parquet")  # 300 tokens < 513
 
 

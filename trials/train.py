@@ -62,6 +62,8 @@ def read_token_file(path: str, vocab_size: int) -> torch.Tensor:
         column = table.column("tokens")
     else:
         raise ValueError(f"{path}: needs a column 'input_ids' (lists of token ids) or 'tokens' (token ids)")
+    if not pa.types.is_integer(column.type):  # floats would be truncated to ids, strings cannot be ids
+        raise ValueError(f"{path}: the token column holds {column.type} values, not integer token ids")
     stream = torch.tensor(column.to_numpy(zero_copy_only=False), dtype=torch.long)
     if stream.numel() < 2:
         raise ValueError(f"{path}: holds fewer than 2 tokens")
