@@ -295,8 +295,11 @@ def main(argv=None) -> int:
     configs = [CONFIGS[i] for i in args.only] if args.only else QUICK if args.quick else CONFIGS
     # every config is launched once per pass, the passes minutes apart: this machine's speed drifts over time
     passes: list[list[dict]] = [[] for _ in configs]
-    for _ in range(args.passes):
+    for pass_index in range(args.passes):
         for index, (model, seq_len, ranks, techniques) in enumerate(configs):
+            # progress on stderr: the table comes after the last pass, ~35 minutes in on the full set
+            print(f"pass {pass_index + 1}/{args.passes}, config {index + 1}/{len(configs)}: "
+                  f"{model} {seq_len // 1024}K x{ranks} {describe(techniques)}", file=sys.stderr, flush=True)
             passes[index].append(measure(model, seq_len, ranks, techniques, args.steps, args.attempts))
     for index, (model, seq_len, ranks, techniques) in enumerate(configs):
         name = f"{model} {seq_len // 1024}K x{ranks} {describe(techniques)}"
