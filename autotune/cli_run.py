@@ -1,7 +1,8 @@
 """``autotune run``: what it checks before it launches training, and how it reports the way training ended.
 
 Bad input it can find before launching is a ``UserError`` (exit 2, one line): a ``--data`` file that cannot be read
-as Parquet/Arrow, has no token column of integers, holds ids outside the model's vocabulary, or fewer tokens than one sequence.
+as Parquet/Arrow, has no token column of integers, holds ids outside the model's vocabulary, or fewer tokens than
+one sequence.
 The data file is read with ``trials.train.read_token_file``, exactly as the training reads it. Training that fails
 exits 1 with its root cause (the first exception a rank raised) on the last line of stderr."""
 
@@ -38,8 +39,8 @@ def check_token_file(path: Path, vocab_size: int, seq_len: int) -> int:
     except (pa.ArrowException, OSError) as exc:  # before ValueError: pyarrow's ArrowInvalid is a ValueError too
         raise UserError(f"--data {str(path)!r} cannot be read as a Parquet or Arrow file: "
                         f"{_first_line(exc)}") from None
-    except ValueError as exc:  # read_token_file's own: no token column, not integers, ids outside the vocabulary,
-        raise UserError(f"--data {_first_line(exc)}") from None  # < 2 tokens
+    except ValueError as exc:  # read_token_file's own: no integer token column, ids outside the vocabulary, < 2
+        raise UserError(f"--data {_first_line(exc)}") from None
     if stream.numel() < seq_len + 1:
         raise UserError(f"--data {str(path)!r} holds {stream.numel():,} tokens, fewer than one sequence of "
                         f"{seq_len:,} (+1 for the shifted labels)")

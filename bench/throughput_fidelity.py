@@ -1,9 +1,9 @@
 """How well does the throughput model predict real CPU trials? Predicted / measured step time per config.
 
-For each config (tiny models, 1-2 ranks, 1K-8K tokens, technique stacks):
+For each config (tiny models, 1-4 ranks, 1K-16K tokens, technique stacks):
 - predicted: the ``plan`` backend (``autotune.backends.plan.PlanBackend``: the memory oracle's fake trace of the
-  trial code with ``autotune.timing.counting.StepCounter`` inside, then ``predict_step_time``) on the ``cpu`` preset,
-  whose rates ``autotune.timing.calibration`` measured on this machine (cached);
+  trial code with ``autotune.timing.counting.StepCounter`` inside, then ``predict_step_time``) on the preset that
+  a fresh ``autotune calibrate --hardware cpu`` wrote first (``--preset FILE`` reuses one);
 - measured: the real trial, ``trials.runner.run_trial`` -- what ``autotune.backends.local.LocalBackend`` launches
   -- under ``torchrun --nproc-per-node N`` (or one plain process), gloo, fp32, with the local backend's thread
   count per rank (``cpus // N``). Every training step is timed, and the machine's CPU use by *other* processes is
@@ -240,6 +240,10 @@ def predict(model: str, seq_len: int, ranks: int, techniques: dict, hardware):
     return record, timing
 
 
+def label(model: str, seq_len: int, ranks: int, techniques: dict) -> str:
+    return f"{model} {seq_len // 1024}K x{ranks} {describe(techniques)}"
+
+
 def describe(techniques: dict) -> str:
     short = {"activation_checkpointing": "ckpt", "ulysses_degree": "sp", "optimizer_offload": "optoff",
              "activation_offload_layers": "actoff", "mlp_tile_tokens": "mlptile", "loss_tile_tokens": "losstile",
@@ -299,10 +303,10 @@ def main(argv=None) -> int:
         for index, (model, seq_len, ranks, techniques) in enumerate(configs):
             # progress on stderr: the table comes after the last pass, ~35 minutes in on the full set
             print(f"pass {pass_index + 1}/{args.passes}, config {index + 1}/{len(configs)}: "
-                  f"{model} {seq_len // 1024}K x{ranks} {describe(techniques)}", file=sys.stderr, flush=True)
+                  f"{label(model, seq_len, ranks, techniques)}", file=sys.stderr, flush=True)
             passes[index].append(measure(model, seq_len, ranks, techniques, args.steps, args.attempts))
     for index, (model, seq_len, ranks, techniques) in enumerate(configs):
-        name = f"{model} {seq_len // 1024}K x{ranks} {describe(techniques)}"
+        name = label(model, seq_len, ranks, techniques)
         record, timing = predict(model, seq_len, ranks, techniques, hardware)
         world = max(int(k) for k in cal["worlds"] if int(k) <= ranks)
         measured = _combine(passes[index], cal["worlds"][str(world)].get("probe_s"))
