@@ -240,6 +240,17 @@ def predict(model: str, seq_len: int, ranks: int, techniques: dict, hardware):
     return record, timing
 
 
+def _self_check(calibration: dict) -> str:
+    """The calibration's own check: its 1-rank in-step training step predicted from the rates it measured, over
+    that step's measured wall time (on several ranks ``rank_imbalance`` is fitted to that residual, so only 1 rank
+    says anything)."""
+    in_step = calibration["worlds"]["1"].get("in_step", {})
+    if not in_step.get("wall_s") or not in_step.get("predicted_s"):
+        return "# calibration self-check: not recorded (an older calibration)"
+    return (f"# calibration self-check: its 1-rank in-step step predicted {in_step['predicted_s']:.4f} s, measured "
+            f"{in_step['wall_s']:.4f} s (ratio {in_step['predicted_s'] / in_step['wall_s']:.2f})")
+
+
 def label(model: str, seq_len: int, ranks: int, techniques: dict) -> str:
     return f"{model} {seq_len // 1024}K x{ranks} {describe(techniques)}"
 
@@ -292,6 +303,7 @@ def main(argv=None) -> int:
              "# measured: trials.runner.run_trial under torchrun, gloo, fp32; median uncontended step over the passes;",
              "#   spread: (max - min) / max of the passes' medians; slow: the speed probe now / at the calibration",
              "#   (information, not divided out); ratio = predicted / measured",
+             _self_check(cal),
              f"{'config':60s} {'measured_s':>10s} {'spread':>6s} {'slow':>5s} {'predicted_s':>11s} {'ratio':>6s}  "
              f"clean  predicted breakdown"]
     print("\n".join(lines), flush=True)

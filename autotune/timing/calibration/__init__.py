@@ -13,9 +13,10 @@ microbenchmarks at the same time, with the same thread count a trial rank gets, 
 - ``host_bytes_per_s``: memcpy bandwidth (``clone`` of 64 MiB) -- the CPU path's "host" copies are memcpys;
 - ``host_optimizer_bytes_per_s``: ``torch.optim.AdamW(foreach=False)`` output bytes per second (as counted by
   ``StepCounter``) with the per-op overhead taken out;
-- ``op_overhead_s`` / ``view_overhead_s``: host seconds per dispatched op of an eager training step (Python
-  module code, autograd, the optimizer's loop, and the trials' memory tracker -- a Python dispatch mode every
-  CPU trial runs under): one step of a small Llama that is none of the presets, at 16 tokens;
+- ``op_overhead_s`` / ``view_overhead_s``: host seconds per dispatched op of an eager training step outside its
+  kernels (Python module code, autograd, the optimizer's loop, and the trials' memory tracker -- a Python
+  dispatch mode every CPU trial runs under): one step of a small Llama that is none of the presets, at 16
+  tokens, less its timed kernels (their fixed per-call cost is already in the in-step rates);
 - ``intra_node_bytes_per_s`` (all-to-all), ``all_gather_efficiency`` / ``reduce_scatter_efficiency`` /
   ``all_reduce_efficiency`` (relative to it), ``collective_latency_s`` (w > 1): gloo collectives over loopback
   at several sizes, as ``latency + wire_bytes / bandwidth``.

@@ -32,7 +32,8 @@ CPU_HOW = {
     "hbm_bytes_per_s": "output bytes/s of the elementwise ops inside one training step",
     "host_bytes_per_s": "memcpy of 1-16 MiB tensors into fresh buffers",
     "host_optimizer_bytes_per_s": "torch AdamW(foreach=False) inside one training step",
-    "op_overhead_s": "host seconds per dispatched op of a 16-token training step under the memory tracker",
+    "op_overhead_s": ("host seconds per dispatched op of a 16-token training step under the memory tracker, "
+                      "outside its kernels (wall time minus the timed kernels and the collectives)"),
     "gloo": "all-to-all/all-gather/reduce-scatter/all-reduce over 2 ranks, latency + bytes/bandwidth",
 }
 DEVICE_HOW = {
