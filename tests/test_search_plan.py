@@ -105,6 +105,21 @@ def test_kill_9_then_resume_loses_nothing(tmp_path):
     assert children.stdout.strip() == "", "a process of the killed search survived"
 
 
+def test_workers_opening_a_new_sqlite_study_together_all_open_it(tmp_path):
+    # four processes open one new SQLite database at the same instant (after their imports): the ones that lose the
+    # race to create its schema retry (autotune.search.storage._SCHEMA_RACE) instead of failing
+    url = f"sqlite:///{tmp_path / 'new.db'}"
+    start_at = time.time() + 8.0
+    code = ("import sys, time; from pathlib import Path; from autotune.search.storage import open_storage; "
+            "time.sleep(max(0.0, float(sys.argv[2]) - time.time())); open_storage(sys.argv[1], Path('.'))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    workers = [subprocess.Popen([sys.executable, "-c", code, url, str(start_at)], cwd=tmp_path, env=env,
+                                stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    errors = [worker.communicate(timeout=120)[1] for worker in workers]
+    assert [worker.returncode for worker in workers] == [0] * 4, "\n".join(errors)[-3000:]
+    assert optuna.storages.RDBStorage(url).get_all_studies() == []
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sqlite", "journal"])
 def test_two_workers_share_one_study(tmp_path, kind):
@@ -113,6 +128,10 @@ def test_two_workers_share_one_study(tmp_path, kind):
     # Traced, not read back from the plan store that earlier tests filled: read back, twelve trials take less
     # than a process's start-up, and the first worker would finish the study before the second joined it.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "AUTOTUNE_PLAN_CACHE": "off"}
+    if kind == "sqlite":
+        # the schema made beforehand: a worker that loses the race to create it backs off for up to 5 s, long
+        # enough for the other to finish all twelve trials alone (test_workers_opening_a_new_sqlite_study_together_all_open_it covers that race)
+        optuna.storages.RDBStorage(storage)
     workers = [subprocess.Popen([sys.executable, "-m", "autotune.cli", *args, "--out", str(tmp_path / f"w{i}"),
                                  "--seed", str(i)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True) for i in range(2)]
