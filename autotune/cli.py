@@ -172,7 +172,7 @@ def _print_record(record: dict, as_json: bool, title: str) -> None:
             from autotune.core.sizes import format_tokens
 
             value = format_tokens(value)
-        elif isinstance(value, float):  # a rate or a time to its precision, not the float's 17 digits (--json keeps them)
+        elif isinstance(value, float):  # to a rate's or a time's precision, not 17 digits (--json keeps them)
             value = f"{value:,.1f}" if key.endswith("_per_s") else f"{value:.4g}"
         table.add_row(key, str(value))
     OUT.rich(table)

@@ -130,7 +130,7 @@ def test_two_workers_share_one_study(tmp_path, kind):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "AUTOTUNE_PLAN_CACHE": "off"}
     if kind == "sqlite":
         # the schema made beforehand: a worker that loses the race to create it backs off for up to 5 s, long
-        # enough for the other to finish all twelve trials alone (test_workers_opening_a_new_sqlite_study_together_all_open_it covers that race)
+        # enough for the other to finish all twelve trials alone (the race has its own test above)
         optuna.storages.RDBStorage(storage)
     workers = [subprocess.Popen([sys.executable, "-m", "autotune.cli", *args, "--out", str(tmp_path / f"w{i}"),
                                  "--seed", str(i)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
