@@ -13,13 +13,15 @@ For each config (tiny models, 1-4 ranks, 1K-16K tokens, technique stacks):
   no other process visible (a shared host), and the calibration takes medians too. If no step of a launch is
   clean, the config is launched again (up to --attempts times).
 - drift: this host's speed drifts by +-25% over minutes with nothing else running, so a calibration made at one
-  moment and trials timed at another disagree by that much whatever the model. Each rank runs
-  ``autotune.timing.calibration.sampling.speed_probe_s`` (a fixed ~20 ms mix of matmuls, elementwise ops and tiny
-  dispatches) just before each step; the calibration recorded the same probe (``probe_s``). Its ratio is printed
-  as 'slow' (the host's slowdown since the calibration, as the probe sees it) -- for information only: dividing
-  it out did not track what slows a step (on 2026-11-23 it read 0.95-1.25 on 1-rank trials and 0.69-0.89 on
-  multi-rank ones, and moved 10 of 25 configs out of the band their raw ratio was in), so the ratio is the raw
-  one. 'spread' is (max - min) / max of the per-pass medians: the run-to-run spread of the measurement itself.
+  moment and trials timed at another disagree by that much whatever the model. Two gauges run on every rank just
+  before every step, each against its own value at the calibration: ``speed_probe_s`` (a fixed ~20 ms mix of
+  matmuls, elementwise ops and tiny dispatches; 'slow') and the calibration's own in-step step re-timed
+  (``autotune.timing.calibration.microbench.reference_step_s``: the same model, tokens and world as
+  ``in_step.wall_s``; 'drift'). The raw ratio is the verdict; 'x drift' is the ratio with the drift divided out
+  (predicted / measured in the calibration's time), printed beside it. 'spread' is (max - min) / max of the
+  per-pass medians: the run-to-run spread of the measurement itself. The verdict lines give, raw and x drift,
+  the count inside the band, the offset (geometric mean ratio: what a calibration taken at a faster or slower
+  moment moves) and the scatter (standard deviation of the log ratios: the model's error between configs).
 
 Prints one row per config with the ratio predicted / measured, the worst ratio last, and writes the same text
 to bench/results/throughput_fidelity.txt. Goal (issue 17): every ratio within [0.8, 1.25], from one fresh
@@ -27,14 +29,16 @@ to bench/results/throughput_fidelity.txt. Goal (issue 17): every ratio within [0
 
     .venv/bin/python bench/throughput_fidelity.py            # calibrate, then 25 configs x 2 passes
     .venv/bin/python bench/throughput_fidelity.py --quick --passes 1   # 4 configs
+    .venv/bin/python bench/throughput_fidelity.py --summarize bench/results/throughput_fidelity.txt
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -116,6 +120,7 @@ def worker(spec_path: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     import trials.runner
+    from autotune.timing.calibration.microbench import in_step_training, reference_step_s
     from autotune.timing.calibration.sampling import speed_probe_s
     from trials.runner import run_trial
     from trials.spec import TrialSpec
@@ -132,11 +137,15 @@ def worker(spec_path: str, out_dir: str) -> None:
         pids = gathered
     steps = []
     original = trials.runner.train_step  # the step the runner calls
+    reference = []  # the calibration's in-step run, built at the first step (all ranks step it together)
 
     def timed_step(*args, **kwargs):
         busy0, total0 = _jiffies_busy()
         ours0 = _proc_jiffies(pids)
         probe = speed_probe_s()  # the host's speed right now, in the calibration's units (see measure)
+        if not reference:  # (both run outside the trial's memory tracker: the reference has its own)
+            reference.append(in_step_training())
+        reference_s = reference_step_s(reference[0])  # the calibration's in-step step, now (see the docstring)
         start = time.perf_counter()
         result = original(*args, **kwargs)
         elapsed = time.perf_counter() - start
@@ -144,7 +153,7 @@ def worker(spec_path: str, out_dir: str) -> None:
         ours1 = _proc_jiffies(pids)
         total = max(total1 - total0, 1.0)
         others = max(0.0, (busy1 - busy0) - (ours1 - ours0)) / total
-        steps.append({"seconds": elapsed, "others": others, "probe_s": probe})
+        steps.append({"seconds": elapsed, "others": others, "probe_s": probe, "reference_s": reference_s})
         return result
 
     trials.runner.train_step = timed_step
@@ -203,10 +212,10 @@ def measure(model: str, seq_len: int, ranks: int, techniques: dict, steps: int, 
     return {"clean": clean, "contended": contended, "runner_mean_s": record.get("step_time_s")}
 
 
-def _combine(launches: list[dict], probe_calibrated_s: float | None) -> dict:
+def _combine(launches: list[dict], probe_calibrated_s: float | None, reference_calibrated_s: float | None) -> dict:
     """The median clean step over all launches of a config (all steps if none was clean); ``spread``, (max - min)
-    / max of the launches' own medians; ``slowdown``, the median speed probe over its time at the calibration
-    (information: see the module docstring)."""
+    / max of the launches' own medians; ``slowdown``, the median speed probe over its time at the calibration;
+    ``drift``, the median reference step over its time at the calibration (see the module docstring)."""
     measured = [m for m in launches if "error" not in m]
     clean = [t for m in measured for t in m["clean"]]
     contended = [t for m in measured for t in m["contended"]]
@@ -219,6 +228,8 @@ def _combine(launches: list[dict], probe_calibrated_s: float | None) -> dict:
             "spread": (max(per_launch) - min(per_launch)) / max(per_launch),
             "slowdown": statistics.median(s["probe_s"] / probe_calibrated_s if probe_calibrated_s else 1.0
                                           for s in steps),
+            "drift": statistics.median(s["reference_s"] / reference_calibrated_s if reference_calibrated_s else 1.0
+                                       for s in steps),
             "clean_steps": len(clean), "contended_steps": len(contended)}
 
 
@@ -251,6 +262,46 @@ def _self_check(calibration: dict) -> str:
             f"{in_step['wall_s']:.4f} s (ratio {in_step['predicted_s'] / in_step['wall_s']:.2f})")
 
 
+def summary_lines(rows: list[tuple]) -> list[str]:
+    """The verdict on rows of (ratio, config label, new?, ratio x drift): how many lie in ``RANGE``, raw and with
+    the drift divided out, and each column's offset (geometric mean ratio) and scatter (standard deviation of the
+    log ratios, ~ the relative spread). Offset is what a calibration taken at a faster or slower moment than the
+    trials moves; scatter is the model's own error between configs (plus measurement noise)."""
+    low, high = RANGE
+    out = []
+    for column, title in ((0, "raw ratios"), (3, "x drift")):
+        values = [row[column] for row in rows]
+        if None in values:  # a table from before the drift gauge
+            continue
+        new = [row[column] for row in rows if row[2]]
+        logs = [math.log(v) for v in values]
+        scatter = statistics.stdev(logs) if len(logs) > 1 else 0.0
+        out.append(f"# {title}: {sum(low <= v <= high for v in values)}/{len(values)} within [{low}, {high}] "
+                   f"({sum(low <= v <= high for v in new)}/{len(new)} of the new configs); {min(values):.2f}-"
+                   f"{max(values):.2f}, offset {math.exp(statistics.fmean(logs)):.2f}, scatter {scatter:.3f}")
+    worst = max(rows, key=lambda row: max(row[0], 1 / row[0]))
+    out.append(f"worst (raw): {worst[1]}  ratio {worst[0]:.2f}")
+    return out
+
+
+def read_rows(table: Path) -> list[tuple]:
+    """The rows of a table this bench wrote (``--summarize``), as ``summary_lines`` takes them."""
+    names = [label(*config) for config in CONFIGS]
+    columns, rows = [], []
+    for line in table.read_text().splitlines():
+        if line.startswith("config "):  # measured_s spread slow [drift] predicted_s ratio ... (older tables: no drift)
+            header = line.split()[1:]
+            columns = header[:header.index("ratio")]
+        name = next((n for n in names if line.startswith(n + " ")), None)
+        if name is None or " error: " in line:
+            continue
+        value = dict(zip(columns, (float(x) for x in line[len(name):].split())))
+        # the ratio again from the two times (4 decimals), where the ratio column's 2 would put 0.7955 inside as 0.80
+        ratio = value["predicted_s"] / value["measured_s"]
+        rows.append((ratio, name, names.index(name) >= NEW_FROM, ratio * value["drift"] if "drift" in value else None))
+    return rows
+
+
 def label(model: str, seq_len: int, ranks: int, techniques: dict) -> str:
     return f"{model} {seq_len // 1024}K x{ranks} {describe(techniques)}"
 
@@ -279,10 +330,14 @@ def main(argv=None) -> int:
     parser.add_argument("--calibration-runs", type=int, default=2,
                         help="calibration runs, keeping each number's best (other processes and drift only slow)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "throughput_fidelity.txt"))
+    parser.add_argument("--summarize", metavar="TABLE", help="print the verdict lines of a table this bench wrote")
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT_DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(*args.worker)
+        return 0
+    if args.summarize:
+        print("\n".join(summary_lines(read_rows(Path(args.summarize)))))
         return 0
 
     from autotune.core.hardware import load_hardware
@@ -301,11 +356,12 @@ def main(argv=None) -> int:
              f"{hardware.calibrated['measured_at']}",
              "# predicted: plan backend (oracle fake trace + StepCounter + predict_step_time) on that preset",
              "# measured: trials.runner.run_trial under torchrun, gloo, fp32; median uncontended step over the passes;",
-             "#   spread: (max - min) / max of the passes' medians; slow: the speed probe now / at the calibration",
-             "#   (information, not divided out); ratio = predicted / measured",
+             "#   spread: (max - min) / max of the passes' medians; slow: the speed probe now / at the calibration;",
+             "#   drift: the calibration's in-step reference step now / at the calibration, beside every step;",
+             "#   ratio = predicted / measured; x drift = ratio * drift (predicted / measured in the calibration's time)",
              _self_check(cal),
-             f"{'config':60s} {'measured_s':>10s} {'spread':>6s} {'slow':>5s} {'predicted_s':>11s} {'ratio':>6s}  "
-             f"clean  predicted breakdown"]
+             f"{'config':60s} {'measured_s':>10s} {'spread':>6s} {'slow':>5s} {'drift':>5s} {'predicted_s':>11s} "
+             f"{'ratio':>6s} {'x drift':>7s}  clean  predicted breakdown"]
     print("\n".join(lines), flush=True)
     rows = []
     configs = [CONFIGS[i] for i in args.only] if args.only else QUICK if args.quick else CONFIGS
@@ -321,32 +377,26 @@ def main(argv=None) -> int:
         name = label(model, seq_len, ranks, techniques)
         record, timing = predict(model, seq_len, ranks, techniques, hardware)
         world = max(int(k) for k in cal["worlds"] if int(k) <= ranks)
-        measured = _combine(passes[index], cal["worlds"][str(world)].get("probe_s"))
+        calibrated = cal["worlds"][str(world)]
+        measured = _combine(passes[index], calibrated.get("probe_s"), calibrated.get("in_step", {}).get("wall_s"))
         if "error" in measured or record.step_time_s is None:
             line = f"{name:60s} error: {(measured.get('error') or record.error or 'no prediction')[-300:]}"
             print(line, flush=True)
             lines.append(line)
             continue
         ratio = record.step_time_s / measured["step_time_s"]
-        rows.append((ratio, name, CONFIGS.index(configs[index]) >= NEW_FROM))
+        rows.append((ratio, name, CONFIGS.index(configs[index]) >= NEW_FROM, ratio * measured["drift"]))
         parts = (f"c {timing.compute_s:.3f} r {timing.recompute_s:.3f} comm {timing.exposed_comm_s:.3f} "
                  f"host {timing.exposed_host_s:.3f} opt {timing.optimizer_s:.3f}") if timing else ""
         line = (f"{name:60s} {measured['step_time_s']:10.4f} {measured['spread']:6.2f} {measured['slowdown']:5.2f} "
-                f"{record.step_time_s:11.4f} {ratio:6.2f}  "
+                f"{measured['drift']:5.3f} {record.step_time_s:11.4f} {ratio:6.2f} {ratio * measured['drift']:7.2f}  "
                 f"{measured['clean_steps']}/{measured['clean_steps'] + measured['contended_steps']}    {parts}")
         print(line, flush=True)
         lines.append(line)
     if rows:
-        low, high = RANGE
-        inside = sum(1 for r, *_ in rows if low <= r <= high)
-        new = [row for row in rows if row[2]]
-        inside_new = sum(1 for r, *_ in new if low <= r <= high)
-        worst = max(rows, key=lambda row: max(row[0], 1 / row[0]))
-        lines.append(f"# {inside}/{len(rows)} ratios within [{low}, {high}] ({inside_new}/{len(new)} of the new configs; "
-                     f"ratios {min(r for r, *_ in rows):.2f}-{max(r for r, *_ in rows):.2f}); "
-                     f"took {time.time() - started:.0f} s")
-        lines.append(f"worst: {worst[1]}  ratio {worst[0]:.2f}")
-        print("\n".join(lines[-2:]))
+        summary = summary_lines(rows) + [f"# took {time.time() - started:.0f} s"]
+        lines += summary
+        print("\n".join(summary))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")

@@ -333,3 +333,27 @@ def test_speed_probe_runs_outside_the_trials_dispatch_modes():
     with Counting():
         seconds = speed_probe_s(samples=1)
     assert seconds > 0 and Counting.calls == 0
+
+
+def test_reference_step_times_the_calibrations_in_step_run_outside_the_trials_dispatch_modes():
+    """bench/throughput_fidelity.py re-times the calibration's in-step step (its drift gauge) inside a trial step,
+    under the trial's memory tracker: the reference must build and step its own run under its own tracker, or the
+    trial's tracker would count (and slow) it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autotune.timing.calibration.microbench import IN_STEP_TOKENS, in_step_training, reference_step_s
+
+    class Counting(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counting.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counting():
+        training = in_step_training()
+        seconds = reference_step_s(training, steps=1)
+    _, _, batch, mesh, tracker = training
+    assert Counting.calls == 0 and seconds > 0
+    assert batch.input_ids.shape == (1, IN_STEP_TOKENS) and mesh.sp_degree == 1  # one process: the 1-rank run
+    assert tracker.peak_device_bytes > 0  # its own tracker saw the step

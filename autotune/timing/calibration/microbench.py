@@ -8,7 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from trials.data import make_batch, synthetic_sample
 from trials.dist import Mesh, build_mesh
@@ -177,6 +177,40 @@ def _wall_and_kernels(model, optimizer, batch, mesh, tracker, timer) -> tuple[di
     return kernels, wall
 
 
+def in_step_training() -> tuple:
+    """The in-step run on this worker's world, built and warmed up by one step: (model, optimizer, batch, mesh,
+    tracker). On several workers, Ulysses over the gloo group when there are two (so the step synchronises the
+    ranks at every layer, and the residual the model misses is the waiting for the slower rank there,
+    ``rank_imbalance``), data parallel otherwise. Every worker of the world must call it (and step it) together.
+    Built outside any dispatch mode the caller is in (a trial's memory tracker): the run has its own tracker."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    degree = 2 if world == 2 else 1
+    mesh = build_mesh(degree, torch.device("cpu")) if world > 1 else Mesh.single()
+    tracker = DeviceMemoryTracker(None)
+    with _disable_current_modes(), tracker:
+        model, optimizer = build_training(IN_STEP_MODEL, Techniques(ulysses_degree=degree), mesh, 0, tracker)
+        batch = make_batch(synthetic_sample(mesh.dp_rank, IN_STEP_TOKENS, IN_STEP_MODEL["vocab_size"]), mesh.sp_rank,
+                           mesh.sp_degree, "cpu")
+        train_step(model, optimizer, batch, mesh, tracker)
+    return model, optimizer, batch, mesh, tracker
+
+
+def reference_step_s(training: tuple, steps: int = 3) -> float:
+    """Median wall seconds of ``steps`` plain steps of ``in_step_training()``'s run, as the calibration timed it
+    (``in_step.wall_s``): measured again later, its ratio to ``wall_s`` is how much slower this host runs a
+    training step now than when it was calibrated -- the drift gauge ``bench/throughput_fidelity.py`` prints.
+    Timed outside any dispatch mode the caller is in, under the run's own tracker. Not contention-filtered:
+    callers check contention around it."""
+    model, optimizer, batch, mesh, tracker = training
+    walls = []
+    for _ in range(steps):
+        with _disable_current_modes(), tracker:
+            start = time.perf_counter()
+            train_step(model, optimizer, batch, mesh, tracker)
+            walls.append(time.perf_counter() - start)
+    return statistics.median(walls)
+
+
 def measure_in_step(partial_rates: dict) -> dict:
     """Kernel rates *inside* a training step: matmul FLOP/s, elementwise output bytes/s (forward/backward and the
     optimizer's), and how much slower attention runs than in ``measure_attention``.
@@ -187,18 +221,9 @@ def measure_in_step(partial_rates: dict) -> dict:
     timed (``_kernel_timer``), and ``StepCounter``'s counts of the same step are divided by those times.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
-    # several workers: Ulysses over the gloo group, so the step synchronises the ranks at every layer (and the
-    # residual the model misses is the waiting for the slower rank there, ``rank_imbalance``)
-    degree = 2 if world == 2 else 1
-    techniques = Techniques(ulysses_degree=degree)
-    mesh = build_mesh(degree, torch.device("cpu")) if world > 1 else Mesh.single()
-    tracker = DeviceMemoryTracker(None)
+    model, optimizer, batch, mesh, tracker = in_step_training()
+    degree = mesh.sp_degree
     timer = _kernel_timer(tracker)
-    with tracker:
-        model, optimizer = build_training(IN_STEP_MODEL, techniques, mesh, 0, tracker)
-        batch = make_batch(synthetic_sample(mesh.dp_rank, IN_STEP_TOKENS, IN_STEP_MODEL["vocab_size"]), mesh.sp_rank,
-                           mesh.sp_degree, "cpu")
-        train_step(model, optimizer, batch, mesh, tracker)
 
     def kernels_then_wall():
         kernels, wall = _wall_and_kernels(model, optimizer, batch, mesh, tracker, timer)
