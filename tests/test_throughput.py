@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotune.core import calibration_store as calibrate
 from trials.techniques import Techniques
@@ -316,20 +317,21 @@ def test_plan_backend_fills_in_step_time(fake_calibration, llama):
     assert record.tokens_per_s == pytest.approx(256 / record.step_time_s)
 
 
+class Counting(TorchDispatchMode):
+    """Counts the ops dispatched under it: code meant to run outside the caller's dispatch modes leaves it at 0."""
+    calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        Counting.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
 def test_speed_probe_runs_outside_the_trials_dispatch_modes():
     """The drift probe of bench/throughput_fidelity.py runs inside a trial step, under the memory tracker (a Python
     dispatch mode); it must time the bare kernels, not the tracker, or every step looks ~1.8x slower."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from autotune.timing.calibration.sampling import speed_probe_s
 
-    class Counting(TorchDispatchMode):
-        calls = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Counting.calls += 1
-            return func(*args, **(kwargs or {}))
-
+    Counting.calls = 0
     with Counting():
         seconds = speed_probe_s(samples=1)
     assert seconds > 0 and Counting.calls == 0
@@ -339,17 +341,9 @@ def test_reference_step_times_the_calibrations_in_step_run_outside_the_trials_di
     """bench/throughput_fidelity.py re-times the calibration's in-step step (its drift gauge) inside a trial step,
     under the trial's memory tracker: the reference must build and step its own run under its own tracker, or the
     trial's tracker would count (and slow) it."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from autotune.timing.calibration.microbench import IN_STEP_TOKENS, in_step_training, reference_step_s
 
-    class Counting(TorchDispatchMode):
-        calls = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Counting.calls += 1
-            return func(*args, **(kwargs or {}))
-
+    Counting.calls = 0
     with Counting():
         training = in_step_training()
         seconds = reference_step_s(training, steps=1)
