@@ -337,6 +337,8 @@ def main(argv=None) -> int:
         worker(*args.worker)
         return 0
     if args.summarize:
+        if not Path(args.summarize).is_file():
+            parser.error(f"no table at {args.summarize}")
         print("\n".join(summary_lines(read_rows(Path(args.summarize)))))
         return 0
 
