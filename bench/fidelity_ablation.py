@@ -14,7 +14,6 @@ drift moves them alike.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path

@@ -97,31 +97,13 @@ CONTENDED = 0.10  # others' share of the machine's CPUs above which a step does 
 # -----------------------------------------------------------------------------------------------------------
 
 
-def _jiffies_busy() -> tuple[float, float]:
-    with open("/proc/stat") as f:
-        parts = [float(x) for x in f.readline().split()[1:]]
-    idle = parts[3] + (parts[4] if len(parts) > 4 else 0.0)
-    return sum(parts) - idle, sum(parts)
-
-
-def _proc_jiffies(pids) -> float:
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += float(fields[11]) + float(fields[12])  # utime + stime (whole process, all threads)
-        except (OSError, IndexError, ValueError):
-            pass
-    return total
-
-
 def worker(spec_path: str, out_dir: str) -> None:
-    import torch
     import torch.distributed as dist
 
     import trials.runner
+    from autotune.timing.calibration import sampling
     from autotune.timing.calibration.microbench import in_step_training, reference_step_s
-    from autotune.timing.calibration.sampling import speed_probe_s
+    from autotune.timing.calibration.sampling import cpu_snapshot, others_share, speed_probe_s
     from trials.runner import run_trial
     from trials.spec import TrialSpec
 
@@ -135,13 +117,13 @@ def worker(spec_path: str, out_dir: str) -> None:
         gathered = [None] * world
         dist.all_gather_object(gathered, os.getpid())
         pids = gathered
+    sampling.WORKER_PIDS[:] = pids  # this trial's own processes: what they use is not contention
     steps = []
     original = trials.runner.train_step  # the step the runner calls
     reference = []  # the calibration's in-step run, built at the first step (all ranks step it together)
 
     def timed_step(*args, **kwargs):
-        busy0, total0 = _jiffies_busy()
-        ours0 = _proc_jiffies(pids)
+        before = cpu_snapshot()
         probe = speed_probe_s()  # the host's speed right now, in the calibration's units (see measure)
         if not reference:  # (both run outside the trial's memory tracker: the reference has its own)
             reference.append(in_step_training())
@@ -149,10 +131,7 @@ def worker(spec_path: str, out_dir: str) -> None:
         start = time.perf_counter()
         result = original(*args, **kwargs)
         elapsed = time.perf_counter() - start
-        busy1, total1 = _jiffies_busy()
-        ours1 = _proc_jiffies(pids)
-        total = max(total1 - total0, 1.0)
-        others = max(0.0, (busy1 - busy0) - (ours1 - ours0)) / total
+        others = others_share(before, cpu_snapshot())
         steps.append({"seconds": elapsed, "others": others, "probe_s": probe, "reference_s": reference_s})
         return result
 
@@ -212,6 +191,11 @@ def measure(model: str, seq_len: int, ranks: int, techniques: dict, steps: int, 
     return {"clean": clean, "contended": contended, "runner_mean_s": record.get("step_time_s")}
 
 
+def _median_over(steps: list[dict], gauge: str, at_calibration_s: float | None) -> float:
+    """The median over ``steps`` of a drift gauge's seconds over its seconds at the calibration (1 if not recorded)."""
+    return statistics.median(s[gauge] / at_calibration_s if at_calibration_s else 1.0 for s in steps)
+
+
 def _combine(launches: list[dict], probe_calibrated_s: float | None, reference_calibrated_s: float | None) -> dict:
     """The median clean step over all launches of a config (all steps if none was clean); ``spread``, (max - min)
     / max of the launches' own medians; ``slowdown``, the median speed probe over its time at the calibration;
@@ -226,10 +210,8 @@ def _combine(launches: list[dict], probe_calibrated_s: float | None, reference_c
                   if m["clean"] or m["contended"]]
     return {"step_time_s": statistics.median(s["seconds"] for s in steps),
             "spread": (max(per_launch) - min(per_launch)) / max(per_launch),
-            "slowdown": statistics.median(s["probe_s"] / probe_calibrated_s if probe_calibrated_s else 1.0
-                                          for s in steps),
-            "drift": statistics.median(s["reference_s"] / reference_calibrated_s if reference_calibrated_s else 1.0
-                                       for s in steps),
+            "slowdown": _median_over(steps, "probe_s", probe_calibrated_s),
+            "drift": _median_over(steps, "reference_s", reference_calibrated_s),
             "clean_steps": len(clean), "contended_steps": len(contended)}
 
 

@@ -170,11 +170,16 @@ def _wall_and_kernels(model, optimizer, batch, mesh, tracker, timer) -> tuple[di
     with timer, tracker:  # timer first: below the tracker
         train_step(model, optimizer, batch, mesh, tracker)
     kernels = timer.seconds  # a fresh dict per call (above)
-    with tracker:
+    return kernels, _plain_step_s(model, optimizer, batch, mesh, tracker)
+
+
+def _plain_step_s(model, optimizer, batch, mesh, tracker) -> float:
+    """Wall seconds of one training step under ``tracker`` alone, as a trial runs it; outside any dispatch mode
+    the caller is in (a trial's memory tracker, when the bench re-times the reference step inside a trial)."""
+    with _disable_current_modes(), tracker:
         start = time.perf_counter()
         train_step(model, optimizer, batch, mesh, tracker)
-        wall = time.perf_counter() - start
-    return kernels, wall
+        return time.perf_counter() - start
 
 
 def in_step_training() -> tuple:
@@ -199,16 +204,9 @@ def reference_step_s(training: tuple, steps: int = 3) -> float:
     """Median wall seconds of ``steps`` plain steps of ``in_step_training()``'s run, as the calibration timed it
     (``in_step.wall_s``): measured again later, its ratio to ``wall_s`` is how much slower this host runs a
     training step now than when it was calibrated -- the drift gauge ``bench/throughput_fidelity.py`` prints.
-    Timed outside any dispatch mode the caller is in, under the run's own tracker. Not contention-filtered:
-    callers check contention around it."""
-    model, optimizer, batch, mesh, tracker = training
-    walls = []
-    for _ in range(steps):
-        with _disable_current_modes(), tracker:
-            start = time.perf_counter()
-            train_step(model, optimizer, batch, mesh, tracker)
-            walls.append(time.perf_counter() - start)
-    return statistics.median(walls)
+    Timed as ``_wall_and_kernels`` times ``wall_s`` (``_plain_step_s``). Not contention-filtered: callers check
+    contention around it."""
+    return statistics.median(_plain_step_s(*training) for _ in range(steps))
 
 
 def measure_in_step(partial_rates: dict) -> dict:

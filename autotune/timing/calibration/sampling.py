@@ -71,7 +71,7 @@ def _own_jiffies() -> float:
 
 
 def others_share(before, after) -> float:
-    """Share of all CPUs used by other processes between two ``_snapshot()``s."""
+    """Share of all CPUs used by other processes between two ``cpu_snapshot()``s."""
     (busy0, total0, own0), (busy1, total1, own1) = before, after
     total = total1 - total0
     if total <= 0:
@@ -79,7 +79,8 @@ def others_share(before, after) -> float:
     return max(0.0, (busy1 - busy0) - (own1 - own0)) / total
 
 
-def _snapshot():
+def cpu_snapshot():
+    """(busy jiffies of all CPUs, all jiffies, ``WORKER_PIDS``' own jiffies) now: two give ``others_share``."""
     try:
         busy, total = _stat_busy()
     except OSError:
@@ -111,12 +112,12 @@ def sample(fn, name: str, samples: int = 5, min_seconds: float = 0.15, budget_s:
     clean, dirty = [], []
     deadline = time.monotonic() + budget_s
     while True:
-        before = _snapshot()
+        before = cpu_snapshot()
         start = time.perf_counter()
         for _ in range(reps):
             value = fn()
         seconds = (time.perf_counter() - start) / reps
-        share = others_share(before, _snapshot())
+        share = others_share(before, cpu_snapshot())
         value = value if returns_times else seconds
         (clean if share <= CONTENDED else dirty).append(value)
         done = len(clean) >= samples or time.monotonic() > deadline
