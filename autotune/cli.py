@@ -497,7 +497,6 @@ def verify(
     """Re-measure a search's front with real trials on this node (or its nodes); outputs gain the measured
     records."""
     from autotune.backends import make_backend
-    from autotune.outputs import verify as verify_mod
 
     _depth(depth)
     group = _node_group(nodes or 1, rdzv_endpoint) if rdzv_endpoint is not None else None
@@ -720,9 +719,13 @@ def calibrate(
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="write the preset YAML to this file instead"),
     model: str = typer.Option("llama3-8b", help="model whose GEMM shapes and head dim to measure (GPU presets)"),
     repeats: int = ranged_option("--repeats", 2, "CPU: calibration runs, best of each rate kept, spread recorded"),
+    check: bool = typer.Option(False, "--check", help="measure nothing new: re-time the reference workload of the "
+                                                      "preset --hardware names and say how far this machine moved "
+                                                      "since it was calibrated (seconds)"),
 ):
     """Measure this node's rates (GEMMs, attention, elementwise, host copies, host AdamW, collectives, per-op
-    overheads) and write a hardware preset with them; a few minutes, with progress."""
+    overheads) and write a hardware preset with them; a few minutes, with progress. With --check, only say
+    whether an existing preset still describes this machine."""
     import torch
 
     from trials.model_config import load_model_config
@@ -730,6 +733,9 @@ def calibrate(
     from autotune.core.hardware import load_hardware
     from autotune.timing.calibration import preset as preset_mod
 
+    if check:
+        _check_preset(hardware, name, output)
+        return
     preset_name, path = preset_mod.output_path(name, output)
     base = hardware or preset_mod.default_base()
     base_hw = load_hardware(base)
@@ -756,6 +762,24 @@ def calibrate(
     if spread:
         OUT.print(f"  spread (max-min)/max between runs or samples: {json.dumps(spread)}")
     OUT.print(f"use it: --hardware {preset_name if name else written}")
+
+
+def _check_preset(hardware: Optional[str], name: Optional[str], output: Optional[Path]) -> None:
+    """``calibrate --check``: re-time --hardware's reference workload here (autotune.timing.calibration.check)."""
+    from autotune.core.hardware import load_hardware
+    from autotune.timing.calibration import preset as preset_mod
+    from autotune.timing.calibration.check import check_preset
+
+    if name is not None or output is not None:
+        fail("--check writes nothing: give the preset to check as --hardware NAME|FILE, without --name / -o")
+    hw = load_hardware(hardware or preset_mod.default_base())
+    result = check_preset(hw, announce=lambda workload: print(f"checking {hw.name}: re-timing {workload} ...",
+                                                              file=sys.stderr, flush=True))
+    measured, verdict = result.lines(hw.name)
+    OUT.print(measured)
+    if result.contended:  # a check that could not measure: a failed run, not a verdict
+        _fail_outcome(verdict)
+    OUT.print(verdict)
 
 
 @contextlib.contextmanager

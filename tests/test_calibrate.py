@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -135,3 +136,74 @@ def test_calibrate_writes_a_cpu_preset_that_search_and_estimate_accept(tmp_path,
     assert list(hw.calibration["worlds"]) == ["1"]  # --gpus 1: trials of one rank only
     assert hw.device_memory_bytes == load_hardware("cpu").device_memory_bytes  # the base's memory facts
     assert hw.rates_for(1).bf16_flops == hw.calibration["worlds"]["1"]["in_step"]["matmul_flops"]
+
+
+def _with_reference_step(data: dict, wall_s: float) -> dict:
+    data["calibration"]["worlds"]["1"]["in_step"]["wall_s"] = wall_s
+    return data
+
+
+def test_check_re_times_the_calibrations_step_and_says_how_far_this_machine_moved(config_dir):
+    from autotune.timing.calibration.check import check_preset
+
+    # a recorded step far faster than any real one: the check must find this machine slower, by its own ratio
+    slow_path = preset_mod.write_preset(_with_reference_step(_cpu_preset_as_calibrated("fast-moment"), 1e-4),
+                                        config_dir / "hardware" / "fast-moment.yaml")
+    check = check_preset(load_hardware(str(slow_path)), samples=3)
+    assert check.calibrated_s == 1e-4 and check.now_s > 1e-3 and check.slowdown == check.now_s / 1e-4
+    assert not check.holds
+    verdict = replace(check, contended=False).lines("fast-moment")[1]  # (a busy CI machine may contend it)
+    assert f"{check.slowdown:.2f}x too short" in verdict and "autotune calibrate --name" in verdict
+    # the verdict's arithmetic on recorded seconds either side of the band
+    for now_s, holds, words in ((1.05, True, "holds here"), (0.5, False, "2.00x too long"), (1.2, False, "too short")):
+        other = replace(check, now_s=now_s, calibrated_s=1.0)
+        assert other.holds == holds and words in other.lines("p")[1]
+    # seconds taken while other processes were busy are no verdict at all
+    assert "says nothing about the machine's speed" in replace(check, contended=True).lines("p")[1]
+
+
+def test_check_of_a_gpu_preset_re_times_its_recorded_gemm_shapes(tiny_llama):
+    import torch
+
+    from autotune.timing.calibration.check import check_device
+    from autotune.timing.calibration.device_bench import gemm_shapes, measure_gemms
+
+    shapes = gemm_shapes(tiny_llama, tokens=256)
+    recorded = measure_gemms(torch.device("cpu"), torch.float32, shapes)
+    measurements = {"device": "cpu", "dtype": "float32", "gemm": dict(recorded, flops_per_s=recorded["flops_per_s"] * 4)}
+    check = check_device(measurements, "2026-11-23 06:00:00", samples=3, device=torch.device("cpu"))
+    flops = sum(2.0 * m * k * n for m, k, n in shapes)
+    assert check.calibrated_s == pytest.approx(flops / (4 * recorded["flops_per_s"]))
+    # recorded 4x faster than this CPU runs them: the check says so (within the CPU's own noise)
+    assert 2 < check.slowdown < 8 and f"{len(shapes)} GEMM shapes" in check.workload
+
+
+def test_check_from_the_command_line(config_dir):
+    preset_mod.write_preset(_with_reference_step(_cpu_preset_as_calibrated("my-node"), 1e-4),
+                            config_dir / "hardware" / "my-node.yaml")
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "autotune.cli", "calibrate", "--check", *args],
+                              capture_output=True, text=True, env=_env(config_dir), cwd=ROOT, timeout=300)
+
+    checked = run("--hardware", "my-node")
+    measured, *verdict = checked.stdout.strip().splitlines()
+    assert "0.0001 s at the calibration (2026-11-23" in measured and "x slower" in measured
+    if checked.returncode == 0:
+        assert verdict[0].startswith("my-node predicts step times") and "too short" in verdict[0]
+    else:  # other processes kept this machine busy throughout: a failed check, said as the last line
+        assert checked.returncode == 1 and not verdict, checked.stderr[-2000:]
+        assert checked.stderr.strip().splitlines()[-1].startswith("autotune: other processes kept the CPUs busy")
+    # nothing measured to compare with, a destination given, a GPU preset without a GPU: one line each, exit 2
+    assumed, destination = run("--hardware", "h100-sxm"), run("--hardware", "my-node", "--name", "x")
+    for result, words in ((assumed, "assumed, not measured"), (destination, "writes nothing")):
+        assert result.returncode == 2 and words in result.stderr and "Traceback" not in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    gpu = yaml.safe_load(preset_path("h100-sxm")[0].read_text())
+    gpu.update(name="my-h100", calibrated={"device": "NVIDIA H100 x8", "measured_at": "2026-11-23 06:00:00",
+                                           "base": "h100-sxm",
+                                           "measurements": {"dtype": "bfloat16", "gemm": {
+                                               "flops_per_s": 6e14, "points": [{"m": 8192, "k": 4096, "n": 4096}]}}})
+    preset_mod.write_preset(gpu, config_dir / "hardware" / "my-h100.yaml")
+    no_gpu = run("--hardware", "my-h100")
+    assert no_gpu.returncode == 2 and "no CUDA device" in no_gpu.stderr and "Traceback" not in no_gpu.stderr

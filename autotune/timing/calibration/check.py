@@ -1,0 +1,143 @@
+"""``autotune calibrate --check``: does a preset still describe this machine?
+
+A calibration is one moment of one machine. A shared host drifts (this repository's 2-core VM runs the same step
+up to 25% slower or faster from one half hour to the next with nothing else running: the 'drift' column of
+``bench/throughput_fidelity.py``), and a GPU can be throttled or shared with another job. Predicted step times
+move with it one for one, so before trusting a plan made on a preset the user can ask, in seconds, how far this
+machine now is from the moment it was measured. The check re-times the one recorded workload a step's time
+follows most closely and divides:
+
+- a preset whose device is the host (``calibration:``, the ``cpu`` kind): the calibration's own in-step training
+  step on one rank (``microbench.in_step_training`` / ``reference_step_s``), recorded as
+  ``calibration.worlds['1'].in_step.wall_s``;
+- a preset ``autotune calibrate`` measured on GPUs (``calibrated.measurements.gemm``): the same GEMM shapes on
+  device 0 in the same dtype, whose FLOP/s is the time model's matmul rate.
+
+A preset with assumed rates has nothing measured to compare with; ``UserError`` says so. Writes nothing: the
+remedy for a machine that moved is a new ``autotune calibrate``.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass
+
+from autotune.core import calibration_store
+from autotune.core.errors import UserError
+from autotune.core.hardware import Hardware
+
+# Within this factor either way the preset holds: about the time model's own scatter between configs (0.08 in
+# log, docs/throughput.md), well inside the fidelity band [0.8, 1.25]
+HOLDS_WITHIN = 1.10
+
+
+@dataclass(frozen=True)
+class SpeedCheck:
+    """One re-timed reference workload: its seconds now and at the calibration."""
+
+    workload: str            # what was timed, in words
+    now_s: float             # median seconds now
+    calibrated_s: float      # the preset's seconds for the same workload
+    calibrated_at: str
+    spread: float            # (max - min) / median of the samples now: the check's own noise
+    same_machine: bool = True
+    contended: bool = False  # other processes used the CPUs during every sample: the seconds are not this
+                             # machine's speed, only the load's
+
+    @property
+    def slowdown(self) -> float:
+        """How many times slower this machine runs the workload now than at the calibration (< 1: faster)."""
+        return self.now_s / self.calibrated_s
+
+    @property
+    def holds(self) -> bool:
+        return 1 / HOLDS_WITHIN <= self.slowdown <= HOLDS_WITHIN
+
+    def lines(self, preset: str) -> list[str]:
+        """What ``autotune calibrate --check`` prints: the measurement, then the verdict."""
+        direction = "slower" if self.slowdown >= 1 else "faster"
+        factor = self.slowdown if self.slowdown >= 1 else 1 / self.slowdown
+        first = (f"{self.workload}: {self.now_s:.4g} s now (spread {self.spread:.0%}), {self.calibrated_s:.4g} s "
+                 f"at the calibration ({self.calibrated_at}): {factor:.2f}x {direction}")
+        if not self.same_machine:
+            first += " (the preset was calibrated on another machine)"
+        if self.contended:
+            return [first, "other processes kept the CPUs busy during every sample: this says nothing about the "
+                           "machine's speed; check again when it is quiet"]
+        if self.holds:
+            verdict = (f"{preset} holds here: within {HOLDS_WITHIN:.2f}x of its calibration, predicted step times "
+                       f"move by as much")
+        else:
+            verdict = (f"{preset} predicts step times {factor:.2f}x too {'short' if direction == 'slower' else 'long'}"
+                       f" on this machine now; re-measure it: autotune calibrate --name NAME (a few minutes)")
+        return [first, verdict]
+
+
+def check_preset(hw: Hardware, samples: int = 7, announce=None) -> SpeedCheck:
+    """Re-time ``hw``'s reference workload on this machine (see the module docstring); ``announce(workload)`` is
+    called once the preset is known to have one, before the seconds of timing."""
+    if hw.calibration:
+        return check_host(hw.calibration, samples, announce)
+    measurements = (hw.calibrated or {}).get("measurements") or {}
+    if "gemm" in measurements:
+        return check_device(measurements, hw.calibrated.get("measured_at", "?"), samples, announce=announce)
+    raise UserError(f"hardware {hw.name}: its rates are assumed, not measured, so there is nothing to compare this "
+                    f"machine with; measure them: autotune calibrate --name NAME")
+
+
+def check_host(calibration: dict, samples: int = 7, announce=None) -> SpeedCheck:
+    """The calibration's in-step step on one rank, with the thread count the calibration gave it."""
+    import torch
+
+    from autotune.timing.calibration import microbench, sampling
+
+    world_1 = calibration["worlds"].get("1") or {}
+    if "wall_s" not in (world_1.get("in_step") or {}):
+        raise UserError("this preset's calibration records no one-rank in-step step (an older calibration): "
+                        "re-measure it: autotune calibrate --name NAME")
+    workload = f"the calibration's training step ({microbench.IN_STEP_TOKENS:,} tokens, 1 rank)"
+    if announce:
+        announce(workload)
+    torch.set_num_threads(int(world_1.get("threads") or os.cpu_count() or 1))
+    sampling.WORKER_PIDS[:] = [os.getpid()]  # contention = CPU used by processes other than this one
+    training = microbench.in_step_training()
+    del sampling.CONTENDED_BENCHMARKS[:]
+    times = sampling.sample(lambda: microbench.reference_step_s(training, steps=1), "reference step", samples=samples)
+    median = statistics.median(times)
+    return SpeedCheck(workload=workload, now_s=median, calibrated_s=float(world_1["in_step"]["wall_s"]),
+                      calibrated_at=str(calibration.get("measured_at", "?")), spread=_spread(times),
+                      same_machine=calibration.get("machine") == calibration_store.machine_key(),
+                      contended=bool(sampling.CONTENDED_BENCHMARKS))
+
+
+def check_device(measurements: dict, measured_at: str, samples: int = 7, device=None, announce=None) -> SpeedCheck:
+    """The calibration's GEMM shapes on ``device`` (default: CUDA device 0) in the calibration's dtype: total
+    seconds of one of each, now and at the calibration (total FLOPs / the recorded FLOP/s)."""
+    import torch
+
+    from autotune.timing.calibration.device_bench import measure_gemms
+
+    if device is None:
+        if not torch.cuda.is_available():
+            raise UserError("this preset was measured on GPUs, but this machine shows no CUDA device: run the check "
+                            "on the node it describes")
+        device = torch.device("cuda", 0)
+    dtype = getattr(torch, measurements.get("dtype", "bfloat16"))
+    shapes = [(p["m"], p["k"], p["n"]) for p in measurements["gemm"]["points"]]
+    recorded_on = measurements.get("device", "GPU")
+    workload = f"the calibration's {len(shapes)} GEMM shapes ({recorded_on}, {measurements.get('dtype', 'bfloat16')})"
+    if announce:
+        announce(workload)
+    flops = sum(2.0 * m * k * n for m, k, n in shapes)
+    runs = [measure_gemms(device, dtype, shapes)["flops_per_s"] for _ in range(max(1, samples // 3))]
+    times = [flops / rate for rate in runs]
+    here = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return SpeedCheck(workload=workload, now_s=statistics.median(times),
+                      calibrated_s=flops / measurements["gemm"]["flops_per_s"], calibrated_at=measured_at,
+                      spread=_spread(times), same_machine=recorded_on in ("GPU", here))
+
+
+def _spread(times: list[float]) -> float:
+    median = statistics.median(times)
+    return (max(times) - min(times)) / median if median else 0.0
