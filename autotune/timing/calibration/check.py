@@ -66,11 +66,11 @@ class SpeedCheck:
             return [first, "other processes kept the CPUs busy during every sample: this says nothing about the "
                            "machine's speed; check again when it is quiet"]
         if self.holds:
-            verdict = (f"{preset} holds here: within {HOLDS_WITHIN:.2f}x of its calibration, predicted step times "
-                       f"move by as much")
+            verdict = (f"{preset} holds here: this machine is within {HOLDS_WITHIN:.2f}x of the calibration's "
+                       f"speed")
         else:
             verdict = (f"{preset} predicts step times {factor:.2f}x too {'short' if direction == 'slower' else 'long'}"
-                       f" on this machine now; re-measure it: autotune calibrate --name NAME (a few minutes)")
+                       f" on this machine now; measure it again: autotune calibrate --name NAME (a few minutes)")
         return [first, verdict]
 
 
@@ -103,7 +103,10 @@ def check_host(calibration: dict, samples: int = 7, announce=None) -> SpeedCheck
     sampling.WORKER_PIDS[:] = [os.getpid()]  # contention = CPU used by processes other than this one
     training = microbench.in_step_training()
     del sampling.CONTENDED_BENCHMARKS[:]
-    times = sampling.sample(lambda: microbench.reference_step_s(training, steps=1), "reference step", samples=samples)
+    # each sample averages >= 1 s of steps: single 0.2-s steps on a shared host scatter by +-25% (samples of 7
+    # single steps read 0.97-1.41x within three minutes, bench/results/calibrate_check.txt)
+    times = sampling.sample(lambda: microbench.reference_step_s(training, steps=1), "reference step", samples=samples,
+                            min_seconds=1.0)
     median = statistics.median(times)
     return SpeedCheck(workload=workload, now_s=median, calibrated_s=float(world_1["in_step"]["wall_s"]),
                       calibrated_at=str(calibration.get("measured_at", "?")), spread=_spread(times),
