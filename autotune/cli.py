@@ -690,7 +690,8 @@ def hardware():
                       f"{rates.hbm_bytes_per_s / 1e12:.2f}", f"{rates.intra_node_bytes_per_s / 1e9:.0f}",
                       f"{rates.host_bytes_per_s / 1e9:.0f}", _rates_origin(hw))
     OUT.rich(table)
-    OUT.print(f"user presets: {user_preset_dir()} (autotune calibrate --name NAME writes one)")
+    OUT.print(f"user presets: {user_preset_dir()} (autotune calibrate --name NAME writes one; "
+              f"autotune calibrate --check --hardware NAME says whether it still holds)")
 
 
 def _rates_origin(hw) -> str:
@@ -761,7 +762,8 @@ def calibrate(
     spread = data["calibrated"].get("spread")
     if spread:
         OUT.print(f"  spread (max-min)/max between runs or samples: {json.dumps(spread)}")
-    OUT.print(f"use it: --hardware {preset_name if name else written}")
+    OUT.print(f"use it: --hardware {preset_name if name else written}; later, `autotune calibrate --check --hardware "
+              f"{preset_name if name else written}` says in seconds whether it still describes this node")
 
 
 def _check_preset(hardware: Optional[str], name: Optional[str], output: Optional[Path]) -> None:
