@@ -762,8 +762,9 @@ def calibrate(
     spread = data["calibrated"].get("spread")
     if spread:
         OUT.print(f"  spread (max-min)/max between runs or samples: {json.dumps(spread)}")
-    OUT.print(f"use it: --hardware {preset_name if name else written}; later, `autotune calibrate --check --hardware "
-              f"{preset_name if name else written}` says in seconds whether it still describes this node")
+    use = preset_name if name else written
+    OUT.print(f"use it: --hardware {use}; later, `autotune calibrate --check --hardware {use}` says in seconds "
+              f"whether it still describes this node")
 
 
 def _check_preset(hardware: Optional[str], name: Optional[str], output: Optional[Path]) -> None:

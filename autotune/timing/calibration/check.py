@@ -100,18 +100,17 @@ def check_host(calibration: dict, samples: int = 7, announce=None) -> SpeedCheck
     if announce:
         announce(workload)
     torch.set_num_threads(int(world_1.get("threads") or os.cpu_count() or 1))
-    sampling.WORKER_PIDS[:] = [os.getpid()]  # contention = CPU used by processes other than this one
     training = microbench.in_step_training()
-    del sampling.CONTENDED_BENCHMARKS[:]
+    contended_before = len(sampling.CONTENDED_BENCHMARKS)  # sample() appends its name when no sample was clean
     # each sample averages >= 1 s of steps: single 0.2-s steps on a shared host scatter by +-25% (samples of 7
     # single steps read 0.97-1.41x within three minutes, bench/results/calibrate_check.txt)
     times = sampling.sample(lambda: microbench.reference_step_s(training, steps=1), "reference step", samples=samples,
                             min_seconds=1.0)
-    median = statistics.median(times)
-    return SpeedCheck(workload=workload, now_s=median, calibrated_s=float(world_1["in_step"]["wall_s"]),
-                      calibrated_at=str(calibration.get("measured_at", "?")), spread=_spread(times),
+    return SpeedCheck(workload=workload, now_s=statistics.median(times),
+                      calibrated_s=float(world_1["in_step"]["wall_s"]),
+                      calibrated_at=str(calibration.get("measured_at", "?")), spread=sampling.relative_spread(times),
                       same_machine=calibration.get("machine") == calibration_store.machine_key(),
-                      contended=bool(sampling.CONTENDED_BENCHMARKS))
+                      contended=len(sampling.CONTENDED_BENCHMARKS) > contended_before)
 
 
 def check_device(measurements: dict, measured_at: str, samples: int = 7, device=None, announce=None) -> SpeedCheck:
@@ -120,27 +119,23 @@ def check_device(measurements: dict, measured_at: str, samples: int = 7, device=
     import torch
 
     from autotune.timing.calibration.device_bench import measure_gemms
+    from autotune.timing.calibration.sampling import relative_spread
 
     if device is None:
         if not torch.cuda.is_available():
             raise UserError("this preset was measured on GPUs, but this machine shows no CUDA device: run the check "
                             "on the node it describes")
         device = torch.device("cuda", 0)
-    dtype = getattr(torch, measurements.get("dtype", "bfloat16"))
+    dtype_name = measurements.get("dtype", "bfloat16")
     shapes = [(p["m"], p["k"], p["n"]) for p in measurements["gemm"]["points"]]
     recorded_on = measurements.get("device", "GPU")
-    workload = f"the calibration's {len(shapes)} GEMM shapes ({recorded_on}, {measurements.get('dtype', 'bfloat16')})"
+    workload = f"the calibration's {len(shapes)} GEMM shapes ({recorded_on}, {dtype_name})"
     if announce:
         announce(workload)
     flops = sum(2.0 * m * k * n for m, k, n in shapes)
-    runs = [measure_gemms(device, dtype, shapes)["flops_per_s"] for _ in range(max(1, samples // 3))]
+    runs = [measure_gemms(device, getattr(torch, dtype_name), shapes)["flops_per_s"] for _ in range(max(1, samples // 3))]
     times = [flops / rate for rate in runs]
     here = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return SpeedCheck(workload=workload, now_s=statistics.median(times),
                       calibrated_s=flops / measurements["gemm"]["flops_per_s"], calibrated_at=measured_at,
-                      spread=_spread(times), same_machine=recorded_on in ("GPU", here))
-
-
-def _spread(times: list[float]) -> float:
-    median = statistics.median(times)
-    return (max(times) - min(times)) / median if median else 0.0
+                      spread=relative_spread(times), same_machine=recorded_on in ("GPU", here))

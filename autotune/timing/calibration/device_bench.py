@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from autotune.timing.attention_cost import tiled_pairs
+from autotune.timing.calibration.sampling import relative_spread
 
 ATTENTION_LENGTHS = (4096, 16384, 65536)
 ATTENTION_HEADS = (1, 4, 16)
@@ -58,8 +59,7 @@ def timed(fn, device: torch.device, samples: int = 5, min_seconds: float = 0.05)
             fn()
         _sync(device)
         times.append((time.perf_counter() - start) / reps)
-    median = statistics.median(times)
-    return {"s": median, "spread": (max(times) - min(times)) / median if median else 0.0}
+    return {"s": statistics.median(times), "spread": relative_spread(times)}
 
 
 def gemm_shapes(model_config: dict, tokens: int = GEMM_TOKENS) -> list[tuple[int, int, int]]:

@@ -132,6 +132,12 @@ def sample(fn, name: str, samples: int = 5, min_seconds: float = 0.15, budget_s:
     return clean or dirty
 
 
+def relative_spread(times: list[float]) -> float:
+    """(max - min) / median of some timings: how far apart the samples of one measurement lie."""
+    median = statistics.median(times)
+    return (max(times) - min(times)) / median if median else 0.0
+
+
 def median_time(fn, name: str = "", samples: int = 5) -> float:
     """The median of the clean samples. Not the minimum: this machine's speed also varies by +-20% with no
     other process visible (a shared host), and a trial's multi-second step averages over that, so the typical
