@@ -108,6 +108,7 @@ def worker(spec_path: str, out_dir: str) -> None:
     from trials.spec import TrialSpec
 
     spec = json.loads(Path(spec_path).read_text())
+    no_gauges = spec.pop("no_gauges", False)
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world > 1 and not dist.is_initialized():
@@ -124,10 +125,13 @@ def worker(spec_path: str, out_dir: str) -> None:
 
     def timed_step(*args, **kwargs):
         before = cpu_snapshot()
-        probe = speed_probe_s()  # the host's speed right now, in the calibration's units (see measure)
-        if not reference:  # (both run outside the trial's memory tracker: the reference has its own)
-            reference.append(in_step_training())
-        reference_s = reference_step_s(reference[0])  # the calibration's in-step step, now (see the docstring)
+        if no_gauges:  # the control of bench/gauge_interference.py: the step alone
+            probe = reference_s = float("nan")
+        else:
+            probe = speed_probe_s()  # the host's speed right now, in the calibration's units (see measure)
+            if not reference:  # (both run outside the trial's memory tracker: the reference has its own)
+                reference.append(in_step_training())
+            reference_s = reference_step_s(reference[0])  # the calibration's in-step step, now (see the docstring)
         start = time.perf_counter()
         result = original(*args, **kwargs)
         elapsed = time.perf_counter() - start
@@ -152,8 +156,10 @@ def worker(spec_path: str, out_dir: str) -> None:
 # -----------------------------------------------------------------------------------------------------------
 
 
-def measure(model: str, seq_len: int, ranks: int, techniques: dict, steps: int, attempts: int) -> dict:
-    """Launch the trial (as the local backend does) until a launch has clean steps; its steps, clean and contended."""
+def measure(model: str, seq_len: int, ranks: int, techniques: dict, steps: int, attempts: int,
+            gauges: bool = True) -> dict:
+    """Launch the trial (as the local backend does) until a launch has clean steps; its steps, clean and contended.
+    ``gauges=False`` times the steps without the drift gauges before each (their probe/reference seconds nan)."""
     from autotune.timing.calibration.sampling import wait_for_idle
     from trials.model_config import load_model_config
 
@@ -164,7 +170,7 @@ def measure(model: str, seq_len: int, ranks: int, techniques: dict, steps: int, 
         wait_for_idle(0.05, 120)
         with tempfile.TemporaryDirectory(prefix="autotune-fidelity-") as tmp:
             spec_path = Path(tmp) / "spec.json"
-            spec_path.write_text(json.dumps(spec))
+            spec_path.write_text(json.dumps(dict(spec, no_gauges=not gauges)))
             env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // ranks)),
                        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
             me = [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path), tmp]
@@ -245,10 +251,12 @@ def _self_check(calibration: dict) -> str:
 
 
 def summary_lines(rows: list[tuple]) -> list[str]:
-    """The verdict on rows of (ratio, config label, new?, ratio x drift): how many lie in ``RANGE``, raw and with
-    the drift divided out, and each column's offset (geometric mean ratio) and scatter (standard deviation of the
-    log ratios, ~ the relative spread). Offset is what a calibration taken at a faster or slower moment than the
-    trials moves; scatter is the model's own error between configs (plus measurement noise)."""
+    """The verdict on rows of (ratio, config label, new?, ratio x drift, measured seconds): how many lie in
+    ``RANGE``, raw and with the drift divided out, and each column's offset (geometric mean ratio) and scatter
+    (standard deviation of the log ratios, ~ the relative spread). Offset is what a calibration taken at a faster
+    or slower moment than the trials moves; scatter is the model's own error between configs (plus measurement
+    noise). Then how the raw ratio leans with the step's length: the correlation of log ratio with log measured
+    seconds, and the median ratio over the offset of short (< 1 s) and long (> 3 s) steps."""
     low, high = RANGE
     out = []
     for column, title in ((0, "raw ratios"), (3, "x drift")):
@@ -261,6 +269,16 @@ def summary_lines(rows: list[tuple]) -> list[str]:
         out.append(f"# {title}: {sum(low <= v <= high for v in values)}/{len(values)} within [{low}, {high}] "
                    f"({sum(low <= v <= high for v in new)}/{len(new)} of the new configs); {min(values):.2f}-"
                    f"{max(values):.2f}, offset {math.exp(statistics.fmean(logs)):.2f}, scatter {scatter:.3f}")
+    logs = [math.log(row[0]) for row in rows]
+    lengths = [math.log(row[4]) for row in rows]
+    if len(rows) > 2 and statistics.pstdev(lengths) and statistics.pstdev(logs):
+        offset = math.exp(statistics.fmean(logs))
+        short = [row[0] / offset for row in rows if row[4] < 1.0]
+        long_ = [row[0] / offset for row in rows if row[4] > 3.0]
+        out.append(f"# lean with length (raw): correlation of log ratio with log measured step "
+                   f"{statistics.correlation(lengths, logs):.2f}; ratio / offset, median of steps < 1 s "
+                   f"{statistics.median(short) if short else float('nan'):.2f} ({len(short)}), > 3 s "
+                   f"{statistics.median(long_) if long_ else float('nan'):.2f} ({len(long_)})")
     worst = max(rows, key=lambda row: max(row[0], 1 / row[0]))
     out.append(f"worst (raw): {worst[1]}  ratio {worst[0]:.2f}")
     return out
@@ -280,7 +298,8 @@ def read_rows(table: Path) -> list[tuple]:
         value = dict(zip(columns, (float(x) for x in line[len(name):].split())))
         # the ratio again from the two times (4 decimals), where the ratio column's 2 would put 0.7955 inside as 0.80
         ratio = value["predicted_s"] / value["measured_s"]
-        rows.append((ratio, name, names.index(name) >= NEW_FROM, ratio * value["drift"] if "drift" in value else None))
+        rows.append((ratio, name, names.index(name) >= NEW_FROM, ratio * value["drift"] if "drift" in value else None,
+                     value["measured_s"]))
     return rows
 
 
@@ -369,7 +388,8 @@ def main(argv=None) -> int:
             lines.append(line)
             continue
         ratio = record.step_time_s / measured["step_time_s"]
-        rows.append((ratio, name, CONFIGS.index(configs[index]) >= NEW_FROM, ratio * measured["drift"]))
+        rows.append((ratio, name, CONFIGS.index(configs[index]) >= NEW_FROM, ratio * measured["drift"],
+                     measured["step_time_s"]))
         parts = (f"c {timing.compute_s:.3f} r {timing.recompute_s:.3f} comm {timing.exposed_comm_s:.3f} "
                  f"host {timing.exposed_host_s:.3f} opt {timing.optimizer_s:.3f}") if timing else ""
         line = (f"{name:60s} {measured['step_time_s']:10.4f} {measured['spread']:6.2f} {measured['slowdown']:5.2f} "
