@@ -6,7 +6,7 @@ where the kernels are negligible. Short fidelity steps read ~5-10% under-predict
 (bench/results/throughput_fidelity_summary.txt, the "lean" lines). This bench measures the same quantity the
 calibration's way -- one plain step's wall time minus the kernels of a step timed by the calibration's own
 ``_kernel_timer``, over ``StepCounter``'s dispatches, median of 9 pairs -- for models of other depths and token
-counts, in rounds (so the host's drift moves every case alike), and prints each case's median per dispatch and
+counts, vocabularies and widths, in rounds (so the host's drift moves every case alike), and prints each case's median per dispatch and
 its ratio to the calibration's case measured in the same rounds.
 
     .venv/bin/python bench/dispatch_overhead.py --rounds 3
@@ -66,7 +66,11 @@ def main(argv=None) -> int:
              (f"tiny-llama, {tiny['num_hidden_layers']} layers, 16 tokens", tiny, 16),
              (f"tiny-llama, {tiny['num_hidden_layers']} layers, 256 tokens", tiny, 256),
              (f"tiny-llama, {tiny['num_hidden_layers']} layers, 1024 tokens", tiny, 1024),
-             ("tiny-llama, 2 layers, 1024 tokens", dict(tiny, num_hidden_layers=2), 1024)]
+             ("tiny-llama, 2 layers, 1024 tokens", dict(tiny, num_hidden_layers=2), 1024),
+             ("tiny-llama, vocabulary 256, 1024 tokens", dict(tiny, vocab_size=256), 1024),
+             ("tiny-llama, vocabulary 256, hidden 2x, 1024 tokens",
+              dict(tiny, vocab_size=256, hidden_size=2 * tiny["hidden_size"],
+                   intermediate_size=2 * tiny["intermediate_size"]), 1024)]
     started = time.time()
     values: dict[str, list[float]] = {name: [] for name, _, _ in cases}
     dispatches: dict[str, int] = {}
