@@ -240,14 +240,19 @@ def predict(model: str, seq_len: int, ranks: int, techniques: dict, hardware):
 
 
 def _self_check(calibration: dict) -> str:
-    """The calibration's own check: its 1-rank in-step training step predicted from the rates it measured, over
-    that step's measured wall time (on several ranks ``rank_imbalance`` is fitted to that residual, so only 1 rank
-    says anything)."""
-    in_step = calibration["worlds"]["1"].get("in_step", {})
-    if not in_step.get("wall_s") or not in_step.get("predicted_s"):
+    """The calibration's own check: each world's in-step training step predicted from the rates it measured, over
+    that step's measured wall time. On several ranks ``rank_imbalance`` is then fitted to that residual, so 1 rank
+    is the real check; a world far below 1 (a fast rank 0 beside a slow peer) says its rates are optimistic."""
+    parts = []
+    for world, data in sorted(calibration["worlds"].items(), key=lambda item: int(item[0])):
+        in_step = data.get("in_step", {})
+        if in_step.get("wall_s") and in_step.get("predicted_s"):
+            parts.append(f"{world} rank(s) {in_step['predicted_s']:.4f} s / {in_step['wall_s']:.4f} s = "
+                         f"{in_step['predicted_s'] / in_step['wall_s']:.2f}"
+                         + (f" (rank_imbalance {data.get('rank_imbalance', 0.0):.3f})" if int(world) > 1 else ""))
+    if not parts:
         return "# calibration self-check: not recorded (an older calibration)"
-    return (f"# calibration self-check: its 1-rank in-step step predicted {in_step['predicted_s']:.4f} s, measured "
-            f"{in_step['wall_s']:.4f} s (ratio {in_step['predicted_s'] / in_step['wall_s']:.2f})")
+    return "# calibration self-check, its in-step step predicted / measured: " + "; ".join(parts)
 
 
 def summary_lines(rows: list[tuple]) -> list[str]:
