@@ -55,7 +55,7 @@ def build(model: str, seq_len: int, techniques: dict):
 def predicted_by_kind(training, seq_len: int, rates, techniques) -> tuple[dict, float]:
     from trials.step import train_step
     from autotune.timing.counting import StepCounter
-    from autotune.timing.model import attention_time, predict_step_time
+    from autotune.timing.model import attention_time, host_overhead_s, predict_step_time, work_by_kind
 
     model_, optimizer, batch, mesh, tracker = training
     with tracker:
@@ -63,16 +63,15 @@ def predicted_by_kind(training, seq_len: int, rates, techniques) -> tuple[dict, 
         with counter:
             train_step(model_, optimizer, batch, mesh, tracker)
     counts = counter.counts
-    phases = [p for p in counts.phases]
-    work_phases = [p for p in phases if p != "optimizer"]
-    out = {
-        "matmul": sum(counts.phases[p].matmul_flops for p in work_phases) / (rates.bf16_flops * rates.matmul_efficiency),
-        "attention": attention_time(counts, work_phases, rates) or 0.0,
-        "elementwise": sum(counts.phases[p].elementwise_bytes for p in work_phases) * rates.elementwise_traffic_factor
-        / (rates.hbm_bytes_per_s * rates.elementwise_efficiency),
-        "overhead": sum(counts.phases[p].ops * rates.op_overhead_s + counts.phases[p].views * rates.view_overhead_s
-                        for p in phases),
-    }
+    out = dict.fromkeys(KINDS, 0.0)
+    for phase, pc in counts.phases.items():  # the model's own per-phase terms (autotune.timing.model)
+        out["overhead"] += host_overhead_s(pc, rates)
+        if phase == "optimizer":
+            continue
+        work = work_by_kind(pc, rates, attention_time(counts, (phase,), rates))
+        out["matmul"] += work["matmul"]
+        out["attention"] += work["attention"] + work["attention_backward"]
+        out["elementwise"] += work["elementwise"]
     step = predict_step_time(counts, rates, 1, techniques, seq_len=seq_len).step_time_s
     return out, step
 

@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -255,41 +256,50 @@ def _self_check(calibration: dict) -> str:
     return "# calibration self-check, its in-step step predicted / measured: " + "; ".join(parts)
 
 
-def summary_lines(rows: list[tuple]) -> list[str]:
-    """The verdict on rows of (ratio, config label, new?, ratio x drift, measured seconds): how many lie in
-    ``RANGE``, raw and with the drift divided out, and each column's offset (geometric mean ratio) and scatter
-    (standard deviation of the log ratios, ~ the relative spread). Offset is what a calibration taken at a faster
-    or slower moment than the trials moves; scatter is the model's own error between configs (plus measurement
-    noise). Then how the raw ratio leans with the step's length: the correlation of log ratio with log measured
-    seconds, and the median ratio over the offset of short (< 1 s) and long (> 3 s) steps."""
+class Row(NamedTuple):
+    """One config's result as the verdict takes it."""
+
+    ratio: float              # predicted / measured step time
+    label: str
+    new: bool                 # one of the issue-17 configs, unlike the calibration's shapes
+    x_drift: float | None     # ratio with the drift divided out (None: a table from before the drift gauge)
+    measured_s: float
+
+
+def summary_lines(rows: list[Row]) -> list[str]:
+    """The verdict on ``rows``: how many lie in ``RANGE``, raw and with the drift divided out, and each column's
+    offset (geometric mean ratio) and scatter (standard deviation of the log ratios, ~ the relative spread).
+    Offset is what a calibration taken at a faster or slower moment than the trials moves; scatter is the model's
+    own error between configs (plus measurement noise). Then how the raw ratio leans with the step's length: the
+    correlation of log ratio with log measured seconds, and the median ratio over the offset of short (< 1 s) and
+    long (> 3 s) steps."""
     low, high = RANGE
     out = []
-    for column, title in ((0, "raw ratios"), (3, "x drift")):
-        values = [row[column] for row in rows]
+    for title, values, new in (("raw ratios", [r.ratio for r in rows], [r.ratio for r in rows if r.new]),
+                               ("x drift", [r.x_drift for r in rows], [r.x_drift for r in rows if r.new])):
         if None in values:  # a table from before the drift gauge
             continue
-        new = [row[column] for row in rows if row[2]]
         logs = [math.log(v) for v in values]
         scatter = statistics.stdev(logs) if len(logs) > 1 else 0.0
         out.append(f"# {title}: {sum(low <= v <= high for v in values)}/{len(values)} within [{low}, {high}] "
                    f"({sum(low <= v <= high for v in new)}/{len(new)} of the new configs); {min(values):.2f}-"
                    f"{max(values):.2f}, offset {math.exp(statistics.fmean(logs)):.2f}, scatter {scatter:.3f}")
-    logs = [math.log(row[0]) for row in rows]
-    lengths = [math.log(row[4]) for row in rows]
+    logs = [math.log(r.ratio) for r in rows]
+    lengths = [math.log(r.measured_s) for r in rows]
     if len(rows) > 2 and statistics.pstdev(lengths) and statistics.pstdev(logs):
         offset = math.exp(statistics.fmean(logs))
-        short = [row[0] / offset for row in rows if row[4] < 1.0]
-        long_ = [row[0] / offset for row in rows if row[4] > 3.0]
+        short = [r.ratio / offset for r in rows if r.measured_s < 1.0]
+        long_ = [r.ratio / offset for r in rows if r.measured_s > 3.0]
         out.append(f"# lean with length (raw): correlation of log ratio with log measured step "
                    f"{statistics.correlation(lengths, logs):.2f}; ratio / offset, median of steps < 1 s "
                    f"{statistics.median(short) if short else float('nan'):.2f} ({len(short)}), > 3 s "
                    f"{statistics.median(long_) if long_ else float('nan'):.2f} ({len(long_)})")
-    worst = max(rows, key=lambda row: max(row[0], 1 / row[0]))
-    out.append(f"worst (raw): {worst[1]}  ratio {worst[0]:.2f}")
+    worst = max(rows, key=lambda r: max(r.ratio, 1 / r.ratio))
+    out.append(f"worst (raw): {worst.label}  ratio {worst.ratio:.2f}")
     return out
 
 
-def read_rows(table: Path) -> list[tuple]:
+def read_rows(table: Path) -> list[Row]:
     """The rows of a table this bench wrote (``--summarize``), as ``summary_lines`` takes them."""
     names = [label(*config) for config in CONFIGS]
     columns, rows = [], []
@@ -303,8 +313,8 @@ def read_rows(table: Path) -> list[tuple]:
         value = dict(zip(columns, (float(x) for x in line[len(name):].split())))
         # the ratio again from the two times (4 decimals), where the ratio column's 2 would put 0.7955 inside as 0.80
         ratio = value["predicted_s"] / value["measured_s"]
-        rows.append((ratio, name, names.index(name) >= NEW_FROM, ratio * value["drift"] if "drift" in value else None,
-                     value["measured_s"]))
+        rows.append(Row(ratio, name, names.index(name) >= NEW_FROM,
+                        ratio * value["drift"] if "drift" in value else None, value["measured_s"]))
     return rows
 
 
@@ -393,8 +403,8 @@ def main(argv=None) -> int:
             lines.append(line)
             continue
         ratio = record.step_time_s / measured["step_time_s"]
-        rows.append((ratio, name, CONFIGS.index(configs[index]) >= NEW_FROM, ratio * measured["drift"],
-                     measured["step_time_s"]))
+        rows.append(Row(ratio, name, CONFIGS.index(configs[index]) >= NEW_FROM, ratio * measured["drift"],
+                        measured["step_time_s"]))
         parts = (f"c {timing.compute_s:.3f} r {timing.recompute_s:.3f} comm {timing.exposed_comm_s:.3f} "
                  f"host {timing.exposed_host_s:.3f} opt {timing.optimizer_s:.3f}") if timing else ""
         line = (f"{name:60s} {measured['step_time_s']:10.4f} {measured['spread']:6.2f} {measured['slowdown']:5.2f} "

@@ -74,21 +74,34 @@ def attention_time(counts: StepCounts, phases, r: Rates) -> float | None:
     return total
 
 
-def _phase_time(pc: PhaseCounts, r: Rates, attention_s: float | None = None) -> tuple[float, float]:
-    """(device work seconds, host overhead seconds) of one phase."""
-    work = 0.0
+def work_by_kind(pc: PhaseCounts, r: Rates, attention_s: float | None = None) -> dict[str, float]:
+    """Device work seconds of one phase by kind: matmul, attention (``attention_s`` when the calls' shapes were
+    kept, else the forward FLOPs at the flat efficiency, with the backward's under ``attention_backward``) and
+    elementwise. Summed in this order, they are the phase's work."""
+    work = {"matmul": 0.0, "attention": 0.0, "attention_backward": 0.0, "elementwise": 0.0}
     if pc.matmul_flops:
-        work += pc.matmul_flops / (r.bf16_flops * r.matmul_efficiency)
+        work["matmul"] = pc.matmul_flops / (r.bf16_flops * r.matmul_efficiency)
     if attention_s is not None:
-        work += attention_s
+        work["attention"] = attention_s
     else:
         if pc.attention_flops:
-            work += pc.attention_flops / (r.bf16_flops * r.attention_efficiency)
+            work["attention"] = pc.attention_flops / (r.bf16_flops * r.attention_efficiency)
         if pc.attention_bwd_flops:
-            work += pc.attention_bwd_flops / (r.bf16_flops * r.attention_backward_efficiency)
+            work["attention_backward"] = pc.attention_bwd_flops / (r.bf16_flops * r.attention_backward_efficiency)
     if pc.elementwise_bytes:
-        work += pc.elementwise_bytes * r.elementwise_traffic_factor / (r.hbm_bytes_per_s * r.elementwise_efficiency)
-    return work, pc.ops * r.op_overhead_s + pc.views * r.view_overhead_s
+        work["elementwise"] = (pc.elementwise_bytes * r.elementwise_traffic_factor
+                               / (r.hbm_bytes_per_s * r.elementwise_efficiency))
+    return work
+
+
+def host_overhead_s(pc: PhaseCounts, r: Rates) -> float:
+    """Host seconds of one phase's dispatches (per-op and per-view overhead)."""
+    return pc.ops * r.op_overhead_s + pc.views * r.view_overhead_s
+
+
+def _phase_time(pc: PhaseCounts, r: Rates, attention_s: float | None = None) -> tuple[float, float]:
+    """(device work seconds, host overhead seconds) of one phase."""
+    return sum(work_by_kind(pc, r, attention_s).values()), host_overhead_s(pc, r)
 
 
 def _combine(work: float, overhead: float, r: Rates) -> float:
