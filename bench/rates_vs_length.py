@@ -83,7 +83,6 @@ def measured_by_kind(training, timer) -> dict:
     out = {kind: sum(s for (phase, k), s in kernels.items() if k == kind and phase != "optimizer")
            for kind in ("matmul", "attention", "elementwise")}
     out["overhead"] = wall - sum(kernels.values())
-    out["optimizer"] = sum(s for (phase, _), s in kernels.items() if phase == "optimizer")
     out["wall"] = wall
     return out
 
@@ -124,8 +123,9 @@ def main(argv=None) -> int:
                 measured_by_kind(trainings[L], timers[L])  # warm-up: the previous length left other buffers
                 before = cpu_snapshot()
                 got = measured_by_kind(trainings[L], timers[L])
-                if others_share(before, cpu_snapshot()) <= CONTENDED or attempt == 4:
-                    contended += attempt == 4 and others_share(before, cpu_snapshot()) > CONTENDED
+                busy = others_share(before, cpu_snapshot()) > CONTENDED
+                if not busy or attempt == 4:
+                    contended += busy
                     samples[L].append(got)
                     break
                 time.sleep(1.0)
