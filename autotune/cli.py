@@ -719,7 +719,8 @@ def calibrate(
     name: Optional[str] = typer.Option(None, help="save as a user preset, usable as --hardware NAME everywhere"),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="write the preset YAML to this file instead"),
     model: str = typer.Option("llama3-8b", help="model whose GEMM shapes and head dim to measure (GPU presets)"),
-    repeats: int = ranged_option("--repeats", 2, "CPU: calibration runs, best of each rate kept, spread recorded"),
+    repeats: int = ranged_option("--repeats", 2, "CPU: calibration runs per world; the whole run whose own training "
+                                                 "step its rates predict best is kept, spread recorded"),
     check: bool = typer.Option(False, "--check", help="measure nothing new: re-time the reference workload of the "
                                                       "preset --hardware names and say how far this machine moved "
                                                       "since it was calibrated (seconds)"),

@@ -1,11 +1,13 @@
 """How alike are a calibration's repeats of one world? Each repeat's own self-check beside the merged result.
 
-``autotune calibrate`` measures each world size twice and keeps each number's best (``calibrate._best_of``:
-fastest rates, lowest overheads, wall times and rank imbalance). Trials are timed at their median step. This runs
+``autotune calibrate`` measures each world size ``--repeats`` times (2 by default) and keeps one whole repeat
+(``calibrate._pick_repeat``: fewest contended benchmarks, then the in-step self-check nearest 1). Until
+2026-11-24 it kept the best of each number across repeats instead (fastest rates, lowest overheads and rank
+imbalance), which this bench's first run showed pairs one repeat's rates with another's imbalance. This runs
 ``--repeats`` repeats of one world (``calibrate._run_workers``, what ``calibrate`` runs) and prints, per repeat,
 its in-step step predicted from its own rates over its measured wall time, its attention factor, rank imbalance
-and matmul rate; then the same for the best-of merge of the first two (what ``calibrate`` would keep) and the
-repeats' median wall time against the merge's.
+and matmul rate; then which of the first two ``calibrate --repeats 2`` would keep, and the repeats' median wall
+time against the kept one's.
 
     .venv/bin/python bench/calibration_repeats.py --world 2 --repeats 3
 """
@@ -36,7 +38,7 @@ def main(argv=None) -> int:
 
     import os
 
-    from autotune.timing.calibration import _best_of, _run_workers
+    from autotune.timing.calibration import _pick_repeat, _run_workers
 
     threads = max(1, (os.cpu_count() or 1) // args.world)
     started = time.time()
@@ -44,11 +46,11 @@ def main(argv=None) -> int:
     for index in range(args.repeats):
         runs.append(_run_workers(args.world, threads))
         print(f"repeat {index + 1}/{args.repeats}: {describe(runs[-1])}", flush=True)
-    merged = _best_of(runs[:2])
-    print(f"best-of repeats 1-2 (what calibrate keeps): {describe(merged)}")
+    kept = _pick_repeat(runs[:2])
+    print(f"of repeats 1-2, calibrate --repeats 2 keeps repeat {kept + 1}: {describe(runs[kept])}")
     walls = [r["in_step"]["wall_s"] for r in runs]
     print(f"# {args.world} rank(s) x {threads} thread(s); took {time.time() - started:.0f} s")
-    print(f"median repeat wall / best-of wall: {statistics.median(walls) / merged['in_step']['wall_s']:.2f} "
+    print(f"median repeat wall / kept wall: {statistics.median(walls) / runs[kept]['in_step']['wall_s']:.2f} "
           f"(repeats' walls {min(walls):.4f}-{max(walls):.4f} s)")
     return 0
 

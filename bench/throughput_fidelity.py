@@ -250,10 +250,19 @@ def _self_check(calibration: dict) -> str:
         if in_step.get("wall_s") and in_step.get("predicted_s"):
             parts.append(f"{world} rank(s) {in_step['predicted_s']:.4f} s / {in_step['wall_s']:.4f} s = "
                          f"{in_step['predicted_s'] / in_step['wall_s']:.2f}"
-                         + (f" (rank_imbalance {data.get('rank_imbalance', 0.0):.3f})" if int(world) > 1 else ""))
+                         + (f" (rank_imbalance {data.get('rank_imbalance', 0.0):.3f})" if int(world) > 1 else "")
+                         + _repeats_note(calibration.get("repeats", {}).get(world)))
     if not parts:
         return "# calibration self-check: not recorded (an older calibration)"
     return "# calibration self-check, its in-step step predicted / measured: " + "; ".join(parts)
+
+
+def _repeats_note(repeats: dict | None) -> str:
+    """Which of a world's calibration runs was kept, beside every run's self-check (calibrations since
+    2026-11-24 keep one whole run; older ones merged the best of each number and record nothing here)."""
+    if not repeats:
+        return ""
+    return f" [kept run {repeats['kept']} of " + "/".join(f"{c:.2f}" for c in repeats["self_checks"]) + "]"
 
 
 class Row(NamedTuple):
@@ -362,7 +371,8 @@ def main(argv=None) -> int:
 
     started = time.time()
     # predictions and measurements side by side: one fresh `autotune calibrate`, not hours ago (this shared
-    # host's speed drifts); best of several runs: one run can come out 1.6x (kernels) or 3x (gloo) slow
+    # host's speed drifts); several runs per world, the one whose rates best predict its own step kept: one run
+    # can come out 1.6x (kernels) or 3x (gloo) slow
     preset = Path(args.preset) if args.preset else REPO / "bench" / "results" / "calibrated-cpu.yaml"
     if not args.preset:
         subprocess.run([sys.executable, "-m", "autotune.cli", "calibrate", "--hardware", "cpu", "-o", str(preset),

@@ -138,6 +138,31 @@ def test_calibrate_writes_a_cpu_preset_that_search_and_estimate_accept(tmp_path,
     assert hw.rates_for(1).bf16_flops == hw.calibration["worlds"]["1"]["in_step"]["matmul_flops"]
 
 
+def _repeat(predicted_s: float, wall_s: float, matmul: float, imbalance: float, contended=()) -> dict:
+    return {"threads": 1, "world_size": 2, "matmul_flops": matmul, "rank_imbalance": imbalance,
+            "contended": list(contended), "in_step": {"predicted_s": predicted_s, "wall_s": wall_s}}
+
+
+def test_calibrate_keeps_one_whole_repeat_per_world_the_one_its_own_step_explains_best(monkeypatch):
+    """Never the fastest rate of one repeat beside the lowest imbalance of another: that pairing predicts steps of
+    several ranks too short. Contended repeats lose first; then the self-check nearest 1 wins, either side."""
+    import autotune.timing.calibration as calibration
+
+    repeats = {1: [_repeat(0.80, 1.0, 9e10, 0.0), _repeat(1.05, 1.0, 6e10, 0.0), _repeat(0.97, 1.0, 7e10, 0.0)],
+               2: [_repeat(0.266, 0.28, 6e10, 0.07), _repeat(0.2574, 0.26, 7e10, 0.17, contended=["gloo"]),
+                   _repeat(0.2132, 0.26, 8e10, 0.28)]}
+    served = {1: iter(repeats[1]), 2: iter(repeats[2])}
+    monkeypatch.setattr(calibration, "world_sizes", lambda: [1, 2])
+    monkeypatch.setattr(calibration, "wait_for_idle", lambda timeout_s: 0.0)
+    monkeypatch.setattr(calibration, "_run_workers", lambda world, threads: next(served[world]))
+    result = calibration.calibrate(repeats=3)
+    assert result["worlds"]["1"] is repeats[1][2]           # 0.97 is nearer 1 than 1.05 or 0.80
+    assert result["worlds"]["2"] is repeats[2][0]           # 0.99 was contended; 0.95 beats 0.82
+    assert result["repeats"]["2"] == {"kept": 1, "self_checks": [0.95, 0.99, 0.82]}
+    assert result["repeats"]["1"]["self_checks"] == [0.8, 1.05, 0.97]
+    assert result["spread"]["2"]["matmul_flops"] == pytest.approx((8e10 - 6e10) / 8e10, abs=1e-4)
+
+
 def _with_reference_step(data: dict, wall_s: float) -> dict:
     data["calibration"]["worlds"]["1"]["in_step"]["wall_s"] = wall_s
     return data
