@@ -262,7 +262,7 @@ def _repeats_note(repeats: dict | None) -> str:
     2026-11-24 keep one whole run; older ones merged the best of each number and record nothing here)."""
     if not repeats:
         return ""
-    return f" [kept run {repeats['kept']} of " + "/".join(f"{c:.2f}" for c in repeats["self_checks"]) + "]"
+    return " [runs " + "/".join(f"{c:.2f}" for c in repeats["self_checks"]) + f", run {repeats['kept']} kept]"
 
 
 class Row(NamedTuple):
