@@ -273,6 +273,7 @@ class Row(NamedTuple):
     new: bool                 # one of the issue-17 configs, unlike the calibration's shapes
     x_drift: float | None     # ratio with the drift divided out (None: a table from before the drift gauge)
     measured_s: float
+    ranks: int
 
 
 def summary_lines(rows: list[Row]) -> list[str]:
@@ -281,7 +282,7 @@ def summary_lines(rows: list[Row]) -> list[str]:
     Offset is what a calibration taken at a faster or slower moment than the trials moves; scatter is the model's
     own error between configs (plus measurement noise). Then how the raw ratio leans with the step's length: the
     correlation of log ratio with log measured seconds, and the median ratio over the offset of short (< 1 s) and
-    long (> 3 s) steps."""
+    long (> 3 s) steps; then the ratios per world size."""
     low, high = RANGE
     out = []
     for title, values, new in (("raw ratios", [r.ratio for r in rows], [r.ratio for r in rows if r.new]),
@@ -303,6 +304,11 @@ def summary_lines(rows: list[Row]) -> list[str]:
                    f"{statistics.correlation(lengths, logs):.2f}; ratio / offset, median of steps < 1 s "
                    f"{statistics.median(short) if short else float('nan'):.2f} ({len(short)}), > 3 s "
                    f"{statistics.median(long_) if long_ else float('nan'):.2f} ({len(long_)})")
+    # each world size is priced from its own calibrated world, so a world the calibration got wrong shows here
+    worlds = sorted({r.ranks for r in rows})
+    out.append("# by world (raw): " + "; ".join(
+        f"{w} rank(s) {min(v):.2f}-{max(v):.2f}, median {statistics.median(v):.2f} ({len(v)})"
+        for w in worlds for v in [[r.ratio for r in rows if r.ranks == w]]))
     worst = max(rows, key=lambda r: max(r.ratio, 1 / r.ratio))
     out.append(f"worst (raw): {worst.label}  ratio {worst.ratio:.2f}")
     return out
@@ -323,7 +329,8 @@ def read_rows(table: Path) -> list[Row]:
         # the ratio again from the two times (4 decimals), where the ratio column's 2 would put 0.7955 inside as 0.80
         ratio = value["predicted_s"] / value["measured_s"]
         rows.append(Row(ratio, name, names.index(name) >= NEW_FROM,
-                        ratio * value["drift"] if "drift" in value else None, value["measured_s"]))
+                        ratio * value["drift"] if "drift" in value else None, value["measured_s"],
+                        CONFIGS[names.index(name)][2]))
     return rows
 
 
@@ -414,7 +421,7 @@ def main(argv=None) -> int:
             continue
         ratio = record.step_time_s / measured["step_time_s"]
         rows.append(Row(ratio, name, CONFIGS.index(configs[index]) >= NEW_FROM, ratio * measured["drift"],
-                        measured["step_time_s"]))
+                        measured["step_time_s"], ranks))
         parts = (f"c {timing.compute_s:.3f} r {timing.recompute_s:.3f} comm {timing.exposed_comm_s:.3f} "
                  f"host {timing.exposed_host_s:.3f} opt {timing.optimizer_s:.3f}") if timing else ""
         line = (f"{name:60s} {measured['step_time_s']:10.4f} {measured['spread']:6.2f} {measured['slowdown']:5.2f} "
