@@ -24,9 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def describe(result: dict) -> str:
+    from autotune.timing.calibration import self_check
+
     in_step = result["in_step"]
     return (f"in-step predicted {in_step['predicted_s']:.4f} s / wall {in_step['wall_s']:.4f} s = "
-            f"{in_step['predicted_s'] / in_step['wall_s']:.2f}; attention factor {in_step['attention_factor']:.2f}; "
+            f"{self_check(result):.2f}; attention factor {in_step['attention_factor']:.2f}; "
             f"rank imbalance {result['rank_imbalance']:.3f}; in-step matmul {in_step['matmul_flops']:.3g} FLOP/s")
 
 

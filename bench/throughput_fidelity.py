@@ -244,12 +244,14 @@ def _self_check(calibration: dict) -> str:
     """The calibration's own check: each world's in-step training step predicted from the rates it measured, over
     that step's measured wall time. On several ranks ``rank_imbalance`` is then fitted to that residual, so 1 rank
     is the real check; a world far below 1 (a fast rank 0 beside a slow peer) says its rates are optimistic."""
+    from autotune.timing.calibration import self_check
+
     parts = []
     for world, data in sorted(calibration["worlds"].items(), key=lambda item: int(item[0])):
         in_step = data.get("in_step", {})
         if in_step.get("wall_s") and in_step.get("predicted_s"):
             parts.append(f"{world} rank(s) {in_step['predicted_s']:.4f} s / {in_step['wall_s']:.4f} s = "
-                         f"{in_step['predicted_s'] / in_step['wall_s']:.2f}"
+                         f"{self_check(data):.2f}"
                          + (f" (rank_imbalance {data.get('rank_imbalance', 0.0):.3f})" if int(world) > 1 else "")
                          + _repeats_note(calibration.get("repeats", {}).get(world)))
     if not parts:

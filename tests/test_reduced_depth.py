@@ -110,7 +110,7 @@ def test_a_local_search_runs_long_lengths_reduced_within_a_deadline_full_depth_w
 
     # deep enough that the shipped cpu preset's typical machine puts the full-depth trial well past the deadline
     layers, deadline_s = 160, 100
-    model = tmp_path / "tiny-llama-96.json"
+    model = tmp_path / f"tiny-llama-{layers}.json"
     model.write_text(json.dumps(dict(load_model_config("tiny-llama"), num_hidden_layers=layers)))
     space = tmp_path / "space.yaml"
     space.write_text("schema: autotune/space-v1\nseq_len: {min_fraction: 0.5, max_fraction: 1.0, "

@@ -82,17 +82,18 @@ def calibrate(quiet: bool = True, repeats: int = 1, max_world: int | None = None
         kept = _pick_repeat(runs)
         result["worlds"][str(world)] = runs[kept]
         if len(runs) > 1:
+            checks = [self_check(run) for run in runs]
             result.setdefault("spread", {})[str(world)] = _spread_of(runs)
-            result.setdefault("repeats", {})[str(world)] = {"kept": kept + 1, "self_checks": [
-                round(_self_check(run), 4) for run in runs]}
+            result.setdefault("repeats", {})[str(world)] = {"kept": kept + 1,
+                                                            "self_checks": [round(c, 4) for c in checks]}
             if not quiet:
                 print(f"  {world} rank(s): kept run {kept + 1} of {len(runs)} (in-step predicted / measured "
-                      + ", ".join(f"{_self_check(run):.2f}" for run in runs) + ")", file=sys.stderr, flush=True)
+                      + ", ".join(f"{c:.2f}" for c in checks) + ")", file=sys.stderr, flush=True)
     return result
 
 
-def _self_check(run: dict) -> float:
-    """A repeat's in-step training step predicted from the rates the same repeat measured (before any
+def self_check(run: dict) -> float:
+    """A repeat's (or a calibrated world's) in-step training step predicted from the rates the same repeat measured (before any
     ``rank_imbalance``), over that step's measured wall time: how well its microbenchmarks explain a real step
     timed minutes later in the same run."""
     return run["in_step"]["predicted_s"] / run["in_step"]["wall_s"]
@@ -109,7 +110,7 @@ def _pick_repeat(runs: list[dict]) -> int:
     is the repeat whose microbenchmarks best explain its own real step -- one where gloo or a kernel came out
     several times slow, or rank 0 ran beside a slow peer, is far from 1."""
     return min(range(len(runs)), key=lambda i: (len(runs[i].get("contended", ())),
-                                                abs(math.log(_self_check(runs[i])))))
+                                                abs(math.log(self_check(runs[i])))))
 
 
 def _spread_of(runs: list[dict]) -> dict:
