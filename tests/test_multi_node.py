@@ -205,6 +205,26 @@ def test_slurm_export_is_an_sbatch_script_for_the_config_nodes(tmp_path):
     assert exporter.launch("train.sbatch", load_config_file_from(text)) == "STEPS=100 sbatch train.sbatch"
 
 
+def test_the_sbatch_script_takes_the_first_host_of_a_long_node_list(tmp_path):
+    """The script reads the head node without a pipe into ``head``: under ``pipefail`` an ``scontrol`` killed by
+    SIGPIPE after ``head`` took its line failed the job before ``srun`` (seen in CI with a two-line stand-in)."""
+    _front(tmp_path, {"ulysses_degree": 2, "attention": "sdpa"})
+    script = tmp_path / "train.sbatch"
+    assert main(["export", str(tmp_path), "--format", "slurm", "-o", str(script)]) == 0
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # far more than a pipe holds, so a reader that stops after one line always leaves scontrol writing into a closed pipe
+    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\nseq -f 'node%g' 1 200000\n")
+    (bin_dir / "srun").write_text('#!/usr/bin/env bash\necho "$head_node:$port" > "$OUT_DIR/endpoint"\n')
+    for name in ("scontrol", "srun"):
+        (bin_dir / name).chmod((bin_dir / name).stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT_DIR": str(tmp_path),
+           "SLURM_JOB_NODELIST": "node[1-200000]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242", "RDZV_PORT": "29511"}
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "endpoint").read_text() == "node1:29511\n"
+
+
 def load_config_file_from(script: str):
     body = script.split("<<'JSON'\n", 1)[1].split("\nJSON\n", 1)[0]
     return parse_config(json.loads(body))
@@ -303,7 +323,9 @@ def test_the_sbatch_script_trains_on_two_nodes_under_srun(tmp_path):
            "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242", "STEPS": "1",
            "RDZV_PORT": str(_free_port()), "PYTHON": sys.executable}
     done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    logs = "".join((tmp_path / f"node{n}.log").read_text() for n in (0, 1))
+    node_logs = [tmp_path / f"node{n}.log" for n in (0, 1)]
+    assert all(log.exists() for log in node_logs), f"srun never started (exit {done.returncode}): {done.stderr}"
+    logs = "".join(log.read_text() for log in node_logs)
     assert done.returncode == 0, done.stderr + logs[-3000:]
     summary = [json.loads(line.split(" ", 1)[1]) for line in logs.splitlines() if line.startswith("summary {")]
     one = _cli("trial", "--model", "tiny-llama", "--seq", "1K", "--config",

@@ -16,7 +16,7 @@ end the driver publishes ``stop`` (with ``trial``'s merged record, which every f
 the followers to read it.
 
 Under Slurm, ``srun`` runs the same command on every node with ``HOST`` the first node of the allocation
-(``scontrol show hostnames | head -1``); on one machine, two agents on 127.0.0.1 act as two nodes (the tests).
+(the first line of ``scontrol show hostnames``); on one machine, two agents on 127.0.0.1 act as two nodes (the tests).
 """
 
 from __future__ import annotations
