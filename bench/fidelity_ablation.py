@@ -9,11 +9,15 @@ variant's: below 1, the model misses time that the added techniques cost. Passes
 drift moves them alike.
 
     .venv/bin/python bench/fidelity_ablation.py --preset bench/results/calibrated-cpu.yaml
+
+Any other config and variants: ``--model M --seq N --ranks R --variant JSON --variant JSON ...`` (the first
+variant is the base), e.g. plain against checkpointed to see whether recompute is priced right.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -37,27 +41,33 @@ def main(argv=None) -> int:
                                                         "is the drift gauge's reference)")
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--model", default=MODEL)
+    parser.add_argument("--seq", type=int, default=SEQ_LEN)
+    parser.add_argument("--ranks", type=int, default=RANKS)
+    parser.add_argument("--variant", action="append", type=json.loads, metavar="JSON",
+                        help="techniques of one variant (repeat; the first is the base); default: the low config's subsets")
     parser.add_argument("--out", default=str(fidelity.REPO / "bench" / "results" / "fidelity_ablation.txt"))
     args = parser.parse_args(argv)
+    model, seq_len, ranks, variants = args.model, args.seq, args.ranks, args.variant or VARIANTS
 
     from autotune.core.hardware import load_hardware
 
     started = time.time()
     hardware = load_hardware(args.preset)
-    calibrated = hardware.calibration["worlds"][str(RANKS)]
-    launches = [[] for _ in VARIANTS]
+    calibrated = hardware.calibration["worlds"][str(ranks)]
+    launches = [[] for _ in variants]
     for pass_index in range(args.passes):
-        for index, techniques in enumerate(VARIANTS):
+        for index, techniques in enumerate(variants):
             print(f"pass {pass_index + 1}/{args.passes}: {fidelity.describe(techniques)}", file=sys.stderr, flush=True)
-            launches[index].append(fidelity.measure(MODEL, SEQ_LEN, RANKS, techniques, args.steps, attempts=3))
-    lines = [f"# {MODEL} {SEQ_LEN // 1024}K x{RANKS}, preset {Path(args.preset).name} "
+            launches[index].append(fidelity.measure(model, seq_len, ranks, techniques, args.steps, attempts=3))
+    lines = [f"# {model} {seq_len // 1024}K x{ranks}, preset {Path(args.preset).name} "
              f"(calibrated {hardware.calibrated['measured_at']}), {args.passes} passes x {args.steps} steps",
              f"{'variant':40s} {'measured_s':>10s} {'spread':>6s} {'drift':>6s} {'predicted_s':>11s} {'ratio':>6s} "
-             f"{'x drift':>7s} {'vs base':>7s}  predicted host/opt"]
+             f"{'x drift':>7s} {'vs base':>7s}  predicted recompute/host/opt"]
     base = None
-    for techniques, measured_launches in zip(VARIANTS, launches):
+    for techniques, measured_launches in zip(variants, launches):
         measured = fidelity._combine(measured_launches, calibrated.get("probe_s"), calibrated["in_step"]["wall_s"])
-        record, timing = fidelity.predict(MODEL, SEQ_LEN, RANKS, techniques, hardware)
+        record, timing = fidelity.predict(model, seq_len, ranks, techniques, hardware)
         if "error" in measured or record.step_time_s is None:
             lines.append(f"{fidelity.describe(techniques):40s} error: {measured.get('error') or record.error}")
             continue
@@ -66,7 +76,7 @@ def main(argv=None) -> int:
         base = base or drifted
         lines.append(f"{fidelity.describe(techniques):40s} {measured['step_time_s']:10.4f} {measured['spread']:6.2f} "
                      f"{measured['drift']:6.3f} {record.step_time_s:11.4f} {ratio:6.3f} {drifted:7.3f} "
-                     f"{drifted / base:7.3f}  {timing.exposed_host_s:.3f}/{timing.optimizer_s:.3f}")
+                     f"{drifted / base:7.3f}  {timing.recompute_s:.3f}/{timing.exposed_host_s:.3f}/{timing.optimizer_s:.3f}")
     lines.append(f"# took {time.time() - started:.0f} s")
     print("\n".join(lines))
     Path(args.out).write_text("\n".join(lines) + "\n")
