@@ -8,6 +8,7 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -205,19 +206,26 @@ def test_slurm_export_is_an_sbatch_script_for_the_config_nodes(tmp_path):
     assert exporter.launch("train.sbatch", load_config_file_from(text)) == "STEPS=100 sbatch train.sbatch"
 
 
-def test_the_sbatch_script_takes_the_first_host_of_a_long_node_list(tmp_path):
-    """The script reads the head node without a pipe into ``head``: under ``pipefail`` an ``scontrol`` killed by
-    SIGPIPE after ``head`` took its line failed the job before ``srun`` (seen in CI with a two-line stand-in)."""
+def _sbatch_under_stand_ins(tmp_path, scontrol: str, srun: str) -> tuple[Path, Path]:
+    """The slurm export of a two-node front, and a folder of executable stand-ins (bash bodies) for ``scontrol``
+    and ``srun`` to put first on PATH: (script, bin folder)."""
     _front(tmp_path, {"ulysses_degree": 2, "attention": "sdpa"})
     script = tmp_path / "train.sbatch"
     assert main(["export", str(tmp_path), "--format", "slurm", "-o", str(script)]) == 0
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    # far more than a pipe holds, so a reader that stops after one line always leaves scontrol writing into a closed pipe
-    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\nseq -f 'node%g' 1 200000\n")
-    (bin_dir / "srun").write_text('#!/usr/bin/env bash\necho "$head_node:$port" > "$OUT_DIR/endpoint"\n')
-    for name in ("scontrol", "srun"):
+    for name, body in (("scontrol", scontrol), ("srun", srun)):
+        (bin_dir / name).write_text("#!/usr/bin/env bash\n" + body)
         (bin_dir / name).chmod((bin_dir / name).stat().st_mode | stat.S_IEXEC)
+    return script, bin_dir
+
+
+def test_the_sbatch_script_takes_the_first_host_of_a_long_node_list(tmp_path):
+    """The script reads the head node without a pipe into ``head``: under ``pipefail`` an ``scontrol`` killed by
+    SIGPIPE after ``head`` took its line failed the job before ``srun`` (seen in CI with a two-line stand-in)."""
+    # far more than a pipe holds, so a reader that stops after one line always leaves scontrol writing into a closed pipe
+    script, bin_dir = _sbatch_under_stand_ins(tmp_path, scontrol="seq -f 'node%g' 1 200000\n",
+                                              srun='echo "$head_node:$port" > "$OUT_DIR/endpoint"\n')
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT_DIR": str(tmp_path),
            "SLURM_JOB_NODELIST": "node[1-200000]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242", "RDZV_PORT": "29511"}
     done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
@@ -306,19 +314,12 @@ def test_a_rank_failing_on_either_node_is_the_root_cause_on_both(tmp_path):
 def test_the_sbatch_script_trains_on_two_nodes_under_srun(tmp_path):
     """The exported script under stand-ins of ``scontrol`` and ``srun`` that start its per-node task twice on this
     machine: two torchrun agents rendezvous on the first "node" and train; the loss is the one-rank trial's."""
-    _front(tmp_path, {"ulysses_degree": 2, "attention": "sdpa"})
-    script = tmp_path / "train.sbatch"
-    assert main(["export", str(tmp_path), "--format", "slurm", "-o", str(script)]) == 0
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\necho 127.0.0.1\necho 127.0.0.2\n")
-    (bin_dir / "srun").write_text(
-        "#!/usr/bin/env bash\n# stand-in: the task once per node, here\nwhile [[ $1 == --* ]]; do shift; done\n"
-        "for node in $(seq 0 $((SLURM_NNODES - 1))); do\n"
-        '  SLURM_NODEID=$node TMPDIR=$(mktemp -d) "$@" > "$OUT_DIR/node$node.log" 2>&1 &\n'
-        "done\nstatus=0\nfor job in $(jobs -p); do wait $job || status=1; done\nexit $status\n")
-    for name in ("scontrol", "srun"):
-        (bin_dir / name).chmod((bin_dir / name).stat().st_mode | stat.S_IEXEC)
+    script, bin_dir = _sbatch_under_stand_ins(
+        tmp_path, scontrol="echo 127.0.0.1\necho 127.0.0.2\n",
+        srun="# stand-in: the task once per node, here\nwhile [[ $1 == --* ]]; do shift; done\n"
+             "for node in $(seq 0 $((SLURM_NNODES - 1))); do\n"
+             '  SLURM_NODEID=$node TMPDIR=$(mktemp -d) "$@" > "$OUT_DIR/node$node.log" 2>&1 &\n'
+             "done\nstatus=0\nfor job in $(jobs -p); do wait $job || status=1; done\nexit $status\n")
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT), "OUT_DIR": str(tmp_path),
            "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242", "STEPS": "1",
            "RDZV_PORT": str(_free_port()), "PYTHON": sys.executable}
