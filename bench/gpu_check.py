@@ -115,7 +115,7 @@ def run_real(rows: list[dict], model_config: dict, seq: int, device: str, steps:
     by_world: dict[int, list[int]] = {}
     for index, row in enumerate(rows):
         by_world.setdefault(row["world"], []).append(index)
-    env = allocator.trial_environment(dict(os.environ, PYTHONPATH=str(ROOT)))
+    env = allocator.trial_environment(dict(os.environ, PYTHONPATH=str(ROOT)), cpu=device == "cpu")
     for world, indices in sorted(by_world.items()):
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
         with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:

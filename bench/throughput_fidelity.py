@@ -162,6 +162,7 @@ def measure(model: str, seq_len: int, ranks: int, techniques: dict, steps: int, 
     """Launch the trial (as the local backend does) until a launch has clean steps; its steps, clean and contended.
     ``gauges=False`` times the steps without the drift gauges before each (their probe/reference seconds nan)."""
     from autotune.timing.calibration.sampling import wait_for_idle
+    from trials import allocator
     from trials.model_config import load_model_config
 
     spec = {"model_config": load_model_config(model), "techniques": techniques, "seq_len": seq_len,
@@ -172,7 +173,8 @@ def measure(model: str, seq_len: int, ranks: int, techniques: dict, steps: int, 
         with tempfile.TemporaryDirectory(prefix="autotune-fidelity-") as tmp:
             spec_path = Path(tmp) / "spec.json"
             spec_path.write_text(json.dumps(dict(spec, no_gauges=not gauges)))
-            env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // ranks)),
+            env = dict(allocator.trial_environment(dict(os.environ), cpu=True),  # as the local backend launches it
+                       OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // ranks)),
                        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
             me = [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path), tmp]
             if ranks > 1:

@@ -3,6 +3,7 @@
 import json
 import os
 import subprocess
+import sys
 
 import psutil
 import pytest
@@ -108,3 +109,48 @@ def test_one_rank_and_two_ranks_see_the_same_sequence(tmp_path):
     assert one["status"] == two["status"] == "ok"
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+
+
+# a CPU trial's process, as the local backend launches it: free 256 MiB of touched memory, report RSS before/after
+_FREES_MEMORY = """
+import os, sys
+def rss():
+    return int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+block = bytearray(256 << 20)  # zero-filled: every page touched
+held = rss()
+del block
+open(sys.argv[1], 'w').write(f"{held} {rss()} {os.environ.get('GLIBC_TUNABLES', '')}")
+"""
+
+
+def _freed_bytes_given_back(tmp_path, environ=None) -> tuple[int, str]:
+    """(bytes the probe's RSS fell by when it freed its block, the GLIBC_TUNABLES it saw)."""
+    out = tmp_path / "rss.txt"
+    backend = LocalBackend()
+    backend.command = lambda *args, **kwargs: [sys.executable, "-c", _FREES_MEMORY, str(out)]
+    if environ is None:
+        backend.launch(1, tmp_path / "spec.json", tmp_path, deadline_s=60)
+    else:
+        subprocess.run(backend.command(), env=environ, check=True, timeout=60)
+    held, after, tunables = (out.read_text().split(" ", 2) + [""])[:3]
+    return int(held) - int(after), tunables
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm") or os.confstr("CS_GNU_LIBC_VERSION") is None,
+                    reason="glibc on Linux")
+def test_a_cpu_trial_keeps_the_memory_it_frees_as_cudas_caching_allocator_does(tmp_path):
+    from trials.allocator import HOST_MALLOC_TUNABLES, trial_environment
+
+    # without the settings glibc unmaps a freed large block at once (what made long CPU steps page-fault their
+    # activations in at every step, bench/results/cpu_malloc.txt) -- so the check below can fail
+    plain = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    given_back, _ = _freed_bytes_given_back(tmp_path, plain)
+    assert given_back > 200 << 20
+    given_back, tunables = _freed_bytes_given_back(tmp_path)
+    assert given_back < 16 << 20, given_back
+    assert all(f"{name}={value}" in tunables for name, value in HOST_MALLOC_TUNABLES.items())
+    # a user's own tunables are kept beside ours; ours replace the same names; a GPU trial's environment is untouched
+    env = trial_environment({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=7:glibc.cpu.hwcaps=-AVX512F"}, cpu=True)
+    assert env["GLIBC_TUNABLES"].split(":") == ["glibc.cpu.hwcaps=-AVX512F", "glibc.malloc.mmap_max=0",
+                                                f"glibc.malloc.trim_threshold={HOST_MALLOC_TUNABLES['glibc.malloc.trim_threshold']}"]
+    assert trial_environment({"GLIBC_TUNABLES": "glibc.cpu.x=1"})["GLIBC_TUNABLES"] == "glibc.cpu.x=1"

@@ -14,6 +14,15 @@ the process holds.
   warm-up step no new ``cudaHostAlloc`` happens.
 
 A user's own value for a key wins over ours except for these two keys, which the oracle's numbers rest on.
+
+On the CPU path (no CUDA: tensors come from glibc's malloc) a trial's process is told to keep the memory it frees,
+as CUDA's caching allocator does: ``glibc.malloc.mmap_max=0`` (no block gets its own mapping, which glibc gives
+every block above its mmap threshold, at most 32 MiB, and unmaps on free) and a trim threshold no step reaches
+(the heap's free top is not given back to the OS). Otherwise each step of a long sequence maps its large
+activations afresh and page-faults every byte of them in, inside the kernels that first write them: at 8,192
+tokens of tiny-llama that made the step's elementwise kernels 3.5x slower (bench/results/cpu_malloc.txt), a cost a
+GPU step does not have, that the time model does not price and that a calibration at 2,048 tokens (under the
+threshold) never sees. These are glibc tunables, read when a process starts: a child's environment carries them.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import os
 
 SETTINGS = {"expandable_segments": "True", "pinned_max_round_threshold_mb": "1"}
 ENV_NAMES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # the current name first, then the older alias
+HOST_MALLOC_TUNABLES = {"glibc.malloc.mmap_max": "0", "glibc.malloc.trim_threshold": str(1 << 46)}  # CPU path
 
 
 def merged_settings(existing: str | None) -> str:
@@ -31,11 +41,22 @@ def merged_settings(existing: str | None) -> str:
     return ",".join(f"{key}:{value}" for key, value in kept + list(SETTINGS.items()))
 
 
-def trial_environment(environ: dict) -> dict:
-    """A child process's environment with the settings in ``PYTORCH_ALLOC_CONF`` (read before CUDA starts)."""
+def merged_tunables(existing: str | None) -> str:
+    """``existing`` ``GLIBC_TUNABLES`` (``name=value:...``) with ``HOST_MALLOC_TUNABLES`` put in (ours replace the
+    same names; the user's others are kept)."""
+    pairs = [item.split("=", 1) for item in (existing or "").split(":") if "=" in item]
+    kept = [(name, value) for name, value in pairs if name not in HOST_MALLOC_TUNABLES]
+    return ":".join(f"{name}={value}" for name, value in kept + list(HOST_MALLOC_TUNABLES.items()))
+
+
+def trial_environment(environ: dict, cpu: bool = False) -> dict:
+    """A child process's environment with the settings in ``PYTORCH_ALLOC_CONF`` (read before CUDA starts), and
+    with ``cpu`` (a trial on the CPU path) glibc told to keep freed memory (``HOST_MALLOC_TUNABLES``)."""
     existing = next((environ[name] for name in ENV_NAMES if environ.get(name)), None)
     env = {k: v for k, v in environ.items() if k not in ENV_NAMES}
     env[ENV_NAMES[0]] = merged_settings(existing)
+    if cpu:
+        env["GLIBC_TUNABLES"] = merged_tunables(environ.get("GLIBC_TUNABLES"))
     return env
 
 

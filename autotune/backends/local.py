@@ -205,7 +205,7 @@ class LocalBackend(Backend):
         """Run the trial's processes of this node: (the records its ranks wrote, the exit code, whether it ran past
         ``deadline_s`` and was killed, the tail of its output)."""
         log_path = work / "output.log"
-        env = allocator.trial_environment(dict(os.environ))
+        env = allocator.trial_environment(dict(os.environ), cpu=not visible_devices())
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // gpus)))
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(self.command(gpus, spec_path, work, nodes, rdzv_id), stdout=log,

@@ -42,6 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from trials import allocator
 from autotune.core import calibration_store
 from autotune.timing.calibration.sampling import wait_for_idle
 
@@ -126,8 +127,9 @@ def _spread_of(runs: list[dict]) -> dict:
 def _run_workers(world: int, threads: int) -> dict:
     """``world`` concurrent worker processes (gloo group when world > 1); rank 0's measurements."""
     with tempfile.TemporaryDirectory(prefix="autotune-calibrate-") as tmp:
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
+        # the workers run as a CPU trial's ranks do: same threads, same malloc settings (trials.allocator)
+        env = dict(allocator.trial_environment(dict(os.environ), cpu=True), OMP_NUM_THREADS=str(threads),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
         procs = []
         for rank in range(world):
             procs.append(subprocess.Popen(
