@@ -19,9 +19,14 @@ remedy for a machine that moved is a new ``autotune calibrate``.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import subprocess
+import sys
 from dataclasses import dataclass
+
+from trials import allocator
 
 from autotune.core import calibration_store
 from autotune.core.errors import UserError
@@ -87,10 +92,10 @@ def check_preset(hw: Hardware, samples: int = 7, announce=None) -> SpeedCheck:
 
 
 def check_host(calibration: dict, samples: int = 7, announce=None) -> SpeedCheck:
-    """The calibration's in-step step on one rank, with the thread count the calibration gave it."""
-    import torch
-
-    from autotune.timing.calibration import microbench, sampling
+    """The calibration's in-step step on one rank, with the thread count the calibration gave it, timed in a child
+    process started as a CPU trial's rank is (``_time_reference_step``)."""
+    from autotune.timing.calibration import microbench
+    from autotune.timing.calibration.sampling import relative_spread
 
     world_1 = calibration["worlds"].get("1") or {}
     if "wall_s" not in (world_1.get("in_step") or {}):
@@ -99,18 +104,40 @@ def check_host(calibration: dict, samples: int = 7, announce=None) -> SpeedCheck
     workload = f"the calibration's training step ({microbench.IN_STEP_TOKENS:,} tokens, 1 rank)"
     if announce:
         announce(workload)
-    torch.set_num_threads(int(world_1.get("threads") or os.cpu_count() or 1))
+    times, contended = _time_reference_step(int(world_1.get("threads") or os.cpu_count() or 1), samples)
+    return SpeedCheck(workload=workload, now_s=statistics.median(times),
+                      calibrated_s=float(world_1["in_step"]["wall_s"]),
+                      calibrated_at=str(calibration.get("measured_at", "?")), spread=relative_spread(times),
+                      same_machine=calibration.get("machine") == calibration_store.machine_key(),
+                      contended=contended)
+
+
+def _time_reference_step(threads: int, samples: int) -> tuple[list[float], bool]:
+    """(seconds of each sample, whether every sample was contended) of the in-step step, timed in a child process
+    with a CPU trial's environment: the calibration's workers timed it under the trials' malloc settings
+    (``trials.allocator``), which glibc reads only when a process starts, and without them the same step runs
+    ~10% slower (bench/results/cpu_malloc.txt)."""
+    env = dict(allocator.trial_environment(dict(os.environ), cpu=True), OMP_NUM_THREADS=str(threads))
+    proc = subprocess.run([sys.executable, "-m", "autotune.timing.calibration.check", str(threads), str(samples)],
+                          env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError("timing the calibration's step failed:\n" + proc.stderr[-2000:])
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    return data["times"], data["contended"]
+
+
+def _reference_step_worker(threads: int, samples: int) -> dict:
+    import torch
+
+    from autotune.timing.calibration import microbench, sampling
+
+    torch.set_num_threads(threads)
     training = microbench.in_step_training()
-    contended_before = len(sampling.CONTENDED_BENCHMARKS)  # sample() appends its name when no sample was clean
     # each sample averages >= 1 s of steps: single 0.2-s steps on a shared host scatter by +-25% (samples of 7
     # single steps read 0.97-1.41x within three minutes, bench/results/calibrate_check.txt)
     times = sampling.sample(lambda: microbench.reference_step_s(training, steps=1), "reference step", samples=samples,
                             min_seconds=1.0)
-    return SpeedCheck(workload=workload, now_s=statistics.median(times),
-                      calibrated_s=float(world_1["in_step"]["wall_s"]),
-                      calibrated_at=str(calibration.get("measured_at", "?")), spread=sampling.relative_spread(times),
-                      same_machine=calibration.get("machine") == calibration_store.machine_key(),
-                      contended=len(sampling.CONTENDED_BENCHMARKS) > contended_before)
+    return {"times": times, "contended": bool(sampling.CONTENDED_BENCHMARKS)}
 
 
 def check_device(measurements: dict, measured_at: str, samples: int = 7, device=None, announce=None) -> SpeedCheck:
@@ -139,3 +166,7 @@ def check_device(measurements: dict, measured_at: str, samples: int = 7, device=
     return SpeedCheck(workload=workload, now_s=statistics.median(times),
                       calibrated_s=flops / measurements["gemm"]["flops_per_s"], calibrated_at=measured_at,
                       spread=relative_spread(times), same_machine=recorded_on in ("GPU", here))
+
+
+if __name__ == "__main__":  # the child of ``_time_reference_step``: THREADS SAMPLES -> one JSON line
+    print(json.dumps(_reference_step_worker(int(sys.argv[1]), int(sys.argv[2]))))
