@@ -115,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     if dist.is_initialized():
+        # every rank done before any tears its group down: without it, a rank that finished first and destroyed
+        # the group while a peer still talked aborted in ~1 of 8 two-node runs ("terminate called without an
+        # active exception", after the last step), failing the job (tests/test_multi_node.py's sbatch test)
+        dist.barrier()
         dist.destroy_process_group()
     return 0
 
