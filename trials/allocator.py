@@ -20,7 +20,7 @@ as CUDA's caching allocator does: ``glibc.malloc.mmap_max=0`` (no block gets its
 every block above its mmap threshold, at most 32 MiB, and unmaps on free) and a trim threshold no step reaches
 (the heap's free top is not given back to the OS). Otherwise each step of a long sequence maps its large
 activations afresh and page-faults every byte of them in, inside the kernels that first write them: at 8,192
-tokens of tiny-llama that made the step's elementwise kernels 3.5x slower (bench/results/cpu_malloc.txt), a cost a
+tokens of tiny-llama that made the step's elementwise kernels 3.6x slower (bench/results/cpu_malloc.txt), a cost a
 GPU step does not have, that the time model does not price and that a calibration at 2,048 tokens (under the
 threshold) never sees. These are glibc tunables, read when a process starts: a child's environment carries them.
 """
@@ -34,19 +34,22 @@ ENV_NAMES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # the current nam
 HOST_MALLOC_TUNABLES = {"glibc.malloc.mmap_max": "0", "glibc.malloc.trim_threshold": str(1 << 46)}  # CPU path
 
 
+def _merged(existing: str | None, ours: dict, item_sep: str, pair_sep: str) -> str:
+    """``existing`` (``key<pair_sep>value<item_sep>...``) with ``ours`` put in: ours replace the same keys, the
+    others are kept in their order, ours come last."""
+    pairs = [item.split(pair_sep, 1) for item in (existing or "").split(item_sep) if pair_sep in item]
+    kept = [(key.strip(), value.strip()) for key, value in pairs if key.strip() not in ours]
+    return item_sep.join(f"{key}{pair_sep}{value}" for key, value in kept + list(ours.items()))
+
+
 def merged_settings(existing: str | None) -> str:
-    """``existing`` (``key:value,...``) with ``SETTINGS`` put in (ours replace the same keys)."""
-    pairs = [item.split(":", 1) for item in (existing or "").split(",") if ":" in item]
-    kept = [(key.strip(), value.strip()) for key, value in pairs if key.strip() not in SETTINGS]
-    return ",".join(f"{key}:{value}" for key, value in kept + list(SETTINGS.items()))
+    """``existing`` ``PYTORCH_ALLOC_CONF`` (``key:value,...``) with ``SETTINGS`` put in."""
+    return _merged(existing, SETTINGS, ",", ":")
 
 
 def merged_tunables(existing: str | None) -> str:
-    """``existing`` ``GLIBC_TUNABLES`` (``name=value:...``) with ``HOST_MALLOC_TUNABLES`` put in (ours replace the
-    same names; the user's others are kept)."""
-    pairs = [item.split("=", 1) for item in (existing or "").split(":") if "=" in item]
-    kept = [(name, value) for name, value in pairs if name not in HOST_MALLOC_TUNABLES]
-    return ":".join(f"{name}={value}" for name, value in kept + list(HOST_MALLOC_TUNABLES.items()))
+    """``existing`` ``GLIBC_TUNABLES`` (``name=value:...``) with ``HOST_MALLOC_TUNABLES`` put in."""
+    return _merged(existing, HOST_MALLOC_TUNABLES, ":", "=")
 
 
 def trial_environment(environ: dict, cpu: bool = False) -> dict:
