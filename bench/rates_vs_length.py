@@ -99,7 +99,8 @@ def main(argv=None) -> int:
     import torch
 
     from autotune.core.hardware import load_hardware
-    from autotune.timing.calibration.microbench import _kernel_timer, in_step_training, reference_step_s
+    from autotune.timing.calibration.microbench import (IN_STEP_TOKENS, _kernel_timer, in_step_training,
+                                                        reference_step_s)
     from autotune.timing.calibration.sampling import CONTENDED, cpu_snapshot, others_share
     from trials.model_config import load_model_config
     from trials.techniques import Techniques
@@ -109,24 +110,28 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     started = time.time()
     techniques = json.loads(args.techniques)
-    trainings = {L: build(args.model, L, techniques) for L in args.lengths}
-    timers = {L: _kernel_timer(trainings[L][4]) for L in args.lengths}
     tech = Techniques.from_dict(techniques, load_model_config(args.model)["num_hidden_layers"])
-    predicted = {L: predicted_by_kind(trainings[L], L, rates, tech) for L in args.lengths}
-    samples = {L: [] for L in args.lengths}
+    # rows: (label, training, tokens, techniques); the last is the calibration's own in-step step, measured in the
+    # same rounds, so each kind's ratio over its ratio there is free of the host's drift (same moment, same rates)
+    rows = [(str(L), build(args.model, L, techniques), L, tech) for L in args.lengths]
+    rows.append((f"calib {IN_STEP_TOKENS}", in_step_training(), IN_STEP_TOKENS, Techniques()))
+    reference = rows[-1][1]
+    timers = {label: _kernel_timer(training[4]) for label, training, _, _ in rows}
+    predicted = {label: predicted_by_kind(training, L, rates, t) for label, training, L, t in rows}
+    samples = {label: [] for label, _, _, _ in rows}
     # drift: the calibration's own in-step step now / at the calibration (as bench/throughput_fidelity.py gauges it)
     recorded_s = (((hardware.calibration or {}).get("worlds") or {}).get("1") or {}).get("in_step", {}).get("wall_s")
-    reference, drifts, contended = in_step_training(), [], 0
-    for round_ in range(args.samples):  # rounds over the lengths: drift moves every length alike
-        for L in args.lengths:
+    drifts, contended = [], 0
+    for round_ in range(args.samples):  # rounds over the rows: drift moves every row alike
+        for label, training, _, _ in rows:
             for attempt in range(5):  # a sample during which other processes used the CPUs is retaken
-                measured_by_kind(trainings[L], timers[L])  # warm-up: the previous length left other buffers
+                measured_by_kind(training, timers[label])  # warm-up: the previous row left other buffers
                 before = cpu_snapshot()
-                got = measured_by_kind(trainings[L], timers[L])
+                got = measured_by_kind(training, timers[label])
                 busy = others_share(before, cpu_snapshot()) > CONTENDED
                 if not busy or attempt == 4:
                     contended += busy
-                    samples[L].append(got)
+                    samples[label].append(got)
                     break
                 time.sleep(1.0)
         if recorded_s:
@@ -137,22 +142,26 @@ def main(argv=None) -> int:
              f"measured / predicted seconds per kind (median of {args.samples} samples, spread in brackets)",
              "# drift (the calibration's in-step step now / then): " + (" ".join(f"{d:.2f}" for d in drifts) or "n/a")
              + (f"; {contended} sample(s) kept although contended (5 tries)" if contended else ""),
-             f"{'tokens':>7} " + " ".join(f"{k:>20}" for k in KINDS) + f" {'step':>20}  {'pred/meas step':>14}"]
-    ratios = {k: [] for k in KINDS}
-    for L in args.lengths:
-        pred, pred_step = predicted[L]
+             f"{'tokens':>11} " + " ".join(f"{k:>20}" for k in KINDS) + f" {'step':>20}  {'pred/meas step':>14}"]
+    ratios = {label: {} for label in samples}
+    for label, _, _, _ in rows:
+        pred, pred_step = predicted[label]
         cells = []
         for kind in KINDS:
-            values = [s[kind] for s in samples[L]]
+            values = [s[kind] for s in samples[label]]
             med = statistics.median(values)
             spread = (max(values) - min(values)) / med if med else 0.0
-            ratio = med / pred[kind] if pred[kind] else float("nan")
-            ratios[kind].append(ratio)
-            cells.append(f"{med:7.3f}/{pred[kind]:6.3f}={ratio:4.2f}[{spread:.2f}]")
-        walls = [s["wall"] for s in samples[L]]
-        wall = statistics.median(walls)
+            ratios[label][kind] = med / pred[kind] if pred[kind] else float("nan")
+            cells.append(f"{med:7.3f}/{pred[kind]:6.3f}={ratios[label][kind]:4.2f}[{spread:.2f}]")
+        wall = statistics.median(s["wall"] for s in samples[label])
+        ratios[label]["step"] = wall / pred_step
         cells.append(f"{wall:7.3f}/{pred_step:6.3f}={wall / pred_step:4.2f}")
-        lines.append(f"{L:>7} " + " ".join(f"{c:>20}" for c in cells) + f"  {pred_step / wall:14.2f}")
+        lines.append(f"{label:>11} " + " ".join(f"{c:>20}" for c in cells) + f"  {pred_step / wall:14.2f}")
+    calib = ratios[rows[-1][0]]
+    lines.append("# each length's measured/predicted over the calibration step's, same rounds (drift cancels):")
+    for label, _, _, _ in rows[:-1]:
+        lines.append(f"{label:>11} " + " ".join(f"{k}={ratios[label][k] / calib[k]:.2f}" for k in KINDS + ("step",)))
+    ratios = {k: [ratios[label][k] for label, _, _, _ in rows[:-1]] for k in KINDS}
     moves = {k: max(v) / min(v) for k, v in ratios.items() if all(x == x and x > 0 for x in v)}
     worst = max(moves, key=moves.get)
     lines.append(f"# measured/predicted moves most with length in: {worst} "

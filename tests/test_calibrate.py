@@ -163,6 +163,33 @@ def test_calibrate_keeps_one_whole_repeat_per_world_the_one_its_own_step_explain
     assert result["spread"]["2"]["matmul_flops"] == pytest.approx((8e10 - 6e10) / 8e10, abs=1e-4)
 
 
+def test_the_in_step_attention_factor_makes_the_preset_price_that_steps_attention_as_measured():
+    """The calibration times the attention kernels inside a 2,048-token step and scales the microbenchmark's rate
+    so the model prices them as measured. The written preset must then price that step's attention at exactly the
+    measured seconds: the factor has to be taken with the attention tiles the preset prices with (a factor taken
+    with Rates' GPU-default tiles left every CPU prediction's attention 1.18x the measured)."""
+    import torch
+
+    from autotune.core.hardware import Rates
+    from autotune.timing.calibration import microbench, worker
+    from autotune.timing.counts import StepCounts
+    from autotune.timing.model import attention_time
+
+    torch.set_num_threads(1)
+    rate = 5e10  # microbenchmark rates (FLOP/s, bytes/s): any plausible ones; the step itself is timed for real
+    microbenchmarks = {"threads": 1, "world_size": 1, "matmul_flops": rate, "elementwise_bytes_per_s": rate / 5,
+                       "memcpy_bytes_per_s": rate / 5,
+                       "attention_flops": {str(d): [rate / 2, rate / 3] for d in microbench.HEAD_DIMS}}
+    in_step = microbench.measure_in_step(worker.in_step_rates(microbenchmarks, 1))
+    preset_rates = worker._model_rates(dict(microbenchmarks, in_step=in_step, op_overhead_s=0.0,
+                                            view_overhead_s=0.0, optimizer_bytes_per_s=1.0), 1)
+    measured_s = in_step["kernel_seconds"]["forward/attention"] + in_step["kernel_seconds"]["backward/attention"]
+    predicted_s = attention_time(StepCounts.from_dict(in_step["counts"]), ("forward", "backward"),
+                                 Rates(name="cpu", **preset_rates))
+    assert measured_s > 0
+    assert predicted_s == pytest.approx(measured_s, rel=1e-6)
+
+
 def _with_reference_step(data: dict, wall_s: float) -> dict:
     data["calibration"]["worlds"]["1"]["in_step"]["wall_s"] = wall_s
     return data

@@ -16,7 +16,7 @@ import socket
 import statistics
 from pathlib import Path
 
-VERSION = 14
+VERSION = 15
 CPU_ATTENTION_TILE_Q = 256   # torch's CPU flash kernel: q split 256 for q_seq_len >= 768
 CPU_ATTENTION_TILE_KV = 512  # and kv split 512 (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp)
 
