@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     base = None
     for techniques, measured_launches in zip(variants, launches):
         measured = fidelity._combine(measured_launches, calibrated.get("probe_s"), calibrated["in_step"]["wall_s"])
-        record, timing = fidelity.predict(model, seq_len, ranks, techniques, hardware)
+        record, timing, _ = fidelity.predict(model, seq_len, ranks, techniques, hardware)
         if "error" in measured or record.step_time_s is None:
             lines.append(f"{fidelity.describe(techniques):40s} error: {measured.get('error') or record.error}")
             continue

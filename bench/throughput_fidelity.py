@@ -239,7 +239,7 @@ def predict(model: str, seq_len: int, ranks: int, techniques: dict, hardware):
     counts = step_counts(backend.last_prediction) if record.step_time_s is not None else None
     timing = (predict_step_time(counts, hardware.rates_for(ranks), ranks, tech, seq_len=seq_len)
               if counts is not None else None)
-    return record, timing
+    return record, timing, counts
 
 
 def _self_check(calibration: dict) -> str:
@@ -414,7 +414,7 @@ def main(argv=None) -> int:
             passes[index].append(measure(model, seq_len, ranks, techniques, args.steps, args.attempts))
     for index, (model, seq_len, ranks, techniques) in enumerate(configs):
         name = label(model, seq_len, ranks, techniques)
-        record, timing = predict(model, seq_len, ranks, techniques, hardware)
+        record, timing, _ = predict(model, seq_len, ranks, techniques, hardware)
         world = max(int(k) for k in cal["worlds"] if int(k) <= ranks)
         calibrated = cal["worlds"][str(world)]
         measured = _combine(passes[index], calibrated.get("probe_s"), calibrated.get("in_step", {}).get("wall_s"))
