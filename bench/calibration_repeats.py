@@ -5,8 +5,8 @@
 2026-11-24 it kept the best of each number across repeats instead (fastest rates, lowest overheads and rank
 imbalance), which this bench's first run showed pairs one repeat's rates with another's imbalance. This runs
 ``--repeats`` repeats of one world (``calibrate._run_workers``, what ``calibrate`` runs) and prints, per repeat,
-its in-step step predicted from its own rates over its measured wall time, its attention factor, rank imbalance
-and matmul rate; then which of the first two ``calibrate --repeats 2`` would keep, and the repeats' median wall
+its in-step step predicted from its own rates over its measured wall time, its attention factor, rank wait per
+collective call and matmul rate; then which of the first two ``calibrate --repeats 2`` would keep, and the repeats' median wall
 time against the kept one's.
 
     .venv/bin/python bench/calibration_repeats.py --world 2 --repeats 3
@@ -29,7 +29,7 @@ def describe(result: dict) -> str:
     in_step = result["in_step"]
     return (f"in-step predicted {in_step['predicted_s']:.4f} s / wall {in_step['wall_s']:.4f} s = "
             f"{self_check(result):.2f}; attention factor {in_step['attention_factor']:.2f}; "
-            f"rank imbalance {result['rank_imbalance']:.3f}; in-step matmul {in_step['matmul_flops']:.3g} FLOP/s")
+            f"collective wait {result['collective_wait_s'] * 1e3:.2f} ms/call; in-step matmul {in_step['matmul_flops']:.3g} FLOP/s")
 
 
 def main(argv=None) -> int:

@@ -1,13 +1,14 @@
 """How much of a multi-rank fidelity prediction is the rank-wait term, and does the measured step need it?
 
-The time model adds, on several ranks, ``rank_imbalance x (compute + recompute)`` for waiting on the slower rank
-at the step's synchronising collectives (``autotune.timing.model``: ``rank_wait_s``); the calibration fits
-``rank_imbalance`` to the residual of its one 2,048-token in-step step per world. This bench re-predicts the
+The time model adds, on several ranks, a wait for the slower rank at the step's collectives (``autotune.timing.model``:
+``rank_wait_s``), fitted by the calibration to the residual of its one 2,048-token in-step step per world: until
+2026-11-25 ``rank_imbalance x (compute + recompute)``, since then ``collective_wait_s`` x the step's collective
+calls (a preset from before carries only the first, which the model no longer reads). This bench re-predicts the
 multi-rank configs of a table ``bench/throughput_fidelity.py`` wrote, on the preset that table was measured
 against (plan backend, no trial runs: seconds), and prints per config the measured step, the prediction, its wait
-term, the ratio without it, and what the measured step leaves over the prediction without it (``residual``). If
-the wait scaled with compute as the model says, the residual would grow with the step; the last line says
-whether it does (its correlation with compute + recompute).
+term, the ratio without it, and what the measured step leaves over the prediction without it (``residual``), in
+all and per collective call. Were the wait a share of compute, the residual would grow with the step; the last
+line says whether it does (its correlation with compute + recompute).
 
     .venv/bin/python bench/rank_wait.py --preset bench/results/calibrated-cpu-2026-11-25b.yaml \\
         --table bench/results/throughput_fidelity_2026-11-25b.txt

@@ -16,10 +16,10 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 PRESET = REPO / "autotune/core/hardware_presets/cpu.yaml"
 PER_WORLD = ("matmul_flops", "attention_flops", "elementwise_bytes_per_s", "memcpy_bytes_per_s",
-             "optimizer_bytes_per_s", "op_overhead_s", "view_overhead_s", "rank_imbalance", "probe_s", "threads",
+             "optimizer_bytes_per_s", "op_overhead_s", "view_overhead_s", "collective_wait_s", "probe_s", "threads",
              "in_step", "gloo")
 IN_STEP = ("matmul_flops", "attention_factor", "elementwise_bytes_per_s", "optimizer_bytes_per_s", "wall_s",
-           "predicted_s")
+           "predicted_s", "collective_calls")
 
 
 def _short(x: float) -> float:
@@ -33,7 +33,7 @@ def _trimmed_world(measured: dict) -> dict:
         if key == "attention_flops":
             value = {d: [_short(fwd), _short(bwd)] for d, (fwd, bwd) in value.items()}
         elif key == "in_step":
-            value = {k: _short(value[k]) for k in IN_STEP}
+            value = {k: value[k] if isinstance(value[k], int) else _short(value[k]) for k in IN_STEP if k in value}
         elif key == "gloo":
             value = {kind: {"latency_s": _short(x["latency_s"]), "bytes_per_s": _short(x["bytes_per_s"])}
                      for kind, x in value.items()}

@@ -242,9 +242,18 @@ def predict(model: str, seq_len: int, ranks: int, techniques: dict, hardware):
     return record, timing, counts
 
 
+def _rank_wait_note(world: dict) -> str:
+    """The fitted rank wait of a world: per collective call (``collective_wait_s``), or, in calibrations before it,
+    the share of compute (``rank_imbalance``)."""
+    if "collective_wait_s" in world:
+        return (f" (collective_wait {world['collective_wait_s'] * 1e3:.2f} ms x "
+                f"{world.get('in_step', {}).get('collective_calls', '?')} calls)")
+    return f" (rank_imbalance {world.get('rank_imbalance', 0.0):.3f})"
+
+
 def _self_check(calibration: dict) -> str:
     """The calibration's own check: each world's in-step training step predicted from the rates it measured, over
-    that step's measured wall time. On several ranks ``rank_imbalance`` is then fitted to that residual, so 1 rank
+    that step's measured wall time. On several ranks the rank wait is then fitted to that residual, so 1 rank
     is the real check; a world far below 1 (a fast rank 0 beside a slow peer) says its rates are optimistic."""
     from autotune.timing.calibration import self_check
 
@@ -254,7 +263,7 @@ def _self_check(calibration: dict) -> str:
         if in_step.get("wall_s") and in_step.get("predicted_s"):
             parts.append(f"{world} rank(s) {in_step['predicted_s']:.4f} s / {in_step['wall_s']:.4f} s = "
                          f"{self_check(data):.2f}"
-                         + (f" (rank_imbalance {data.get('rank_imbalance', 0.0):.3f})" if int(world) > 1 else "")
+                         + (_rank_wait_note(data) if int(world) > 1 else "")
                          + _repeats_note(calibration.get("repeats", {}).get(world)))
     if not parts:
         return "# calibration self-check: not recorded (an older calibration)"
@@ -427,6 +436,7 @@ def main(argv=None) -> int:
         rows.append(Row(ratio, name, CONFIGS.index(configs[index]) >= NEW_FROM, ratio * measured["drift"],
                         measured["step_time_s"], ranks))
         parts = (f"c {timing.compute_s:.3f} r {timing.recompute_s:.3f} comm {timing.exposed_comm_s:.3f} "
+                 f"(wait {timing.detail['rank_wait_s']:.3f}) "
                  f"host {timing.exposed_host_s:.3f} opt {timing.optimizer_s:.3f}") if timing else ""
         line = (f"{name:60s} {measured['step_time_s']:10.4f} {measured['spread']:6.2f} {measured['slowdown']:5.2f} "
                 f"{measured['drift']:5.3f} {record.step_time_s:11.4f} {ratio:6.2f} {ratio * measured['drift']:7.2f}  "

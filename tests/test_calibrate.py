@@ -138,8 +138,8 @@ def test_calibrate_writes_a_cpu_preset_that_search_and_estimate_accept(tmp_path,
     assert hw.rates_for(1).bf16_flops == hw.calibration["worlds"]["1"]["in_step"]["matmul_flops"]
 
 
-def _repeat(predicted_s: float, wall_s: float, matmul: float, imbalance: float, contended=()) -> dict:
-    return {"threads": 1, "world_size": 2, "matmul_flops": matmul, "rank_imbalance": imbalance,
+def _repeat(predicted_s: float, wall_s: float, matmul: float, wait_s: float, contended=()) -> dict:
+    return {"threads": 1, "world_size": 2, "matmul_flops": matmul, "collective_wait_s": wait_s,
             "contended": list(contended), "in_step": {"predicted_s": predicted_s, "wall_s": wall_s}}
 
 

@@ -264,6 +264,30 @@ def test_tokens_per_s_counts_data_parallel_replicas(baseline_counts):
     assert timing.step_time_s == pytest.approx(parts)
 
 
+def test_ranks_wait_for_each_other_per_collective_call_not_per_compute_second(baseline_counts):
+    """On several ranks each collective call over a group of several ranks costs ``collective_wait_s`` on top of
+    its transfer (waiting for the slower rank); a call within one rank's own group, or a one-rank job, none."""
+    from autotune.timing.counts import CollectiveCounts
+
+    counts = StepCounts.from_dict(baseline_counts.to_dict())
+    counts.collectives = {"all_to_all/forward/sync/2": CollectiveCounts(calls=16, bytes=1e6, wire_bytes=5e5),
+                          "all_gather/forward/fsdp/2": CollectiveCounts(calls=4, bytes=1e6, wire_bytes=5e5),
+                          "all_reduce/backward/sync/1": CollectiveCounts(calls=3, bytes=1e3, wire_bytes=0.0)}
+    assert counts.collective_calls() == 20
+    base = rates("cpu", 2)
+    waiting = replace(base, collective_wait_s=1e-3)
+    plain = predict_step_time(counts, base, 2, Techniques(ulysses_degree=2))
+    waited = predict_step_time(counts, waiting, 2, Techniques(ulysses_degree=2))
+    assert waited.detail["rank_wait_s"] == pytest.approx(20e-3)
+    assert waited.step_time_s - plain.step_time_s == pytest.approx(20e-3)
+    # the same calls with twice the compute wait the same
+    heavier = StepCounts.from_dict(counts.to_dict())
+    heavier.phases["forward"].matmul_flops *= 2
+    assert predict_step_time(heavier, waiting, 2, Techniques(ulysses_degree=2)).detail["rank_wait_s"] == \
+        pytest.approx(20e-3)
+    assert predict_step_time(counts, waiting, 1, Techniques()).detail["rank_wait_s"] == 0.0
+
+
 def test_overlap_rules():
     """Ulysses all-to-all stalls; FSDP collectives and offload copies hide behind compute up to its length."""
     from autotune.timing.counts import CollectiveCounts

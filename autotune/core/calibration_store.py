@@ -89,7 +89,7 @@ def rates_from_calibration(calibration: dict, world_size: int) -> dict:
         "host_copy_efficiency": 1.0,
         "host_optimizer_bytes_per_s": in_step.get("optimizer_bytes_per_s", m["optimizer_bytes_per_s"]),
         "op_overhead_s": m["op_overhead_s"],
-        "rank_imbalance": m.get("rank_imbalance", 0.0),
+        "collective_wait_s": m.get("collective_wait_s", 0.0),
         "view_overhead_s": m["view_overhead_s"],
         "launch_overlaps_compute": False,
     }

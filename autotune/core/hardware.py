@@ -61,8 +61,8 @@ class Rates:
     view_overhead_s: float = 0.0            # host time per dispatched view / metadata op
     launch_overlaps_compute: bool = True    # GPUs queue kernels: overhead is a floor, not an addition
     side_stream_overlap: float = 1.0        # fraction of compute time FSDP collectives / offload copies can hide behind
-    rank_imbalance: float = 0.0             # share of compute time lost waiting for the slowest rank at the step's
-                                            # synchronising collectives (several ranks only)
+    collective_wait_s: float = 0.0          # several ranks: seconds per collective call beyond its priced transfer
+                                            # (waiting for the slower rank at each rendezvous; cpu calibration)
     device_is_host: bool = False            # cpu preset: the "device" is host memory, so FSDP2's offload copies
                                             # (shards to the device, gradients to the host) are no-ops
     # measured attention efficiency per head dim (cpu calibration), {head_dim: (fwd, bwd)}; overrides the scalars

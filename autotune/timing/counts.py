@@ -98,6 +98,10 @@ class StepCounts:
                 total.max_wire_bytes = max(total.max_wire_bytes, c.max_wire_bytes)
         return out
 
+    def collective_calls(self) -> int:
+        """Collective calls over groups of several ranks (sync and FSDP; sizes unknown counted)."""
+        return sum(c.calls for size, c in self.by_group().items() if size is None or size > 1)
+
     def scaled(self, factor: float) -> "StepCounts":
         """Counts divided by ``factor`` (e.g. the number of steps traced)."""
         out = copy.deepcopy(self)

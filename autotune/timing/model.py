@@ -227,9 +227,10 @@ def predict_step_time(counts: StepCounts, rates: Rates, world_size: int, techniq
         first_last = min(first_last, fsdp_total)
     hideable = max(0.0, fsdp_total - first_last)
     fsdp_exposed = first_last + max(0.0, hideable - r.side_stream_overlap * busy)
-    waiting = 0.0
-    if world_size > 1 and (sync or fsdp_total):
-        waiting = r.rank_imbalance * busy
+    # every collective call is a rendezvous: the rank that got there first waits for the other. A cost per call,
+    # not per compute second: the residual the fidelity configs leave over the model without it is flat in their
+    # compute (bench/results/rank_wait.txt: 0.02-0.19 s at 0.4-14 s of compute, 0.6-3.7 ms per call)
+    waiting = r.collective_wait_s * counts.collective_calls() if world_size > 1 else 0.0
     exposed_comm = sync + fsdp_exposed + waiting
     detail["fsdp_total_s"] = fsdp_total
     detail["rank_wait_s"] = waiting

@@ -186,7 +186,7 @@ def in_step_training() -> tuple:
     """The in-step run on this worker's world, built and warmed up by one step: (model, optimizer, batch, mesh,
     tracker). On several workers, Ulysses over the gloo group when there are two (so the step synchronises the
     ranks at every layer, and the residual the model misses is the waiting for the slower rank there,
-    ``rank_imbalance``), data parallel otherwise. Every worker of the world must call it (and step it) together.
+    ``collective_wait_s`` per call), data parallel otherwise. Every worker of the world must call it (and step it) together.
     Built outside any dispatch mode the caller is in (a trial's memory tracker): the run has its own tracker."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     degree = 2 if world == 2 else 1

@@ -81,15 +81,16 @@ def _worker(rank: int, world: int, threads: int, out_dir: str) -> None:
     # the rates the time model uses come from the in-step run and the dispatch overhead: the probes around those
     result["probe_s"] = statistics.median(probes[1:])
     result["probes_s"] = probes
-    # what the model still misses on the in-step run: on several ranks, waiting for the slower one
-
+    # what the model still misses on the in-step run: on several ranks, waiting for the slower one at every
+    # collective call (its residual over the step's collective calls; see autotune.timing.model)
     in_step = result["in_step"]
-    timing = predict_step_time(StepCounts.from_dict(in_step.pop("counts")),
-                               Rates(name="cpu", **dict(partial, op_overhead_s=op, view_overhead_s=view)), world,
-                               Techniques(ulysses_degree=in_step["ulysses_degree"]))
-    busy = timing.compute_s + timing.recompute_s
+    counts = StepCounts.from_dict(in_step.pop("counts"))
+    timing = predict_step_time(counts, Rates(name="cpu", **dict(partial, op_overhead_s=op, view_overhead_s=view)),
+                               world, Techniques(ulysses_degree=in_step["ulysses_degree"]))
     in_step["predicted_s"] = timing.step_time_s
-    result["rank_imbalance"] = max(0.0, in_step["wall_s"] - timing.step_time_s) / busy if world > 1 else 0.0
+    in_step["collective_calls"] = counts.collective_calls()
+    residual_s = max(0.0, in_step["wall_s"] - timing.step_time_s)
+    result["collective_wait_s"] = residual_s / max(in_step["collective_calls"], 1) if world > 1 else 0.0
     result["optimizer_microbench_bytes_per_s"] = bench.measure_optimizer(op, view)
     result["contended"] = sorted(set(sampling.CONTENDED_BENCHMARKS))
     if world > 1:
