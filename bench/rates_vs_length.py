@@ -11,11 +11,18 @@ trials' memory tracker, as a trial runs it) by kind of work, at several lengths:
   (``autotune.timing.model``: matmul FLOPs / matmul rate, ``attention_time``, elementwise bytes / rate, dispatches
   x per-op overhead).
 
+The calibration's own in-step step (``microbench.in_step_training``, 2,048 tokens) is measured the same way in the
+same rounds (row ``calib 2048``), and each length's ratios are printed again over its: the calibration fits its
+rates to that step, so those ratios are free of the host's drift (this row found the attention factor taken with
+the wrong tiles, 2026-11-25).
+
 Prints measured / predicted per kind and length, then the kind whose ratio moves most with length. Each cell is
 the median of ``--samples`` uncontended samples, taken in rounds over the lengths (so the host's drift
-moves every length alike); the spread is printed beside it.
+moves every length alike); the spread is printed beside it. Run it with the malloc settings CPU trials run with
+(``trials.allocator``; glibc reads them at start-up):
 
-    .venv/bin/python bench/rates_vs_length.py --preset bench/results/calibrated-cpu.yaml
+    GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=70368744177664 \
+        .venv/bin/python bench/rates_vs_length.py --preset bench/results/calibrated-cpu.yaml
 """
 
 from __future__ import annotations
