@@ -49,7 +49,7 @@ def main(argv=None) -> int:
         without = record.step_time_s - wait
         busy.append(timing.compute_s + timing.recompute_s)
         residual.append(measured[name] - without)
-        calls.append(sum(c.calls for c in counts.collectives.values()))
+        calls.append(counts.collective_calls())
         lines.append(f"{name:62s} {ranks:5d} {measured[name]:10.4f} {record.step_time_s:11.4f} {wait:7.3f} "
                      f"{record.step_time_s / measured[name]:6.2f} {without / measured[name]:7.2f} "
                      f"{residual[-1]:+10.3f} {busy[-1]:7.3f} {calls[-1]:5d} {residual[-1] / calls[-1] * 1e3:6.2f}ms")

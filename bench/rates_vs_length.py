@@ -168,11 +168,11 @@ def main(argv=None) -> int:
     lines.append("# each length's measured/predicted over the calibration step's, same rounds (drift cancels):")
     for label, _, _, _ in rows[:-1]:
         lines.append(f"{label:>11} " + " ".join(f"{k}={ratios[label][k] / calib[k]:.2f}" for k in KINDS + ("step",)))
-    ratios = {k: [ratios[label][k] for label, _, _, _ in rows[:-1]] for k in KINDS}
-    moves = {k: max(v) / min(v) for k, v in ratios.items() if all(x == x and x > 0 for x in v)}
+    by_kind = {k: [ratios[label][k] for label, _, _, _ in rows[:-1]] for k in KINDS}  # over the lengths
+    moves = {k: max(v) / min(v) for k, v in by_kind.items() if all(x == x and x > 0 for x in v)}
     worst = max(moves, key=moves.get)
     lines.append(f"# measured/predicted moves most with length in: {worst} "
-                 f"({min(ratios[worst]):.2f}..{max(ratios[worst]):.2f}); took {time.time() - started:.0f} s")
+                 f"({min(by_kind[worst]):.2f}..{max(by_kind[worst]):.2f}); took {time.time() - started:.0f} s")
     print("\n".join(lines))
     return 0
 

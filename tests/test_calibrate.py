@@ -175,12 +175,16 @@ def test_the_in_step_attention_factor_makes_the_preset_price_that_steps_attentio
     from autotune.timing.counts import StepCounts
     from autotune.timing.model import attention_time
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     rate = 5e10  # microbenchmark rates (FLOP/s, bytes/s): any plausible ones; the step itself is timed for real
     microbenchmarks = {"threads": 1, "world_size": 1, "matmul_flops": rate, "elementwise_bytes_per_s": rate / 5,
                        "memcpy_bytes_per_s": rate / 5,
                        "attention_flops": {str(d): [rate / 2, rate / 3] for d in microbench.HEAD_DIMS}}
-    in_step = microbench.measure_in_step(worker.in_step_rates(microbenchmarks, 1))
+    try:
+        in_step = microbench.measure_in_step(worker.in_step_rates(microbenchmarks, 1))
+    finally:
+        torch.set_num_threads(threads)  # the rest of the session's tests run with what they had
     preset_rates = worker._model_rates(dict(microbenchmarks, in_step=in_step, op_overhead_s=0.0,
                                             view_overhead_s=0.0, optimizer_bytes_per_s=1.0), 1)
     measured_s = in_step["kernel_seconds"]["forward/attention"] + in_step["kernel_seconds"]["backward/attention"]
