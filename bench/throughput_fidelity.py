@@ -295,7 +295,8 @@ def summary_lines(rows: list[Row]) -> list[str]:
     Offset is what a calibration taken at a faster or slower moment than the trials moves; scatter is the model's
     own error between configs (plus measurement noise). Then how the raw ratio leans with the step's length: the
     correlation of log ratio with log measured seconds, and the median ratio over the offset of short (< 1 s) and
-    long (> 3 s) steps; then the ratios per world size."""
+    long (> 3 s) steps; then the ratios per world size, and on a gauged table each world's x drift and drift and the
+    checkpointed configs' x drift against the plain ones'."""
     low, high = RANGE
     out = []
     for title, values, new in (("raw ratios", [r.ratio for r in rows], [r.ratio for r in rows if r.new]),
@@ -322,6 +323,18 @@ def summary_lines(rows: list[Row]) -> list[str]:
     out.append("# by world (raw): " + "; ".join(
         f"{w} rank(s) {min(v):.2f}-{max(v):.2f}, median {statistics.median(v):.2f} ({len(v)})"
         for w in worlds for v in [[r.ratio for r in rows if r.ranks == w]]))
+    if all(r.x_drift is not None for r in rows):  # gauged tables: where each world and kind of config sits in
+        # calibration time, and how far the host had moved for it
+        out.append("# by world (x drift): " + "; ".join(
+            f"{w} rank(s) median {statistics.median(r.x_drift for r in v):.2f} at drift "
+            f"{min(r.x_drift / r.ratio for r in v):.2f}-{max(r.x_drift / r.ratio for r in v):.2f} "
+            f"(median {statistics.median(r.x_drift / r.ratio for r in v):.2f})"
+            for w in worlds for v in [[r for r in rows if r.ranks == w]]))
+        checkpointed = [r.x_drift for r in rows if "ckpt" in r.label.split()[-1].split("+")]
+        plain = [r.x_drift for r in rows if "ckpt" not in r.label.split()[-1].split("+")]
+        if checkpointed and plain:
+            out.append(f"# checkpointed / plain (x drift): median {statistics.median(checkpointed):.2f} "
+                       f"({len(checkpointed)}) / {statistics.median(plain):.2f} ({len(plain)})")
     worst = max(rows, key=lambda r: max(r.ratio, 1 / r.ratio))
     out.append(f"worst (raw): {worst.label}  ratio {worst.ratio:.2f}")
     return out
