@@ -186,8 +186,8 @@ def search(
     nodes: int = ranged_option("--nodes", 1, NODES_HELP),
     hardware: str = typer.Option("h100-sxm", help="hardware preset (autotune hardware)"),
     backend: str = typer.Option("auto", help="auto | plan | local"),
-    space: Optional[Path] = typer.Option(None, help="search space YAML (default: autotune/search/spaces/default.yaml, "
-                                                    "shipped in the package)"),
+    space: Optional[Path] = typer.Option(None, help="search space YAML (default: search_spaces/default.yaml, shipped "
+                                                    "in the package; search_spaces/README.md: the format)"),
     trials: int = ranged_option("--trials", 30, "finished trials the study should hold (resumes count)"),
     timeout: Optional[float] = ranged_option("--timeout", None, "stop starting new trials after this many seconds"),
     out: Path = typer.Option(Path("autotune-out"), help="output folder (study.db, trials.parquet, ...)"),

@@ -24,7 +24,7 @@ from autotune.search.job import SearchJob
 from conftest import ROOT, run_cli
 
 SEARCH = ["search", "--model", "tiny-llama", "--target", "2K", "--gpus", "2", "--backend", "plan", "--hardware", "cpu",
-          "--memory-gib", "0.5", "--space", str(ROOT / "autotune/search/spaces/reduced-tiny.yaml"), "--trials", "6"]
+          "--memory-gib", "0.5", "--space", str(ROOT / "search_spaces/reduced-tiny.yaml"), "--trials", "6"]
 
 
 def _key(techniques: dict, seq_len: int):

@@ -28,7 +28,7 @@ class Knob:
     choices: tuple | None = None
     requires: tuple[str, str] | None = None
     sampled_when: tuple[str, Callable[[Any], bool]] | None = None
-    split_by: tuple[str, str] | None = None
+    split_by: tuple[str, str, Callable[[Any, Any, dict], str | None]] | None = None
     words: dict = field(default_factory=dict)
     less_memory: str | None = None
     alst: Any = None

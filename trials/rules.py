@@ -43,6 +43,12 @@ def head_chunk_problem(chunk: int | None, heads: int, degree: int) -> str | None
     return None
 
 
+def head_chunk_split_problem(chunk: int | None, degree: int, model_config: dict) -> str | None:
+    """``head_chunk``'s ``split_by`` rule: why a chunk cannot run under Ulysses degree ``degree`` with the model's
+    query heads (``head_chunk_problem``; None: it can)."""
+    return head_chunk_problem(chunk, model_config["num_attention_heads"], degree)
+
+
 def requirement_problems(techniques) -> list[str]:
     """Knobs set without the knob they need (each knob's ``requires``)."""
     found = []

@@ -8,8 +8,9 @@ A knob is a field of ``Techniques`` whose metadata (``knob(...)``) says what the
     minimum         the smallest value allowed (checked by ``trials.rules``)
     requires        (knob, why): this one may be set (not its default) only with that one on
     sampled_when    (knob, predicate): a search samples it only when the other knob's value passes
-    split_by        (knob, tag): its choices depend on that knob's value, so each value has its own search
-                    parameter ``{name}_{tag}{value}`` (Optuna learns each branch)
+    split_by        (knob, tag, rule): its choices depend on that knob's value: ``rule(choice, value,
+                    model_config)`` (``trials.rules``) says why a choice cannot run with it (None: it can), and
+                    each value has its own search parameter ``{name}_{tag}{value}`` (Optuna learns each branch)
     words           YAML/CLI words for values: ``{"none": 0, "all": ALL_LAYERS}``
     less_memory     which change needs less memory: ``on`` (True), ``larger`` (the next larger choice),
                     ``smaller`` (the next smaller choice, off -- 0 or None -- counting as the largest)
@@ -32,7 +33,7 @@ from typing import Any
 
 from trials.errors import ConfigError
 from trials.knobs import ALL_LAYERS, ATTENTION_KERNELS, Knob, declared_knobs, knob
-from trials.rules import problems
+from trials.rules import head_chunk_split_problem, problems
 
 __all__ = ["ALL_LAYERS", "ATTENTION_KERNELS", "BASELINE", "Knob", "Techniques", "knob_names", "knobs"]
 
@@ -57,7 +58,7 @@ class Techniques:
     head_chunk: int | None = knob(
         None, "int", "untied Ulysses (UPipe): attention over this many local heads at a time (null = all)",
         label="/hc{}", nullable=True, minimum=1, sampled_when=("ulysses_degree", _degree_above_one),
-        split_by=("ulysses_degree", "u"), less_memory="smaller", alst=None)
+        split_by=("ulysses_degree", "u", head_chunk_split_problem), less_memory="smaller", alst=None)
     activation_checkpointing: bool = knob(
         False, "bool", "keep only each decoder layer's input, recompute the layer in backward", label="ac",
         less_memory="on", alst=True)

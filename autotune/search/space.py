@@ -1,12 +1,14 @@
-"""Search spaces from YAML (``autotune/search/spaces/*.yaml``, or a user's file): knob choices, the sequence-length
-grid, and the constraints of the model and node applied before sampling.
+"""Search spaces from YAML (the ``search_spaces`` package's ``*.yaml``, or a user's file: ``--space FILE``; its
+README.md describes the format): knob choices, the sequence-length grid, and the constraints of the model and node
+applied before sampling.
 
 Everything per knob derives from its declaration in ``trials.techniques.Techniques`` (kind, words, conditions,
 which change needs less memory); the rules of what fits a model and node are ``trials.rules``'. Conditional
 knobs (define-by-run, so Optuna's TPE learns each branch) are those with a ``sampled_when`` or ``requires``:
     optimizer_offload       only with fsdp
     head_chunk              only when ulysses_degree > 1 (choices depend on the degree, so each degree
-                            has its own parameter name ``head_chunk_u{degree}``: ``split_by``)
+                            has its own parameter name ``head_chunk_u{degree}``: ``split_by``, whose rule
+                            says which chunks each degree keeps)
     activation_offload_layers  only with activation_checkpointing
 """
 
@@ -20,8 +22,9 @@ from typing import Any
 
 import optuna
 import yaml
+from optuna.trial import TrialState
 
-from trials.rules import head_chunk_problem, ulysses_degree_problem
+from trials.rules import ulysses_degree_problem
 from trials.techniques import ALL_LAYERS, Knob, Techniques, knob_names, knobs
 from autotune.core.errors import UserError
 from autotune.core.sizes import parse_tokens
@@ -31,7 +34,7 @@ SPACE_SCHEMA = "autotune/space-v1"
 # grid length below it, a choice TPE knows, and evaluates the length this parameter holds
 WALL_PARAM = "wall_seq_len"
 _WALL_RANGE = (1, 2**40)
-SPACES_DIR = Path(str(resources.files("autotune.search") / "spaces"))
+SPACES_DIR = Path(str(resources.files("search_spaces")))  # the shipped spaces: package data of ``search_spaces``
 DEFAULT_SPACE = SPACES_DIR / "default.yaml"
 KNOBS = knob_names()
 _SEQ_KEYS = {"min_fraction": 0.0625, "max_fraction": 4.0, "points_per_doubling": 2, "multiple_of": 1024}
@@ -42,7 +45,7 @@ def param_name(knob: Knob, values: dict) -> str:
     """The Optuna parameter of ``knob`` given the other knobs' values (``split_by``: one per value)."""
     if knob.split_by is None:
         return knob.name
-    other, tag = knob.split_by
+    other, tag, _ = knob.split_by
     return f"{knob.name}_{tag}{values[other]}"
 
 
@@ -62,16 +65,19 @@ class SearchSpace:
 
     choices: dict[str, list]
     seq_lens: list[int]
-    head_chunks_by_degree: dict[int, list]
+    # each ``split_by`` knob: the value of the knob it is split by -> its choices there (its rule's survivors)
+    split_choices: dict[str, dict[Any, list]]
 
     def knob_choices(self, knob: Knob, values: dict) -> list:
-        """The choices of ``knob`` given the knobs before it (a ``split_by`` knob's depend on that knob)."""
-        if knob.name == "head_chunk":
-            return self.head_chunks(values["ulysses_degree"])
-        return self.choices[knob.name]
+        """The choices of ``knob`` given the knobs before it (a ``split_by`` knob's depend on that knob's value;
+        a value the space does not hold leaves only the default)."""
+        if knob.split_by is None:
+            return self.choices[knob.name]
+        return self.split_choices[knob.name].get(values[knob.split_by[0]], [knob.default])
 
-    def sample(self, trial, num_layers: int) -> tuple[Techniques, int]:
-        """Suggest one config and sequence length on an Optuna trial (knobs in declaration order)."""
+    def sample(self, trial, num_layers: int, queued: dict | None = None) -> tuple[Techniques, int]:
+        """Suggest one config and sequence length on an Optuna trial (knobs in declaration order). ``queued``: the
+        params the trial was handed (default: ``queued_params(trial)``); one with ``WALL_PARAM`` gives that length."""
         values: dict[str, Any] = {}
         for knob in knobs():
             if not _active(knob, values):
@@ -84,16 +90,18 @@ class SearchSpace:
             value = trial.suggest_categorical(param_name(knob, values), choices)
             values[knob.name] = num_layers if value == ALL_LAYERS else value
         seq_len = trial.suggest_categorical("seq_len", [s for s in self.seq_lens if s % values["ulysses_degree"] == 0])
-        if WALL_PARAM in _fixed_params(trial):  # queued between two grid lengths: that length
+        if WALL_PARAM in (queued_params(trial) if queued is None else queued):  # queued between two grid lengths
             seq_len = trial.suggest_int(WALL_PARAM, *_WALL_RANGE)
         return Techniques(**values), seq_len
 
     def point_of(self, params: dict, num_layers: int) -> tuple[Techniques, int]:
         """The config and length ``sample`` gives under ``params`` (a queued trial's)."""
-        return self.sample(optuna.trial.FixedTrial(params), num_layers)
+        return self.sample(optuna.trial.FixedTrial(params), num_layers, queued=params)
 
     def head_chunks(self, degree: int) -> list:
-        return self.head_chunks_by_degree.get(degree, [None])
+        """``head_chunk``'s choices under a Ulysses degree (``knob_choices``), for grids built by hand."""
+        knob = _TABLE["head_chunk"]
+        return self.knob_choices(knob, {knob.split_by[0]: degree})
 
     def params_for(self, techniques: Techniques, seq_len: int, num_layers: int) -> dict | None:
         """The Optuna params under which ``sample`` gives exactly this config and length (for enqueueing), or
@@ -168,12 +176,16 @@ class SearchSpace:
         return knob.default
 
 
-def _fixed_params(trial) -> dict:
-    """The params a queued trial was handed (Optuna keeps them as the system attribute ``fixed_params``; a
-    ``FixedTrial`` holds them all)."""
-    if isinstance(trial, optuna.trial.FixedTrial):
-        return trial._params
-    return getattr(trial, "_fixed_params", None) or {}
+def queued_params(trial) -> dict:
+    """The params ``study.enqueue_trial`` handed a running ``optuna.Trial``: the system attribute ``fixed_params``
+    of its ``FrozenTrial`` in the study. Empty for a trial the sampler proposes, and for a trial without a study
+    (a ``FixedTrial``: ``point_of`` passes its params to ``sample``)."""
+    if not isinstance(trial, optuna.Trial):
+        return {}
+    for frozen in trial.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if frozen.number == trial.number:
+            return frozen.system_attrs.get("fixed_params", {})
+    return {}
 
 
 def load_space(path: str | Path | None, model_config: dict, gpus: int, target: int,
@@ -213,8 +225,8 @@ def load_space(path: str | Path | None, model_config: dict, gpus: int, target: i
     choices = _filter(choices, model_config, gpus, flash_ok, path)
     return SearchSpace(
         choices=choices, seq_lens=_seq_grid(path, data.get("seq_len") or {}, target, choices),
-        head_chunks_by_degree={d: _chunks_for(choices["head_chunk"], model_config, d)
-                               for d in choices["ulysses_degree"]},
+        split_choices={k.name: {v: _fitting(k, choices[k.name], v, model_config) for v in choices[k.split_by[0]]}
+                       for k in knobs() if k.split_by},
     )
 
 
@@ -267,9 +279,10 @@ def _filter(choices: dict, model_config: dict, gpus: int, flash_ok: bool, path: 
             {**choices, "ulysses_degree": degrees, "attention": attention}.items()}
 
 
-def _chunks_for(chunks: list, model_config: dict, degree: int) -> list:
-    heads = model_config["num_attention_heads"]
-    return [c for c in chunks if head_chunk_problem(c, heads, degree) is None] or [None]
+def _fitting(knob: Knob, choices: list, value: Any, model_config: dict) -> list:
+    """The choices of a ``split_by`` knob its rule lets run with the other knob at ``value`` (none: the default)."""
+    rule = knob.split_by[2]
+    return [c for c in choices if rule(c, value, model_config) is None] or [knob.default]
 
 
 def _seq_grid(path: Path, spec: dict, target: int, choices: dict) -> list[int]:
