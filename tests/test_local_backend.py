@@ -141,8 +141,8 @@ def _freed_bytes_given_back(tmp_path, environ=None) -> tuple[int, str]:
 def test_a_cpu_trial_keeps_the_memory_it_frees_as_cudas_caching_allocator_does(tmp_path):
     from trials.allocator import HOST_MALLOC_TUNABLES, trial_environment
 
-    # without the settings glibc unmaps a freed large block at once (what made long CPU steps page-fault their
-    # activations in at every step, bench/results/cpu_malloc.txt) -- so the check below can fail
+    # without the settings glibc unmaps a freed large block at once (so a long CPU step would page-fault its
+    # activations in at every step) -- so the check below can fail
     plain = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     given_back, _ = _freed_bytes_given_back(tmp_path, plain)
     assert given_back > 200 << 20

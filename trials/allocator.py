@@ -19,10 +19,10 @@ On the CPU path (no CUDA: tensors come from glibc's malloc) a trial's process is
 as CUDA's caching allocator does: ``glibc.malloc.mmap_max=0`` (no block gets its own mapping, which glibc gives
 every block above its mmap threshold, at most 32 MiB, and unmaps on free) and a trim threshold no step reaches
 (the heap's free top is not given back to the OS). Otherwise each step of a long sequence maps its large
-activations afresh and page-faults every byte of them in, inside the kernels that first write them: at 8,192
-tokens of tiny-llama that made the step's elementwise kernels 3.6x slower (bench/results/cpu_malloc.txt), a cost a
-GPU step does not have, that the time model does not price and that a calibration at 2,048 tokens (under the
-threshold) never sees. These are glibc tunables, read when a process starts: a child's environment carries them.
+activations afresh and page-faults every byte of them in, inside the kernels that first write them:
+a cost a GPU step does not have, that the time model does not price and that a
+calibration at 2,048 tokens (under the threshold) never sees. These are glibc tunables, read when a process starts:
+a child's environment carries them.
 """
 
 from __future__ import annotations

@@ -154,8 +154,8 @@ def register() -> None:
 # ``attention_forward`` returns the output and the kernel's residuals (logsumexp, and RNG state where the kernel
 # has one); ``attention_backward`` takes them back, so a caller can drop q/k/v between forward and backward and
 # recompute them, without recomputing the attention itself. Tensors are in the kernel's own layout
-# (``head_layout``), so the caller can produce them densely in one copy (the CPU flash kernel is ~40x slower on
-# some strided inputs, e.g. one head viewed out of a wider buffer):
+# (``head_layout``), so the caller can produce them densely in one copy (the CPU flash kernel is many times
+# slower on some strided inputs, e.g. one head viewed out of a wider buffer):
 #   "bhsd": query [b, hq, s, d], key/value [b, hkv, s, d]   (torch SDPA kernels: CPU flash, CUDA mem-efficient)
 #   "bshd": query [b, s, hq, d], key/value [b, s, hkv, d]   (flash-attn)
 # hq is a multiple of hkv (GQA); out has the query's shape and layout.

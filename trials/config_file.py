@@ -36,7 +36,7 @@ class TrialConfig:
     nodes: int = 1                      # the world is nodes x gpus
 
     def to_dict(self) -> dict[str, Any]:
-        nodes = {"nodes": self.nodes} if self.nodes != 1 else {}  # one node: the file as it always was
+        nodes = {"nodes": self.nodes} if self.nodes != 1 else {}  # one node: no ``nodes`` key (absent means 1)
         return {
             "schema": self.schema, "model": self.model, "hardware": self.hardware, "gpus": self.gpus, **nodes,
             "seq_len": self.seq_len, "techniques": self.techniques.to_dict(),

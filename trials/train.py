@@ -116,9 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     if dist.is_initialized():
-        # every rank done before any tears its group down: without it, a rank that finished first and destroyed
-        # the group while a peer still talked aborted in ~1 of 8 two-node runs ("terminate called without an
-        # active exception", after the last step), failing the job (tests/test_multi_node.py's sbatch test)
+        # every rank done before any tears its group down: a rank that finishes first and destroys the group
+        # while a peer still talks can abort ("terminate called without an active exception", after the last
+        # step), failing the job
         dist.barrier()
         dist.destroy_process_group()
     return 0
@@ -126,10 +126,10 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    # Leave without running C++ static destructors: in ~1 of 30 two-node runs one of them found a thread still
-    # joinable and aborted the finished rank ("terminate called without an active exception" after the interpreter
-    # had no Python frame left: PYTHONFAULTHANDLER showed none), failing a job whose steps were all done. An
-    # exception from main() still exits the usual way, with its traceback.
+    # Leave without running C++ static destructors: on multi-node runs one of them can find a thread still
+    # joinable and abort the finished rank ("terminate called without an active exception" after the interpreter
+    # has no Python frame left), failing a job whose steps were all done. An exception from main() still exits
+    # the usual way, with its traceback.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

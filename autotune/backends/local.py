@@ -37,7 +37,7 @@ from autotune.oracle.extrapolation import extrapolate, plan_traces
 DEPTHS = ("full", "reduced")
 
 STARTUP_S = 600.0        # starting the ranks, imports, DeepSpeed's JIT op build, building and sharding the model
-STEP_TIME_MARGIN = 3.0   # the time model's predictions are not exact (docs/throughput.md): allow 3x per step
+STEP_TIME_MARGIN = 3.0   # the time model's predictions are not exact (docs/predictions.md): allow 3x per step
 FOLLOWER_GRACE_S = 60.0  # how long after its deadline the driver still waits for another node's report
 MIN_COLLECTIVE_TIMEOUT_S = 600.0
 

@@ -30,7 +30,7 @@ class Rates:
     """Per-device rates and efficiencies of the time model; each is a named field of the hardware YAML.
 
     Rates are per device (per rank), and per direction for links. Defaults are the H100-class values of
-    docs/throughput.md; presets override them.
+    docs/predictions.md; presets override them.
     """
 
     name: str

@@ -208,7 +208,7 @@ def _where(job) -> str:
 
 
 def plot_front_memory(front: list[dict], capacity_bytes: int, path: Path, title: str = "") -> int:
-    """``memory.png``: the peak-memory breakdown of every front point against the capacity (issue 7); returns
+    """``memory.png``: the peak-memory breakdown of every front point against the capacity; returns
     the number of bars drawn."""
     if not front:
         return 0

@@ -2,7 +2,7 @@
 (``autotune.timing.counting``) into a predicted step time.
 
 A small roofline-style model, every rate and efficiency a named field of the hardware preset
-(``autotune.core.hardware.Rates``), documented in docs/throughput.md:
+(``autotune.core.hardware.Rates``), documented in docs/predictions.md:
 
        t_phase  = matmul_flops / (peak * matmul_efficiency)
                 + attention_fwd_flops / (peak * attention_efficiency)
@@ -158,7 +158,7 @@ def _transfer_time(wire_bytes: float, kind: str, r: Rates, group_size: int | Non
     """Seconds to move ``wire_bytes`` (this rank's share, the algorithmic factor applied) of a ``kind`` collective
     over a group of ``group_size`` ranks.
 
-    Inside a node: the NVLink/NVSwitch link at the kind's efficiency. Across nodes (docs/throughput.md, "Several
+    Inside a node: the NVLink/NVSwitch link at the kind's efficiency. Across nodes (docs/predictions.md, "Several
     nodes"), with one NIC per GPU (``inter_node_bytes_per_s``) and ``local`` = the group's fewest ranks on one node:
       - all-to-all: each rank sends (local-1)/(P-1) of its wire bytes over NVLink and (P-local)/(P-1) through its own
         NIC, at once; the NIC share bounds it (an all-to-all cannot aggregate several NICs: nccl-tests #130, #267);
@@ -185,7 +185,7 @@ def predict_step_time(counts: StepCounts, rates: Rates, world_size: int, techniq
     (``Hardware.rates_for(world_size)``). ``techniques`` gives the Ulysses degree (tokens/s) and where the
     optimizer runs. ``gpus_per_node``: ranks per node of a job over several nodes (None: one node), so
     collectives whose group spans nodes are priced on the inter-node fabric. See the module docstring and
-    docs/throughput.md for the model and its assumptions.
+    docs/predictions.md for the model and its assumptions.
     """
     r = rates
     degree = techniques.ulysses_degree
@@ -227,9 +227,9 @@ def predict_step_time(counts: StepCounts, rates: Rates, world_size: int, techniq
         first_last = min(first_last, fsdp_total)
     hideable = max(0.0, fsdp_total - first_last)
     fsdp_exposed = first_last + max(0.0, hideable - r.side_stream_overlap * busy)
-    # every collective call is a rendezvous: the rank that got there first waits for the other. A cost per call,
-    # not per compute second: the residual the fidelity configs leave over the model without it is flat in their
-    # compute (bench/results/rank_wait.txt: 0.02-0.19 s at 0.4-14 s of compute, 0.6-3.7 ms per call)
+    # every collective call is a rendezvous: the rank that got there first waits for the other. Priced per call
+    # (``collective_wait_s``, which the calibration fits per world size; docs/validation.md, "Time model", shows
+    # multi-rank trials against it)
     waiting = r.collective_wait_s * counts.collective_calls() if world_size > 1 else 0.0
     exposed_comm = sync + fsdp_exposed + waiting
     detail["fsdp_total_s"] = fsdp_total

@@ -104,13 +104,11 @@ def _pick_repeat(runs: list[dict]) -> int:
     """The index of the repeat a calibration keeps: the fewest contended benchmarks, then the self-check nearest 1.
 
     A whole repeat, not the best of each number across repeats: the numbers of one repeat were measured at one
-    moment of a drifting host, and the rank wait (``collective_wait_s``, once ``rank_imbalance``) is fitted to the
-    residual of that repeat's own rates, so the fastest rates of one repeat beside the lowest wait of another
-    predict every step of several ranks too short (bench/results/calibration_repeats.txt: the merge read 0.88
-    beside an imbalance from the 0.95
-    repeat; the fidelity run of 2026-11-24b read all 11 two-rank configs at 0.76-0.91). The self-check nearest 1
-    is the repeat whose microbenchmarks best explain its own real step -- one where gloo or a kernel came out
-    several times slow, or rank 0 ran beside a slow peer, is far from 1."""
+    moment of a drifting host, and the rank wait (``collective_wait_s``) is fitted to the residual of that
+    repeat's own rates, so the fastest rates of one repeat beside the lowest wait of another would predict every
+    step of several ranks too short. The self-check nearest 1 is the
+    repeat whose microbenchmarks best explain its own real step -- one where gloo or a kernel came out several
+    times slow, or rank 0 ran beside a slow peer, is far from 1."""
     return min(range(len(runs)), key=lambda i: (len(runs[i].get("contended", ())),
                                                 abs(math.log(self_check(runs[i])))))
 

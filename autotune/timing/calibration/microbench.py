@@ -97,9 +97,8 @@ def measure_dispatch_overhead(partial_rates: dict) -> tuple[float, float]:
     own seconds in a step timed by ``_kernel_timer`` (``_wall_and_kernels``) minus what ``predict_step_time``
     gives the collectives, divided by the dispatches ``StepCounter`` counts. The kernels' time is measured, not
     predicted from the rates: at 16 tokens it is their fixed per-call cost, which the in-step rates (fitted on
-    timed kernels of a 2,048-token step) already carry -- counting it again here as overhead made the model
-    predict its own 2,048-token calibration step 18% slow (0.340 s for 0.288 s). Returns (per op, per view):
-    both pass through the same Python dispatch, so they are one number.
+    timed kernels of a 2,048-token step) already carry, so counting it here as overhead too would count it
+    twice. Returns (per op, per view): both pass through the same Python dispatch, so they are one number.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     mesh = build_mesh(1, torch.device("cpu")) if world > 1 else Mesh.single()
@@ -165,7 +164,7 @@ def _kernel_timer(tracker: DeviceMemoryTracker):
 def _wall_and_kernels(model, optimizer, batch, mesh, tracker, timer) -> tuple[dict, float]:
     """One step with every kernel timed (seconds by (phase, kind)), then one plain step's wall time under the
     tracker alone, as a trial runs it (the timer's own dispatch costs a few microseconds per op). Taken together,
-    so the host's speed drift (+-20% over minutes) moves both alike."""
+    so the host's speed drift over minutes moves both alike."""
     timer.seconds = {}
     with timer, tracker:  # timer first: below the tracker
         train_step(model, optimizer, batch, mesh, tracker)

@@ -139,9 +139,9 @@ def relative_spread(times: list[float]) -> float:
 
 
 def median_time(fn, name: str = "", samples: int = 5) -> float:
-    """The median of the clean samples. Not the minimum: this machine's speed also varies by +-20% with no
-    other process visible (a shared host), and a trial's multi-second step averages over that, so the typical
-    sample is the one that predicts it."""
+    """The median of the clean samples. Not the minimum: a shared host's speed also varies with no other
+    process visible, and a trial's multi-second step averages over that, so the typical sample is the one that
+    predicts it."""
     return statistics.median(sample(fn, name, samples))
 
 
@@ -153,8 +153,8 @@ def barrier():
 
 def speed_probe_s(samples: int = 5) -> float:
     """Seconds of a fixed small workload (matmuls, memory-bound elementwise ops, many tiny dispatched ops: the mix
-    of a CPU training step), median of ``samples``. This host's speed drifts by +-25% over minutes with no other
-    process visible (a shared machine); the calibration records the probe beside its measurements
+    of a CPU training step), median of ``samples``. A shared host's speed drifts over minutes with no other
+    process visible; the calibration records the probe beside its measurements
     (``probe_s``), so a later measurement that runs the probe beside itself can be put in the calibration's
     units: ``seconds * probe_s / probe_now`` (``bench/throughput_fidelity.py`` does). Not contention-filtered:
     callers check contention around it as around everything else."""
@@ -167,7 +167,7 @@ def _speed_probe_s(torch, samples: int) -> float:
     a, b = torch.randn(512, 512), torch.randn(512, 512)
     x, small = torch.randn(1 << 19), torch.randn(64)
 
-    def work():  # ~20 ms on a 2-core VM
+    def work():  # small: cheap enough to run beside every group of measurements
         for _ in range(16):
             torch.mm(a, b)
         for _ in range(32):

@@ -32,9 +32,9 @@ def _model_rates(result: dict, world: int) -> dict:
 
 def in_step_rates(microbenchmarks: dict, world: int) -> dict:
     """The rates ``measure_in_step`` prices its step's kernels with: the microbenchmarks' alone, as the preset
-    derives them. Derived, not built here: a dict built here once left the attention tiles at ``Rates``' GPU
-    default (128 x 128 where the CPU kernel computes 256 x 512), so the in-step attention factor came out 1/1.18
-    of the truth and every CPU prediction's attention 1.18x the measured, the calibration's own step's included."""
+    derives them. Derived through the preset, not assembled here, so that every field the model prices with
+    (the CPU kernel's 256 x 512 attention tiles, not ``Rates``' GPU default) is the one the written preset
+    gives: any difference would skew the in-step factors, and with them every CPU prediction."""
     return _model_rates(dict(microbenchmarks, op_overhead_s=0.0, view_overhead_s=0.0, optimizer_bytes_per_s=1.0), world)
 
 
