@@ -1,6 +1,6 @@
 """How good is the search with a tenth of the evaluations? (issue 6)
 
-1. Exhaustive: every (config, seq_len) of autotune/search/spaces/reduced-tiny.yaml through the plan backend
+1. Exhaustive: every (config, seq_len) of search_spaces/reduced-tiny.yaml through the plan backend
    (tiny-llama, 2 ranks, the cpu preset at 0.5 GiB per rank), no inference: the true Pareto front. The grid
    runs on every core and is cached under ~/.cache/autotune keyed by a digest of the code, presets, space and
    cpu calibration (``--no-cache`` re-evaluates it).
@@ -10,9 +10,7 @@
    exhaustive front (objectives: log2 seq_len and tokens/s, reference point one doubling below the grid's
    shortest length and 0 tokens/s) and how many trials were answered without the backend.
 
-The local backend's OOM-time share (issue 6's third item) is bench/local_oom_time.py.
-
-    .venv/bin/python bench/search_quality.py      # last line: the search's hypervolume ratio
+    .venv/bin/python bench/search_quality.py | tee bench/results/search_quality.txt   # last line: the hypervolume ratio
 """
 
 from __future__ import annotations

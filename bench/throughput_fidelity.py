@@ -25,11 +25,14 @@ For each config (tiny models, 1-4 ranks, 1K-16K tokens, technique stacks):
 
 Prints one row per config with the ratio predicted / measured, the worst ratio last, and writes the same text
 to bench/results/throughput_fidelity.txt. Goal (issue 17): every ratio within [0.8, 1.25], from one fresh
-`autotune calibrate` (written to bench/results/calibrated-cpu.yaml).
+`autotune calibrate` (written to bench/results/calibrated-cpu.yaml). The stored pair is the calibration the shipped
+``cpu`` preset carries and its fidelity run: a default run replaces both, so either ship the new calibration
+(bench/ship_cpu_calibration.py) or restore the pair from git.
 
-    .venv/bin/python bench/throughput_fidelity.py            # calibrate, then 25 configs x 2 passes
+    .venv/bin/python bench/throughput_fidelity.py            # calibrate, then 25 configs x 2 passes (~25 min)
     .venv/bin/python bench/throughput_fidelity.py --quick --passes 1   # 4 configs
-    .venv/bin/python bench/throughput_fidelity.py --summarize bench/results/throughput_fidelity.txt
+    .venv/bin/python bench/throughput_fidelity.py --summarize bench/results/throughput_fidelity.txt \\
+        > bench/results/throughput_fidelity_summary.txt
 """
 
 from __future__ import annotations
@@ -109,7 +112,6 @@ def worker(spec_path: str, out_dir: str) -> None:
     from trials.spec import TrialSpec
 
     spec = json.loads(Path(spec_path).read_text())
-    no_gauges = spec.pop("no_gauges", False)
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world > 1 and not dist.is_initialized():
@@ -126,13 +128,10 @@ def worker(spec_path: str, out_dir: str) -> None:
 
     def timed_step(*args, **kwargs):
         before = cpu_snapshot()
-        if no_gauges:  # the control of bench/gauge_interference.py: the step alone
-            probe = reference_s = float("nan")
-        else:
-            probe = speed_probe_s()  # the host's speed right now, in the calibration's units (see measure)
-            if not reference:  # (both run outside the trial's memory tracker: the reference has its own)
-                reference.append(in_step_training())
-            reference_s = reference_step_s(reference[0])  # the calibration's in-step step, now (see the docstring)
+        probe = speed_probe_s()  # the host's speed right now, in the calibration's units (see measure)
+        if not reference:  # (both run outside the trial's memory tracker: the reference has its own)
+            reference.append(in_step_training())
+        reference_s = reference_step_s(reference[0])  # the calibration's in-step step, now (see the docstring)
         start = time.perf_counter()
         result = original(*args, **kwargs)
         elapsed = time.perf_counter() - start
@@ -157,10 +156,8 @@ def worker(spec_path: str, out_dir: str) -> None:
 # -----------------------------------------------------------------------------------------------------------
 
 
-def measure(model: str, seq_len: int, ranks: int, techniques: dict, steps: int, attempts: int,
-            gauges: bool = True) -> dict:
-    """Launch the trial (as the local backend does) until a launch has clean steps; its steps, clean and contended.
-    ``gauges=False`` times the steps without the drift gauges before each (their probe/reference seconds nan)."""
+def measure(model: str, seq_len: int, ranks: int, techniques: dict, steps: int, attempts: int) -> dict:
+    """Launch the trial (as the local backend does) until a launch has clean steps; its steps, clean and contended."""
     from autotune.timing.calibration.sampling import wait_for_idle
     from trials import allocator
     from trials.model_config import load_model_config
@@ -172,7 +169,7 @@ def measure(model: str, seq_len: int, ranks: int, techniques: dict, steps: int, 
         wait_for_idle(0.05, 120)
         with tempfile.TemporaryDirectory(prefix="autotune-fidelity-") as tmp:
             spec_path = Path(tmp) / "spec.json"
-            spec_path.write_text(json.dumps(dict(spec, no_gauges=not gauges)))
+            spec_path.write_text(json.dumps(spec))
             env = dict(allocator.trial_environment(dict(os.environ), cpu=True),  # as the local backend launches it
                        OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // ranks)),
                        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -271,8 +268,8 @@ def _self_check(calibration: dict) -> str:
 
 
 def _repeats_note(repeats: dict | None) -> str:
-    """Which of a world's calibration runs was kept, beside every run's self-check (calibrations since
-    2026-11-24 keep one whole run; older ones merged the best of each number and record nothing here)."""
+    """Which of a world's calibration runs was kept, beside every run's self-check (a calibration that
+    merged the best of each number across runs records nothing here)."""
     if not repeats:
         return ""
     return " [runs " + "/".join(f"{c:.2f}" for c in repeats["self_checks"]) + f", run {repeats['kept']} kept]"
@@ -386,7 +383,7 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", default=None,
                         help="a preset `autotune calibrate` wrote; default: calibrate this machine now (fresh)")
     parser.add_argument("--calibration-runs", type=int, default=2,
-                        help="calibration runs, keeping each number's best (other processes and drift only slow)")
+                        help="calibration runs per world (`autotune calibrate --repeats`: one whole run is kept)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "throughput_fidelity.txt"))
     parser.add_argument("--summarize", metavar="TABLE", help="print the verdict lines of a table this bench wrote")
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT_DIR"), help=argparse.SUPPRESS)

@@ -3,7 +3,7 @@
 The same path as ``autotune estimate`` / the ``plan`` backend: the memory oracle traces the trial code under
 FakeTensorMode on a fake 8-rank world (bf16 compute, GPU kernel footprints), ``autotune.timing.counting.StepCounter``
 counts the traced step (3- and 4-layer copies, extended to 32 layers like the memory), and ``predict_step_time``
-turns the counts into time with the ``h100-sxm`` preset's rates (docs/throughput.md says what they assume).
+turns the counts into time with the ``h100-sxm`` preset's rates (docs/predictions.md says what they assume).
 
 Config: the full stack of bench/ablation.py -- fsdp + optimizer_offload, Ulysses 8 with head_chunk 1 (UPipe),
 activation checkpointing with every layer's input offloaded, tiled MLP (64K), tiled loss (8K: a 64K tile of
