@@ -1,0 +1,66 @@
+"""bin/check-docs: every figure in README.md and docs/ is found in the stored output it cites."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECK = ROOT / "bin" / "check-docs"
+
+
+def _check(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(CHECK), "--root", str(root)], capture_output=True, text=True)
+
+
+def _copy_docs(tmp_path: Path) -> Path:
+    """The parts of the tree the checker reads, to plant mistakes in."""
+    copy = tmp_path / "tree"
+    copy.mkdir()
+    shutil.copy(ROOT / "README.md", copy / "README.md")
+    shutil.copytree(ROOT / "docs", copy / "docs")
+    shutil.copytree(ROOT / "bench", copy / "bench", ignore=shutil.ignore_patterns("__pycache__"))
+    if (ROOT / "search_spaces").is_dir():
+        shutil.copytree(ROOT / "search_spaces", copy / "search_spaces", ignore=shutil.ignore_patterns("*.yaml", "*.py"))
+    return copy
+
+
+def test_every_figure_in_readme_and_docs_is_in_the_output_it_cites():
+    done = _check(ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_stored_output_that_no_longer_prints_the_figure_fails(tmp_path):
+    copy = _copy_docs(tmp_path)
+    stored = copy / "bench/results/main_job.txt"
+    stored.write_text(stored.read_text().replace("5,242,880", "5,111,808"))
+    done = _check(copy)
+    assert done.returncode == 1
+    assert "5,242,880 is not in bench/results/main_job.txt" in done.stdout
+    assert "not a line of bench/results/main_job.txt: best.json: 5,242,880 tokens" in done.stdout
+
+
+def test_an_uncited_figure_and_an_uncited_result_and_an_unlisted_bench_fail(tmp_path):
+    copy = _copy_docs(tmp_path)
+    readme = copy / "README.md"
+    readme.write_text(readme.read_text() + "\nThe step takes 1.37 s, and `2.13.0` in code is no figure.\n")
+    (copy / "bench/results/orphan.txt").write_text("1.37\n")
+    (copy / "bench/orphan_bench.py").write_text("")
+    done = _check(copy)
+    assert done.returncode == 1
+    problems = done.stdout.splitlines()
+    assert any(line.endswith("1.37 is cited by no figures marker") for line in problems), problems
+    assert not any("2.13.0" in line for line in problems), problems
+    assert "bench/results/orphan.txt is cited nowhere in README.md or docs/" in problems
+    assert "bench/orphan_bench.py is not listed on docs/validation.md" in problems
+
+
+def test_a_readme_over_250_lines_fails(tmp_path):
+    copy = _copy_docs(tmp_path)
+    readme = copy / "README.md"
+    readme.write_text(readme.read_text() + "\n" * 300)
+    done = _check(copy)
+    assert done.returncode == 1
+    assert any(line.startswith("README.md has ") for line in done.stdout.splitlines())
