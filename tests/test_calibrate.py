@@ -234,23 +234,49 @@ def test_check_of_a_gpu_preset_re_times_its_recorded_gemm_shapes(tiny_llama):
     assert 2 < check.slowdown < 8 and f"{len(shapes)} GEMM shapes" in check.workload
 
 
-def test_check_from_the_command_line(config_dir):
-    preset = _with_reference_step(_cpu_preset_as_calibrated("my-node"), 1e-4)
+def test_check_from_the_command_line(config_dir, monkeypatch, capsys):
+    from autotune import cli
+    from autotune.core import calibration_store
+    from autotune.timing.calibration import check as check_mod
+
+    preset = _with_reference_step(_cpu_preset_as_calibrated("my-node"), 0.2)
+    preset["calibration"]["machine"] = calibration_store.machine_key()  # calibrated on this machine
     preset_mod.write_preset(preset, config_dir / "hardware" / "my-node.yaml")
-    calibrated_on = preset["calibration"]["measured_at"][:10]
+    calibrated_on = preset["calibration"]["measured_at"]
+
+    # the re-timed step's samples are fixed here (the real timing has its own test above), so every outcome's
+    # lines and exit code are checked whatever else runs on this host
+    def check_with(times, contended):
+        monkeypatch.setattr(check_mod, "_time_reference_step", lambda threads, samples: (times, contended))
+        code = cli.main(["calibrate", "--check", "--hardware", "my-node"])
+        out, err = capsys.readouterr()
+        return code, out.strip().splitlines(), err.strip().splitlines()
+
+    # samples 0.5, 0.6, 0.7 s: median 0.6 s, spread (0.7 - 0.5) / 0.6 = 33%; 0.6 / 0.2 = 3.00x slower
+    code, out, err = check_with([0.7, 0.5, 0.6], False)
+    assert code == 0, err
+    assert out == [f"the calibration's training step (2,048 tokens, 1 rank): 0.6 s now (spread 33%), 0.2 s at the "
+                   f"calibration ({calibrated_on}): 3.00x slower",
+                   "my-node predicts step times 3.00x too short on this machine now; measure it again: autotune "
+                   "calibrate --name NAME (a few minutes)"]
+    # 0.1 s: 0.2 / 0.1 = 2.00x faster -> step times too long
+    code, out, err = check_with([0.1, 0.1, 0.1], False)
+    assert code == 0 and out[0].endswith("2.00x faster"), out
+    assert out[1].startswith("my-node predicts step times 2.00x too long"), out
+    # 0.21 s: 1.05x slower, inside the 1.10x band
+    code, out, err = check_with([0.21, 0.21, 0.21], False)
+    assert code == 0 and "1.05x slower" in out[0], out
+    assert out[1] == "my-node holds here: this machine is within 1.10x of the calibration's speed"
+    # every sample contended: the measurement, no verdict, exit 1 with the reason as stderr's last line
+    code, out, err = check_with([0.7, 0.5, 0.6], True)
+    assert code == 1 and len(out) == 1 and "3.00x slower" in out[0], (out, err)
+    assert err[-1] == ("autotune: other processes kept the CPUs busy during every sample: this says nothing about "
+                       "the machine's speed; check again when it is quiet")
 
     def run(*args):
         return subprocess.run([sys.executable, "-m", "autotune.cli", "calibrate", "--check", *args],
                               capture_output=True, text=True, env=_env(config_dir), cwd=ROOT, timeout=300)
 
-    checked = run("--hardware", "my-node")
-    measured, *verdict = checked.stdout.strip().splitlines()
-    assert f"0.0001 s at the calibration ({calibrated_on}" in measured and "x slower" in measured
-    if checked.returncode == 0:
-        assert verdict[0].startswith("my-node predicts step times") and "too short" in verdict[0]
-    else:  # other processes kept this machine busy throughout: a failed check, said as the last line
-        assert checked.returncode == 1 and not verdict, checked.stderr[-2000:]
-        assert checked.stderr.strip().splitlines()[-1].startswith("autotune: other processes kept the CPUs busy")
     # nothing measured to compare with, a destination given, a GPU preset without a GPU: one line each, exit 2
     assumed, destination = run("--hardware", "h100-sxm"), run("--hardware", "my-node", "--name", "x")
     for result, words in ((assumed, "assumed, not measured"), (destination, "writes nothing")):

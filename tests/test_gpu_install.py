@@ -86,18 +86,26 @@ def test_gpu_and_cpu_constraints_pin_the_same_torch():
     assert "+" not in gpu, "the GPU pin must not name a local build (+cpu, +cu130): PyPI's plain wheel is CUDA"
 
 
-@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has nvidia-smi")
-def test_setup_gpu_without_a_driver_fails_loudly_before_touching_anything(tmp_path):
+@pytest.mark.parametrize("driver, says", [
+    (None, "nvidia-smi not found"),                                    # no driver installed
+    ("#!/bin/sh\nexit 9\n", "nvidia-smi fails: is the NVIDIA driver loaded?"),  # installed, not loaded
+], ids=["no-driver", "driver-not-loaded"])
+def test_setup_gpu_without_a_driver_fails_loudly_before_touching_anything(tmp_path, driver, says):
     (tmp_path / "bin").mkdir()
     shutil.copy2(SETUP_GPU, tmp_path / "bin" / "setup-gpu")
-    tools = tmp_path / "tools"  # a PATH with what the script needs before its driver check, and no nvidia-smi
+    # the script's PATH holds only what it needs before its driver check, and the nvidia-smi this case gives it
+    # (none, or a stub that fails): the machine's own nvidia-smi, if any, is out of its sight
+    tools = tmp_path / "tools"
     tools.mkdir()
     for tool in ("dirname",):
         (tools / tool).symlink_to(shutil.which(tool))
+    if driver is not None:
+        (tools / "nvidia-smi").write_text(driver)
+        (tools / "nvidia-smi").chmod(0o755)
     done = subprocess.run([shutil.which("bash"), str(tmp_path / "bin" / "setup-gpu")], capture_output=True,
                           text=True, env={"PATH": str(tools), "HOME": str(tmp_path)}, timeout=60)
     assert done.returncode != 0
-    assert "nvidia-smi not found" in done.stderr
+    assert says in done.stderr, done.stderr
     assert not (tmp_path / ".venv").exists()
 
 

@@ -40,33 +40,39 @@ def evaluation(config, seq=2 * K, gpus=1, hardware="cpu", memory_gib=None, **tec
 
 # -- oracle == real trial ----------------------------------------------------------------------------------
 
+# The oracle is exact to the byte on CPU (peak and host bytes): each config's allowed peak difference is 0 bytes
+# unless it names its own measured bound.
+FSDP_OPTOFF_BYTES = 4  # fsdp + optimizer_offload: the real step's ``other`` holds 4 bytes the trace does not see
+
+
 def _compare(configs):
-    measured = run_real(configs)
-    for config, real in zip(configs, measured):
+    measured = run_real([config for config, _ in configs])
+    for (config, allowed), real in zip(configs, measured):
         assert real["status"] == "ok", (config.name, real["error"])
         predicted = predict_config(config)
-        ratio = predicted.peak_device_bytes / real["peak_device_bytes"]
-        assert abs(ratio - 1) <= 0.05, (config.name, ratio, predicted.breakdown, real["breakdown"])
+        diff = predicted.peak_device_bytes - real["peak_device_bytes"]
+        assert abs(diff) <= allowed, (config.name, diff, predicted.breakdown, real["breakdown"])
+        assert predicted.host_bytes == real["host_bytes"], (config.name, predicted.host_bytes, real["host_bytes"])
 
 
 def test_oracle_matches_real_trials_one_rank():
     _compare([
-        Config("tiny-llama", 1, 2 * K, {"activation_checkpointing": True}),
-        Config("tiny-qwen3", 1, 4 * K, {"activation_checkpointing": True, "activation_offload_layers": 2,
-                                        "mlp_tile_tokens": 1024}, layers=6),  # extrapolated, partial offload
-        Config("tiny-llama", 1, 2 * K, {"fsdp": True, "optimizer_offload": True, "loss_tile_tokens": 512},
-               compute_dtype="bf16"),
+        (Config("tiny-llama", 1, 2 * K, {"activation_checkpointing": True}), 0),
+        (Config("tiny-qwen3", 1, 4 * K, {"activation_checkpointing": True, "activation_offload_layers": 2,
+                                         "mlp_tile_tokens": 1024}, layers=6), 0),  # extrapolated, partial offload
+        (Config("tiny-llama", 1, 2 * K, {"fsdp": True, "optimizer_offload": True, "loss_tile_tokens": 512},
+                compute_dtype="bf16"), FSDP_OPTOFF_BYTES),
     ])
 
 
 @pytest.mark.slow
 def test_oracle_matches_real_trials_two_ranks():
     _compare([
-        Config("tiny-llama", 2, 4 * K, {"fsdp": True, "ulysses_degree": 2, "activation_checkpointing": True}),
-        Config("tiny-llama", 2, 4 * K, {"fsdp": True, "ulysses_degree": 2, "head_chunk": 1,
-                                        "activation_checkpointing": True, "activation_offload_layers": 6,
-                                        "mlp_tile_tokens": 512, "loss_tile_tokens": 1024}, layers=6),
-        Config("tiny-qwen3", 2, 2 * K, {"ulysses_degree": 2}, compute_dtype="bf16"),
+        (Config("tiny-llama", 2, 4 * K, {"fsdp": True, "ulysses_degree": 2, "activation_checkpointing": True}), 0),
+        (Config("tiny-llama", 2, 4 * K, {"fsdp": True, "ulysses_degree": 2, "head_chunk": 1,
+                                         "activation_checkpointing": True, "activation_offload_layers": 6,
+                                         "mlp_tile_tokens": 512, "loss_tile_tokens": 1024}, layers=6), 0),
+        (Config("tiny-qwen3", 2, 2 * K, {"ulysses_degree": 2}, compute_dtype="bf16"), 0),
     ])
 
 

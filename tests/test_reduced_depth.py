@@ -83,9 +83,9 @@ def test_reduced_trial_equals_the_full_trial_on_cpu():
     assert reduced.measured_layers == 7 and full.measured_layers is None  # offload 3+1, device 3 (+1 in a copy)
     assert reduced.peak_device_bytes == full.peak_device_bytes
     assert reduced.host_bytes == full.host_bytes and reduced.breakdown == full.breakdown
-    # timing: the same order only -- tests share a 2-core host with other work; bench/reduced_depth.py measures it
-    # quietly, side by side (+-10%)
-    assert 0.25 < reduced.tokens_per_s / full.tokens_per_s < 4.0
+    # timing: within 2x -- tests share a 2-core host with other work; bench/reduced_depth.py measures it quietly,
+    # side by side (+-10%). An extension that prices the missing layers 3x off lands outside.
+    assert 0.5 < reduced.tokens_per_s / full.tokens_per_s < 2.0, (reduced.tokens_per_s, full.tokens_per_s)
 
 
 @pytest.mark.slow
@@ -102,14 +102,26 @@ def test_a_reduced_trial_past_its_capacity_is_oom_not_timeout():
 @pytest.mark.slow
 def test_a_local_search_runs_long_lengths_reduced_within_a_deadline_full_depth_would_miss(tmp_path):
     import json
+    import math
 
     import pyarrow.parquet as pq
 
     from autotune.backends import make_backend
     from conftest import run_cli
 
-    # deep enough that the shipped cpu preset's typical machine puts the full-depth trial well past the deadline
-    layers, deadline_s = 160, 100
+    # deep enough that the cpu preset (the rates the search's plan backend uses on this machine) predicts the
+    # full-depth trial at the longest length (warm-up + 2 steps) at twice the deadline: the depth follows from the
+    # predicted step time, which is affine in the depth
+    deadline_s, longest = 100, 4096
+
+    def full_depth_s(layers: int) -> float:
+        evaluation = _evaluation(layers, seq=longest, activation_checkpointing=True)
+        return 3 * make_backend("plan").evaluate(evaluation).step_time_s
+
+    at_8, at_16 = full_depth_s(8), full_depth_s(16)
+    layers = 16 + math.ceil((2 * deadline_s - at_16) / ((at_16 - at_8) / 8))
+    predicted_s = full_depth_s(layers)
+    assert predicted_s >= 2 * deadline_s, (layers, predicted_s)
     model = tmp_path / f"tiny-llama-{layers}.json"
     model.write_text(json.dumps(dict(load_model_config("tiny-llama"), num_hidden_layers=layers)))
     space = tmp_path / "space.yaml"
@@ -117,10 +129,6 @@ def test_a_local_search_runs_long_lengths_reduced_within_a_deadline_full_depth_w
                      "points_per_doubling: 1, multiple_of: 1024}\nknobs:\n  fsdp: [false]\n  ulysses_degree: [1]\n"
                      "  activation_checkpointing: [true]\n  activation_offload_layers: [0]\n  mlp_tile_tokens: [0]\n"
                      "  loss_tile_tokens: [0]\n  attention: [sdpa]\n")
-    # the full-depth trial at the longest length (warm-up + 2 steps) is predicted well past the deadline
-    longest = _evaluation(layers, seq=4096, activation_checkpointing=True)
-    full_step_s = make_backend("plan").evaluate(longest).step_time_s
-    assert 3 * full_step_s > 1.3 * deadline_s, full_step_s
     out = tmp_path / "out"
     result = run_cli("search", "--model", str(model), "--target", "4K", "--gpus", "1", "--backend", "local",
                      "--hardware", "cpu", "--space", str(space), "--trials", "2", "--no-prefilter",

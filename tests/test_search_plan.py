@@ -12,7 +12,17 @@ import optuna
 import pyarrow.parquet as pq
 import pytest
 
+from autotune import search
+from autotune.backends import Backend
+from autotune.backends.plan import PlanBackend
+from autotune.backends.plan_store import default_store
+from autotune.core.hardware import load_hardware
+from autotune.outputs import report
+from autotune.search.policy import seed_params
+from autotune.search.space import load_space
 from conftest import ROOT, run_cli
+from trials.model_config import load_model_config
+from trials.techniques import knob_names
 
 TINY = ["--model", "tiny-llama", "--target", "4K", "--gpus", "2", "--backend", "plan", "--hardware", "cpu",
         "--memory-gib", "0.5"]
@@ -49,18 +59,54 @@ def test_plan_search_reports_ooms_as_constraint_violations(tmp_path):
     assert {(f["seq_len"], f["tokens_per_s"]) for f in front} == optuna_front
 
 
+class _Counting(Backend):
+    """The search's plan backend (a trace stopped at the capacity), recording every point it is asked for."""
+
+    name = "plan"
+
+    def __init__(self):
+        self.plan, self.calls = PlanBackend(stop_above=1.0, store=default_store()), []
+
+    def evaluate(self, evaluation):
+        self.calls.append((evaluation.techniques.to_dict(), evaluation.seq_len))
+        return self.plan.evaluate(evaluation)
+
+
 def test_monotone_inference_and_cache_answer_without_running(tmp_path):
-    out = tmp_path / "s"
-    result = run_cli("search", *TINY, "--trials", "30", "--out", str(out), "--json")
-    assert result.returncode in (0, 1), result.stderr[-3000:]
-    rows = pq.read_table(out / "trials.parquet").to_pylist()
-    inferred = [r for r in rows if r["answered_by"] == "monotone"]
-    for row in inferred:  # every inference is backed by a real OOM of the same config at a shorter length
-        knobs = {k: row[k] for k in ("fsdp", "ulysses_degree", "head_chunk", "activation_checkpointing",
-                                      "mlp_tile_tokens", "loss_tile_tokens", "activation_offload_layers")}
-        assert any(r["status"] == "oom" and r["answered_by"] == "plan" and r["seq_len"] <= row["seq_len"]
-                   and all(r[k] == v for k, v in knobs.items()) for r in rows)
-    assert json.loads(result.stdout)["avoided"]["monotone"] == len(inferred)
+    """A config out of memory at a length is out of memory at every longer one: asked again longer, the study
+    answers from that OOM (monotone inference); asked again at the same length, from its record (cache); neither
+    reaches the backend. A config that differs in one knob is another config: the backend evaluates it."""
+    config = load_model_config("tiny-llama")
+    job = search.SearchJob(model="tiny-llama", model_config=config, target=4096, gpus=2,
+                           hardware=load_hardware("cpu").with_memory_gib(0.5),
+                           space=load_space(None, config, 2, 4096, flash_ok=False), backend=_Counting(),
+                           out=tmp_path, trials=4, seed=0)
+    plain = seed_params(job)[0]  # the plain model
+    tiled = {**plain, "norm_tile_tokens": 65536}  # one knob apart: another config
+    study = search.create_study(job)  # no seeds: the queue below is the whole search
+    for params, seq_len in ((plain, 8192), (plain, 16384), (plain, 8192), (tiled, 16384)):
+        study.enqueue_trial({**params, "seq_len": seq_len})
+    search.run(job, study=study)
+    trials = sorted(search.finished_trials(study), key=lambda t: t.number)
+    assert [(t.user_attrs["record"]["seq_len"], t.user_attrs["answered_by"]) for t in trials] == \
+        [(8192, "plan"), (16384, "monotone"), (8192, "cache"), (16384, "plan")]
+    oom, inferred, cached, other = trials
+    assert oom.user_attrs["record"]["status"] == "oom", "the plain model fits 8K tokens in 0.5 GiB: nothing to infer"
+    # the inference is the OOMed config itself, every knob, at the longer length; the cache answer is its record
+    assert inferred.user_attrs["techniques"] == oom.user_attrs["techniques"] == cached.user_attrs["techniques"]
+    assert inferred.user_attrs["record"]["status"] == "oom"
+    assert f"out of memory at 8,192 tokens (trial {oom.number})" in inferred.user_attrs["record"]["error"]
+    assert cached.user_attrs["record"] == oom.user_attrs["record"]
+    assert other.user_attrs["techniques"] == {**oom.user_attrs["techniques"], "norm_tile_tokens": 65536}
+    # the backend saw the two points nobody had answered, once each
+    assert job.backend.calls == [(oom.user_attrs["techniques"], 8192), (other.user_attrs["techniques"], 16384)]
+    assert job.avoided == {"cache": 1, "monotone": 1, "oracle": 0}
+    # the outputs say so too: trials.parquet's rows, each knob of the inferred row equal to the OOMed row's
+    report.write_outputs(job, study)
+    rows = sorted(pq.read_table(tmp_path / "trials.parquet").to_pylist(), key=lambda r: r["trial"])
+    assert [r["answered_by"] for r in rows] == ["plan", "monotone", "cache", "plan"]
+    assert all(rows[1][k] == rows[0][k] for k in knob_names()) and rows[1]["status"] == "oom"
+    assert [k for k in knob_names() if rows[3][k] != rows[0][k]] == ["norm_tile_tokens"]
 
 
 def _trials_in_db(path):

@@ -257,11 +257,42 @@ def test_faster_hardware_takes_less_time(baseline_counts):
         assert predict_step_time(baseline_counts, faster, 1, Techniques()).step_time_s < base
 
 
-def test_tokens_per_s_counts_data_parallel_replicas(baseline_counts):
-    timing = predict_step_time(baseline_counts, rates("h100-sxm", 8), 8, Techniques(ulysses_degree=2), seq_len=1000)
-    assert timing.tokens_per_s == pytest.approx(1000 * 4 / timing.step_time_s)
-    parts = timing.compute_s + timing.recompute_s + timing.exposed_comm_s + timing.exposed_host_s + timing.optimizer_s
-    assert timing.step_time_s == pytest.approx(parts)
+def _round_rates(world_size: int = 8, **changes):
+    """The h100-sxm preset's rates for ``world_size`` ranks with round numbers, so a test works out the seconds by
+    hand: 1e12 FLOP/s at full efficiency, no per-op overhead, plus ``changes``."""
+    round_numbers = {"bf16_flops": 1e12, "matmul_efficiency": 1.0, "op_overhead_s": 0.0, "view_overhead_s": 0.0}
+    return replace(rates("h100-sxm", world_size), **{**round_numbers, **changes})
+
+
+def test_tokens_per_s_counts_data_parallel_replicas():
+    from autotune.timing.counts import CollectiveCounts
+
+    counts = StepCounts(seq_len=1000)
+    counts.phases["forward"] = PhaseCounts(matmul_flops=2e12)   # 2e12 / 1e12 FLOP/s = 2 s
+    counts.phases["backward"] = PhaseCounts(matmul_flops=4e12)  # 4 s: a 6 s step
+    # 8 ranks: Ulysses 2 leaves 4 replicas, 4 x 1,000 tokens / 6 s = 666.67 tokens/s; Ulysses 8 one replica,
+    # 1,000 / 6 = 166.67; no Ulysses 8 replicas, 8,000 / 6 = 1,333.33
+    for degree, tokens_per_s in ((2, 666.667), (8, 166.667), (1, 1333.333)):
+        timing = predict_step_time(counts, _round_rates(), 8, Techniques(ulysses_degree=degree), seq_len=1000)
+        assert timing.step_time_s == pytest.approx(6.0)
+        assert timing.tokens_per_s == pytest.approx(tokens_per_s, rel=1e-5)
+    # every part of the step, each worked out by hand
+    counts.phases["forward"].d2h_bytes = 3e11                     # 3 s of copies at 1e11 B/s
+    counts.phases["recompute"] = PhaseCounts(matmul_flops=1e12)   # 1 s
+    counts.phases["optimizer"] = PhaseCounts(elementwise_bytes=5e9)
+    counts.collectives = {"all_to_all/forward/sync/2": CollectiveCounts(calls=2, bytes=1e11, wire_bytes=5e10)}
+    r = _round_rates(intra_node_bytes_per_s=1e11, all_to_all_efficiency=1.0, collective_latency_s=1e-3,
+                     collective_wait_s=1e-2, host_bytes_per_s=1e11, host_copy_efficiency=1.0,
+                     side_stream_overlap=1.0, host_optimizer_bytes_per_s=1e10)
+    timing = predict_step_time(counts, r, 8, Techniques(ulysses_degree=2, optimizer_offload=True), seq_len=1000)
+    # compute 2 + 4 = 6 s; recompute 1 s; the all-to-all stalls: 5e10 B / 1e11 B/s = 0.5 s + 2 calls x 1 ms latency
+    # + 2 calls x 10 ms waiting for the other rank = 0.522 s; the forward's 3 s of copies hide behind its 2 s of
+    # compute: 1 s exposed; the offloaded optimizer 5e9 B / 1e10 B/s = 0.5 s. Step 6 + 1 + 0.522 + 1 + 0.5 = 9.022 s,
+    # 4 replicas x 1,000 tokens / 9.022 s = 443.36 tokens/s
+    parts = (timing.compute_s, timing.recompute_s, timing.exposed_comm_s, timing.exposed_host_s, timing.optimizer_s)
+    assert parts == pytest.approx((6.0, 1.0, 0.522, 1.0, 0.5))
+    assert timing.step_time_s == pytest.approx(9.022)
+    assert timing.tokens_per_s == pytest.approx(443.36, rel=1e-4)
 
 
 def test_ranks_wait_for_each_other_per_collective_call_not_per_compute_second(baseline_counts):
@@ -307,17 +338,21 @@ def test_overlap_rules():
     assert offload.exposed_host_s == pytest.approx(2.0, rel=1e-3)
 
 
-def test_optimizer_offload_runs_on_the_host(baseline_counts):
-    on_device = predict_step_time(baseline_counts, rates("h100-sxm", 1), 1, Techniques())
-    on_host = predict_step_time(baseline_counts, rates("h100-sxm", 1), 1, Techniques(optimizer_offload=True))
-    r = rates("h100-sxm")
-    opt = baseline_counts.phases["optimizer"]
-    assert on_host.optimizer_s == pytest.approx(opt.elementwise_bytes / r.host_optimizer_bytes_per_s
-                                                + opt.ops * r.op_overhead_s + opt.views * r.view_overhead_s)
-    assert on_host.optimizer_s > on_device.optimizer_s
+def test_optimizer_offload_runs_on_the_host():
+    counts = StepCounts(seq_len=128)
+    counts.phases["optimizer"] = PhaseCounts(elementwise_bytes=4e9, ops=1000, views=500)
+    r = _round_rates(1, hbm_bytes_per_s=2e12, elementwise_efficiency=1.0, elementwise_traffic_factor=1.0,
+                     host_optimizer_bytes_per_s=2e9, op_overhead_s=1e-4, view_overhead_s=2e-4,
+                     launch_overlaps_compute=True)
+    on_device = predict_step_time(counts, r, 1, Techniques())
+    on_host = predict_step_time(counts, r, 1, Techniques(optimizer_offload=True))
+    # on the host: 4e9 B / 2e9 B/s = 2 s, plus its dispatches 1,000 x 0.1 ms + 500 x 0.2 ms = 0.2 s: 2.2 s
+    assert on_host.optimizer_s == pytest.approx(2.2)
+    # on the device: 4e9 B / 2e12 B/s = 2 ms of kernels queued behind 0.2 s of launches: 0.2 s
+    assert on_device.optimizer_s == pytest.approx(0.2)
 
 
-def test_cpu_preset_uses_the_calibration(fake_calibration, baseline_counts):
+def test_cpu_preset_uses_the_calibration(fake_calibration):
     one = rates("cpu", 1)
     assert one.bf16_flops == 1e11 and one.matmul_efficiency == 1.0 and not one.launch_overlaps_compute
     assert one.attention_eff(16, False) == pytest.approx(0.4)
@@ -325,11 +360,18 @@ def test_cpu_preset_uses_the_calibration(fake_calibration, baseline_counts):
     assert 0.4 < one.attention_eff(64, False) < 0.8
     two = rates("cpu", 2)
     assert two.intra_node_bytes_per_s == 1e9 and two.collective_latency_s == 1e-4
-    timing = predict_step_time(baseline_counts, rates("cpu"), 1, Techniques())
-    expected_overhead = sum(baseline_counts.phases[p].ops * 2e-5 + baseline_counts.phases[p].views * 1e-5
-                            for p in ("forward", "backward", "recompute", "other"))
-    work = sum(timing.detail[f"{p}_work_s"] for p in ("forward", "backward", "recompute", "other"))
-    assert timing.compute_s + timing.recompute_s == pytest.approx(work + expected_overhead)
+    counts = StepCounts(seq_len=1000)
+    counts.phases["forward"] = PhaseCounts(matmul_flops=2e11, elementwise_bytes=1e10, ops=1000, views=2000)
+    counts.phases["backward"] = PhaseCounts(matmul_flops=4e11, ops=2000)
+    counts.phases["recompute"] = PhaseCounts(ops=500)
+    counts.phases["optimizer"] = PhaseCounts(elementwise_bytes=2e9, ops=100)
+    timing = predict_step_time(counts, rates("cpu"), 1, Techniques())
+    # the calibration's rates, each op's overhead added to its work (a CPU runs ops synchronously):
+    # forward 2e11 / 1e11 FLOP/s = 2 s + 1e10 B / 1e10 B/s = 1 s + 1,000 ops x 20 us + 2,000 views x 10 us = 3.04 s;
+    # backward 4e11 / 1e11 = 4 s + 2,000 x 20 us = 4.04 s; recompute 500 x 20 us = 0.01 s;
+    # the optimizer on the host: 2e9 B / 1e10 B/s = 0.2 s + 100 x 20 us = 0.202 s. Step 7.08 + 0.01 + 0.202 s
+    assert (timing.compute_s, timing.recompute_s, timing.optimizer_s) == pytest.approx((7.08, 0.01, 0.202))
+    assert timing.step_time_s == pytest.approx(7.292)
 
 
 def test_plan_backend_fills_in_step_time(fake_calibration, llama):
