@@ -1,8 +1,7 @@
 """``autotune calibrate --check``: does a preset still describe this machine?
 
-A calibration is one moment of one machine. A shared host drifts (this repository's 2-core VM runs the same step
-up to 25% slower or faster from one half hour to the next with nothing else running: the 'drift' column of
-``bench/throughput_fidelity.py``), and a GPU can be throttled or shared with another job. Predicted step times
+A calibration is one moment of one machine. A shared host drifts (the 'drift' column of
+``bench/throughput_fidelity.py`` tracks it), and a GPU can be throttled or shared with another job. Predicted step times
 move with it one for one, so before trusting a plan made on a preset the user can ask, in seconds, how far this
 machine now is from the moment it was measured. The check re-times the one recorded workload a step's time
 follows most closely and divides:
@@ -32,8 +31,8 @@ from autotune.core import calibration_store
 from autotune.core.errors import UserError
 from autotune.core.hardware import Hardware
 
-# Within this factor either way the preset holds: about the time model's own scatter between configs (0.08 in
-# log, docs/throughput.md), well inside the fidelity band [0.8, 1.25]
+# Within this factor either way the preset holds: about the time model's own scatter between configs
+# (docs/validation.md, "Time model"), well inside the fidelity band [0.8, 1.25]
 HOLDS_WITHIN = 1.10
 
 
@@ -115,8 +114,8 @@ def check_host(calibration: dict, samples: int = 7, announce=None) -> SpeedCheck
 def _time_reference_step(threads: int, samples: int) -> tuple[list[float], bool]:
     """(seconds of each sample, whether every sample was contended) of the in-step step, timed in a child process
     with a CPU trial's environment: the calibration's workers timed it under the trials' malloc settings
-    (``trials.allocator``), which glibc reads only when a process starts, and without them the same step runs
-    ~10% slower (bench/results/cpu_malloc.txt)."""
+    (``trials.allocator``), which glibc reads only when a process starts; without them the same step runs
+    slower."""
     env = dict(allocator.trial_environment(dict(os.environ), cpu=True), OMP_NUM_THREADS=str(threads))
     proc = subprocess.run([sys.executable, "-m", "autotune.timing.calibration.check", str(threads), str(samples)],
                           env=env, capture_output=True, text=True)
@@ -133,8 +132,7 @@ def _reference_step_worker(threads: int, samples: int) -> dict:
 
     torch.set_num_threads(threads)
     training = microbench.in_step_training()
-    # each sample averages >= 1 s of steps: single 0.2-s steps on a shared host scatter by +-25% (samples of 7
-    # single steps read 0.97-1.41x within three minutes, bench/results/calibrate_check.txt)
+    # each sample averages >= 1 s of steps: single steps on a shared host scatter too widely to compare
     times = sampling.sample(lambda: microbench.reference_step_s(training, steps=1), "reference step", samples=samples,
                             min_seconds=1.0)
     return {"times": times, "contended": bool(sampling.CONTENDED_BENCHMARKS)}
