@@ -11,17 +11,17 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
-from typer._click import exceptions as click_exceptions  # typer vendors click; its errors live here
 from rich.console import Console
 from rich.table import Table
+from typer._click import exceptions as click_exceptions  # typer vendors click; its errors live here
 
-from trials.errors import ConfigError
 from autotune.cli_interrupts import interrupts_at_safe_points, interrupts_deferred
 from autotune.cli_options import ranged_option
 from autotune.core.errors import UserError
+from trials.errors import ConfigError
+
 
 class _CommandInterrupted(Exception):
     """A KeyboardInterrupt a command did not handle, carried past Typer (which would exit 130 without a word)."""
@@ -75,7 +75,7 @@ def _out_dir(out: Path) -> Path:
     return out
 
 
-def _hardware_for(backend_name: str, hardware: str, memory_gib: Optional[float]):
+def _hardware_for(backend_name: str, hardware: str, memory_gib: float | None):
     """Local trials on a CPU-only machine run on the ``cpu`` preset with ``--memory-gib`` per rank; on a GPU node
     the preset's capacity is the card's own (an H100 80GB has 79.65 GiB, not the 80 its name says)."""
     import dataclasses
@@ -126,7 +126,7 @@ RDZV_HELP = ("HOST:PORT for real trials over --nodes nodes: run the same command
 NODES_HELP = "nodes of --gpus devices each (the world is nodes x gpus)"
 
 
-def _node_group(nodes: int, rdzv_endpoint: Optional[str], backend_name: str = "local"):
+def _node_group(nodes: int, rdzv_endpoint: str | None, backend_name: str = "local"):
     """The agents of a command running real trials over several nodes (``autotune.backends.nodes``), or None."""
     if rdzv_endpoint is not None and (nodes < 2 or backend_name != "local"):
         fail("--rdzv-endpoint is for real trials over several nodes: give it with --nodes 2 or more (local backend)")
@@ -186,32 +186,32 @@ def search(
     nodes: int = ranged_option("--nodes", 1, NODES_HELP),
     hardware: str = typer.Option("h100-sxm", help="hardware preset (autotune hardware)"),
     backend: str = typer.Option("auto", help="auto | plan | local"),
-    space: Optional[Path] = typer.Option(None, help="search space YAML (default: search_spaces/default.yaml, shipped "
+    space: Path | None = typer.Option(None, help="search space YAML (default: search_spaces/default.yaml, shipped "
                                                     "in the package; search_spaces/README.md: the format)"),
     trials: int = ranged_option("--trials", 30, "finished trials the study should hold (resumes count)"),
-    timeout: Optional[float] = ranged_option("--timeout", None, "stop starting new trials after this many seconds"),
+    timeout: float | None = ranged_option("--timeout", None, "stop starting new trials after this many seconds"),
     out: Path = typer.Option(Path("autotune-out"), help="output folder (study.db, trials.parquet, ...)"),
-    storage: Optional[str] = typer.Option(None, help="Optuna RDB URL or journal file shared by workers"),
-    study: Optional[str] = typer.Option(None, help="study name (workers sharing --storage use the same)"),
+    storage: str | None = typer.Option(None, help="Optuna RDB URL or journal file shared by workers"),
+    study: str | None = typer.Option(None, help="study name (workers sharing --storage use the same)"),
     seed: int = ranged_option("--seed", 0, "sampler seed"),
-    memory_gib: Optional[float] = ranged_option("--memory-gib", None,
+    memory_gib: float | None = ranged_option("--memory-gib", None,
                                                 "per-rank capacity in GiB (CPU trials; overrides preset)"),
-    trial_timeout: Optional[float] = ranged_option(
+    trial_timeout: float | None = ranged_option(
         "--trial-timeout", None, "seconds before a real trial is killed as hung (default: from its predicted step time)"),
     prefilter: bool = typer.Option(True, help="local backend: skip real trials the oracle predicts to OOM"),
     depth: str = typer.Option("reduced", help="local backend: reduced (a model deeper than 4 layers runs its 3/4-layer "
                                               "copies, extended exactly to full depth) | full"),
-    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help=RDZV_HELP),
+    rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help=RDZV_HELP),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object (the summary)"),
 ):
     """Search the technique space for the Pareto front of sequence length vs tokens/s."""
-    from trials.model_config import load_model_config
     from autotune import search as search_mod
     from autotune.backends import make_backend, resolve_backend
     from autotune.core.sizes import format_tokens, parse_tokens
     from autotune.outputs import report
     from autotune.outputs.progress import SearchProgress
     from autotune.search.space import load_space
+    from trials.model_config import load_model_config
 
     target_tokens = parse_tokens(target, "--target")
     model_config = load_model_config(model)
@@ -315,22 +315,22 @@ def _print_front(front: list[dict], target: int) -> None:
 
 @app.command()
 def estimate(
-    model: str = typer.Option(...), seq: Optional[str] = typer.Option(None, help=TARGET_HELP),
+    model: str = typer.Option(...), seq: str | None = typer.Option(None, help=TARGET_HELP),
     config: str = typer.Option(..., help="config file (config-v1 JSON) or 'baseline'"),
-    gpus: Optional[int] = ranged_option("--gpus", None, "devices per node (default: the config file's)"),
-    nodes: Optional[int] = ranged_option("--nodes", None, NODES_HELP + " (default: the config file's)"),
-    hardware: Optional[str] = typer.Option(None),
+    gpus: int | None = ranged_option("--gpus", None, "devices per node (default: the config file's)"),
+    nodes: int | None = ranged_option("--nodes", None, NODES_HELP + " (default: the config file's)"),
+    hardware: str | None = typer.Option(None),
     max_seq: bool = typer.Option(False, "--max-seq", help="bisect for the longest sequence that fits"),
-    plot: Optional[Path] = typer.Option(None, help="write the memory (and time) breakdown as a PNG"),
-    memory_gib: Optional[float] = ranged_option("--memory-gib", None, "per-rank capacity in GiB (overrides preset)"),
+    plot: Path | None = typer.Option(None, help="write the memory (and time) breakdown as a PNG"),
+    memory_gib: float | None = ranged_option("--memory-gib", None, "per-rank capacity in GiB (overrides preset)"),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Predict peak memory per rank and step time for one config (plan backend, no GPU needed). Exit 1 when the
     prediction itself failed (status error); an OOM prediction is an answer (exit 0)."""
-    from trials.model_config import load_model_config
     from autotune.backends import Evaluation, make_backend
     from autotune.core.hardware import load_hardware
     from autotune.core.sizes import parse_tokens
+    from trials.model_config import load_model_config
 
     model_config = load_model_config(model)
     techniques, file_gpus, file_hw, file_seq = _load_config_arg(config, model_config)
@@ -394,18 +394,18 @@ def trial(
     nodes: int = ranged_option("--nodes", 1, NODES_HELP),
     steps: int = ranged_option("--steps", 2, "measured steps after one warm-up"),
     depth: str = typer.Option("full", help="full | reduced (run the 3/4-layer copies, extend to full depth)"),
-    memory_gib: Optional[float] = ranged_option("--memory-gib", None, "per-rank capacity on CPU (GiB)"),
-    timeout: Optional[float] = ranged_option(
+    memory_gib: float | None = ranged_option("--memory-gib", None, "per-rank capacity on CPU (GiB)"),
+    timeout: float | None = ranged_option(
         "--timeout", None, "seconds before the trial is killed as hung (default: from its predicted step time)"),
-    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help=RDZV_HELP),
+    rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help=RDZV_HELP),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Run one real training trial on this node (or, with --nodes, on every node) and print its measured record
     (exit 1 when its status is not ok: oom, error or timeout, the cause on the last line of stderr)."""
-    from trials.model_config import load_model_config
     from autotune.backends import Evaluation, make_backend
     from autotune.core.record import ResultRecord
     from autotune.core.sizes import parse_tokens
+    from trials.model_config import load_model_config
 
     model_config = load_model_config(model)
     seq_len = parse_tokens(seq, "--seq")
@@ -437,9 +437,9 @@ def trial(
 @app.command()
 def export(
     directory: Path = typer.Argument(..., help="a search output folder"),
-    target: Optional[str] = typer.Option(None, help="export the fastest front config reaching this length"),
+    target: str | None = typer.Option(None, help="export the fastest front config reaching this length"),
     format: str = typer.Option("autotune", help="autotune | deepspeed | arctic | accelerate | torchrun | slurm"),
-    output: Optional[Path] = typer.Option(None, "-o", "--output", help="write here instead of stdout"),
+    output: Path | None = typer.Option(None, "-o", "--output", help="write here instead of stdout"),
     allow_partial: bool = typer.Option(
         False, "--allow-partial", help="export the fastest config at the target even where the format cannot "
         "express all of it (with what it will not do and the oracle's re-estimate of what it runs)"),
@@ -447,7 +447,8 @@ def export(
     """Export the fastest front config the format's trainer can run in full (ArcticTraining, Accelerate/Trainer,
     DeepSpeed, autotune's own runner); exit 1 when none reaches the target."""
     from autotune.core.sizes import parse_tokens
-    from autotune.outputs.exporters import NotExpressible, export as export_front, make_exporter
+    from autotune.outputs.exporters import NotExpressible, make_exporter
+    from autotune.outputs.exporters import export as export_front
 
     exporter = make_exporter(format)
     length = parse_tokens(target, "--target") if target is not None else None
@@ -457,7 +458,7 @@ def export(
                               progress=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True))
     except NotExpressible as exc:
         console.print(f"autotune: {exc}", markup=False, highlight=False, soft_wrap=True)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     text, companions = result.rendered.text, result.rendered.companions
     if output is None:
         OUT.print(text)
@@ -478,20 +479,20 @@ def export(
 @app.command()
 def verify(
     directory: Path = typer.Argument(..., help="a search output folder (typically of a plan search)"),
-    top: Optional[int] = ranged_option("--top", None, "verify the K front configs with the highest predicted "
+    top: int | None = ranged_option("--top", None, "verify the K front configs with the highest predicted "
                                                       "tokens/s (default: the whole front); the best config is always "
                                                       "verified"),
     depth: str = typer.Option("full", help="full | reduced (the model's shallower copies, extended to its depth)"),
     force: bool = typer.Option(False, help="measure again configs already measured at this depth"),
-    memory_gib: Optional[float] = ranged_option(
+    memory_gib: float | None = ranged_option(
         "--memory-gib", None, "per-rank capacity in GiB (default: on CPU the search's, on a GPU the card's)"),
-    trial_timeout: Optional[float] = ranged_option(
+    trial_timeout: float | None = ranged_option(
         "--trial-timeout", None, "seconds before a real trial is killed as hung (default: from its predicted step time)"),
-    storage: Optional[str] = typer.Option(None, help="the search's --storage, when its study is not DIR/study.db"),
-    study: Optional[str] = typer.Option(None, help="the search's --study name"),
-    nodes: Optional[int] = ranged_option("--nodes", None, "the nodes the search planned for (default: the search's; "
+    storage: str | None = typer.Option(None, help="the search's --storage, when its study is not DIR/study.db"),
+    study: str | None = typer.Option(None, help="the search's --study name"),
+    nodes: int | None = ranged_option("--nodes", None, "the nodes the search planned for (default: the search's; "
                                                           "with --rdzv-endpoint say it on every node)"),
-    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help=RDZV_HELP + "; only the driver needs DIR"),
+    rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help=RDZV_HELP + "; only the driver needs DIR"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ):
     """Re-measure a search's front with real trials on this node (or its nodes); outputs gain the measured
@@ -571,15 +572,15 @@ def _verify(directory, top, depth, force, memory_gib, trial_timeout, storage, st
 def run(
     config: Path = typer.Option(..., help="config-v1 JSON (best.json) to train with"),
     steps: int = ranged_option("--steps", 10, "training steps"),
-    data: Optional[Path] = typer.Option(None, help="Parquet/Arrow file of token ids (column input_ids or tokens)"),
+    data: Path | None = typer.Option(None, help="Parquet/Arrow file of token ids (column input_ids or tokens)"),
     seed: int = ranged_option("--seed", 0, "seed of the weights and the synthetic tokens"),
 ):
     """Train with a tuned config through the same runner as trials (synthetic tokens or --data). Exit 1 when
     training fails, its root cause on the last line of stderr."""
-    from trials.config_file import load_config_file
-    from trials.model_config import load_model_config
     from autotune import cli_run
     from autotune.outputs.exporters import torchrun_command
+    from trials.config_file import load_config_file
+    from trials.model_config import load_model_config
 
     loaded = load_config_file(config)
     if loaded.seq_len is None:
@@ -607,7 +608,7 @@ def run(
 
 
 @app.command()
-def plot(directory: Path = typer.Argument(...), output: Optional[Path] = typer.Option(None, "-o", "--output")):
+def plot(directory: Path = typer.Argument(...), output: Path | None = typer.Option(None, "-o", "--output")):
     """Redraw pareto.png and memory.png (trials.parquet, pareto.json) and pareto.html (study.db, plotly)."""
     import pyarrow.parquet as pq
 
@@ -712,12 +713,12 @@ def _note_rates(hw) -> None:
 
 @app.command()
 def calibrate(
-    hardware: Optional[str] = typer.Option(None, help="base preset whose memory facts the new preset keeps "
+    hardware: str | None = typer.Option(None, help="base preset whose memory facts the new preset keeps "
                                                       "(default: the one matching this node's devices; cpu without CUDA)"),
-    gpus: Optional[int] = ranged_option("--gpus", None, "devices to measure the collectives over (default: all "
+    gpus: int | None = ranged_option("--gpus", None, "devices to measure the collectives over (default: all "
                                                         "visible; cpu: trial world sizes 1, 2, 4 up to this)"),
-    name: Optional[str] = typer.Option(None, help="save as a user preset, usable as --hardware NAME everywhere"),
-    output: Optional[Path] = typer.Option(None, "-o", "--output", help="write the preset YAML to this file instead"),
+    name: str | None = typer.Option(None, help="save as a user preset, usable as --hardware NAME everywhere"),
+    output: Path | None = typer.Option(None, "-o", "--output", help="write the preset YAML to this file instead"),
     model: str = typer.Option("llama3-8b", help="model whose GEMM shapes and head dim to measure (GPU presets)"),
     repeats: int = ranged_option("--repeats", 2, "CPU: calibration runs per world; the whole run whose own training "
                                                  "step its rates predict best is kept, spread recorded"),
@@ -730,10 +731,10 @@ def calibrate(
     whether an existing preset still describes this machine."""
     import torch
 
-    from trials.model_config import load_model_config
     from autotune.backends.local import visible_devices
     from autotune.core.hardware import load_hardware
     from autotune.timing.calibration import preset as preset_mod
+    from trials.model_config import load_model_config
 
     if check:
         _check_preset(hardware, name, output)
@@ -768,7 +769,7 @@ def calibrate(
               f"whether it still describes this node")
 
 
-def _check_preset(hardware: Optional[str], name: Optional[str], output: Optional[Path]) -> None:
+def _check_preset(hardware: str | None, name: str | None, output: Path | None) -> None:
     """``calibrate --check``: re-time --hardware's reference workload here (autotune.timing.calibration.check)."""
     from autotune.core.hardware import load_hardware
     from autotune.timing.calibration import preset as preset_mod

@@ -23,7 +23,7 @@ HOLD_AT_MOST_S = 10.0
 
 _held_since: float | None = None
 _retry: threading.Timer | None = None
-_deferral: "Deferral | None" = None  # set while work that must finish runs (``interrupts_deferred``)
+_deferral: Deferral | None = None  # set while work that must finish runs (``interrupts_deferred``)
 
 
 def in_unsafe_code(frame) -> bool:

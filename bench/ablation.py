@@ -58,12 +58,12 @@ def main(argv=None) -> int:
 
     from autotune.backends import Evaluation
     from autotune.backends.plan import PlanBackend
-    from trials.techniques import Techniques
+    from autotune.core.hardware import load_hardware
+    from autotune.core.sizes import format_tokens
     from autotune.oracle import explain
     from autotune.search.max_seq import find_max_seq
-    from autotune.core.hardware import load_hardware
     from trials.model_config import load_model_config
-    from autotune.core.sizes import format_tokens
+    from trials.techniques import Techniques
 
     model_config = load_model_config(args.model)
     hardware = load_hardware(args.hardware)

@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from bad_inputs import CASES, argv_for, make_files  # noqa: E402
+from bad_inputs import CASES, argv_for, make_files
 
 
 def main() -> int:

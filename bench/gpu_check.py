@@ -149,10 +149,10 @@ def run_real(rows: list[dict], model_config: dict, seq: int, device: str, steps:
 def predict_row(row: dict, model_config: dict, seq: int, hardware, dtype: str) -> dict:
     import torch
 
-    from trials.techniques import Techniques
     from autotune.backends import Evaluation
     from autotune.backends.plan import counter_modes, step_time
     from autotune.oracle import predict
+    from trials.techniques import Techniques
 
     techniques = Techniques.from_dict(row["techniques"], model_config["num_hidden_layers"])
     evaluation = Evaluation(model_config, techniques, seq, row["world"], hardware)
@@ -192,8 +192,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from trials.model_config import load_model_config
     from autotune.core.hardware import load_hardware
+    from trials.model_config import load_model_config
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():

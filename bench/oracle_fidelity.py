@@ -212,9 +212,9 @@ def predict_config(config: Config):
     import torch
 
     from autotune.backends import Evaluation
-    from trials.techniques import Techniques
-    from autotune.oracle import predict
     from autotune.core.hardware import load_hardware
+    from autotune.oracle import predict
+    from trials.techniques import Techniques
 
     evaluation = Evaluation(config.model_config(), Techniques.from_dict(config.techniques), config.seq,
                             config.world, load_hardware("cpu"))

@@ -48,11 +48,11 @@ def main(argv=None) -> int:
 
     import torch
 
-    from trials.model_config import load_model_config
-    from trials.techniques import Techniques
     from autotune.backends import Evaluation
     from autotune.backends.local import LocalBackend, visible_devices
     from autotune.core.hardware import load_hardware
+    from trials.model_config import load_model_config
+    from trials.techniques import Techniques
 
     model_config = load_model_config(args.model)
     gpus = visible_devices()

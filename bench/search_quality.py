@@ -31,15 +31,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from autotune import search
-from autotune.timing import calibration as calibrate  # noqa: E402
-from autotune.backends import Evaluation  # noqa: E402
-from autotune.backends.plan import PlanBackend  # noqa: E402
-from autotune.backends.plan_store import PlanStore  # noqa: E402
-from autotune.search.space import WALL_PARAM  # noqa: E402
-from trials.techniques import Techniques  # noqa: E402
+from autotune.backends import Evaluation
+from autotune.backends.plan import PlanBackend
+from autotune.backends.plan_store import PlanStore
 from autotune.core.hardware import load_hardware
-from trials.model_config import load_model_config  # noqa: E402
-from autotune.search.space import SPACES_DIR, load_space  # noqa: E402
+from autotune.search.space import (
+    SPACES_DIR,
+    WALL_PARAM,
+    load_space,
+)
+from autotune.timing import calibration as calibrate
+from trials.model_config import load_model_config
+from trials.techniques import Techniques
 
 SPACE = SPACES_DIR / "reduced-tiny.yaml"
 MODEL, GPUS, TARGET, MEMORY_GIB = "tiny-llama", 2, 8192, 0.5

@@ -165,7 +165,7 @@ def measure(model: str, seq_len: int, ranks: int, techniques: dict, steps: int, 
     spec = {"model_config": load_model_config(model), "techniques": techniques, "seq_len": seq_len,
             "steps": steps, "warmup": 1, "capacity_bytes": None, "seed": 0}
     clean, contended, last_error = [], [], None
-    for attempt in range(attempts):
+    for _attempt in range(attempts):
         wait_for_idle(0.05, 120)
         with tempfile.TemporaryDirectory(prefix="autotune-fidelity-") as tmp:
             spec_path = Path(tmp) / "spec.json"
@@ -224,9 +224,9 @@ def _combine(launches: list[dict], probe_calibrated_s: float | None, reference_c
 def predict(model: str, seq_len: int, ranks: int, techniques: dict, hardware):
     from autotune.backends import Evaluation
     from autotune.backends.plan import PlanBackend, step_counts
-    from trials.techniques import Techniques
-    from trials.model_config import load_model_config
     from autotune.timing.model import predict_step_time
+    from trials.model_config import load_model_config
+    from trials.techniques import Techniques
 
     cfg = load_model_config(model)
     tech = Techniques.from_dict(techniques, cfg["num_hidden_layers"])

@@ -50,10 +50,10 @@ def main(argv=None) -> int:
 
     from autotune.backends import Evaluation
     from autotune.backends.plan import PlanBackend, step_counts
-    from trials.techniques import Techniques
     from autotune.core.hardware import load_hardware
-    from trials.model_config import load_model_config
     from autotune.timing.model import predict_step_time
+    from trials.model_config import load_model_config
+    from trials.techniques import Techniques
 
     cfg = load_model_config(args.model)
     hardware = load_hardware(args.hardware)

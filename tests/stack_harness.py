@@ -54,6 +54,7 @@ def counted_grad_norm(model, mesh) -> tuple[float, list[str]]:
     """``trials.step.grad_norm`` and the device of every all-reduce it made (NCCL groups take device tensors
     only, so with optimizer offload a host-tensor collective would fail on a GPU node)."""
     import torch.distributed as dist
+
     from trials.step import grad_norm
 
     calls, real = [], dist.all_reduce
@@ -92,14 +93,15 @@ def reference(model_config: dict, seq_len: int, dp: int) -> dict:
 
 
 def run_case(case: dict, seq_len: int, refs: dict, meshes: dict) -> dict:
-    from trials.techniques import Techniques
-    from trials.model_config import load_model_config
+    import torch.distributed as dist
+
     from trials.data import make_batch, synthetic_sample
     from trials.dist import build_mesh
     from trials.model import build_model
+    from trials.model_config import load_model_config
     from trials.stack import apply
     from trials.step import forward_backward, global_loss
-    import torch.distributed as dist
+    from trials.techniques import Techniques
 
     start = time.perf_counter()
     model_config = load_model_config(case["model"])

@@ -2,10 +2,10 @@
 option's range, and the data file problems ``autotune run`` finds before launching (issue 18)."""
 
 import pytest
+from bad_inputs import CASES, COMMAND_ARGV, argv_for, make_files, numeric_options, range_cases
 
 from autotune.cli import main
 from autotune.cli_options import RANGES
-from bad_inputs import CASES, COMMAND_ARGV, argv_for, make_files, numeric_options, range_cases
 
 RANGE_CASES = range_cases()
 

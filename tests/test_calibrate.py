@@ -10,12 +10,12 @@ from dataclasses import replace
 
 import pytest
 import yaml
+from conftest import ROOT
 
 from autotune.core.errors import UserError
 from autotune.core.hardware import hardware_names, load_hardware, preset_path
 from autotune.timing.calibration import preset as preset_mod
 from autotune.timing.calibration.device_bench import device_rates, gemm_shapes
-from conftest import ROOT
 
 
 @pytest.fixture

@@ -2,11 +2,11 @@ import json
 
 import pytest
 
-from trials.config_file import SCHEMA, load_config_file, parse_config
-from trials.techniques import Techniques
-from trials.errors import ConfigError
 from autotune.core.hardware import load_hardware
+from trials.config_file import SCHEMA, load_config_file, parse_config
+from trials.errors import ConfigError
 from trials.model_config import load_model_config
+from trials.techniques import Techniques
 
 
 def full_stack(**overrides):

@@ -20,7 +20,6 @@ import optuna
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import ROOT
 
 AUTOTUNE = Path(sys.executable).with_name("autotune")  # the console script pip installed

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from conftest import ROOT, run_cli
 
 from autotune.cli import main
 from autotune.outputs.exporters import EXPORTERS, make_exporter
@@ -26,7 +27,6 @@ from autotune.outputs.exporters.selection import export_entry
 from trials.config_file import load_config_file
 from trials.model_config import load_model_config
 from trials.techniques import Techniques, knob_names
-from conftest import ROOT, run_cli
 
 TECHNIQUES = {"fsdp": False, "optimizer_offload": False, "ulysses_degree": 1, "head_chunk": None,
               "activation_checkpointing": True, "activation_offload_layers": 0, "mlp_tile_tokens": 0,

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pyarrow as pa
-
 from conftest import ROOT
 
 
@@ -36,11 +35,11 @@ def test_no_module_under_trials_imports_autotune():
 def test_every_knob_reaches_config_space_parquet_and_labels():
     """A knob declared in ``Techniques`` is parsed from config files, offered by the default space, a typed parquet
     column, and (when it has a label) named in plot labels -- with nothing to add anywhere else."""
-    from trials.techniques import Techniques, knobs
-    from trials.model_config import load_model_config
     from autotune.outputs.plots import knob_label
     from autotune.outputs.report import _SCHEMA
     from autotune.search.space import load_space
+    from trials.model_config import load_model_config
+    from trials.techniques import Techniques, knobs
 
     model = load_model_config("llama3-8b")
     space = load_space(None, model, 8, 1024**2)

@@ -7,12 +7,12 @@ import sys
 
 import psutil
 import pytest
+from conftest import run_cli
 
 from autotune.backends import Evaluation
 from autotune.backends.local import LocalBackend
-from trials.techniques import Techniques
 from autotune.core.hardware import load_hardware
-from conftest import run_cli
+from trials.techniques import Techniques
 
 
 def evaluation(model_config, gpus=1, seq_len=1024, **techniques):

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from autotune.backends import Evaluation
 from autotune.backends.plan import PlanBackend
@@ -20,10 +21,9 @@ from autotune.outputs.exporters import make_exporter
 from autotune.search.space import load_space
 from autotune.timing.counts import CollectiveCounts, StepCounts
 from autotune.timing.model import group_layout, predict_step_time
-from trials.config_file import load_config_file, parse_config
+from trials.config_file import parse_config
 from trials.model_config import load_model_config
 from trials.techniques import Techniques
-from conftest import ROOT
 
 GB = 1e9
 

@@ -8,18 +8,18 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import ROOT
 
-from trials.rules import length_unit
 from autotune import oracle
+from autotune.backends import Evaluation
+from autotune.backends.plan import PlanBackend
+from autotune.core.hardware import load_hardware
 from autotune.oracle.fake_world import FakeFlashAttn
 from autotune.outputs.plots import plot_memory
 from autotune.search.max_seq import find_max_seq
-from autotune.backends import Evaluation
-from autotune.backends.plan import PlanBackend
-from trials.techniques import Techniques
-from autotune.core.hardware import load_hardware
 from trials.model_config import load_model_config
-from conftest import ROOT
+from trials.rules import length_unit
+from trials.techniques import Techniques
 
 sys.path.insert(0, str(ROOT / "bench"))
 from oracle_fidelity import Config, predict_config, run_real  # noqa: E402

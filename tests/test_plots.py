@@ -10,7 +10,6 @@ import sys
 import matplotlib.image as mpimg
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import ROOT
 
 

@@ -28,7 +28,6 @@ from urllib.parse import quote
 import optuna
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import ROOT, run_cli
 
 PASSWORD = "s3cr3t-p@ss:w0rd"  # characters a URL must escape: the message must hide it either way
@@ -295,10 +294,10 @@ def test_a_point_being_evaluated_is_waited_for_not_evaluated_again(tmp_path):
     """Two trials sample the same config and length: the second waits for the first's record (a cache answer)
     instead of evaluating it again; a point no one claims is claimed at once. (SQLite here; the same code runs
     under a PostgreSQL advisory lock in the two-worker test.)"""
-    from trials.techniques import BASELINE
     from autotune.core.record import ResultRecord
     from autotune.search.sharing import CLAIM_ATTR, claim_or_answer
     from autotune.search.storage import open_storage
+    from trials.techniques import BASELINE
 
     study = optuna.create_study(storage=open_storage(None, tmp_path), directions=["maximize", "maximize"])
     first, second = study.ask(), study.ask()

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
-from autotune.outputs.progress import SearchProgress
 from autotune.core.record import ResultRecord
+from autotune.outputs.progress import SearchProgress
 
 
 def _lines(*records):

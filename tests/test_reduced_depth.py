@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from trials.model_config import load_model_config
-from trials.techniques import Techniques
 from autotune.backends import Evaluation
 from autotune.backends.local import LocalBackend, extend_step_time
 from autotune.core.hardware import load_hardware
+from trials.model_config import load_model_config
+from trials.techniques import Techniques
 
 
 def _evaluation(layers: int, seq: int = 512, gpus: int = 1, **knobs) -> Evaluation:
@@ -49,10 +49,10 @@ def test_the_step_time_extends_by_middle_layers_and_the_tail_by_parameters():
 def test_the_layer_clock_splits_a_real_step():
     import torch
 
+    from trials.data import make_batch, synthetic_sample
     from trials.dist import Mesh
     from trials.layer_clock import LayerClock
     from trials.memory import DeviceMemoryTracker
-    from trials.data import make_batch, synthetic_sample
     from trials.step import build_training, train_step
 
     config = dict(load_model_config("tiny-llama"), num_hidden_layers=3)
@@ -105,9 +105,9 @@ def test_a_local_search_runs_long_lengths_reduced_within_a_deadline_full_depth_w
     import math
 
     import pyarrow.parquet as pq
+    from conftest import run_cli
 
     from autotune.backends import make_backend
-    from conftest import run_cli
 
     # deep enough that the cpu preset (the rates the search's plan backend uses on this machine) predicts the
     # full-depth trial at the longest length (warm-up + 2 steps) at twice the deadline: the depth follows from the

@@ -4,7 +4,6 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import run_cli
 
 

@@ -11,6 +11,7 @@ import time
 import optuna
 import pyarrow.parquet as pq
 import pytest
+from conftest import ROOT, run_cli
 
 from autotune import search
 from autotune.backends import Backend
@@ -20,7 +21,6 @@ from autotune.core.hardware import load_hardware
 from autotune.outputs import report
 from autotune.search.policy import seed_params
 from autotune.search.space import load_space
-from conftest import ROOT, run_cli
 from trials.model_config import load_model_config
 from trials.techniques import knob_names
 

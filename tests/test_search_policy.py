@@ -13,11 +13,11 @@ import pytest
 from autotune import search
 from autotune.backends import Backend, Evaluation
 from autotune.backends.plan import PlanBackend
-from trials.techniques import Techniques
 from autotune.core.hardware import load_hardware
-from trials.model_config import load_model_config
 from autotune.core.record import ResultRecord
-from autotune.search.space import SPACES_DIR, DEFAULT_SPACE, load_space
+from autotune.search.space import DEFAULT_SPACE, SPACES_DIR, load_space
+from trials.model_config import load_model_config
+from trials.techniques import Techniques
 
 ROOT = Path(__file__).resolve().parents[1]
 REDUCED = SPACES_DIR / "reduced-tiny.yaml"

@@ -211,8 +211,8 @@ def test_each_knob_moves_the_peak_as_theory_says(tmp_path):
 
 
 def _shard_elements(preset: str, world: int) -> int:
-    from trials.model_config import load_model_config
     from trials.model import build_model
+    from trials.model_config import load_model_config
 
     return sum(p.numel() for p in build_model(load_model_config(preset)).parameters()) // world
 
@@ -225,13 +225,13 @@ def test_bf16_autocast_stack_is_as_close_to_fp32_as_plain_autocast():
     mixed dtypes, and land as close to the fp32 gradients as plain autocast does."""
     import torch
 
-    from trials.techniques import Techniques
-    from trials.model_config import load_model_config
     from trials.data import make_batch, synthetic_sample
     from trials.dist import Mesh
     from trials.model import build_model, set_compute_dtype
+    from trials.model_config import load_model_config
     from trials.stack import apply
     from trials.step import forward_backward
+    from trials.techniques import Techniques
 
     config, mesh = load_model_config("tiny-qwen3"), Mesh.single()
     batch = make_batch(synthetic_sample(0, 256, config["vocab_size"], 0), 0, 1, "cpu")

@@ -16,14 +16,14 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotune.core import calibration_store as calibrate
-from trials.techniques import Techniques
 from autotune.core.hardware import load_hardware
-from trials.model_config import load_model_config
 from autotune.timing.attention_cost import attention_flops, causal_pairs, tiled_pairs
 from autotune.timing.counting import StepCounter, record_attention
 from autotune.timing.counts import PhaseCounts, StepCounts
 from autotune.timing.harness import count_real_step
 from autotune.timing.model import predict_step_time
+from trials.model_config import load_model_config
+from trials.techniques import Techniques
 
 
 def rates(name: str, world_size: int = 1):

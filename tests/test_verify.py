@@ -10,10 +10,8 @@ import time
 import optuna
 import pyarrow.parquet as pq
 import pytest
+from conftest import ROOT, run_cli
 
-from trials.config_file import load_config_file
-from trials.model_config import load_model_config
-from trials.techniques import BASELINE
 from autotune.backends import Backend
 from autotune.cli import main
 from autotune.core.hardware import load_hardware
@@ -21,7 +19,9 @@ from autotune.core.record import ResultRecord
 from autotune.outputs import report, verify
 from autotune.search.front import front_points, measurements
 from autotune.search.job import SearchJob
-from conftest import ROOT, run_cli
+from trials.config_file import load_config_file
+from trials.model_config import load_model_config
+from trials.techniques import BASELINE
 
 SEARCH = ["search", "--model", "tiny-llama", "--target", "2K", "--gpus", "2", "--backend", "plan", "--hardware", "cpu",
           "--memory-gib", "0.5", "--space", str(ROOT / "search_spaces/reduced-tiny.yaml"), "--trials", "6"]

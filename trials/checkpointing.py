@@ -7,6 +7,7 @@ ahead in backward.
 """
 
 from __future__ import annotations
+
 from trials.offload import ActivationOffload
 
 

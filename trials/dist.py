@@ -25,8 +25,8 @@ class Mesh:
     world_size: int
     sp_degree: int
     device: torch.device
-    sp_group: "dist.ProcessGroup | None" = None
-    device_mesh: "object | None" = None  # torch DeviceMesh over all ranks (FSDP), None when world is 1
+    sp_group: dist.ProcessGroup | None = None
+    device_mesh: object | None = None  # torch DeviceMesh over all ranks (FSDP), None when world is 1
 
     @property
     def sp_rank(self) -> int:
@@ -45,7 +45,7 @@ class Mesh:
         return self.world_size > 1
 
     @classmethod
-    def single(cls, device: torch.device | str = "cpu") -> "Mesh":
+    def single(cls, device: torch.device | str = "cpu") -> Mesh:
         return cls(rank=0, world_size=1, sp_degree=1, device=torch.device(device))
 
 

@@ -5,8 +5,9 @@ See ``trials.techniques`` for the meaning of each field; this module only define
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Callable
+from typing import Any
 
 from trials.errors import ConfigError
 
@@ -83,5 +84,5 @@ def declared_knobs(cls) -> tuple[Knob, ...]:
             raise TypeError(f"{cls.__name__}.{f.name} is not declared with knob(...)")
         table.append(Knob(name=f.name, **spec))
     table = tuple(table)
-    setattr(cls, "_knob_table", table)
+    cls._knob_table = table
     return table

@@ -29,14 +29,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
+
 from trials import patches
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries", "other")
 _PHASE_CATEGORY = {"forward": "activations", "backward": "temporaries", "optimizer": "optimizer"}
-_ACTIVE_TRACKERS: list["DeviceMemoryTracker"] = []
+_ACTIVE_TRACKERS: list[DeviceMemoryTracker] = []
 
 
-def active_tracker() -> "DeviceMemoryTracker | None":
+def active_tracker() -> DeviceMemoryTracker | None:
     """The innermost ``DeviceMemoryTracker`` currently entered (None outside any, e.g. on CUDA)."""
     return _ACTIVE_TRACKERS[-1] if _ACTIVE_TRACKERS else None
 
@@ -54,16 +55,16 @@ class TrackerListener:
     """Hooks a ``DeviceMemoryTracker`` calls (``add_listener``); override what you need. The memory oracle's
     per-segment peaks and the throughput counter's host transfers are listeners."""
 
-    def on_new_storage(self, tracker: "DeviceMemoryTracker", info: StorageInfo, tensor: torch.Tensor) -> None:
+    def on_new_storage(self, tracker: DeviceMemoryTracker, info: StorageInfo, tensor: torch.Tensor) -> None:
         """A storage seen for the first time (``tracker.op`` made it)."""
 
-    def on_change(self, tracker: "DeviceMemoryTracker") -> None:
+    def on_change(self, tracker: DeviceMemoryTracker) -> None:
         """Live bytes may have changed; called before the capacity check (which may raise OOM)."""
 
-    def on_phase(self, tracker: "DeviceMemoryTracker", phase: str, entering: bool) -> None:
+    def on_phase(self, tracker: DeviceMemoryTracker, phase: str, entering: bool) -> None:
         """``in_phase(phase)`` starts (``entering``) or ends."""
 
-    def on_moved_to_host(self, tracker: "DeviceMemoryTracker", tensor: torch.Tensor, nbytes: int) -> None:
+    def on_moved_to_host(self, tracker: DeviceMemoryTracker, tensor: torch.Tensor, nbytes: int) -> None:
         """``mark_host`` moved a device storage of ``nbytes`` to the host (an offload)."""
 
 

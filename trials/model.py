@@ -30,7 +30,7 @@ def hf_config(model_config: dict):
 
 
 def build_model(model_config: dict, seed: int = 0, dtype: torch.dtype = torch.float32,
-                device: torch.device | str = "cpu") -> "TrainingModel":
+                device: torch.device | str = "cpu") -> TrainingModel:
     """Random-weight model, identical on every rank for the same seed.
 
     ``device="meta"`` builds it without memory (nothing initialised): apply the technique stack, then
@@ -57,7 +57,7 @@ INIT_BLOCK_ROWS = 4096  # rows of a parameter drawn from one seeded generator (a
 _WRAPPER_NAMES = {"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod"}
 
 
-def materialize(model: "TrainingModel", device, seed: int = 0, params_device=None) -> None:
+def materialize(model: TrainingModel, device, seed: int = 0, params_device=None) -> None:
     """Give a meta-built model (plain, or with the technique stack applied) real storage and its weights.
 
     Parameters go to ``params_device`` (default ``device``; the host for FSDP2's CPU offload), buffers (the
@@ -108,7 +108,7 @@ def _rebuild_buffers(model, device) -> None:
 
 
 @torch.no_grad()
-def init_weights(model: "TrainingModel", seed: int = 0) -> None:
+def init_weights(model: TrainingModel, seed: int = 0) -> None:
     """HF's initialisation (``PreTrainedModel._init_weights``: Linear/Embedding weights ~ N(0, initializer_range),
     biases 0, norm weights 1) drawn so that the values depend only on (seed, parameter name, row): rows come in
     blocks of ``INIT_BLOCK_ROWS``, each from its own seeded generator on the host, so a rank holding a shard
@@ -221,7 +221,7 @@ def default_compute_dtype(device: torch.device | str) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
-def set_compute_dtype(model: "TrainingModel", compute_dtype: torch.dtype) -> None:
+def set_compute_dtype(model: TrainingModel, compute_dtype: torch.dtype) -> None:
     """Mixed precision, one scheme for every configuration: fp32 master weights, fp32 gradients, fp32 AdamW
     states; matmuls and activations in ``compute_dtype``.
 

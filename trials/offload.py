@@ -43,7 +43,7 @@ class _SavedInput:
 
     __slots__ = ("device_tensor", "host_tensor", "event", "previous", "stream", "device")
 
-    def __init__(self, tensor: torch.Tensor, offload: bool, previous: "_SavedInput | None", stream):
+    def __init__(self, tensor: torch.Tensor, offload: bool, previous: _SavedInput | None, stream):
         self.previous = previous  # the input of the layer before this one (same forward), to prefetch
         self.stream = stream
         self.event = None

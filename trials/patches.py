@@ -15,7 +15,7 @@ back on exit (nesting is fine: an inner manager wraps the outer one's wrapper an
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -37,14 +37,14 @@ class TrialSpec:
         return asdict(self)  # the techniques too: a dataclass, as its own to_dict gives
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TrialSpec":
+    def from_dict(cls, data: dict[str, Any]) -> TrialSpec:
         return cls(**dict(data, techniques=Techniques.from_dict(data["techniques"])))
 
     def write(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict()))
 
     @classmethod
-    def read(cls, path: Path) -> "TrialSpec":
+    def read(cls, path: Path) -> TrialSpec:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
@@ -82,7 +82,7 @@ class RankRecord:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RankRecord":
+    def from_dict(cls, data: dict[str, Any]) -> RankRecord:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
@@ -90,5 +90,5 @@ class RankRecord:
         (Path(out_dir) / f"rank{self.rank}.json").write_text(json.dumps(self.to_dict()))
 
     @classmethod
-    def read_all(cls, out_dir: Path) -> list["RankRecord"]:
+    def read_all(cls, out_dir: Path) -> list[RankRecord]:
         return [cls.from_dict(json.loads(p.read_text())) for p in sorted(Path(out_dir).glob("rank*.json"))]

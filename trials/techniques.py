@@ -76,7 +76,7 @@ class Techniques:
                           choices=ATTENTION_KERNELS, alst="flash")
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], num_layers: int | None = None) -> "Techniques":
+    def from_dict(cls, data: dict[str, Any], num_layers: int | None = None) -> Techniques:
         """Parse a config's ``techniques`` mapping: unknown keys and values of the wrong type are refused
         (``ConfigError``); words (``all`` / ``none``) are resolved, ``all`` with ``num_layers``."""
         if not isinstance(data, dict):
@@ -90,7 +90,7 @@ class Techniques:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def validate(self, model_config: dict, gpus: int, seq_len: int | None = None) -> "Techniques":
+    def validate(self, model_config: dict, gpus: int, seq_len: int | None = None) -> Techniques:
         """Refuse (``ConfigError``, the first reason) what cannot run on ``gpus`` ranks; returns self."""
         found = problems(self, model_config, gpus, seq_len)
         if found:

@@ -97,7 +97,7 @@ class ChunkPlan:
     chunks: tuple[Chunk, ...]
 
     @classmethod
-    def build(cls, q_heads: int, kv_heads: int, head_dim: int, degree: int, chunk: int) -> "ChunkPlan":
+    def build(cls, q_heads: int, kv_heads: int, head_dim: int, degree: int, chunk: int) -> ChunkPlan:
         if q_heads % degree or (kv_heads % degree and degree % kv_heads):
             raise ValueError(f"ulysses_degree {degree} does not fit {q_heads} query / {kv_heads} kv heads")
         local = q_heads // degree

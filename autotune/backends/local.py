@@ -24,15 +24,15 @@ from pathlib import Path
 
 import torch
 
-from trials import allocator
-from trials.errors import ConfigError
-from trials.segments import Segment, layer_positions, layer_runs, techniques_for_runs
-from trials.spec import RankRecord, TrialSpec
 from autotune.backends.base import Backend, Evaluation
 from autotune.backends.nodes import NodeGroup, NodeResult
 from autotune.core.record import ResultRecord
 from autotune.oracle import EXTRAPOLATE_FROM, Trace, extend_value
 from autotune.oracle.extrapolation import extrapolate, plan_traces
+from trials import allocator
+from trials.errors import ConfigError
+from trials.segments import Segment, layer_positions, layer_runs, techniques_for_runs
+from trials.spec import RankRecord, TrialSpec
 
 DEPTHS = ("full", "reduced")
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator
 
 from trials.errors import ConfigError
 
@@ -64,7 +64,7 @@ class NodeResult:
         return json.dumps(self.__dict__)
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "NodeResult":
+    def from_json(cls, text: str | bytes) -> NodeResult:
         return cls(**json.loads(text))
 
 
@@ -82,7 +82,7 @@ class NodeGroup:
         return f"{self.host}:{self.port}"
 
     @classmethod
-    def open(cls, endpoint: str, nodes: int, connect_timeout_s: float = 600.0) -> "NodeGroup":
+    def open(cls, endpoint: str, nodes: int, connect_timeout_s: float = 600.0) -> NodeGroup:
         """Host the endpoint's store (the driver) when ``HOST`` is this machine and ``PORT`` is free, else connect
         to it as a follower (waiting up to ``connect_timeout_s`` for the driver to start)."""
         from torch.distributed import TCPStore

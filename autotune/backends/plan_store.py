@@ -83,7 +83,7 @@ class Entry:
                            "reached": self.reached, "limits": self.limits})
 
     @classmethod
-    def from_json(cls, text: str) -> "Entry":
+    def from_json(cls, text: str) -> Entry:
         data = json.loads(text)
         segment = data["peak_segment"]
         return cls(ResultRecord.from_dict(data["record"]), tuple(segment) if segment is not None else None,

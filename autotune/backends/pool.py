@@ -21,9 +21,9 @@ import multiprocessing
 import os
 import signal
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from typing import Callable
 
 from autotune.backends.base import Backend, Evaluation
 from autotune.backends.plan import PlanBackend, record_key
@@ -167,7 +167,7 @@ class PooledBackend(Backend):
     def _collect(self) -> None:
         """Move finished evaluations to ``_done``; a worker's death drops what it held (asked again if needed)."""
         broken = False
-        for key, (future, evaluation, guess) in list(self._running.items()):
+        for key, (future, _evaluation, _guess) in list(self._running.items()):
             if not future.done():
                 continue
             del self._running[key]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trials.techniques import Techniques
 from autotune.core.hardware import Hardware
+from trials.techniques import Techniques
 
 
 @dataclass(frozen=True)

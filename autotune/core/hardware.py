@@ -156,14 +156,14 @@ class Hardware:
         """Device bytes no tensor shows at a tensor peak: CUDA context, NCCL buffers, allocator fragmentation."""
         return int(self.runtime_overhead_bytes + self.fragmentation_bytes(tensor_peak))
 
-    def for_nodes(self, nodes: int) -> "Hardware":
+    def for_nodes(self, nodes: int) -> Hardware:
         """The preset as a job over ``nodes`` nodes sees it: NCCL's inter-node buffers join the runtime overhead."""
         if nodes <= 1 or not self.nccl_inter_node_buffer_bytes:
             return self
         return replace(self, nccl_buffer_bytes=self.nccl_buffer_bytes + self.nccl_inter_node_buffer_bytes,
                        nccl_inter_node_buffer_bytes=0)
 
-    def with_memory_gib(self, gib: float | None) -> "Hardware":
+    def with_memory_gib(self, gib: float | None) -> Hardware:
         return self if gib is None else replace(self, device_memory_bytes=int(gib * 1024**3))
 
 

@@ -37,7 +37,7 @@ class ResultRecord:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ResultRecord":
+    def from_dict(cls, data: dict[str, Any]) -> ResultRecord:
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in known})
 

@@ -49,7 +49,8 @@ already has a (real) default process group.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -57,8 +58,8 @@ from autotune.core.evaluation import Evaluation
 from autotune.core.record import BREAKDOWN_CATEGORIES
 from autotune.oracle.extrapolation import extend_value, extension_limits, extrapolate, plan_traces
 from autotune.oracle.results import EXTRAPOLATE_FROM, Prediction, Segment, Trace
-from trials.segments import layer_runs
 from autotune.oracle.tracing import compute_dtype_for, trace
+from trials.segments import layer_runs
 
 __all__ = ["EXTRAPOLATE_FROM", "Prediction", "Segment", "Trace", "compute_dtype_for", "explain", "extend_value",
            "layer_runs", "predict", "stop_tensor_bytes", "trace"]

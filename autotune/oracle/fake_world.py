@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trials import attention
 from autotune.timing.counting import record_attention
+from trials import attention
 
 
 @contextlib.contextmanager

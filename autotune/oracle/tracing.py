@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autotune.core.record import BREAKDOWN_CATEGORIES
+from autotune.oracle.fake_world import fake_flash_kernels, fake_process_group, oracle_mode
+from autotune.oracle.results import Segment, Trace, full_breakdown
 from trials import patches
 from trials.data import make_batch
 from trials.dist import Mesh, build_mesh, ensure_device_mesh
 from trials.memory import DeviceMemoryTracker, TrackerListener
-from trials.step import build_training, prime_optimizer as prime_optimizer_states, train_step
-from autotune.core.record import BREAKDOWN_CATEGORIES
-from autotune.oracle.fake_world import fake_flash_kernels, fake_process_group, oracle_mode
-from autotune.oracle.results import Segment, Trace, full_breakdown
 from trials.segments import SegmentPeaks, install_segment_hooks, layer_runs, techniques_for_runs
+from trials.step import build_training, train_step
+from trials.step import prime_optimizer as prime_optimizer_states
 
 
 def compute_dtype_for(hardware) -> torch.dtype:

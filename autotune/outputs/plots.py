@@ -9,9 +9,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from trials.techniques import knobs
 from autotune.core.record import BREAKDOWN_CATEGORIES
 from autotune.core.sizes import format_tokens
+from trials.techniques import knobs
 
 
 def knob_label(techniques: dict) -> str:

@@ -33,14 +33,14 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from trials.config_file import TrialConfig
-from trials.techniques import BASELINE, Techniques, knob_names, knobs
 from autotune import search
 from autotune.core.hardware import Hardware, Rates
 from autotune.core.record import BREAKDOWN_CATEGORIES
 from autotune.outputs.exporters import FRONT_SCHEMA
 from autotune.outputs.plots import knob_label, plot_memory, plot_pareto, write_pareto_html
 from autotune.search.front import Point, best_point, front_points, points
+from trials.config_file import TrialConfig
+from trials.techniques import BASELINE, Techniques, knob_names, knobs
 
 _ARROW_TYPES = {"bool": pa.bool_(), "int": pa.int64(), "tokens": pa.int64(), "choice": pa.string()}
 KNOBS = knob_names()
@@ -150,7 +150,7 @@ def front_entries(study) -> list[dict]:
 JOB_ATTR = "search_job"
 
 
-def job_attr(job: "search.SearchJob") -> dict:
+def job_attr(job: search.SearchJob) -> dict:
     """What ``autotune verify`` needs of a search job, as JSON (the study's user attribute ``search_job``)."""
     return {"model": job.model, "model_config": job.model_config, "target": job.target, "gpus": job.gpus,
             "nodes": job.nodes, "hardware": dataclasses.asdict(job.hardware)}
@@ -165,7 +165,7 @@ def hardware_from_attr(data: dict) -> Hardware:
     return Hardware(rates=Rates(**{k: v for k, v in rates.items() if k in known}), **values)
 
 
-def write_outputs(job: "search.SearchJob", study) -> dict:
+def write_outputs(job: search.SearchJob, study) -> dict:
     """Write every output file; returns a summary (best trial or why there is none). Stores the job itself in
     the study (``job_attr``) for ``autotune verify``."""
     out = job.out

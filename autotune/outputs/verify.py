@@ -25,14 +25,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, ContextManager
 
 import optuna
 
-from trials.techniques import Techniques
-from trials.attention import flash_problem
 from autotune.backends import Backend, Evaluation
 from autotune.backends.local import visible_devices
 from autotune.core.errors import UserError
@@ -45,6 +43,8 @@ from autotune.outputs.plots import knob_label
 from autotune.search.front import Point, best_point, config_key, front_points, measured_attr, points
 from autotune.search.job import SearchJob
 from autotune.search.study import open_storage
+from trials.attention import flash_problem
+from trials.techniques import Techniques
 
 RESULTS = ("ok", "oom")  # what a verified trial may end with and still count as a measurement (not a failure)
 
@@ -252,7 +252,7 @@ def measure(folder: Folder, point: Point, backend: Backend, hardware: Hardware, 
 
 def verify(folder: Folder, chosen: list[Point], backend: Backend, hardware: Hardware, depth: str = "full",
            force: bool = False, on_outcome: Callable[[Outcome, int, int | None], None] | None = None,
-           interruptible: Callable[[], ContextManager] = contextlib.nullcontext) -> Verification:
+           interruptible: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> Verification:
     """Measure ``chosen`` (``select``) on this node, then the best config until it is measured; rewrite the
     folder's outputs. ``on_outcome(outcome, index, total)`` as each config is done (``total`` None for the best
     config followed after the chosen ones). Ctrl-C / SIGTERM (as KeyboardInterrupt) stops after saving what was

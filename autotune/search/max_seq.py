@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
-from trials.rules import length_unit
 from autotune.backends import Backend, make_backend
 from autotune.backends.plan_store import default_store
 from autotune.core.evaluation import Evaluation
 from autotune.core.record import ResultRecord
+from trials.rules import length_unit
 
 
 def find_max_seq(evaluation: Evaluation, backend: Backend | None = None, max_tokens: int = 1024**3,

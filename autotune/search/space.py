@@ -24,10 +24,10 @@ import optuna
 import yaml
 from optuna.trial import TrialState
 
-from trials.rules import ulysses_degree_problem
-from trials.techniques import ALL_LAYERS, Knob, Techniques, knob_names, knobs
 from autotune.core.errors import UserError
 from autotune.core.sizes import parse_tokens
+from trials.rules import ulysses_degree_problem
+from trials.techniques import ALL_LAYERS, Knob, Techniques, knob_names, knobs
 
 SPACE_SCHEMA = "autotune/space-v1"
 # a trial between two grid lengths (``policy.wall_step``: reaching a config's memory wall) keeps ``seq_len`` at the

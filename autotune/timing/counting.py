@@ -45,9 +45,9 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trials.memory import TrackerListener
 from autotune.timing.attention_cost import attention_flops
 from autotune.timing.counts import PHASES, CollectiveCounts, PhaseCounts, StepCounts
+from trials.memory import TrackerListener
 
 _DEBUG = bool(os.environ.get("AUTOTUNE_COUNTER_DEBUG"))
 

@@ -23,7 +23,7 @@ class PhaseCounts:
     d2h_bytes: float = 0.0                  # device -> host copies (activation offload, grad offload)
     h2d_bytes: float = 0.0                  # host -> device copies (prefetch, param offload)
 
-    def add(self, other: "PhaseCounts") -> None:
+    def add(self, other: PhaseCounts) -> None:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
@@ -102,7 +102,7 @@ class StepCounts:
         """Collective calls over groups of several ranks (sync and FSDP; sizes unknown counted)."""
         return sum(c.calls for size, c in self.by_group().items() if size is None or size > 1)
 
-    def scaled(self, factor: float) -> "StepCounts":
+    def scaled(self, factor: float) -> StepCounts:
         """Counts divided by ``factor`` (e.g. the number of steps traced)."""
         out = copy.deepcopy(self)
         for pc in out.phases.values():
@@ -124,7 +124,7 @@ class StepCounts:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "StepCounts":
+    def from_dict(cls, data: dict[str, Any]) -> StepCounts:
         data = dict(data)
         data["phases"] = {p: PhaseCounts(**v) for p, v in data.get("phases", {}).items()}
         for p in PHASES:

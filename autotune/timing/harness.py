@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from autotune.timing.counting import StepCounter
+from autotune.timing.counts import StepCounts
 from trials.data import make_batch, synthetic_sample
 from trials.dist import Mesh
 from trials.memory import DeviceMemoryTracker
@@ -12,8 +14,6 @@ from trials.model import build_model
 from trials.stack import apply
 from trials.step import train_step
 from trials.techniques import Techniques
-from autotune.timing.counting import StepCounter
-from autotune.timing.counts import StepCounts
 
 
 def count_real_step(model_config: dict, techniques, seq_len: int, mesh=None, steps: int = 1,

@@ -28,10 +28,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trials.techniques import Techniques
 from autotune.core.hardware import Rates
 from autotune.timing.attention_cost import tiled_pairs
 from autotune.timing.counts import COMPUTE_PHASES, CollectiveCounts, PhaseCounts, StepCounts
+from trials.techniques import Techniques
 
 
 @dataclass

@@ -17,11 +17,19 @@ import json
 
 import yaml
 
-from trials.config_file import TrialConfig
 from autotune.outputs.exporters.base import (
-    Exporter, Rendered, beside, comment_block, exactly, hf_attention, hf_model_name, not_expressed, runs_as,
+    Exporter,
+    Rendered,
+    beside,
+    comment_block,
+    exactly,
+    hf_attention,
+    hf_model_name,
+    not_expressed,
+    runs_as,
 )
 from autotune.outputs.exporters.deepspeed_config import deepspeed_json
+from trials.config_file import TrialConfig
 
 
 class AccelerateConfigExporter(Exporter):

@@ -15,13 +15,22 @@ the oracle does not model, so a recipe using them could not claim the length it 
 from __future__ import annotations
 
 import math
+
 import yaml
 
-from trials.config_file import TrialConfig
 from autotune.outputs.exporters.base import (
-    MODEL_PLACEHOLDER, ExportJob, Exporter, Rendered, comment_block, exactly, hf_attention, hf_model_name,
-    not_expressed, runs_as,
+    MODEL_PLACEHOLDER,
+    Exporter,
+    ExportJob,
+    Rendered,
+    comment_block,
+    exactly,
+    hf_attention,
+    hf_model_name,
+    not_expressed,
+    runs_as,
 )
+from trials.config_file import TrialConfig
 
 DATA_PLACEHOLDER = "REPLACE-WITH-YOUR-DATASET"
 _LOSS_TILE_LOGIT_BYTES = 2**30  # ArcticTraining sizes a loss tile to about 1 GiB of fp32 logits

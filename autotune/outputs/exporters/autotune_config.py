@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import json
+
+from autotune.outputs.exporters.base import Exporter, Rendered, exactly
 from trials.config_file import TrialConfig
 from trials.techniques import knobs
-from autotune.outputs.exporters.base import Exporter, Rendered, exactly
 
 
 class AutotuneConfigExporter(Exporter):

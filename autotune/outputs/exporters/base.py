@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, ClassVar
 
 from trials.config_file import TrialConfig
 from trials.knobs import Knob

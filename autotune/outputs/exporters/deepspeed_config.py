@@ -14,12 +14,19 @@ reduce gradients in (ALST's own recipes use ``bf16``, which saves a few GiB at a
 from __future__ import annotations
 
 import json
+
+from autotune.outputs.exporters.base import (
+    Exporter,
+    Rendered,
+    comment_block,
+    exactly,
+    hf_attention,
+    hf_model_name,
+    not_expressed,
+)
 from trials.config_file import TrialConfig
 from trials.model_config import load_model_config
 from trials.techniques import Techniques
-from autotune.outputs.exporters.base import (
-    Exporter, Rendered, comment_block, exactly, hf_attention, hf_model_name, not_expressed,
-)
 
 # transformers' module and class-name prefix of each model_type autotune takes (``trials.model_config``)
 _HF_CLASS_PREFIX = {"llama": "Llama", "qwen3": "Qwen3", "qwen2": "Qwen2", "mistral": "Mistral"}

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from autotune.core.errors import UserError
 from trials.config_file import TrialConfig
 from trials.techniques import Techniques
-from autotune.core.errors import UserError
 
 FRONT_SCHEMA = "autotune/pareto-v1"  # what ``autotune.outputs.report`` writes
 

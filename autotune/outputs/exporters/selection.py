@@ -12,17 +12,17 @@ its trainer cannot reach.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
+from autotune.core.errors import UserError
+from autotune.core.record import ResultRecord
+from autotune.outputs.exporters.base import Exporter, ExportJob, Gap, Rendered
+from autotune.outputs.exporters.front import entry_config, entry_techniques, load_front
 from trials.config_file import TrialConfig
 from trials.model_config import load_model_config
 from trials.techniques import knobs
-from autotune.core.errors import UserError
-from autotune.core.record import ResultRecord
-from autotune.outputs.exporters.base import ExportJob, Exporter, Gap, Rendered
-from autotune.outputs.exporters.front import entry_config, entry_techniques, load_front
 
 GIB = 2**30
 

@@ -12,9 +12,9 @@ import json
 import shlex
 from pathlib import Path
 
+from autotune.outputs.exporters.base import Exporter, Rendered, comment_block, exactly
 from trials.config_file import TrialConfig
 from trials.techniques import knobs
-from autotune.outputs.exporters.base import Exporter, Rendered, comment_block, exactly
 
 CONFIG_ENV = "AUTOTUNE_CONFIG_JSON"  # the config, handed to every node's task through srun's environment
 

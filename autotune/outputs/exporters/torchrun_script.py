@@ -4,10 +4,11 @@ runner (``python -m trials.train`` under torchrun). It expresses every knob, lik
 from __future__ import annotations
 
 import json
-from trials.config_file import TrialConfig
-from trials.techniques import knobs
+
 from autotune.outputs.exporters.base import Exporter, Rendered, comment_block, exactly
 from autotune.outputs.exporters.slurm_script import multi_node_command
+from trials.config_file import TrialConfig
+from trials.techniques import knobs
 
 
 def torchrun_command(config_path: str, gpus: int, steps: str = "${STEPS:-10}") -> str:

@@ -42,9 +42,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from trials import allocator
 from autotune.core import calibration_store
 from autotune.timing.calibration.sampling import wait_for_idle
+from trials import allocator
 
 
 def world_sizes() -> list[int]:

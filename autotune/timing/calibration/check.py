@@ -25,11 +25,10 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from trials import allocator
-
 from autotune.core import calibration_store
 from autotune.core.errors import UserError
 from autotune.core.hardware import Hardware
+from trials import allocator
 
 # Within this factor either way the preset holds: about the time model's own scatter between configs
 # (docs/validation.md, "Time model"), well inside the fidelity band [0.8, 1.25]

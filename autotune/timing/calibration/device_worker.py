@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from trials.dist import process_group_backend
 from autotune.timing.calibration import device_bench as bench
+from trials.dist import process_group_backend
 
 
 def _say(rank: int, message: str) -> None:

@@ -10,17 +10,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from trials.data import make_batch, synthetic_sample
-from trials.dist import Mesh, build_mesh
-from trials.memory import DeviceMemoryTracker
-from trials.step import build_training, train_step
-from trials.techniques import Techniques
 from autotune.core.calibration_store import CPU_ATTENTION_TILE_KV, CPU_ATTENTION_TILE_Q
 from autotune.core.hardware import Rates
 from autotune.timing.attention_cost import tiled_pairs
 from autotune.timing.calibration.sampling import barrier, median_time, sample
 from autotune.timing.counting import MATMUL_OPS, NO_WORK_OPS, StepCounter, op_name
 from autotune.timing.model import attention_time, predict_step_time
+from trials.data import make_batch, synthetic_sample
+from trials.dist import Mesh, build_mesh
+from trials.memory import DeviceMemoryTracker
+from trials.step import build_training, train_step
+from trials.techniques import Techniques
 
 HEAD_DIMS = (16, 64, 128)
 MATMUL_SHAPES = ((4096, 128, 352), (4096, 352, 128), (128, 4096, 352), (4096, 256, 1024), (1024, 4096, 256),

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
+
 def cpu_busy_fraction(interval: float = 0.5) -> float:
     """Fraction of this machine's CPU time used (by anyone) over ``interval`` seconds, from /proc/stat."""
     def read():

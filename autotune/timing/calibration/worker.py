@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trials.techniques import Techniques
 from autotune.core.hardware import HOST_PRESET, Rates, load_hardware
 from autotune.timing.calibration import microbench as bench
 from autotune.timing.calibration import sampling
 from autotune.timing.counts import StepCounts
 from autotune.timing.model import predict_step_time
+from trials.techniques import Techniques
 
 
 def _model_rates(result: dict, world: int) -> dict:
