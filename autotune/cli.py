@@ -35,8 +35,13 @@ class _Commands(typer.core.TyperGroup):
             raise _CommandInterrupted from exc
 
 
-app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Find the memory/throughput configuration for multi-million-token training.")
+app = typer.Typer(
+    cls=_Commands,
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Find the memory/throughput configuration for multi-million-token training.",
+)
 console = Console(stderr=True)
 
 
@@ -121,8 +126,10 @@ def _local_checks(gpus: int, techniques_wanting_flash: bool) -> None:
             fail(f"attention 'flash' cannot run here: {problem}")
 
 
-RDZV_HELP = ("HOST:PORT for real trials over --nodes nodes: run the same command on every node; the agent on HOST "
-             "drives, the others follow (torchrun's c10d rendezvous)")
+RDZV_HELP = (
+    "HOST:PORT for real trials over --nodes nodes: run the same command on every node; the agent on HOST "
+    "drives, the others follow (torchrun's c10d rendezvous)"
+)
 NODES_HELP = "nodes of --gpus devices each (the world is nodes x gpus)"
 
 
@@ -142,8 +149,11 @@ def _node_group(nodes: int, rdzv_endpoint: str | None, backend_name: str = "loca
 def _follow(backend, what: str):
     """A follower's part of a multi-node command: run what the driver publishes; returns what came with its stop."""
     group = backend.group
-    console.print(f"autotune: node {group.node} of {group.nodes}: following the {what} driven at {group.endpoint}",
-                  markup=False, highlight=False)
+    console.print(
+        f"autotune: node {group.node} of {group.nodes}: following the {what} driven at {group.endpoint}",
+        markup=False,
+        highlight=False,
+    )
     try:
         return backend.follow()
     except RuntimeError as exc:  # the driver's store went away before it said stop
@@ -186,21 +196,29 @@ def search(
     nodes: int = ranged_option("--nodes", 1, NODES_HELP),
     hardware: str = typer.Option("h100-sxm", help="hardware preset (autotune hardware)"),
     backend: str = typer.Option("auto", help="auto | plan | local"),
-    space: Path | None = typer.Option(None, help="search space YAML (default: search_spaces/default.yaml, shipped "
-                                                    "in the package; search_spaces/README.md: the format)"),
+    space: Path | None = typer.Option(
+        None,
+        help="search space YAML (default: search_spaces/default.yaml, shipped "
+        "in the package; search_spaces/README.md: the format)",
+    ),
     trials: int = ranged_option("--trials", 30, "finished trials the study should hold (resumes count)"),
     timeout: float | None = ranged_option("--timeout", None, "stop starting new trials after this many seconds"),
     out: Path = typer.Option(Path("autotune-out"), help="output folder (study.db, trials.parquet, ...)"),
     storage: str | None = typer.Option(None, help="Optuna RDB URL or journal file shared by workers"),
     study: str | None = typer.Option(None, help="study name (workers sharing --storage use the same)"),
     seed: int = ranged_option("--seed", 0, "sampler seed"),
-    memory_gib: float | None = ranged_option("--memory-gib", None,
-                                                "per-rank capacity in GiB (CPU trials; overrides preset)"),
+    memory_gib: float | None = ranged_option(
+        "--memory-gib", None, "per-rank capacity in GiB (CPU trials; overrides preset)"
+    ),
     trial_timeout: float | None = ranged_option(
-        "--trial-timeout", None, "seconds before a real trial is killed as hung (default: from its predicted step time)"),
+        "--trial-timeout", None, "seconds before a real trial is killed as hung (default: from its predicted step time)"
+    ),
     prefilter: bool = typer.Option(True, help="local backend: skip real trials the oracle predicts to OOM"),
-    depth: str = typer.Option("reduced", help="local backend: reduced (a model deeper than 4 layers runs its 3/4-layer "
-                                              "copies, extended exactly to full depth) | full"),
+    depth: str = typer.Option(
+        "reduced",
+        help="local backend: reduced (a model deeper than 4 layers runs its 3/4-layer "
+        "copies, extended exactly to full depth) | full",
+    ),
     rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help=RDZV_HELP),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object (the summary)"),
 ):
@@ -238,18 +256,40 @@ def search(
     if backend_name == "local":
         oracle = make_backend("plan", stop_above=1 + hw.oracle_margin) if prefilter else None
         # the trial deadlines follow the predicted step time: the prefilter's cached records, else a plan backend
-        chosen = make_backend("local", memory_gib=memory_gib, timeout_s=trial_timeout, seed=seed,
-                              predictor=oracle or make_backend("plan"), depth=_depth(depth), group=group)
+        chosen = make_backend(
+            "local",
+            memory_gib=memory_gib,
+            timeout_s=trial_timeout,
+            seed=seed,
+            predictor=oracle or make_backend("plan"),
+            depth=_depth(depth),
+            group=group,
+        )
     else:  # the search needs to know only that an OOM does not fit: its trace may stop at the crossing
         chosen, oracle = make_backend("plan", stop_above=1.0), None
-    job = search_mod.SearchJob(model=model, model_config=model_config, target=target_tokens, gpus=gpus,
-                               hardware=hw, space=search_space, backend=chosen, out=out, trials=trials,
-                               timeout_s=timeout, storage=storage, study_name=study, seed=seed, prefilter=oracle,
-                               nodes=nodes)
+    job = search_mod.SearchJob(
+        model=model,
+        model_config=model_config,
+        target=target_tokens,
+        gpus=gpus,
+        hardware=hw,
+        space=search_space,
+        backend=chosen,
+        out=out,
+        trials=trials,
+        timeout_s=timeout,
+        storage=storage,
+        study_name=study,
+        seed=seed,
+        prefilter=oracle,
+        nodes=nodes,
+    )
     result_study = search_mod.open_study(job, opened_storage)
     _note_rates(hw)  # after every input check (storage, space, study): bad input stays one line
-    console.print(f"autotune: {model} on {f'{nodes} nodes x ' if nodes > 1 else ''}{gpus}x {hw.name}, target "
-                  f"{format_tokens(target_tokens)}, backend {backend_name}, out {out}")
+    console.print(
+        f"autotune: {model} on {f'{nodes} nodes x ' if nodes > 1 else ''}{gpus}x {hw.name}, target "
+        f"{format_tokens(target_tokens)}, backend {backend_name}, out {out}"
+    )
     interrupted = False
     with interrupts_deferred() as deferral:  # once the search stops, its outputs are written whatever comes
         with SearchProgress(job, console=console, enabled=not as_json) as progress:
@@ -269,9 +309,11 @@ def search(
             _print_front(summary["front"], target_tokens)
             if summary["best"]:
                 best = summary["best"]
-                OUT.rich(f"best for {format_tokens(target_tokens)}: {format_tokens(best['seq_len'])} at "
-                         f"{(best['predicted'] or best['measured'])['tokens_per_s']:,.0f} tokens/s -> "
-                         f"{out / 'best.json'}")
+                OUT.rich(
+                    f"best for {format_tokens(target_tokens)}: {format_tokens(best['seq_len'])} at "
+                    f"{(best['predicted'] or best['measured'])['tokens_per_s']:,.0f} tokens/s -> "
+                    f"{out / 'best.json'}"
+                )
     if interrupted or deferral.arrived:
         console.print("interrupted: finished trials are saved; run the same command to resume")
         raise typer.Exit(130)
@@ -295,8 +337,10 @@ def _warn_if_flash_is_broken() -> None:
 
     problem = flash_problem()
     if FLASH_INSTALLED and problem:
-        console.print(f"[bold red]warning:[/] {problem}; attention 'flash' is left out of this search "
-                      f"(reinstall it with bin/setup-gpu)")
+        console.print(
+            f"[bold red]warning:[/] {problem}; attention 'flash' is left out of this search "
+            f"(reinstall it with bin/setup-gpu)"
+        )
 
 
 def _print_front(front: list[dict], target: int) -> None:
@@ -307,15 +351,21 @@ def _print_front(front: list[dict], target: int) -> None:
         table.add_column(column)
     for entry in front:
         record = entry["record"]
-        table.add_row(str(entry["trial"]), f"{entry['seq_len']:,}" + (" *" if entry["seq_len"] >= target else ""),
-                      f"{entry['tokens_per_s']:,.0f}", f"{(record.get('peak_device_bytes') or 0) / 2**30:.2f}",
-                      record["source"], knob_label(entry["techniques"]))
+        table.add_row(
+            str(entry["trial"]),
+            f"{entry['seq_len']:,}" + (" *" if entry["seq_len"] >= target else ""),
+            f"{entry['tokens_per_s']:,.0f}",
+            f"{(record.get('peak_device_bytes') or 0) / 2**30:.2f}",
+            record["source"],
+            knob_label(entry["techniques"]),
+        )
     OUT.rich(table)
 
 
 @app.command()
 def estimate(
-    model: str = typer.Option(...), seq: str | None = typer.Option(None, help=TARGET_HELP),
+    model: str = typer.Option(...),
+    seq: str | None = typer.Option(None, help=TARGET_HELP),
     config: str = typer.Option(..., help="config file (config-v1 JSON) or 'baseline'"),
     gpus: int | None = ranged_option("--gpus", None, "devices per node (default: the config file's)"),
     nodes: int | None = ranged_option("--nodes", None, NODES_HELP + " (default: the config file's)"),
@@ -356,8 +406,9 @@ def estimate(
         from autotune.outputs.plots import plot_memory
 
         plot_memory([record], hw.device_memory_bytes, plot)
-    _print_record(record.to_dict(), as_json,
-                  f"{model} on {f'{nodes} nodes x ' if nodes > 1 else ''}{gpus}x {hw.name} (predicted)")
+    _print_record(
+        record.to_dict(), as_json, f"{model} on {f'{nodes} nodes x ' if nodes > 1 else ''}{gpus}x {hw.name} (predicted)"
+    )
     if record.status == "error":
         _fail_outcome(f"the prediction failed: {record.error}")
 
@@ -388,7 +439,8 @@ def _config_nodes(config: str) -> int:
 
 @app.command()
 def trial(
-    model: str = typer.Option(...), seq: str = typer.Option(..., help=TARGET_HELP),
+    model: str = typer.Option(...),
+    seq: str = typer.Option(..., help=TARGET_HELP),
     config: str = typer.Option(..., help="config file (config-v1 JSON) or 'baseline'"),
     gpus: int = ranged_option("--gpus", 1, "ranks (per node)"),
     nodes: int = ranged_option("--nodes", 1, NODES_HELP),
@@ -396,7 +448,8 @@ def trial(
     depth: str = typer.Option("full", help="full | reduced (run the 3/4-layer copies, extend to full depth)"),
     memory_gib: float | None = ranged_option("--memory-gib", None, "per-rank capacity on CPU (GiB)"),
     timeout: float | None = ranged_option(
-        "--timeout", None, "seconds before the trial is killed as hung (default: from its predicted step time)"),
+        "--timeout", None, "seconds before the trial is killed as hung (default: from its predicted step time)"
+    ),
     rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help=RDZV_HELP),
     as_json: bool = typer.Option(False, "--json"),
 ):
@@ -414,8 +467,16 @@ def trial(
     _local_checks(gpus, techniques.attention == "flash")
     group = _node_group(nodes, rdzv_endpoint)
     hw = _hardware_for("local", "h100-sxm", memory_gib).for_nodes(nodes)
-    backend = make_backend("local", steps=steps, memory_gib=memory_gib, timeout_s=timeout,
-                           predictor=make_backend("plan"), depth=_depth(depth), progress=_show_progress, group=group)
+    backend = make_backend(
+        "local",
+        steps=steps,
+        memory_gib=memory_gib,
+        timeout_s=timeout,
+        predictor=make_backend("plan"),
+        depth=_depth(depth),
+        progress=_show_progress,
+        group=group,
+    )
     where = f"{nodes} nodes x {gpus}" if nodes > 1 else f"x{gpus}"
     if group is not None and not group.driver:
         final = _follow(backend, "trial")
@@ -441,8 +502,11 @@ def export(
     format: str = typer.Option("autotune", help="autotune | deepspeed | arctic | accelerate | torchrun | slurm"),
     output: Path | None = typer.Option(None, "-o", "--output", help="write here instead of stdout"),
     allow_partial: bool = typer.Option(
-        False, "--allow-partial", help="export the fastest config at the target even where the format cannot "
-        "express all of it (with what it will not do and the oracle's re-estimate of what it runs)"),
+        False,
+        "--allow-partial",
+        help="export the fastest config at the target even where the format cannot "
+        "express all of it (with what it will not do and the oracle's re-estimate of what it runs)",
+    ),
 ):
     """Export the fastest front config the format's trainer can run in full (ArcticTraining, Accelerate/Trainer,
     DeepSpeed, autotune's own runner); exit 1 when none reaches the target."""
@@ -453,9 +517,14 @@ def export(
     exporter = make_exporter(format)
     length = parse_tokens(target, "--target") if target is not None else None
     try:
-        result = export_front(directory, length, exporter, allow_partial,
-                              str(output) if output is not None else exporter.default_file,
-                              progress=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True))
+        result = export_front(
+            directory,
+            length,
+            exporter,
+            allow_partial,
+            str(output) if output is not None else exporter.default_file,
+            progress=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True),
+        )
     except NotExpressible as exc:
         console.print(f"autotune: {exc}", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
@@ -463,8 +532,12 @@ def export(
     if output is None:
         OUT.print(text)
         for suffix, body in companions.items():  # the files the export refers to, under the names it uses
-            console.print(f"# ---- {Path(exporter.default_file).with_suffix(suffix)} ----\n{body}", markup=False,
-                          highlight=False, soft_wrap=True)
+            console.print(
+                f"# ---- {Path(exporter.default_file).with_suffix(suffix)} ----\n{body}",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
     else:
         for line in result.notes[1:-1]:  # what the trainer runs differently (the export carries them too)
             console.print(line, markup=False, highlight=False, soft_wrap=True)
@@ -479,19 +552,28 @@ def export(
 @app.command()
 def verify(
     directory: Path = typer.Argument(..., help="a search output folder (typically of a plan search)"),
-    top: int | None = ranged_option("--top", None, "verify the K front configs with the highest predicted "
-                                                      "tokens/s (default: the whole front); the best config is always "
-                                                      "verified"),
+    top: int | None = ranged_option(
+        "--top",
+        None,
+        "verify the K front configs with the highest predicted "
+        "tokens/s (default: the whole front); the best config is always "
+        "verified",
+    ),
     depth: str = typer.Option("full", help="full | reduced (the model's shallower copies, extended to its depth)"),
     force: bool = typer.Option(False, help="measure again configs already measured at this depth"),
     memory_gib: float | None = ranged_option(
-        "--memory-gib", None, "per-rank capacity in GiB (default: on CPU the search's, on a GPU the card's)"),
+        "--memory-gib", None, "per-rank capacity in GiB (default: on CPU the search's, on a GPU the card's)"
+    ),
     trial_timeout: float | None = ranged_option(
-        "--trial-timeout", None, "seconds before a real trial is killed as hung (default: from its predicted step time)"),
+        "--trial-timeout", None, "seconds before a real trial is killed as hung (default: from its predicted step time)"
+    ),
     storage: str | None = typer.Option(None, help="the search's --storage, when its study is not DIR/study.db"),
     study: str | None = typer.Option(None, help="the search's --study name"),
-    nodes: int | None = ranged_option("--nodes", None, "the nodes the search planned for (default: the search's; "
-                                                          "with --rdzv-endpoint say it on every node)"),
+    nodes: int | None = ranged_option(
+        "--nodes",
+        None,
+        "the nodes the search planned for (default: the search's; with --rdzv-endpoint say it on every node)",
+    ),
     rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help=RDZV_HELP + "; only the driver needs DIR"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ):
@@ -521,25 +603,32 @@ def _verify(directory, top, depth, force, memory_gib, trial_timeout, storage, st
     if nodes is not None and nodes != folder.job.nodes:
         fail(f"--nodes {nodes}, but the search in {str(directory)!r} planned for {folder.job.nodes} node(s)")
     if folder.job.nodes > 1 and group is None:
-        fail(f"the search planned for {folder.job.nodes} nodes: run verify on every node with --nodes "
-             f"{folder.job.nodes} --rdzv-endpoint HOST:PORT")
+        fail(
+            f"the search planned for {folder.job.nodes} nodes: run verify on every node with --nodes "
+            f"{folder.job.nodes} --rdzv-endpoint HOST:PORT"
+        )
     chosen = verify_mod.select(folder, top)
     verify_mod.check_node(folder, chosen)
     gib = verify_mod.node_memory_gib(folder, memory_gib)
     hw = verify_mod.local_hardware(folder.job.hardware, gib)
-    backend = make_backend("local", depth=depth, memory_gib=gib, timeout_s=trial_timeout,
-                           predictor=make_backend("plan"), group=group)
+    backend = make_backend(
+        "local", depth=depth, memory_gib=gib, timeout_s=trial_timeout, predictor=make_backend("plan"), group=group
+    )
     where = f"{folder.job.nodes} nodes x " if folder.job.nodes > 1 else ""
-    console.print(f"autotune verify: {len(chosen)} front config(s) of {folder.job.model} on {where}{folder.job.gpus}x "
-                  f"{hw.name} ({hw.device_memory_bytes / 2**30:.2f} GiB per rank), depth {depth}", highlight=False,
-                  soft_wrap=True)
+    console.print(
+        f"autotune verify: {len(chosen)} front config(s) of {folder.job.model} on {where}{folder.job.gpus}x "
+        f"{hw.name} ({hw.device_memory_bytes / 2**30:.2f} GiB per rank), depth {depth}",
+        highlight=False,
+        soft_wrap=True,
+    )
 
     def on_outcome(outcome, index, total):
         console.print(verify_mod.progress_line(outcome, index, total), markup=False, highlight=False, soft_wrap=True)
 
     with interrupts_deferred() as deferral:  # once measuring stops, the outputs are written whatever comes
-        result = verify_mod.verify(folder, chosen, backend, hw, depth=depth, force=force, on_outcome=on_outcome,
-                                   interruptible=deferral.lifted)
+        result = verify_mod.verify(
+            folder, chosen, backend, hw, depth=depth, force=force, on_outcome=on_outcome, interruptible=deferral.lifted
+        )
     result.interrupted = result.interrupted or deferral.arrived
     if as_json:
         OUT.print(json.dumps(verify_mod.to_json(folder, result, depth, hw)))
@@ -554,11 +643,17 @@ def _verify(directory, top, depth, force, memory_gib, trial_timeout, storage, st
         best = result.summary["best"]
         if best:
             side = "measured" if best["measured"] else "predicted"
-            OUT.print(f"best.json ({side}): {best['seq_len']:,} tokens at "
-                      f"{best[side]['tokens_per_s']:,.0f} tokens/s -> {directory / 'best.json'}")
+            OUT.print(
+                f"best.json ({side}): {best['seq_len']:,} tokens at "
+                f"{best[side]['tokens_per_s']:,.0f} tokens/s -> {directory / 'best.json'}"
+            )
     for outcome in result.failed:
-        console.print(f"trial {outcome.trial} failed ({outcome.measured['status']}): {outcome.measured.get('error')}",
-                      markup=False, highlight=False, soft_wrap=True)
+        console.print(
+            f"trial {outcome.trial} failed ({outcome.measured['status']}): {outcome.measured.get('error')}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
     for line in result.notes + ([result.summary["message"]] if result.summary["message"] else []):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     if result.interrupted:
@@ -588,8 +683,10 @@ def run(
     if loaded.gpus < 1:
         fail(f"config {str(config)!r} has gpus {loaded.gpus}: it must be at least 1")
     if loaded.nodes > 1:
-        fail(f"config {str(config)!r} is for {loaded.nodes} nodes: `autotune export --format slurm` (or --format "
-             f"torchrun, run on every node) trains it there")
+        fail(
+            f"config {str(config)!r} is for {loaded.nodes} nodes: `autotune export --format slurm` (or --format "
+            f"torchrun, run on every node) trains it there"
+        )
     model_config = load_model_config(loaded.model)
     loaded.techniques.validate(model_config, loaded.gpus, loaded.seq_len)
     _local_checks(loaded.gpus, loaded.techniques.attention == "flash")
@@ -623,8 +720,12 @@ def plot(directory: Path = typer.Argument(...), output: Path | None = typer.Opti
     if output is None and front_doc["front"] and "capacity_bytes" in front_doc:
         from autotune.outputs.report import plot_front_memory
 
-        plot_front_memory(front_doc["front"], front_doc["capacity_bytes"], directory / "memory.png",
-                          title=f"memory per rank of the front, {front_doc['model']}")
+        plot_front_memory(
+            front_doc["front"],
+            front_doc["capacity_bytes"],
+            directory / "memory.png",
+            title=f"memory per rank of the front, {front_doc['model']}",
+        )
         console.print(f"wrote {directory / 'memory.png'}")
     if output is None:
         _plot_html(directory)
@@ -670,9 +771,16 @@ def models():
         table.add_column(column)
     for name in model_names():
         c = load_model_config(name)
-        table.add_row(name, c["model_type"], str(c["num_hidden_layers"]), str(c["hidden_size"]),
-                      str(c["num_attention_heads"]), str(c["num_key_value_heads"]), str(c["vocab_size"]),
-                      f"{parameter_count(c) / 1e9:.2f} B")
+        table.add_row(
+            name,
+            c["model_type"],
+            str(c["num_hidden_layers"]),
+            str(c["hidden_size"]),
+            str(c["num_attention_heads"]),
+            str(c["num_key_value_heads"]),
+            str(c["vocab_size"]),
+            f"{parameter_count(c) / 1e9:.2f} B",
+        )
     OUT.rich(table)
 
 
@@ -687,12 +795,21 @@ def hardware():
     for name in hardware_names():
         hw = load_hardware(name)
         rates = hw.rates_for(1)  # what the time model uses (a calibrated preset's measured rates)
-        table.add_row(name, hw.source, f"{hw.device_memory_bytes / 2**30:.0f}", f"{rates.bf16_flops / 1e12:.3g}",
-                      f"{rates.hbm_bytes_per_s / 1e12:.2f}", f"{rates.intra_node_bytes_per_s / 1e9:.0f}",
-                      f"{rates.host_bytes_per_s / 1e9:.0f}", _rates_origin(hw))
+        table.add_row(
+            name,
+            hw.source,
+            f"{hw.device_memory_bytes / 2**30:.0f}",
+            f"{rates.bf16_flops / 1e12:.3g}",
+            f"{rates.hbm_bytes_per_s / 1e12:.2f}",
+            f"{rates.intra_node_bytes_per_s / 1e9:.0f}",
+            f"{rates.host_bytes_per_s / 1e9:.0f}",
+            _rates_origin(hw),
+        )
     OUT.rich(table)
-    OUT.print(f"user presets: {user_preset_dir()} (autotune calibrate --name NAME writes one; "
-              f"autotune calibrate --check --hardware NAME says whether it still holds)")
+    OUT.print(
+        f"user presets: {user_preset_dir()} (autotune calibrate --name NAME writes one; "
+        f"autotune calibrate --check --hardware NAME says whether it still holds)"
+    )
 
 
 def _rates_origin(hw) -> str:
@@ -707,24 +824,41 @@ def _note_rates(hw) -> None:
     """One line on stderr when the time model's rates were not measured on this node."""
     if hw.calibrated:
         return
-    print(f"note: hardware {hw.name}: {hw.rate_provenance()}; `autotune calibrate --name NAME` measures this "
-          f"node's, then --hardware NAME", file=sys.stderr)
+    print(
+        f"note: hardware {hw.name}: {hw.rate_provenance()}; `autotune calibrate --name NAME` measures this "
+        f"node's, then --hardware NAME",
+        file=sys.stderr,
+    )
 
 
 @app.command()
 def calibrate(
-    hardware: str | None = typer.Option(None, help="base preset whose memory facts the new preset keeps "
-                                                      "(default: the one matching this node's devices; cpu without CUDA)"),
-    gpus: int | None = ranged_option("--gpus", None, "devices to measure the collectives over (default: all "
-                                                        "visible; cpu: trial world sizes 1, 2, 4 up to this)"),
+    hardware: str | None = typer.Option(
+        None,
+        help="base preset whose memory facts the new preset keeps "
+        "(default: the one matching this node's devices; cpu without CUDA)",
+    ),
+    gpus: int | None = ranged_option(
+        "--gpus",
+        None,
+        "devices to measure the collectives over (default: all visible; cpu: trial world sizes 1, 2, 4 up to this)",
+    ),
     name: str | None = typer.Option(None, help="save as a user preset, usable as --hardware NAME everywhere"),
     output: Path | None = typer.Option(None, "-o", "--output", help="write the preset YAML to this file instead"),
     model: str = typer.Option("llama3-8b", help="model whose GEMM shapes and head dim to measure (GPU presets)"),
-    repeats: int = ranged_option("--repeats", 2, "CPU: calibration runs per world; the whole run whose own training "
-                                                 "step its rates predict best is kept, spread recorded"),
-    check: bool = typer.Option(False, "--check", help="measure nothing new: re-time the reference workload of the "
-                                                      "preset --hardware names and say how far this machine moved "
-                                                      "since it was calibrated (seconds)"),
+    repeats: int = ranged_option(
+        "--repeats",
+        2,
+        "CPU: calibration runs per world; the whole run whose own training "
+        "step its rates predict best is kept, spread recorded",
+    ),
+    check: bool = typer.Option(
+        False,
+        "--check",
+        help="measure nothing new: re-time the reference workload of the "
+        "preset --hardware names and say how far this machine moved "
+        "since it was calibrated (seconds)",
+    ),
 ):
     """Measure this node's rates (GEMMs, attention, elementwise, host copies, host AdamW, collectives, per-op
     overheads) and write a hardware preset with them; a few minutes, with progress. With --check, only say
@@ -744,29 +878,39 @@ def calibrate(
     base_hw = load_hardware(base)
     visible = visible_devices()
     if not base_hw.device_is_host and not visible:
-        fail(f"--hardware {base} is a GPU preset, but this machine shows no CUDA device: calibrate it on the node "
-             f"(here: --hardware cpu)")
+        fail(
+            f"--hardware {base} is a GPU preset, but this machine shows no CUDA device: calibrate it on the node "
+            f"(here: --hardware cpu)"
+        )
     world = gpus or (visible if visible else 4)  # CPU: world sizes 1, 2 and 4 up to --gpus
     if visible and world > visible:
         fail(f"--gpus {world} but this node shows {visible} CUDA device(s)")
     model_config = load_model_config(model)
-    print(f"calibrating {preset_name} on {torch.cuda.get_device_name(0) + f' x{world}' if visible else 'this CPU'} "
-          f"(base preset {base}); a few minutes", file=sys.stderr, flush=True)
+    print(
+        f"calibrating {preset_name} on {torch.cuda.get_device_name(0) + f' x{world}' if visible else 'this CPU'} "
+        f"(base preset {base}); a few minutes",
+        file=sys.stderr,
+        flush=True,
+    )
     data = preset_mod.calibrate_preset(base, preset_name, world, model_config, model, repeats=repeats)
     written = preset_mod.write_preset(data, path)
     hw = load_hardware(str(written))
     rates = hw.rates_for(world)
     OUT.print(f"wrote {written}")
-    OUT.print(f"  matmul {rates.matmul_flops_per_s / 1e12:.4g} TFLOP/s, attention fwd/bwd efficiency "
-              f"{rates.attention_eff(128, False):.3f}/{rates.attention_eff(128, True):.3f}, elementwise "
-              f"{rates.hbm_bytes_per_s * rates.elementwise_efficiency / 1e9:.4g} GB/s, host link "
-              f"{rates.host_bytes_per_s / 1e9:.3g} GB/s, host AdamW {rates.host_optimizer_bytes_per_s / 1e9:.3g} GB/s")
+    OUT.print(
+        f"  matmul {rates.matmul_flops_per_s / 1e12:.4g} TFLOP/s, attention fwd/bwd efficiency "
+        f"{rates.attention_eff(128, False):.3f}/{rates.attention_eff(128, True):.3f}, elementwise "
+        f"{rates.hbm_bytes_per_s * rates.elementwise_efficiency / 1e9:.4g} GB/s, host link "
+        f"{rates.host_bytes_per_s / 1e9:.3g} GB/s, host AdamW {rates.host_optimizer_bytes_per_s / 1e9:.3g} GB/s"
+    )
     spread = data["calibrated"].get("spread")
     if spread:
         OUT.print(f"  spread (max-min)/max between runs or samples: {json.dumps(spread)}")
     use = preset_name if name else written
-    OUT.print(f"use it: --hardware {use}; later, `autotune calibrate --check --hardware {use}` says in seconds "
-              f"whether it still describes this node")
+    OUT.print(
+        f"use it: --hardware {use}; later, `autotune calibrate --check --hardware {use}` says in seconds "
+        f"whether it still describes this node"
+    )
 
 
 def _check_preset(hardware: str | None, name: str | None, output: Path | None) -> None:
@@ -778,8 +922,10 @@ def _check_preset(hardware: str | None, name: str | None, output: Path | None) -
     if name is not None or output is not None:
         fail("--check writes nothing: give the preset to check as --hardware NAME|FILE, without --name / -o")
     hw = load_hardware(hardware or preset_mod.default_base())
-    result = check_preset(hw, announce=lambda workload: print(f"checking {hw.name}: re-timing {workload} ...",
-                                                              file=sys.stderr, flush=True))
+    result = check_preset(
+        hw,
+        announce=lambda workload: print(f"checking {hw.name}: re-timing {workload} ...", file=sys.stderr, flush=True),
+    )
     measured, verdict = result.lines(hw.name)
     OUT.print(measured)
     if result.contended:  # a check that could not measure: a failed run, not a verdict

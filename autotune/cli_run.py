@@ -37,13 +37,14 @@ def check_token_file(path: Path, vocab_size: int, seq_len: int) -> int:
     try:
         stream = read_token_file(str(path), vocab_size)
     except (pa.ArrowException, OSError) as exc:  # before ValueError: pyarrow's ArrowInvalid is a ValueError too
-        raise UserError(f"--data {str(path)!r} cannot be read as a Parquet or Arrow file: "
-                        f"{_first_line(exc)}") from None
+        raise UserError(f"--data {str(path)!r} cannot be read as a Parquet or Arrow file: {_first_line(exc)}") from None
     except ValueError as exc:  # read_token_file's own: no integer token column, ids outside the vocabulary, < 2
         raise UserError(f"--data {_first_line(exc)}") from None
     if stream.numel() < seq_len + 1:
-        raise UserError(f"--data {str(path)!r} holds {stream.numel():,} tokens, fewer than one sequence of "
-                        f"{seq_len:,} (+1 for the shifted labels)")
+        raise UserError(
+            f"--data {str(path)!r} holds {stream.numel():,} tokens, fewer than one sequence of "
+            f"{seq_len:,} (+1 for the shifted labels)"
+        )
     return stream.numel()
 
 

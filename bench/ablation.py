@@ -48,6 +48,7 @@ ROWS = [
 
 # -- the table ---------------------------------------------------------------------------------------------
 
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama3-8b")
@@ -69,11 +70,15 @@ def main(argv=None) -> int:
     hardware = load_hardware(args.hardware)
     layers = model_config["num_hidden_layers"]
     gib = 2.0**30
-    print(f"{args.model} on {args.gpus}x {hardware.name} ({hardware.device_memory_bytes / gib:.0f} GiB per device; "
-          f"runtime overheads {hardware.runtime_overhead_bytes / gib:.0f} GiB + "
-          f"{hardware.allocator_fragmentation:.0%} fragmentation), predicted by the memory oracle\n")
-    header = (f"{'configuration':<36} {'max seq (tokens)':>22} {'peak GiB':>8} {'params':>6} {'grads':>6} "
-              f"{'optim':>6} {'activ':>6} {'temps':>6} {'other':>6} {'host GiB':>8} {'tokens/s':>9}  peak at")
+    print(
+        f"{args.model} on {args.gpus}x {hardware.name} ({hardware.device_memory_bytes / gib:.0f} GiB per device; "
+        f"runtime overheads {hardware.runtime_overhead_bytes / gib:.0f} GiB + "
+        f"{hardware.allocator_fragmentation:.0%} fragmentation), predicted by the memory oracle\n"
+    )
+    header = (
+        f"{'configuration':<36} {'max seq (tokens)':>22} {'peak GiB':>8} {'params':>6} {'grads':>6} "
+        f"{'optim':>6} {'activ':>6} {'temps':>6} {'other':>6} {'host GiB':>8} {'tokens/s':>9}  peak at"
+    )
     print(header)
     print("-" * len(header))
     rows = list(ROWS)
@@ -90,25 +95,37 @@ def main(argv=None) -> int:
         results.append((label, techniques, record))
         b = record.breakdown or {}
         if record.status != "ok":
-            print(f"{label:<36} {'does not fit at ' + format(record.seq_len, ','):>22} "
-                  f"{(record.peak_device_bytes or 0) / gib:8.1f} "
-                  + " ".join(f"{b.get(c, 0) / gib:6.1f}" for c in
-                             ("params", "grads", "optimizer", "activations", "temporaries", "other"))
-                  + f" {(record.host_bytes or 0) / gib:8.1f} {'':>9}  {record.status} ({elapsed:.0f} s)", flush=True)
+            print(
+                f"{label:<36} {'does not fit at ' + format(record.seq_len, ','):>22} "
+                f"{(record.peak_device_bytes or 0) / gib:8.1f} "
+                + " ".join(
+                    f"{b.get(c, 0) / gib:6.1f}"
+                    for c in ("params", "grads", "optimizer", "activations", "temporaries", "other")
+                )
+                + f" {(record.host_bytes or 0) / gib:8.1f} {'':>9}  {record.status} ({elapsed:.0f} s)",
+                flush=True,
+            )
             continue
         peak_at = backend.peak_at(replace(evaluation, seq_len=record.seq_len))
         where = "/".join(str(p if not isinstance(p, tuple) else p[1]) for p in (peak_at or ()))
         rate = f"{record.tokens_per_s:9,.0f}" if record.tokens_per_s else f"{'n/a':>9}"
-        print(f"{label:<36} {format_tokens(record.seq_len):>22} {record.peak_device_bytes / gib:8.1f} "
-              + " ".join(f"{b.get(c, 0) / gib:6.1f}" for c in
-                         ("params", "grads", "optimizer", "activations", "temporaries", "other"))
-              + f" {(record.host_bytes or 0) / gib:8.1f} {rate}  {where} ({elapsed:.0f} s)", flush=True)
+        print(
+            f"{label:<36} {format_tokens(record.seq_len):>22} {record.peak_device_bytes / gib:8.1f} "
+            + " ".join(
+                f"{b.get(c, 0) / gib:6.1f}"
+                for c in ("params", "grads", "optimizer", "activations", "temporaries", "other")
+            )
+            + f" {(record.host_bytes or 0) / gib:8.1f} {rate}  {where} ({elapsed:.0f} s)",
+            flush=True,
+        )
 
     target = 5 * 1024**2
     full = next(r for r in results if r[0].endswith("full stack"))
-    print(f"\nfull stack: {format_tokens(full[2].seq_len)} tokens "
-          f"({'reaches' if full[2].status == 'ok' and full[2].seq_len >= target else 'short of'} the 5M = "
-          f"{target:,} goal; ALST reports 3.7M, UPipe 5M on this node)")
+    print(
+        f"\nfull stack: {format_tokens(full[2].seq_len)} tokens "
+        f"({'reaches' if full[2].status == 'ok' and full[2].seq_len >= target else 'short of'} the 5M = "
+        f"{target:,} goal; ALST reports 3.7M, UPipe 5M on this node)"
+    )
     if args.explain or full[2].status != "ok" or full[2].seq_len < target:
         print(f"\nwhere the full stack's memory goes at {target:,} tokens:")
         print(explain(Evaluation(model_config, full[1], target, args.gpus, hardware)))

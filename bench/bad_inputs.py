@@ -28,8 +28,9 @@ def main() -> int:
         good = 0
         for what, argv, _fragment in CASES:
             args = argv_for(argv, files)
-            result = subprocess.run([sys.executable, "-m", "autotune.cli", *args], capture_output=True, text=True,
-                                    cwd=ROOT, timeout=300)
+            result = subprocess.run(
+                [sys.executable, "-m", "autotune.cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=300
+            )
             lines = [line for line in result.stderr.splitlines() if line.strip()]
             good += result.returncode == 2 and len(lines) == 1
             shown = " ".join(a.replace(str(files), "…") for a in args)

@@ -31,29 +31,56 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 # (name, techniques); "{world}" = the world size as the Ulysses degree; "{tile}" = a quarter of the sequence
-STACK = {"activation_checkpointing": True, "mlp_tile_tokens": "{tile}", "loss_tile_tokens": "{tile}",
-         "norm_tile_tokens": "{tile}"}
+STACK = {
+    "activation_checkpointing": True,
+    "mlp_tile_tokens": "{tile}",
+    "loss_tile_tokens": "{tile}",
+    "norm_tile_tokens": "{tile}",
+}
 ONE_RANK = [
     ("plain sdpa", {"attention": "sdpa"}),
     ("plain flash", {"attention": "flash"}),
     ("fsdp", {"attention": "flash", "fsdp": True}),
     ("fsdp + optimizer offload", {"attention": "flash", "fsdp": True, "optimizer_offload": True}),
     ("checkpointing", {"attention": "flash", "activation_checkpointing": True}),
-    ("checkpointing + offload all", {"attention": "flash", "activation_checkpointing": True,
-                                     "activation_offload_layers": "all"}),
+    (
+        "checkpointing + offload all",
+        {"attention": "flash", "activation_checkpointing": True, "activation_offload_layers": "all"},
+    ),
     ("tiles (mlp, loss, norm)", {"attention": "sdpa", **STACK}),
     ("head chunks", {"attention": "flash", "head_chunk": 1}),
-    ("full stack", {"attention": "flash", "fsdp": True, "optimizer_offload": True, "head_chunk": 1,
-                    "activation_offload_layers": "all", **STACK}),
+    (
+        "full stack",
+        {
+            "attention": "flash",
+            "fsdp": True,
+            "optimizer_offload": True,
+            "head_chunk": 1,
+            "activation_offload_layers": "all",
+            **STACK,
+        },
+    ),
 ]
 MULTI_RANK = [
     ("ulysses", {"attention": "flash", "ulysses_degree": "{world}"}),
     ("ulysses sdpa + fsdp", {"attention": "sdpa", "fsdp": True, "ulysses_degree": "{world}"}),
-    ("full stack", {"attention": "flash", "fsdp": True, "optimizer_offload": True, "ulysses_degree": "{world}",
-                    "head_chunk": 1, "activation_offload_layers": "all", **STACK}),
+    (
+        "full stack",
+        {
+            "attention": "flash",
+            "fsdp": True,
+            "optimizer_offload": True,
+            "ulysses_degree": "{world}",
+            "head_chunk": 1,
+            "activation_offload_layers": "all",
+            **STACK,
+        },
+    ),
 ]
-DEFAULTS = {"cuda": {"model": "llama3-8b", "layers": 2, "seq": 16384}, "cpu": {"model": "tiny-llama", "layers": 2,
-                                                                             "seq": 2048}}
+DEFAULTS = {
+    "cuda": {"model": "llama3-8b", "layers": 2, "seq": 16384},
+    "cpu": {"model": "tiny-llama", "layers": 2, "seq": 2048},
+}
 
 
 def configs(world: int, device: str, seq: int, layers: int) -> list[dict]:
@@ -73,6 +100,7 @@ def configs(world: int, device: str, seq: int, layers: int) -> list[dict]:
 
 
 # -- real trials: one launch per world size ----------------------------------------------------------------
+
 
 def _worker(specs_path: str, out_dir: str) -> int:
     import torch
@@ -119,14 +147,33 @@ def run_real(rows: list[dict], model_config: dict, seq: int, device: str, steps:
     for world, indices in sorted(by_world.items()):
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
         with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
-            specs = [{"model_config": model_config, "techniques": rows[i]["techniques"], "seq_len": seq,
-                      "steps": steps, "warmup": 1, "seed": 0, "compute_dtype": dtype, "device": device}
-                     for i in indices]
+            specs = [
+                {
+                    "model_config": model_config,
+                    "techniques": rows[i]["techniques"],
+                    "seq_len": seq,
+                    "steps": steps,
+                    "warmup": 1,
+                    "seed": 0,
+                    "compute_dtype": dtype,
+                    "device": device,
+                }
+                for i in indices
+            ]
             Path(work, "specs.json").write_text(json.dumps(specs))
             script = [str(Path(__file__).resolve()), "--worker", str(Path(work, "specs.json")), work]
-            command = ([sys.executable, *script] if world == 1 else
-                       [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                        *script])
+            command = (
+                [sys.executable, *script]
+                if world == 1
+                else [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    f"--nproc-per-node={world}",
+                    *script,
+                ]
+            )
             proc = subprocess.run(command, env=env, capture_output=True, text=True)
             for local, index in enumerate(indices):
                 ranks = [json.loads(p.read_text()) for p in sorted(Path(work).glob(f"{local}_rank*.json"))]
@@ -136,15 +183,20 @@ def run_real(rows: list[dict], model_config: dict, seq: int, device: str, steps:
                     continue
                 bad = next((r for r in ranks if r["status"] != "ok"), None)
                 first = next(r for r in ranks if r["rank"] == 0)
-                results[index] = dict(first, status=bad["status"] if bad else "ok",
-                                      error=bad["error"] if bad else None,
-                                      **{key: max(r[key] or 0 for r in ranks) for key in
-                                         ("peak_allocated_bytes", "peak_reserved_bytes", "peak_device_bytes",
-                                          "host_bytes")})
+                results[index] = dict(
+                    first,
+                    status=bad["status"] if bad else "ok",
+                    error=bad["error"] if bad else None,
+                    **{
+                        key: max(r[key] or 0 for r in ranks)
+                        for key in ("peak_allocated_bytes", "peak_reserved_bytes", "peak_device_bytes", "host_bytes")
+                    },
+                )
     return results
 
 
 # -- predictions -------------------------------------------------------------------------------------------
+
 
 def predict_row(row: dict, model_config: dict, seq: int, hardware, dtype: str) -> dict:
     import torch
@@ -157,13 +209,19 @@ def predict_row(row: dict, model_config: dict, seq: int, hardware, dtype: str) -
     techniques = Techniques.from_dict(row["techniques"], model_config["num_hidden_layers"])
     evaluation = Evaluation(model_config, techniques, seq, row["world"], hardware)
     # the plan backend's prediction, with the compute dtype of the real trials (bf16 on CPU needs saying)
-    prediction = predict(evaluation, modes=counter_modes(evaluation),
-                         compute_dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
+    prediction = predict(
+        evaluation,
+        modes=counter_modes(evaluation),
+        compute_dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype],
+    )
     tensor_peak = prediction.tensor_peak_bytes
-    return {"peak_allocated_bytes": tensor_peak,
-            "peak_reserved_bytes": tensor_peak + hardware.fragmentation_bytes(tensor_peak),
-            "peak_device_bytes": prediction.peak_device_bytes, "host_bytes": prediction.host_bytes,
-            "step_time_s": step_time(evaluation, prediction).step_time_s}
+    return {
+        "peak_allocated_bytes": tensor_peak,
+        "peak_reserved_bytes": tensor_peak + hardware.fragmentation_bytes(tensor_peak),
+        "peak_device_bytes": prediction.peak_device_bytes,
+        "host_bytes": prediction.host_bytes,
+        "step_time_s": step_time(evaluation, prediction).step_time_s,
+    }
 
 
 def _ratio(predicted, measured) -> float | None:
@@ -182,8 +240,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=None)
     parser.add_argument("--gpus", type=int, default=None, help="ranks for the multi-rank configs (default: visible)")
     parser.add_argument("--steps", type=int, default=2, help="measured steps after one warm-up")
-    parser.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="compute dtype (default: bf16 on "
-                                                                            "cuda, fp32 on cpu)")
+    parser.add_argument(
+        "--dtype", choices=("bf16", "fp32"), default=None, help="compute dtype (default: bf16 on cuda, fp32 on cpu)"
+    )
     args = parser.parse_args(argv)
     if args.worker:
         return _worker(*args.worker)
@@ -200,8 +259,11 @@ def main(argv=None) -> int:
         print("gpu_check: --device cuda but torch sees no CUDA device", file=sys.stderr)
         return 2
     defaults = DEFAULTS[device]
-    model_name, layers, seq = (args.model or defaults["model"], args.layers or defaults["layers"],
-                               args.seq or defaults["seq"])
+    model_name, layers, seq = (
+        args.model or defaults["model"],
+        args.layers or defaults["layers"],
+        args.seq or defaults["seq"],
+    )
     model_config = dict(load_model_config(model_name), num_hidden_layers=layers)
     if device == "cuda":
         world = args.gpus or torch.cuda.device_count()
@@ -214,15 +276,20 @@ def main(argv=None) -> int:
         where = f"cpu (gloo, simulated device) x{world}, preset cpu"
     rows = configs(world, device, seq, layers)
     dtype = args.dtype or ("bf16" if device == "cuda" else "fp32")
-    print(f"gpu_check: {model_name} with {layers} layers, {seq:,} tokens, {dtype} compute; {where}; "
-          f"torch {torch.__version__}", flush=True)
+    print(
+        f"gpu_check: {model_name} with {layers} layers, {seq:,} tokens, {dtype} compute; {where}; "
+        f"torch {torch.__version__}",
+        flush=True,
+    )
     started = time.perf_counter()
     measured = run_real(rows, model_config, seq, device, args.steps, dtype)
     print(f"real trials: {time.perf_counter() - started:.0f} s", flush=True)
 
     gib = 2**30
-    header = (f"{'config':<34} {'status':<6} {'alloc GiB':>9} {'pred':>6} {'resv GiB':>9} {'pred':>6} "
-              f"{'host GiB':>8} {'pred':>6} {'step s':>8} {'pred':>8} {'loss':>9} {'grad norm':>9}")
+    header = (
+        f"{'config':<34} {'status':<6} {'alloc GiB':>9} {'pred':>6} {'resv GiB':>9} {'pred':>6} "
+        f"{'host GiB':>8} {'pred':>6} {'step s':>8} {'pred':>8} {'loss':>9} {'grad norm':>9}"
+    )
     print(header)
     worst: dict[str, tuple] = {}
     reference = None
@@ -238,24 +305,34 @@ def main(argv=None) -> int:
             worst["failed"] = (worst.get("failed", (0,))[0] + 1, row["name"])
             continue
         reference = reference or real
-        ratios = {key: _ratio(predicted[key], real[key]) for key in
-                  ("peak_allocated_bytes", "peak_reserved_bytes", "host_bytes", "step_time_s")}
+        ratios = {
+            key: _ratio(predicted[key], real[key])
+            for key in ("peak_allocated_bytes", "peak_reserved_bytes", "host_bytes", "step_time_s")
+        }
         ratios["loss"] = 1 + abs(real["loss"] - reference["loss"]) / abs(reference["loss"])
         ratios["grad_norm"] = 1 + abs(real["grad_norm"] - reference["grad_norm"]) / abs(reference["grad_norm"])
         for key, ratio in ratios.items():
             if ratio is not None and (key not in worst or abs(ratio - 1) > abs(worst[key][0] - 1)):
                 worst[key] = (ratio, row["name"])
-        print(f"{row['name']:<34} ok     {real['peak_allocated_bytes'] / gib:9.3f} {ratios['peak_allocated_bytes']:6.3f} "
-              f"{real['peak_reserved_bytes'] / gib:9.3f} {ratios['peak_reserved_bytes']:6.3f} "
-              f"{real['host_bytes'] / gib:8.3f} {ratios['host_bytes'] or float('nan'):6.3f} "
-              f"{real['step_time_s']:8.3f} {ratios['step_time_s']:8.3f} {real['loss']:9.5f} {real['grad_norm']:9.4f}",
-              flush=True)
-    print(f"\n'pred' columns: predicted / measured. loss and grad norm: every config trains the same model on the same "
-          f"data, so they agree with the first config to {dtype} rounding.")
-    labels = {"peak_allocated_bytes": "allocated peak (predicted / measured)",
-              "peak_reserved_bytes": "reserved peak (predicted / measured)",
-              "host_bytes": "host bytes (predicted / measured)", "step_time_s": "step time (predicted / measured)",
-              "loss": "loss (1 + relative spread)", "grad_norm": "grad norm (1 + relative spread)"}
+        print(
+            f"{row['name']:<34} ok     {real['peak_allocated_bytes'] / gib:9.3f} {ratios['peak_allocated_bytes']:6.3f} "
+            f"{real['peak_reserved_bytes'] / gib:9.3f} {ratios['peak_reserved_bytes']:6.3f} "
+            f"{real['host_bytes'] / gib:8.3f} {ratios['host_bytes'] or float('nan'):6.3f} "
+            f"{real['step_time_s']:8.3f} {ratios['step_time_s']:8.3f} {real['loss']:9.5f} {real['grad_norm']:9.4f}",
+            flush=True,
+        )
+    print(
+        f"\n'pred' columns: predicted / measured. loss and grad norm: every config trains the same model on the same "
+        f"data, so they agree with the first config to {dtype} rounding."
+    )
+    labels = {
+        "peak_allocated_bytes": "allocated peak (predicted / measured)",
+        "peak_reserved_bytes": "reserved peak (predicted / measured)",
+        "host_bytes": "host bytes (predicted / measured)",
+        "step_time_s": "step time (predicted / measured)",
+        "loss": "loss (1 + relative spread)",
+        "grad_norm": "grad norm (1 + relative spread)",
+    }
     for key, label in labels.items():
         if key in worst:
             print(f"worst {label}: {worst[key][0]:.4f} ({worst[key][1]})")

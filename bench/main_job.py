@@ -49,8 +49,11 @@ def _estimate(autotune: str, config: Path, env: dict, max_seq: bool) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--autotune", default=str(Path(sys.executable).parent / "autotune"),
-                        help="the autotune executable (default: this venv's)")
+    parser.add_argument(
+        "--autotune",
+        default=str(Path(sys.executable).parent / "autotune"),
+        help="the autotune executable (default: this venv's)",
+    )
     parser.add_argument("--cold", action="store_true", help="start from an empty plan store")
     parser.add_argument("--out", type=Path, default=None, help="out dir (default: a new temp dir)")
     args = parser.parse_args(argv)
@@ -74,8 +77,10 @@ def main(argv=None) -> int:
     front = json.loads((out / "pareto.json").read_text())["front"]
     print(f"front ({len(front)} points):")
     for entry in front:
-        print(f"  trial {entry['trial']:>3}  {entry['seq_len']:>12,} tokens  {entry['tokens_per_s']:>9,.0f} tokens/s  "
-              f"{json.dumps(entry['techniques'], sort_keys=True)}")
+        print(
+            f"  trial {entry['trial']:>3}  {entry['seq_len']:>12,} tokens  {entry['tokens_per_s']:>9,.0f} tokens/s  "
+            f"{json.dumps(entry['techniques'], sort_keys=True)}"
+        )
 
     longest = max(front, key=lambda e: e["seq_len"])
     best_path = out / "best.json"
@@ -91,14 +96,18 @@ def main(argv=None) -> int:
         longest_path.write_text(json.dumps(config, indent=2))
         wall_record = _estimate(args.autotune, longest_path, env, max_seq=True)
         fraction = longest["seq_len"] / wall_record["seq_len"] if wall_record["status"] == "ok" else float("nan")
-        print(f"longest front point: {longest['seq_len']:,} tokens; its config's --max-seq: "
-              f"{wall_record['seq_len']:,} ({wall_record['status']}, {wall_record['_seconds']:.0f} s): "
-              f"{fraction:.1%} of it (goal >= {GOAL_FRACTION:.0%})")
+        print(
+            f"longest front point: {longest['seq_len']:,} tokens; its config's --max-seq: "
+            f"{wall_record['seq_len']:,} ({wall_record['status']}, {wall_record['_seconds']:.0f} s): "
+            f"{fraction:.1%} of it (goal >= {GOAL_FRACTION:.0%})"
+        )
         ok &= fraction >= GOAL_FRACTION
         best = _estimate(args.autotune, best_path, env, max_seq=False)
-        print(f"best.json: {template['seq_len']:,} tokens at {template['predicted']['tokens_per_s']:,.0f} tokens/s; "
-              f"autotune estimate says {best['status']} (peak {best['peak_device_bytes'] / 2**30:.1f} GiB, "
-              f"host {(best['host_bytes'] or 0) / 2**30:.1f} GiB)")
+        print(
+            f"best.json: {template['seq_len']:,} tokens at {template['predicted']['tokens_per_s']:,.0f} tokens/s; "
+            f"autotune estimate says {best['status']} (peak {best['peak_device_bytes'] / 2**30:.1f} GiB, "
+            f"host {(best['host_bytes'] or 0) / 2**30:.1f} GiB)"
+        )
         ok &= template["seq_len"] >= TARGET_TOKENS and best["status"] == "ok"
     ok &= wall <= GOAL_WALL_S or args.cold
     print(f"goals {'met' if ok else 'NOT met'}{'' if not args.cold else ' (the 60 s goal is for a warm run)'}")

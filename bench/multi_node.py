@@ -35,9 +35,17 @@ if str(ROOT) not in sys.path:
 
 K = 1024
 GIB = 2.0**30
-FULL_STACK = {"attention": "flash", "fsdp": True, "activation_checkpointing": True, "head_chunk": 1,
-              "loss_tile_tokens": 4 * K, "mlp_tile_tokens": 16 * K, "activation_offload_layers": "all",
-              "optimizer_offload": True, "norm_tile_tokens": 64 * K}  # bench/ablation.py's last row
+FULL_STACK = {
+    "attention": "flash",
+    "fsdp": True,
+    "activation_checkpointing": True,
+    "head_chunk": 1,
+    "loss_tile_tokens": 4 * K,
+    "mlp_tile_tokens": 16 * K,
+    "activation_offload_layers": "all",
+    "optimizer_offload": True,
+    "norm_tile_tokens": 64 * K,
+}  # bench/ablation.py's last row
 PUBLISHED = {1: "ALST: 3.7M (arXiv 2506.13996); UPipe: 5M (arXiv 2602.21196)", 4: "ALST: 15M on 32x H100"}
 
 
@@ -56,9 +64,14 @@ def main(argv=None) -> int:
     parser.add_argument("--hardware", default="h100-sxm")
     parser.add_argument("--gpus", type=int, default=8, help="GPUs per node")
     parser.add_argument("--nodes", default="1,2,4")
-    parser.add_argument("--explain", type=int, default=None, metavar="SEQ",
-                        help="instead of the table: the memory per segment and the largest live tensors at the peak of "
-                             "Ulysses over all GPUs of --nodes (one number) at SEQ tokens")
+    parser.add_argument(
+        "--explain",
+        type=int,
+        default=None,
+        metavar="SEQ",
+        help="instead of the table: the memory per segment and the largest live tensors at the peak of "
+        "Ulysses over all GPUs of --nodes (one number) at SEQ tokens",
+    )
     args = parser.parse_args(argv)
 
     # the table goes to stdout; libraries' messages (DeepSpeed's import and JIT builds, written to fd 1) to stderr
@@ -85,26 +98,35 @@ def main(argv=None) -> int:
         from autotune.oracle import explain
 
         nodes = int(args.nodes)
-        techniques = Techniques.from_dict(dict(FULL_STACK, ulysses_degree=nodes * args.gpus),
-                                          model_config["num_hidden_layers"])
-        print(f"{args.model}, full stack, Ulysses x{nodes * args.gpus} on {nodes} nodes x {args.gpus} {preset.name}, "
-              f"{args.explain:,} tokens")
+        techniques = Techniques.from_dict(
+            dict(FULL_STACK, ulysses_degree=nodes * args.gpus), model_config["num_hidden_layers"]
+        )
+        print(
+            f"{args.model}, full stack, Ulysses x{nodes * args.gpus} on {nodes} nodes x {args.gpus} {preset.name}, "
+            f"{args.explain:,} tokens"
+        )
         print(explain(Evaluation(model_config, techniques, args.explain, args.gpus, preset.for_nodes(nodes), nodes)))
         return 0
     r = preset.rates
     layers = model_config["num_hidden_layers"]
-    print(f"{args.model}, full stack (bench/ablation.py's last row), on N nodes x {args.gpus} {preset.name}, "
-          f"predicted by the memory oracle and the time model")
-    print(f"links: NVLink {r.intra_node_bytes_per_s / 1e9:.0f} GB/s per GPU per direction (all-to-all x"
-          f"{r.all_to_all_efficiency}, all-gather/reduce-scatter x{r.all_gather_efficiency}); between nodes one "
-          f"{r.inter_node_bytes_per_s * 8 / 1e9:.0f} Gb/s NIC per GPU = {r.inter_node_bytes_per_s / 1e9:.0f} GB/s per "
-          f"direction x{r.inter_node_efficiency} achieved, {r.inter_node_latency_s * 1e6:.0f} us per collective "
-          f"spanning nodes; host RAM {preset.host_memory_bytes_per_device / 1e9:.0f} GB per GPU; device "
-          f"{preset.device_memory_bytes / GIB:.2f} GiB, runtime overheads "
-          f"{preset.runtime_overhead_bytes / GIB:.1f} GiB (+{preset.nccl_inter_node_buffer_bytes / GIB:.1f} GiB "
-          f"NCCL network buffers on several nodes) + {preset.allocator_fragmentation:.0%} fragmentation\n")
-    header = (f"{'nodes':>5} {'GPUs':>4} {'Ulysses':<24} {'max seq (tokens)':>22} {'peak GiB':>8} {'host GiB':>8} "
-              f"{'binds':>6} {'tokens/s':>9} {'step s':>8} {'comm s':>7} {'1 island s':>10}  published")
+    print(
+        f"{args.model}, full stack (bench/ablation.py's last row), on N nodes x {args.gpus} {preset.name}, "
+        f"predicted by the memory oracle and the time model"
+    )
+    print(
+        f"links: NVLink {r.intra_node_bytes_per_s / 1e9:.0f} GB/s per GPU per direction (all-to-all x"
+        f"{r.all_to_all_efficiency}, all-gather/reduce-scatter x{r.all_gather_efficiency}); between nodes one "
+        f"{r.inter_node_bytes_per_s * 8 / 1e9:.0f} Gb/s NIC per GPU = {r.inter_node_bytes_per_s / 1e9:.0f} GB/s per "
+        f"direction x{r.inter_node_efficiency} achieved, {r.inter_node_latency_s * 1e6:.0f} us per collective "
+        f"spanning nodes; host RAM {preset.host_memory_bytes_per_device / 1e9:.0f} GB per GPU; device "
+        f"{preset.device_memory_bytes / GIB:.2f} GiB, runtime overheads "
+        f"{preset.runtime_overhead_bytes / GIB:.1f} GiB (+{preset.nccl_inter_node_buffer_bytes / GIB:.1f} GiB "
+        f"NCCL network buffers on several nodes) + {preset.allocator_fragmentation:.0%} fragmentation\n"
+    )
+    header = (
+        f"{'nodes':>5} {'GPUs':>4} {'Ulysses':<24} {'max seq (tokens)':>22} {'peak GiB':>8} {'host GiB':>8} "
+        f"{'binds':>6} {'tokens/s':>9} {'step s':>8} {'comm s':>7} {'1 island s':>10}  published"
+    )
     print(header)
     print("-" * len(header))
     for nodes in [int(n) for n in args.nodes.split(",")]:
@@ -122,8 +144,11 @@ def main(argv=None) -> int:
             record = find_max_seq(evaluation, backend=backend)
             elapsed = time.perf_counter() - started
             if record.status != "ok":
-                print(f"{nodes:>5} {world:>4} {label:<24} {'does not fit at ' + format(record.seq_len, ','):>22} "
-                      f"({record.status}: {record.error}) ({elapsed:.0f} s)", flush=True)
+                print(
+                    f"{nodes:>5} {world:>4} {label:<24} {'does not fit at ' + format(record.seq_len, ','):>22} "
+                    f"({record.status}: {record.error}) ({elapsed:.0f} s)",
+                    flush=True,
+                )
                 continue
             above = backend.evaluate(replace(evaluation, seq_len=record.seq_len + length_unit(techniques)))
             # the step at the max seq again, for its breakdown: the fabric's share, and one NVLink island's time
@@ -131,16 +156,22 @@ def main(argv=None) -> int:
             fresh = PlanBackend()
             fresh.evaluate(at_max)
             timing = step_time(at_max, fresh.last_prediction)
-            island = predict_step_time(step_counts(fresh.last_prediction), hardware.rates_for(world), world, techniques,
-                                       seq_len=record.seq_len)
-            print(f"{nodes:>5} {world:>4} {label:<24} {format_tokens(record.seq_len):>22} "
-                  f"{record.peak_device_bytes / GIB:8.1f} {record.host_bytes / GIB:8.1f} "
-                  f"{binds(above, hardware):>6} {record.tokens_per_s:9,.0f} {record.step_time_s:8,.0f} "
-                  f"{timing.exposed_comm_s:7,.0f} {island.step_time_s:10,.0f}  "
-                  f"{PUBLISHED.get(nodes, '') if degree == world else ''} ({elapsed:.0f} s)", flush=True)
-    print("\nbinds: the memory that runs out one grid step (lcm of 1024, the degree and the tiles) beyond the max "
-          "seq; host = the offloaded activations and optimizer states per GPU exceed its share of the node's RAM; "
-          "comm s: collectives' exposed seconds per step; 1 island s: the step if every GPU shared one NVLink island")
+            island = predict_step_time(
+                step_counts(fresh.last_prediction), hardware.rates_for(world), world, techniques, seq_len=record.seq_len
+            )
+            print(
+                f"{nodes:>5} {world:>4} {label:<24} {format_tokens(record.seq_len):>22} "
+                f"{record.peak_device_bytes / GIB:8.1f} {record.host_bytes / GIB:8.1f} "
+                f"{binds(above, hardware):>6} {record.tokens_per_s:9,.0f} {record.step_time_s:8,.0f} "
+                f"{timing.exposed_comm_s:7,.0f} {island.step_time_s:10,.0f}  "
+                f"{PUBLISHED.get(nodes, '') if degree == world else ''} ({elapsed:.0f} s)",
+                flush=True,
+            )
+    print(
+        "\nbinds: the memory that runs out one grid step (lcm of 1024, the degree and the tiles) beyond the max "
+        "seq; host = the offloaded activations and optimizer states per GPU exceed its share of the node's RAM; "
+        "comm s: collectives' exposed seconds per step; 1 island s: the step if every GPU shared one NVLink island"
+    )
     return 0
 
 

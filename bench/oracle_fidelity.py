@@ -34,13 +34,17 @@ class Config:
     world: int
     seq: int
     techniques: dict = field(default_factory=dict)
-    layers: int | None = None          # override the preset's depth
-    compute_dtype: str = "fp32"         # "bf16": the GPU precision scheme, run on CPU
+    layers: int | None = None  # override the preset's depth
+    compute_dtype: str = "fp32"  # "bf16": the GPU precision scheme, run on CPU
 
     @property
     def name(self) -> str:
         t = self.techniques
-        parts = [f"{self.model}{'/L' + str(self.layers) if self.layers else ''}", f"w{self.world}", f"{self.seq // 1024}K"]
+        parts = [
+            f"{self.model}{'/L' + str(self.layers) if self.layers else ''}",
+            f"w{self.world}",
+            f"{self.seq // 1024}K",
+        ]
         if t.get("fsdp"):
             parts.append("fsdp" + ("+optoff" if t.get("optimizer_offload") else ""))
         if t.get("ulysses_degree", 1) > 1:
@@ -66,8 +70,16 @@ class Config:
         return config
 
     def spec(self) -> dict:
-        return {"model_config": self.model_config(), "techniques": self.techniques, "seq_len": self.seq,
-                "steps": 1, "warmup": 1, "capacity_bytes": None, "seed": 0, "compute_dtype": self.compute_dtype}
+        return {
+            "model_config": self.model_config(),
+            "techniques": self.techniques,
+            "seq_len": self.seq,
+            "steps": 1,
+            "warmup": 1,
+            "capacity_bytes": None,
+            "seed": 0,
+            "compute_dtype": self.compute_dtype,
+        }
 
 
 def _c(model, world, seq, layers=None, dtype="fp32", **t):
@@ -120,18 +132,76 @@ CONFIGS = [
     _c("tiny-llama", 1, 4 * K, layers=6, activation_checkpointing=True, activation_offload_layers=2),
     _c("tiny-llama", 1, 2 * K, fsdp=True, optimizer_offload=True),
     _c("tiny-llama", 2, 8 * K, fsdp=True, ulysses_degree=2, head_chunk=1, activation_checkpointing=True),
-    _c("tiny-llama", 2, 8 * K, fsdp=True, ulysses_degree=2, activation_checkpointing=True, mlp_tile_tokens=1024,
-       loss_tile_tokens=1024),
-    _c("tiny-qwen3", 2, 4 * K, fsdp=True, optimizer_offload=True, activation_checkpointing=True,
-       activation_offload_layers=2),
-    _c("tiny-llama", 2, 8 * K, layers=6, dtype="bf16", fsdp=True, optimizer_offload=True, ulysses_degree=2, head_chunk=2,
-       activation_checkpointing=True, activation_offload_layers=6, mlp_tile_tokens=1024, loss_tile_tokens=1024),
-    _c("tiny-llama", 4, 8 * K, fsdp=True, optimizer_offload=True, ulysses_degree=4, head_chunk=1,
-       activation_checkpointing=True, activation_offload_layers=4, mlp_tile_tokens=512, loss_tile_tokens=512),
-    _c("tiny-qwen3", 4, 8 * K, fsdp=True, ulysses_degree=4, head_chunk=2, activation_checkpointing=True,
-       mlp_tile_tokens=1024, loss_tile_tokens=2048),
-    _c("tiny-llama", 4, 8 * K, layers=8, fsdp=True, ulysses_degree=2, head_chunk=2, activation_checkpointing=True,
-       activation_offload_layers=4, loss_tile_tokens=1024),
+    _c(
+        "tiny-llama",
+        2,
+        8 * K,
+        fsdp=True,
+        ulysses_degree=2,
+        activation_checkpointing=True,
+        mlp_tile_tokens=1024,
+        loss_tile_tokens=1024,
+    ),
+    _c(
+        "tiny-qwen3",
+        2,
+        4 * K,
+        fsdp=True,
+        optimizer_offload=True,
+        activation_checkpointing=True,
+        activation_offload_layers=2,
+    ),
+    _c(
+        "tiny-llama",
+        2,
+        8 * K,
+        layers=6,
+        dtype="bf16",
+        fsdp=True,
+        optimizer_offload=True,
+        ulysses_degree=2,
+        head_chunk=2,
+        activation_checkpointing=True,
+        activation_offload_layers=6,
+        mlp_tile_tokens=1024,
+        loss_tile_tokens=1024,
+    ),
+    _c(
+        "tiny-llama",
+        4,
+        8 * K,
+        fsdp=True,
+        optimizer_offload=True,
+        ulysses_degree=4,
+        head_chunk=1,
+        activation_checkpointing=True,
+        activation_offload_layers=4,
+        mlp_tile_tokens=512,
+        loss_tile_tokens=512,
+    ),
+    _c(
+        "tiny-qwen3",
+        4,
+        8 * K,
+        fsdp=True,
+        ulysses_degree=4,
+        head_chunk=2,
+        activation_checkpointing=True,
+        mlp_tile_tokens=1024,
+        loss_tile_tokens=2048,
+    ),
+    _c(
+        "tiny-llama",
+        4,
+        8 * K,
+        layers=8,
+        fsdp=True,
+        ulysses_degree=2,
+        head_chunk=2,
+        activation_checkpointing=True,
+        activation_offload_layers=4,
+        loss_tile_tokens=1024,
+    ),
 ]
 
 
@@ -187,8 +257,14 @@ def run_real(configs: list[Config], timeout_s: float = 1800) -> list[dict]:
             if world == 1:
                 command = [sys.executable, *script]
             else:
-                command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc-per-node={world}", *script]
+                command = [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    f"--nproc-per-node={world}",
+                    *script,
+                ]
             proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
             for local, index in enumerate(indices):
                 ranks = [json.loads(p.read_text()) for p in sorted(Path(work).glob(f"{local}_rank*.json"))]
@@ -199,11 +275,15 @@ def run_real(configs: list[Config], timeout_s: float = 1800) -> list[dict]:
                 worst = next((r for r in ranks if r["status"] != "ok"), ranks[0])
                 peak = max(r.get("peak_device_bytes") or 0 for r in ranks)
                 peak_rank = max(ranks, key=lambda r: r.get("peak_device_bytes") or 0)
-                results[index] = {"status": worst["status"], "error": worst.get("error"), "peak_device_bytes": peak,
-                                  "breakdown": peak_rank.get("breakdown"), "host_bytes": max(
-                                      r.get("host_bytes") or 0 for r in ranks),
-                                  "wall_s": max(r.get("wall_s", 0) for r in ranks),
-                                  "peak_rank": peak_rank.get("rank")}
+                results[index] = {
+                    "status": worst["status"],
+                    "error": worst.get("error"),
+                    "peak_device_bytes": peak,
+                    "breakdown": peak_rank.get("breakdown"),
+                    "host_bytes": max(r.get("host_bytes") or 0 for r in ranks),
+                    "wall_s": max(r.get("wall_s", 0) for r in ranks),
+                    "peak_rank": peak_rank.get("rank"),
+                }
     return results  # type: ignore[return-value]
 
 
@@ -216,8 +296,9 @@ def predict_config(config: Config):
     from autotune.oracle import predict
     from trials.techniques import Techniques
 
-    evaluation = Evaluation(config.model_config(), Techniques.from_dict(config.techniques), config.seq,
-                            config.world, load_hardware("cpu"))
+    evaluation = Evaluation(
+        config.model_config(), Techniques.from_dict(config.techniques), config.seq, config.world, load_hardware("cpu")
+    )
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[config.compute_dtype]
     return predict(evaluation, compute_dtype=dtype)
 
@@ -238,8 +319,10 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     real = run_real(configs)
     real_s = time.perf_counter() - started
-    print(f"{'config':<58} {'real MiB':>9} {'oracle MiB':>10} {'ratio':>7} {'diff bytes':>10} {'host':>5} "
-          f"{'oracle s':>8}  peak at (oracle)")
+    print(
+        f"{'config':<58} {'real MiB':>9} {'oracle MiB':>10} {'ratio':>7} {'diff bytes':>10} {'host':>5} "
+        f"{'oracle s':>8}  peak at (oracle)"
+    )
     worst = None
     oracle_s = []
     exact = same_host = same_breakdown = 0
@@ -265,13 +348,17 @@ def main(argv=None) -> int:
         exact += diff == 0
         same_host += host == "same"
         same_breakdown += predicted.breakdown == measured["breakdown"]
-        print(f"{config.name:<58} {_mib(measured['peak_device_bytes'])} {_mib(predicted.peak_device_bytes):>10} "
-              f"{ratio:7.4f} {diff:10d} {host:>5} {predicted.elapsed_s:8.2f}  {predicted.peak_segment}{flag}",
-              flush=True)
-    print(f"\n{len(oracle_s)} configs compared: peak exact to the byte in {exact}, same breakdown by category in "
-          f"{same_breakdown}, same host bytes in {same_host}; real trials {real_s:.0f} s in "
-          f"{len({c.world for c in configs})} launches; oracle {sum(oracle_s):.1f} s total, "
-          f"{max(oracle_s, default=0):.2f} s max")
+        print(
+            f"{config.name:<58} {_mib(measured['peak_device_bytes'])} {_mib(predicted.peak_device_bytes):>10} "
+            f"{ratio:7.4f} {diff:10d} {host:>5} {predicted.elapsed_s:8.2f}  {predicted.peak_segment}{flag}",
+            flush=True,
+        )
+    print(
+        f"\n{len(oracle_s)} configs compared: peak exact to the byte in {exact}, same breakdown by category in "
+        f"{same_breakdown}, same host bytes in {same_host}; real trials {real_s:.0f} s in "
+        f"{len({c.world for c in configs})} launches; oracle {sum(oracle_s):.1f} s total, "
+        f"{max(oracle_s, default=0):.2f} s max"
+    )
     if worst:
         print(f"worst ratio (oracle / real peak): {worst[1]:.4f} ({worst[0]})")
     return 0 if worst and abs(worst[1] - 1) <= 0.05 else 1

@@ -51,12 +51,21 @@ MODEL, GPUS, TARGET, MEMORY_GIB = "tiny-llama", 2, 8192, 0.5
 def grid_configs(space, layers: int) -> list[Techniques]:
     c = space.choices
     configs = []
-    for fsdp, degree, ckpt, mlp, loss in itertools.product(c["fsdp"], c["ulysses_degree"],
-                                                           c["activation_checkpointing"], c["mlp_tile_tokens"],
-                                                           c["loss_tile_tokens"]):
-        for chunk in (space.head_chunks(degree) if degree > 1 else [None]):
-            configs.append(Techniques(fsdp=fsdp, ulysses_degree=degree, head_chunk=chunk, activation_checkpointing=ckpt,
-                                      mlp_tile_tokens=mlp, loss_tile_tokens=loss, attention=c["attention"][0]))
+    for fsdp, degree, ckpt, mlp, loss in itertools.product(
+        c["fsdp"], c["ulysses_degree"], c["activation_checkpointing"], c["mlp_tile_tokens"], c["loss_tile_tokens"]
+    ):
+        for chunk in space.head_chunks(degree) if degree > 1 else [None]:
+            configs.append(
+                Techniques(
+                    fsdp=fsdp,
+                    ulysses_degree=degree,
+                    head_chunk=chunk,
+                    activation_checkpointing=ckpt,
+                    mlp_tile_tokens=mlp,
+                    loss_tile_tokens=loss,
+                    attention=c["attention"][0],
+                )
+            )
     return configs
 
 
@@ -80,8 +89,14 @@ def code_digest() -> str:
     """Hash of everything a plan record depends on: the code, presets and this space (the grid cache key)."""
     digest = hashlib.sha256(f"{MODEL} {GPUS} {TARGET} {MEMORY_GIB}".encode())
     digest.update(json.dumps(calibrate.load_or_calibrate(), sort_keys=True).encode())  # the cpu preset's rates
-    files = sorted([*(ROOT / "autotune").rglob("*.py"), *(ROOT / "autotune").rglob("*.yaml"),
-                    *(ROOT / "trials").rglob("*.py"), SPACE])
+    files = sorted(
+        [
+            *(ROOT / "autotune").rglob("*.py"),
+            *(ROOT / "autotune").rglob("*.yaml"),
+            *(ROOT / "trials").rglob("*.py"),
+            SPACE,
+        ]
+    )
     for path in files:
         digest.update(path.relative_to(ROOT).as_posix().encode())
         digest.update(path.read_bytes())
@@ -91,15 +106,23 @@ def code_digest() -> str:
 def _evaluate_point(args) -> dict:
     model_config, techniques, seq_len, hardware = args
     record = PlanBackend().evaluate(Evaluation(model_config, techniques, seq_len, GPUS, hardware))
-    return {"techniques": techniques.to_dict(), "seq_len": seq_len, "status": record.status,
-            "tokens_per_s": record.tokens_per_s, "peak_device_bytes": record.peak_device_bytes}
+    return {
+        "techniques": techniques.to_dict(),
+        "seq_len": seq_len,
+        "status": record.status,
+        "tokens_per_s": record.tokens_per_s,
+        "peak_device_bytes": record.peak_device_bytes,
+    }
 
 
 def exhaustive(grid, model_config, hardware, workers: int, use_cache: bool = True) -> tuple[list[dict], float, bool]:
     """Every grid point through the plan backend (full traces), cached under ~/.cache/autotune by code digest:
     the grid takes ~20 CPU-minutes and only changes when the code does."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "autotune" / \
-        f"search_quality_grid-{code_digest()}.json"
+    cache = (
+        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+        / "autotune"
+        / f"search_quality_grid-{code_digest()}.json"
+    )
     if use_cache and cache.is_file():
         data = json.loads(cache.read_text())
         return data["records"], data["seconds"], True
@@ -121,18 +144,32 @@ def run_search(model_config, hardware, space, budget: int, follow_ups: bool) -> 
     a worker per core), with an empty plan store of its own: its time is the work, not what earlier runs kept."""
     with tempfile.TemporaryDirectory() as tmp:
         backend = PlanBackend(stop_above=1.0, store=PlanStore(Path(tmp) / "plan"))
-        job = search.SearchJob(model=MODEL, model_config=model_config, target=TARGET, gpus=GPUS, hardware=hardware,
-                               space=space, backend=backend, out=Path(tmp), trials=budget, seed=0,
-                               follow_ups=follow_ups)
+        job = search.SearchJob(
+            model=MODEL,
+            model_config=model_config,
+            target=TARGET,
+            gpus=GPUS,
+            hardware=hardware,
+            space=space,
+            backend=backend,
+            out=Path(tmp),
+            trials=budget,
+            seed=0,
+            follow_ups=follow_ups,
+        )
         started = time.perf_counter()
         study = search.run(job)
         trials = search.finished_trials(study)
-        return {"seconds": time.perf_counter() - started,
-                "front": sorted((int(t.values[0]), t.values[1]) for t in search.pareto_front(study)),
-                "avoided": dict(job.avoided), "trials": len(trials),
-                "stopped": sum(1 for t in trials if "trace stopped" in (t.user_attrs["record"].get("error") or "")),
-                "follow_ups": sum(1 for t in trials if "follow_up_of" in t.user_attrs),
-                "walls": sum(1 for t in trials if WALL_PARAM in t.params), "workers": job.stats.get("workers", 1)}
+        return {
+            "seconds": time.perf_counter() - started,
+            "front": sorted((int(t.values[0]), t.values[1]) for t in search.pareto_front(study)),
+            "avoided": dict(job.avoided),
+            "trials": len(trials),
+            "stopped": sum(1 for t in trials if "trace stopped" in (t.user_attrs["record"].get("error") or "")),
+            "follow_ups": sum(1 for t in trials if "follow_up_of" in t.user_attrs),
+            "walls": sum(1 for t in trials if WALL_PARAM in t.params),
+            "workers": job.stats.get("workers", 1),
+        }
 
 
 def main() -> int:
@@ -150,20 +187,26 @@ def main() -> int:
     fits = [(r["seq_len"], r["tokens_per_s"]) for r in records if r["status"] == "ok" and r["tokens_per_s"]]
     budget = max(1, round(0.1 * len(grid)))
     hv_grid = hypervolume(fits, space.seq_lens[0])
-    print(f"space: {SPACE.name}, {MODEL} on {GPUS}x cpu at {MEMORY_GIB} GiB, {len(configs)} configs x "
-          f"{len(space.seq_lens)} lengths")
-    print(f"exhaustive grid: {len(grid)} plan evaluations in {grid_s:.0f} s{' (cached)' if cached else ''}, "
-          f"{len(fits)} fit, front:")
+    print(
+        f"space: {SPACE.name}, {MODEL} on {GPUS}x cpu at {MEMORY_GIB} GiB, {len(configs)} configs x "
+        f"{len(space.seq_lens)} lengths"
+    )
+    print(
+        f"exhaustive grid: {len(grid)} plan evaluations in {grid_s:.0f} s{' (cached)' if cached else ''}, "
+        f"{len(fits)} fit, front:"
+    )
     print("    " + ", ".join(f"{seq:,} @ {rate:,.0f}" for seq, rate in front(fits)))
     results = {}
     for name, follow in (("TPE alone", False), ("search", True)):
         result = results[name] = run_search(model_config, hardware, space, budget, follow)
         avoided = result["avoided"]
-        print(f"{name + ':':11s}{budget} trials (10%) in {result['seconds']:.0f} s on {result['workers']} worker(s), "
-              f"{result['follow_ups']} of them follow-ups ({result['walls']} wall steps); "
-              f"{avoided['cache'] + avoided['monotone']} answered from the study (cache "
-              f"{avoided['cache']}, monotone {avoided['monotone']}), {avoided.get('follow_up_inferred', 0)} "
-              f"follow-ups never queued (monotone), {result['stopped']} OOMs cut short at capacity; hypervolume ratio {hypervolume(result['front'], space.seq_lens[0]) / hv_grid:.3f}; front:")
+        print(
+            f"{name + ':':11s}{budget} trials (10%) in {result['seconds']:.0f} s on {result['workers']} worker(s), "
+            f"{result['follow_ups']} of them follow-ups ({result['walls']} wall steps); "
+            f"{avoided['cache'] + avoided['monotone']} answered from the study (cache "
+            f"{avoided['cache']}, monotone {avoided['monotone']}), {avoided.get('follow_up_inferred', 0)} "
+            f"follow-ups never queued (monotone), {result['stopped']} OOMs cut short at capacity; hypervolume ratio {hypervolume(result['front'], space.seq_lens[0]) / hv_grid:.3f}; front:"
+        )
         print("    " + ", ".join(f"{seq:,} @ {rate:,.0f}" for seq, rate in result["front"]))
     ratio = hypervolume(results["search"]["front"], space.seq_lens[0]) / hv_grid
     print(f"hypervolume ratio (search / exhaustive, goal >= 0.95): {ratio:.3f}")

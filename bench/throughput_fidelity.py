@@ -62,30 +62,74 @@ CONFIGS = [
     ("tiny-qwen3", 2048, 1, {"activation_checkpointing": True}),
     ("tiny-llama", 8192, 1, {"activation_checkpointing": True}),
     ("tiny-llama", 4096, 1, {"activation_checkpointing": True, "mlp_tile_tokens": 1024, "loss_tile_tokens": 1024}),
-    ("tiny-qwen3", 4096, 1, {"fsdp": True, "optimizer_offload": True, "activation_checkpointing": True,
-                             "activation_offload_layers": 4}),
+    (
+        "tiny-qwen3",
+        4096,
+        1,
+        {"fsdp": True, "optimizer_offload": True, "activation_checkpointing": True, "activation_offload_layers": 4},
+    ),
     ("tiny-llama", 2048, 2, {"ulysses_degree": 2}),
     ("tiny-llama", 8192, 2, {"ulysses_degree": 2, "activation_checkpointing": True}),
     ("tiny-qwen3", 4096, 2, {"fsdp": True}),
     ("tiny-llama", 4096, 2, {"ulysses_degree": 2, "head_chunk": 1, "fsdp": True}),
-    ("tiny-qwen3", 2048, 2, {"fsdp": True, "optimizer_offload": True, "ulysses_degree": 2,
-                             "activation_checkpointing": True, "activation_offload_layers": 4}),
+    (
+        "tiny-qwen3",
+        2048,
+        2,
+        {
+            "fsdp": True,
+            "optimizer_offload": True,
+            "ulysses_degree": 2,
+            "activation_checkpointing": True,
+            "activation_offload_layers": 4,
+        },
+    ),
     ("tiny-llama", 1024, 2, {"fsdp": True, "activation_checkpointing": True}),
     ("tiny-qwen3", 4096, 1, {"activation_checkpointing": True, "norm_tile_tokens": 1024}),
     # -- new (issue 17) --
     ("tiny-llama", 3072, 1, {"activation_checkpointing": True, "mlp_tile_tokens": 512, "loss_tile_tokens": 512}),
     ("tiny-qwen3", 6144, 1, {"activation_checkpointing": True, "activation_offload_layers": 2}),
-    ("tiny-llama", 12288, 1, {"activation_checkpointing": True, "norm_tile_tokens": 2048,
-                              "loss_tile_tokens": 4096}),
+    ("tiny-llama", 12288, 1, {"activation_checkpointing": True, "norm_tile_tokens": 2048, "loss_tile_tokens": 4096}),
     ("tiny-llama", 1536, 1, {"fsdp": True, "optimizer_offload": True}),
     ("tiny-llama", 6144, 2, {"ulysses_degree": 2, "activation_checkpointing": True}),
-    ("tiny-llama", 5120, 2, {"ulysses_degree": 2, "head_chunk": 1, "fsdp": True, "activation_checkpointing": True,
-                             "mlp_tile_tokens": 2048, "loss_tile_tokens": 512}),
+    (
+        "tiny-llama",
+        5120,
+        2,
+        {
+            "ulysses_degree": 2,
+            "head_chunk": 1,
+            "fsdp": True,
+            "activation_checkpointing": True,
+            "mlp_tile_tokens": 2048,
+            "loss_tile_tokens": 512,
+        },
+    ),
     ("tiny-qwen3", 6144, 2, {"ulysses_degree": 2, "head_chunk": 2, "activation_checkpointing": True}),
-    ("tiny-qwen3", 3072, 2, {"fsdp": True, "optimizer_offload": True, "activation_checkpointing": True,
-                             "activation_offload_layers": 4, "mlp_tile_tokens": 1024}),
-    ("tiny-llama", 16384, 2, {"ulysses_degree": 2, "head_chunk": 1, "activation_checkpointing": True,
-                              "norm_tile_tokens": 4096, "loss_tile_tokens": 2048}),
+    (
+        "tiny-qwen3",
+        3072,
+        2,
+        {
+            "fsdp": True,
+            "optimizer_offload": True,
+            "activation_checkpointing": True,
+            "activation_offload_layers": 4,
+            "mlp_tile_tokens": 1024,
+        },
+    ),
+    (
+        "tiny-llama",
+        16384,
+        2,
+        {
+            "ulysses_degree": 2,
+            "head_chunk": 1,
+            "activation_checkpointing": True,
+            "norm_tile_tokens": 4096,
+            "loss_tile_tokens": 2048,
+        },
+    ),
     ("tiny-llama", 2048, 4, {"ulysses_degree": 2, "fsdp": True}),
     ("tiny-qwen3", 4096, 4, {"ulysses_degree": 4, "activation_checkpointing": True}),
     ("tiny-llama", 3072, 4, {"fsdp": True, "activation_checkpointing": True}),
@@ -162,20 +206,31 @@ def measure(model: str, seq_len: int, ranks: int, techniques: dict, steps: int, 
     from trials import allocator
     from trials.model_config import load_model_config
 
-    spec = {"model_config": load_model_config(model), "techniques": techniques, "seq_len": seq_len,
-            "steps": steps, "warmup": 1, "capacity_bytes": None, "seed": 0}
+    spec = {
+        "model_config": load_model_config(model),
+        "techniques": techniques,
+        "seq_len": seq_len,
+        "steps": steps,
+        "warmup": 1,
+        "capacity_bytes": None,
+        "seed": 0,
+    }
     clean, contended, last_error = [], [], None
     for _attempt in range(attempts):
         wait_for_idle(0.05, 120)
         with tempfile.TemporaryDirectory(prefix="autotune-fidelity-") as tmp:
             spec_path = Path(tmp) / "spec.json"
             spec_path.write_text(json.dumps(spec))
-            env = dict(allocator.trial_environment(dict(os.environ), cpu=True),  # as the local backend launches it
-                       OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // ranks)),
-                       PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            env = dict(
+                allocator.trial_environment(dict(os.environ), cpu=True),  # as the local backend launches it
+                OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // ranks)),
+                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            )
             me = [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path), tmp]
             if ranks > 1:
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] + me[1:]
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] + me[
+                    1:
+                ]
             else:
                 cmd = me
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -212,13 +267,19 @@ def _combine(launches: list[dict], probe_calibrated_s: float | None, reference_c
     if not clean and not contended:
         return next(m for m in launches if "error" in m)
     steps = clean or contended
-    per_launch = [statistics.median(s["seconds"] for s in (m["clean"] or m["contended"])) for m in measured
-                  if m["clean"] or m["contended"]]
-    return {"step_time_s": statistics.median(s["seconds"] for s in steps),
-            "spread": (max(per_launch) - min(per_launch)) / max(per_launch),
-            "slowdown": _median_over(steps, "probe_s", probe_calibrated_s),
-            "drift": _median_over(steps, "reference_s", reference_calibrated_s),
-            "clean_steps": len(clean), "contended_steps": len(contended)}
+    per_launch = [
+        statistics.median(s["seconds"] for s in (m["clean"] or m["contended"]))
+        for m in measured
+        if m["clean"] or m["contended"]
+    ]
+    return {
+        "step_time_s": statistics.median(s["seconds"] for s in steps),
+        "spread": (max(per_launch) - min(per_launch)) / max(per_launch),
+        "slowdown": _median_over(steps, "probe_s", probe_calibrated_s),
+        "drift": _median_over(steps, "reference_s", reference_calibrated_s),
+        "clean_steps": len(clean),
+        "contended_steps": len(contended),
+    }
 
 
 def predict(model: str, seq_len: int, ranks: int, techniques: dict, hardware):
@@ -234,8 +295,11 @@ def predict(model: str, seq_len: int, ranks: int, techniques: dict, hardware):
     evaluation = Evaluation(cfg, tech, seq_len, ranks, hardware)
     record = backend.evaluate(evaluation)
     counts = step_counts(backend.last_prediction) if record.step_time_s is not None else None
-    timing = (predict_step_time(counts, hardware.rates_for(ranks), ranks, tech, seq_len=seq_len)
-              if counts is not None else None)
+    timing = (
+        predict_step_time(counts, hardware.rates_for(ranks), ranks, tech, seq_len=seq_len)
+        if counts is not None
+        else None
+    )
     return record, timing, counts
 
 
@@ -243,8 +307,10 @@ def _rank_wait_note(world: dict) -> str:
     """The fitted rank wait of a world: per collective call (``collective_wait_s``), or, in calibrations before it,
     the share of compute (``rank_imbalance``)."""
     if "collective_wait_s" in world:
-        return (f" (collective_wait {world['collective_wait_s'] * 1e3:.2f} ms x "
-                f"{world.get('in_step', {}).get('collective_calls', '?')} calls)")
+        return (
+            f" (collective_wait {world['collective_wait_s'] * 1e3:.2f} ms x "
+            f"{world.get('in_step', {}).get('collective_calls', '?')} calls)"
+        )
     return f" (rank_imbalance {world.get('rank_imbalance', 0.0):.3f})"
 
 
@@ -258,10 +324,12 @@ def _self_check(calibration: dict) -> str:
     for world, data in sorted(calibration["worlds"].items(), key=lambda item: int(item[0])):
         in_step = data.get("in_step", {})
         if in_step.get("wall_s") and in_step.get("predicted_s"):
-            parts.append(f"{world} rank(s) {in_step['predicted_s']:.4f} s / {in_step['wall_s']:.4f} s = "
-                         f"{self_check(data):.2f}"
-                         + (_rank_wait_note(data) if int(world) > 1 else "")
-                         + _repeats_note(calibration.get("repeats", {}).get(world)))
+            parts.append(
+                f"{world} rank(s) {in_step['predicted_s']:.4f} s / {in_step['wall_s']:.4f} s = "
+                f"{self_check(data):.2f}"
+                + (_rank_wait_note(data) if int(world) > 1 else "")
+                + _repeats_note(calibration.get("repeats", {}).get(world))
+            )
     if not parts:
         return "# calibration self-check: not recorded (an older calibration)"
     return "# calibration self-check, its in-step step predicted / measured: " + "; ".join(parts)
@@ -278,10 +346,10 @@ def _repeats_note(repeats: dict | None) -> str:
 class Row(NamedTuple):
     """One config's result as the verdict takes it."""
 
-    ratio: float              # predicted / measured step time
+    ratio: float  # predicted / measured step time
     label: str
-    new: bool                 # one of the issue-17 configs, unlike the calibration's shapes
-    x_drift: float | None     # ratio with the drift divided out (None: a table from before the drift gauge)
+    new: bool  # one of the issue-17 configs, unlike the calibration's shapes
+    x_drift: float | None  # ratio with the drift divided out (None: a table from before the drift gauge)
     measured_s: float
     ranks: int
 
@@ -296,42 +364,60 @@ def summary_lines(rows: list[Row]) -> list[str]:
     checkpointed configs' x drift against the plain ones'."""
     low, high = RANGE
     out = []
-    for title, values, new in (("raw ratios", [r.ratio for r in rows], [r.ratio for r in rows if r.new]),
-                               ("x drift", [r.x_drift for r in rows], [r.x_drift for r in rows if r.new])):
+    for title, values, new in (
+        ("raw ratios", [r.ratio for r in rows], [r.ratio for r in rows if r.new]),
+        ("x drift", [r.x_drift for r in rows], [r.x_drift for r in rows if r.new]),
+    ):
         if None in values:  # a table from before the drift gauge
             continue
         logs = [math.log(v) for v in values]
         scatter = statistics.stdev(logs) if len(logs) > 1 else 0.0
-        out.append(f"# {title}: {sum(low <= v <= high for v in values)}/{len(values)} within [{low}, {high}] "
-                   f"({sum(low <= v <= high for v in new)}/{len(new)} of the new configs); {min(values):.2f}-"
-                   f"{max(values):.2f}, offset {math.exp(statistics.fmean(logs)):.2f}, scatter {scatter:.3f}")
+        out.append(
+            f"# {title}: {sum(low <= v <= high for v in values)}/{len(values)} within [{low}, {high}] "
+            f"({sum(low <= v <= high for v in new)}/{len(new)} of the new configs); {min(values):.2f}-"
+            f"{max(values):.2f}, offset {math.exp(statistics.fmean(logs)):.2f}, scatter {scatter:.3f}"
+        )
     logs = [math.log(r.ratio) for r in rows]
     lengths = [math.log(r.measured_s) for r in rows]
     if len(rows) > 2 and statistics.pstdev(lengths) and statistics.pstdev(logs):
         offset = math.exp(statistics.fmean(logs))
         short = [r.ratio / offset for r in rows if r.measured_s < 1.0]
         long_ = [r.ratio / offset for r in rows if r.measured_s > 3.0]
-        out.append(f"# lean with length (raw): correlation of log ratio with log measured step "
-                   f"{statistics.correlation(lengths, logs):.2f}; ratio / offset, median of steps < 1 s "
-                   f"{statistics.median(short) if short else float('nan'):.2f} ({len(short)}), > 3 s "
-                   f"{statistics.median(long_) if long_ else float('nan'):.2f} ({len(long_)})")
+        out.append(
+            f"# lean with length (raw): correlation of log ratio with log measured step "
+            f"{statistics.correlation(lengths, logs):.2f}; ratio / offset, median of steps < 1 s "
+            f"{statistics.median(short) if short else float('nan'):.2f} ({len(short)}), > 3 s "
+            f"{statistics.median(long_) if long_ else float('nan'):.2f} ({len(long_)})"
+        )
     # each world size is priced from its own calibrated world, so a world the calibration got wrong shows here
     worlds = sorted({r.ranks for r in rows})
-    out.append("# by world (raw): " + "; ".join(
-        f"{w} rank(s) {min(v):.2f}-{max(v):.2f}, median {statistics.median(v):.2f} ({len(v)})"
-        for w in worlds for v in [[r.ratio for r in rows if r.ranks == w]]))
+    out.append(
+        "# by world (raw): "
+        + "; ".join(
+            f"{w} rank(s) {min(v):.2f}-{max(v):.2f}, median {statistics.median(v):.2f} ({len(v)})"
+            for w in worlds
+            for v in [[r.ratio for r in rows if r.ranks == w]]
+        )
+    )
     if all(r.x_drift is not None for r in rows):  # gauged tables: where each world and kind of config sits in
         # calibration time, and how far the host had moved for it
-        out.append("# by world (x drift): " + "; ".join(
-            f"{w} rank(s) median {statistics.median(r.x_drift for r in v):.2f} at drift "
-            f"{min(r.x_drift / r.ratio for r in v):.2f}-{max(r.x_drift / r.ratio for r in v):.2f} "
-            f"(median {statistics.median(r.x_drift / r.ratio for r in v):.2f})"
-            for w in worlds for v in [[r for r in rows if r.ranks == w]]))
+        out.append(
+            "# by world (x drift): "
+            + "; ".join(
+                f"{w} rank(s) median {statistics.median(r.x_drift for r in v):.2f} at drift "
+                f"{min(r.x_drift / r.ratio for r in v):.2f}-{max(r.x_drift / r.ratio for r in v):.2f} "
+                f"(median {statistics.median(r.x_drift / r.ratio for r in v):.2f})"
+                for w in worlds
+                for v in [[r for r in rows if r.ranks == w]]
+            )
+        )
         checkpointed = [r.x_drift for r in rows if "ckpt" in r.label.split()[-1].split("+")]
         plain = [r.x_drift for r in rows if "ckpt" not in r.label.split()[-1].split("+")]
         if checkpointed and plain:
-            out.append(f"# checkpointed / plain (x drift): median {statistics.median(checkpointed):.2f} "
-                       f"({len(checkpointed)}) / {statistics.median(plain):.2f} ({len(plain)})")
+            out.append(
+                f"# checkpointed / plain (x drift): median {statistics.median(checkpointed):.2f} "
+                f"({len(checkpointed)}) / {statistics.median(plain):.2f} ({len(plain)})"
+            )
     worst = max(rows, key=lambda r: max(r.ratio, 1 / r.ratio))
     out.append(f"worst (raw): {worst.label}  ratio {worst.ratio:.2f}")
     return out
@@ -344,16 +430,23 @@ def read_rows(table: Path) -> list[Row]:
     for line in table.read_text().splitlines():
         if line.startswith("config "):  # measured_s spread slow [drift] predicted_s ratio ... (older tables: no drift)
             header = line.split()[1:]
-            columns = header[:header.index("ratio")]
+            columns = header[: header.index("ratio")]
         name = next((n for n in names if line.startswith(n + " ")), None)
         if name is None or " error: " in line:
             continue
-        value = dict(zip(columns, (float(x) for x in line[len(name):].split())))
+        value = dict(zip(columns, (float(x) for x in line[len(name) :].split())))
         # the ratio again from the two times (4 decimals), where the ratio column's 2 would put 0.7955 inside as 0.80
         ratio = value["predicted_s"] / value["measured_s"]
-        rows.append(Row(ratio, name, names.index(name) >= NEW_FROM,
-                        ratio * value["drift"] if "drift" in value else None, value["measured_s"],
-                        CONFIGS[names.index(name)][2]))
+        rows.append(
+            Row(
+                ratio,
+                name,
+                names.index(name) >= NEW_FROM,
+                ratio * value["drift"] if "drift" in value else None,
+                value["measured_s"],
+                CONFIGS[names.index(name)][2],
+            )
+        )
     return rows
 
 
@@ -362,9 +455,16 @@ def label(model: str, seq_len: int, ranks: int, techniques: dict) -> str:
 
 
 def describe(techniques: dict) -> str:
-    short = {"activation_checkpointing": "ckpt", "ulysses_degree": "sp", "optimizer_offload": "optoff",
-             "activation_offload_layers": "actoff", "mlp_tile_tokens": "mlptile", "loss_tile_tokens": "losstile",
-             "head_chunk": "chunk", "fsdp": "fsdp"}
+    short = {
+        "activation_checkpointing": "ckpt",
+        "ulysses_degree": "sp",
+        "optimizer_offload": "optoff",
+        "activation_offload_layers": "actoff",
+        "mlp_tile_tokens": "mlptile",
+        "loss_tile_tokens": "losstile",
+        "head_chunk": "chunk",
+        "fsdp": "fsdp",
+    }
     parts = []
     for key, value in techniques.items():
         name = short.get(key, key)
@@ -375,15 +475,27 @@ def describe(techniques: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 configs")
-    parser.add_argument("--only", type=int, nargs="+", metavar="INDEX",
-                        help="only these configs (0-based indices into CONFIGS), e.g. to re-measure an outlier")
+    parser.add_argument(
+        "--only",
+        type=int,
+        nargs="+",
+        metavar="INDEX",
+        help="only these configs (0-based indices into CONFIGS), e.g. to re-measure an outlier",
+    )
     parser.add_argument("--steps", type=int, default=5, help="measured steps per launch (after 1 warm-up)")
     parser.add_argument("--attempts", type=int, default=4, help="launches per config when every step is contended")
     parser.add_argument("--passes", type=int, default=2, help="launches per config, in separate passes")
-    parser.add_argument("--preset", default=None,
-                        help="a preset `autotune calibrate` wrote; default: calibrate this machine now (fresh)")
-    parser.add_argument("--calibration-runs", type=int, default=2,
-                        help="calibration runs per world (`autotune calibrate --repeats`: one whole run is kept)")
+    parser.add_argument(
+        "--preset",
+        default=None,
+        help="a preset `autotune calibrate` wrote; default: calibrate this machine now (fresh)",
+    )
+    parser.add_argument(
+        "--calibration-runs",
+        type=int,
+        default=2,
+        help="calibration runs per world (`autotune calibrate --repeats`: one whole run is kept)",
+    )
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "throughput_fidelity.txt"))
     parser.add_argument("--summarize", metavar="TABLE", help="print the verdict lines of a table this bench wrote")
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT_DIR"), help=argparse.SUPPRESS)
@@ -405,21 +517,37 @@ def main(argv=None) -> int:
     # can come out 1.6x (kernels) or 3x (gloo) slow
     preset = Path(args.preset) if args.preset else REPO / "bench" / "results" / "calibrated-cpu.yaml"
     if not args.preset:
-        subprocess.run([sys.executable, "-m", "autotune.cli", "calibrate", "--hardware", "cpu", "-o", str(preset),
-                        "--repeats", str(args.calibration_runs)], check=True, cwd=REPO)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "autotune.cli",
+                "calibrate",
+                "--hardware",
+                "cpu",
+                "-o",
+                str(preset),
+                "--repeats",
+                str(args.calibration_runs),
+            ],
+            check=True,
+            cwd=REPO,
+        )
     hardware = load_hardware(str(preset))
     cal = hardware.calibration
-    lines = [f"# throughput model fidelity on this machine ({cal['machine']['cpu']}, {cal['machine']['cpus']} CPUs, "
-             f"torch {cal['machine']['torch']}); preset {preset.name} from `autotune calibrate` "
-             f"{hardware.calibrated['measured_at']}",
-             "# predicted: plan backend (oracle fake trace + StepCounter + predict_step_time) on that preset",
-             "# measured: trials.runner.run_trial under torchrun, gloo, fp32; median uncontended step over the passes;",
-             "#   spread: (max - min) / max of the passes' medians; slow: the speed probe now / at the calibration;",
-             "#   drift: the calibration's in-step reference step now / at the calibration, beside every step;",
-             "#   ratio = predicted / measured; x drift = ratio * drift (predicted / measured in the calibration's time)",
-             _self_check(cal),
-             f"{'config':60s} {'measured_s':>10s} {'spread':>6s} {'slow':>5s} {'drift':>5s} {'predicted_s':>11s} "
-             f"{'ratio':>6s} {'x drift':>7s}  clean  predicted breakdown"]
+    lines = [
+        f"# throughput model fidelity on this machine ({cal['machine']['cpu']}, {cal['machine']['cpus']} CPUs, "
+        f"torch {cal['machine']['torch']}); preset {preset.name} from `autotune calibrate` "
+        f"{hardware.calibrated['measured_at']}",
+        "# predicted: plan backend (oracle fake trace + StepCounter + predict_step_time) on that preset",
+        "# measured: trials.runner.run_trial under torchrun, gloo, fp32; median uncontended step over the passes;",
+        "#   spread: (max - min) / max of the passes' medians; slow: the speed probe now / at the calibration;",
+        "#   drift: the calibration's in-step reference step now / at the calibration, beside every step;",
+        "#   ratio = predicted / measured; x drift = ratio * drift (predicted / measured in the calibration's time)",
+        _self_check(cal),
+        f"{'config':60s} {'measured_s':>10s} {'spread':>6s} {'slow':>5s} {'drift':>5s} {'predicted_s':>11s} "
+        f"{'ratio':>6s} {'x drift':>7s}  clean  predicted breakdown",
+    ]
     print("\n".join(lines), flush=True)
     rows = []
     configs = [CONFIGS[i] for i in args.only] if args.only else QUICK if args.quick else CONFIGS
@@ -428,8 +556,12 @@ def main(argv=None) -> int:
     for pass_index in range(args.passes):
         for index, (model, seq_len, ranks, techniques) in enumerate(configs):
             # progress on stderr: the table comes after the last pass, ~35 minutes in on the full set
-            print(f"pass {pass_index + 1}/{args.passes}, config {index + 1}/{len(configs)}: "
-                  f"{label(model, seq_len, ranks, techniques)}", file=sys.stderr, flush=True)
+            print(
+                f"pass {pass_index + 1}/{args.passes}, config {index + 1}/{len(configs)}: "
+                f"{label(model, seq_len, ranks, techniques)}",
+                file=sys.stderr,
+                flush=True,
+            )
             passes[index].append(measure(model, seq_len, ranks, techniques, args.steps, args.attempts))
     for index, (model, seq_len, ranks, techniques) in enumerate(configs):
         name = label(model, seq_len, ranks, techniques)
@@ -443,14 +575,30 @@ def main(argv=None) -> int:
             lines.append(line)
             continue
         ratio = record.step_time_s / measured["step_time_s"]
-        rows.append(Row(ratio, name, CONFIGS.index(configs[index]) >= NEW_FROM, ratio * measured["drift"],
-                        measured["step_time_s"], ranks))
-        parts = (f"c {timing.compute_s:.3f} r {timing.recompute_s:.3f} comm {timing.exposed_comm_s:.3f} "
-                 f"(wait {timing.detail['rank_wait_s']:.3f}) "
-                 f"host {timing.exposed_host_s:.3f} opt {timing.optimizer_s:.3f}") if timing else ""
-        line = (f"{name:60s} {measured['step_time_s']:10.4f} {measured['spread']:6.2f} {measured['slowdown']:5.2f} "
-                f"{measured['drift']:5.3f} {record.step_time_s:11.4f} {ratio:6.2f} {ratio * measured['drift']:7.2f}  "
-                f"{measured['clean_steps']}/{measured['clean_steps'] + measured['contended_steps']}    {parts}")
+        rows.append(
+            Row(
+                ratio,
+                name,
+                CONFIGS.index(configs[index]) >= NEW_FROM,
+                ratio * measured["drift"],
+                measured["step_time_s"],
+                ranks,
+            )
+        )
+        parts = (
+            (
+                f"c {timing.compute_s:.3f} r {timing.recompute_s:.3f} comm {timing.exposed_comm_s:.3f} "
+                f"(wait {timing.detail['rank_wait_s']:.3f}) "
+                f"host {timing.exposed_host_s:.3f} opt {timing.optimizer_s:.3f}"
+            )
+            if timing
+            else ""
+        )
+        line = (
+            f"{name:60s} {measured['step_time_s']:10.4f} {measured['spread']:6.2f} {measured['slowdown']:5.2f} "
+            f"{measured['drift']:5.3f} {record.step_time_s:11.4f} {ratio:6.2f} {ratio * measured['drift']:7.2f}  "
+            f"{measured['clean_steps']}/{measured['clean_steps'] + measured['contended_steps']}    {parts}"
+        )
         print(line, flush=True)
         lines.append(line)
     if rows:

@@ -23,17 +23,29 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 SEQS = [131072, 262144, 524288, 1048576, 2097152, 3145728, 4194304, 5242880]
-TECHNIQUES = {"fsdp": True, "optimizer_offload": True, "ulysses_degree": 8, "head_chunk": 1,
-              "activation_checkpointing": True, "activation_offload_layers": "all",
-              "mlp_tile_tokens": 65536, "loss_tile_tokens": 8192, "norm_tile_tokens": 65536}
+TECHNIQUES = {
+    "fsdp": True,
+    "optimizer_offload": True,
+    "ulysses_degree": 8,
+    "head_chunk": 1,
+    "activation_checkpointing": True,
+    "activation_offload_layers": "all",
+    "mlp_tile_tokens": 65536,
+    "loss_tile_tokens": 8192,
+    "norm_tile_tokens": 65536,
+}
 
 
 def model_flops_per_token(cfg: dict, seq_len: int) -> float:
     """Training FLOPs per token without recompute: 6 x matmul params + causal attention (fwd 2 + bwd 5 matmuls
     over s/2 keys on average): the usual MFU numerator."""
     h, d, layers = cfg["hidden_size"], cfg["head_dim"], cfg["num_hidden_layers"]
-    hq, hkv, inter, vocab = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"], \
-        cfg["vocab_size"]
+    hq, hkv, inter, vocab = (
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["intermediate_size"],
+        cfg["vocab_size"],
+    )
     matmul = layers * (h * d * (hq + 2 * hkv) + hq * d * h + 3 * h * inter) + h * vocab
     attention = layers * hq * d * (seq_len + 1) / 2 * (4 + 10)
     return 6 * matmul + attention
@@ -59,15 +71,17 @@ def main(argv=None) -> int:
     hardware = load_hardware(args.hardware)
     rates = hardware.rates_for(args.gpus)
     tech = Techniques.from_dict(dict(TECHNIQUES, attention=args.attention), cfg["num_hidden_layers"])
-    lines = [f"# {args.model} on {args.gpus}x {hardware.name}, predicted by the plan backend "
-             f"(oracle fake trace + StepCounter + predict_step_time)",
-             f"# techniques: {tech.to_dict()}",
-             f"# rates: matmul {rates.bf16_flops * rates.matmul_efficiency / 1e12:.0f} TFLOP/s, attention "
-             f"{rates.bf16_flops * rates.attention_efficiency / 1e12:.0f}/{rates.bf16_flops * rates.attention_backward_efficiency / 1e12:.0f} "
-             f"TFLOP/s fwd/bwd, NVLink {rates.intra_node_bytes_per_s / 1e9:.0f} GB/s/dir, host link "
-             f"{rates.host_bytes_per_s / 1e9:.0f} GB/s/dir, host AdamW {rates.host_optimizer_bytes_per_s / 1e9:.0f} GB/s/rank",
-             f"{'seq':>9s} {'status':6s} {'peak GiB':>8s} {'step s':>9s} {'tokens/s':>9s} {'compute':>8s} "
-             f"{'recomp':>8s} {'comm':>7s} {'host':>7s} {'optim':>7s} {'a2a s':>7s} {'MFU':>5s} {'trace s':>7s}"]
+    lines = [
+        f"# {args.model} on {args.gpus}x {hardware.name}, predicted by the plan backend "
+        f"(oracle fake trace + StepCounter + predict_step_time)",
+        f"# techniques: {tech.to_dict()}",
+        f"# rates: matmul {rates.bf16_flops * rates.matmul_efficiency / 1e12:.0f} TFLOP/s, attention "
+        f"{rates.bf16_flops * rates.attention_efficiency / 1e12:.0f}/{rates.bf16_flops * rates.attention_backward_efficiency / 1e12:.0f} "
+        f"TFLOP/s fwd/bwd, NVLink {rates.intra_node_bytes_per_s / 1e9:.0f} GB/s/dir, host link "
+        f"{rates.host_bytes_per_s / 1e9:.0f} GB/s/dir, host AdamW {rates.host_optimizer_bytes_per_s / 1e9:.0f} GB/s/rank",
+        f"{'seq':>9s} {'status':6s} {'peak GiB':>8s} {'step s':>9s} {'tokens/s':>9s} {'compute':>8s} "
+        f"{'recomp':>8s} {'comm':>7s} {'host':>7s} {'optim':>7s} {'a2a s':>7s} {'MFU':>5s} {'trace s':>7s}",
+    ]
     print("\n".join(lines), flush=True)
     backend = PlanBackend()
     last = None
@@ -88,22 +102,27 @@ def main(argv=None) -> int:
             note = ""
         timing = predict_step_time(counts, rates, args.gpus, tech, seq_len=seq)
         mfu = model_flops_per_token(cfg, seq) * seq / (timing.step_time_s * args.gpus * rates.bf16_flops)
-        line = (f"{seq:9d} {record.status:6s} {record.peak_device_bytes / 2**30:8.1f} {timing.step_time_s:9.2f} "
-                f"{timing.tokens_per_s:9.0f} {timing.compute_s:8.2f} {timing.recompute_s:8.2f} "
-                f"{timing.exposed_comm_s:7.2f} {timing.exposed_host_s:7.2f} {timing.optimizer_s:7.2f} "
-                f"{timing.detail.get('all_to_all_sync_s', 0):7.2f} {mfu:5.1%} {elapsed:7.1f}{note}")
+        line = (
+            f"{seq:9d} {record.status:6s} {record.peak_device_bytes / 2**30:8.1f} {timing.step_time_s:9.2f} "
+            f"{timing.tokens_per_s:9.0f} {timing.compute_s:8.2f} {timing.recompute_s:8.2f} "
+            f"{timing.exposed_comm_s:7.2f} {timing.exposed_host_s:7.2f} {timing.optimizer_s:7.2f} "
+            f"{timing.detail.get('all_to_all_sync_s', 0):7.2f} {mfu:5.1%} {elapsed:7.1f}{note}"
+        )
         print(line, flush=True)
         lines.append(line)
         last = (seq, record.status, timing.tokens_per_s, timing.step_time_s, mfu)
-    lines.append("# step s = compute (fwd+bwd) + recompute + exposed comm + exposed host transfer + optimizer; "
-                 "a2a s = Ulysses all-to-all time (always exposed, part of comm); MFU counts 6N + causal attention "
-                 "FLOPs per token, no recompute")
+    lines.append(
+        "# step s = compute (fwd+bwd) + recompute + exposed comm + exposed host transfer + optimizer; "
+        "a2a s = Ulysses all-to-all time (always exposed, part of comm); MFU counts 6N + causal attention "
+        "FLOPs per token, no recompute"
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if last is not None:  # the figure: the longest length's prediction
         seq, status, rate, step_s, mfu = last
-        lines.append(f"predicted at {seq:,} tokens ({status}): {rate:,.0f} tokens/s, step {step_s / 3600:.2f} h, "
-                     f"MFU {mfu:.1%}")
+        lines.append(
+            f"predicted at {seq:,} tokens ({status}): {rate:,.0f} tokens/s, step {step_s / 3600:.2f} h, MFU {mfu:.1%}"
+        )
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines[-2:]))
     return 0

@@ -18,8 +18,16 @@ RUN_SEQ = 512  # run-config.json's seq_len
 
 
 def _config(**overrides) -> dict:
-    doc = {"schema": "autotune/config-v1", "model": "llama3-8b", "hardware": "h100-sxm", "gpus": 8,
-           "seq_len": 1048576, "techniques": dict(GOOD_TECHNIQUES), "predicted": None, "measured": None}
+    doc = {
+        "schema": "autotune/config-v1",
+        "model": "llama3-8b",
+        "hardware": "h100-sxm",
+        "gpus": 8,
+        "seq_len": 1048576,
+        "techniques": dict(GOOD_TECHNIQUES),
+        "predicted": None,
+        "measured": None,
+    }
     doc.update(overrides)
     return doc
 
@@ -36,18 +44,34 @@ def make_files(root: Path) -> None:
     (root / "config-unknown-key.json").write_text(json.dumps(_config(zero_stage=3)))
     (root / "config-schema.json").write_text(json.dumps(_config(schema="autotune/config-v0")))
     (root / "config-impossible.json").write_text(json.dumps(_config(techniques={"ulysses_degree": 3})))
-    (root / "config-offload.json").write_text(json.dumps(_config(
-        techniques={"activation_offload_layers": 4, "activation_checkpointing": False})))
+    (root / "config-offload.json").write_text(
+        json.dumps(_config(techniques={"activation_offload_layers": 4, "activation_checkpointing": False}))
+    )
     (root / "config-truncated.json").write_text(json.dumps(_config())[:50])
     (root / "config-good.json").write_text(json.dumps(_config()))
     (root / "a-file").write_text("not a folder\n")
     _make_run_files(root)
     front = root / "finished-search"
     front.mkdir(exist_ok=True)
-    (front / "pareto.json").write_text(json.dumps({
-        "model": "tiny-llama", "hardware": "cpu", "gpus": 2, "target": 4096,
-        "front": [{"trial": 3, "seq_len": 4096, "tokens_per_s": 5000.0, "techniques": GOOD_TECHNIQUES,
-                   "record": {"status": "ok", "source": "measured", "seq_len": 4096}}]}))
+    (front / "pareto.json").write_text(
+        json.dumps(
+            {
+                "model": "tiny-llama",
+                "hardware": "cpu",
+                "gpus": 2,
+                "target": 4096,
+                "front": [
+                    {
+                        "trial": 3,
+                        "seq_len": 4096,
+                        "tokens_per_s": 5000.0,
+                        "techniques": GOOD_TECHNIQUES,
+                        "record": {"status": "ok", "source": "measured", "seq_len": 4096},
+                    }
+                ],
+            }
+        )
+    )
 
 
 # (what is wrong, argv with {d} for the files folder, a fragment the one-line message must contain)
@@ -61,51 +85,132 @@ CASES: list[tuple[str, list[str], str]] = [
     ("absurd target", ["search", "--model", "llama3-8b", "--target", "1e99"], "'1e99'"),
     ("float target", ["search", "--model", "llama3-8b", "--target", "2.5M"], "'2.5M'"),
     ("calibrate with no destination", ["calibrate", "--hardware", "cpu"], "exactly one of --name NAME"),
-    ("calibrate over a shipped preset", ["calibrate", "--hardware", "cpu", "--name", "h100-sxm"], "is a shipped preset"),
-    ("calibrate a GPU preset without a GPU", ["calibrate", "--hardware", "h100-sxm", "-o", "{d}/p.yaml"],
-     "shows no CUDA device"),
+    (
+        "calibrate over a shipped preset",
+        ["calibrate", "--hardware", "cpu", "--name", "h100-sxm"],
+        "is a shipped preset",
+    ),
+    (
+        "calibrate a GPU preset without a GPU",
+        ["calibrate", "--hardware", "h100-sxm", "-o", "{d}/p.yaml"],
+        "shows no CUDA device",
+    ),
     ("calibrate an unknown base", ["calibrate", "--hardware", "tpu9", "-o", "{d}/p.yaml"], "unknown hardware 'tpu9'"),
-    ("check a preset with assumed rates", ["calibrate", "--check", "--hardware", "h100-sxm"],
-     "its rates are assumed, not measured"),
-    ("check with a destination", ["calibrate", "--check", "--hardware", "cpu", "-o", "{d}/p.yaml"], "--check writes nothing"),
-    ("zero GPUs", ["search", "--model", "llama3-8b", "--target", "5M", "--gpus", "0"],
-     "Invalid value for '--gpus': must be at least 1, got 0"),
-    ("negative search timeout", ["search", "--model", "llama3-8b", "--target", "5M", "--timeout", "-5"],
-     "Invalid value for '--timeout': must be above 0 seconds, got -5"),
-    ("GPU count no Ulysses degree divides", ["search", "--model", "llama3-8b", "--target", "5M", "--gpus", "3",
-                                             "--space", "{d}/space-no-degree.yaml"], "--gpus 3"),
-    ("config's Ulysses degree vs 3 GPUs", ["estimate", "--model", "llama3-8b", "--seq", "1M", "--gpus", "3",
-                                           "--config", "{d}/config-good.json"], "ulysses_degree 8 does not divide the GPU count 3"),
+    (
+        "check a preset with assumed rates",
+        ["calibrate", "--check", "--hardware", "h100-sxm"],
+        "its rates are assumed, not measured",
+    ),
+    (
+        "check with a destination",
+        ["calibrate", "--check", "--hardware", "cpu", "-o", "{d}/p.yaml"],
+        "--check writes nothing",
+    ),
+    (
+        "zero GPUs",
+        ["search", "--model", "llama3-8b", "--target", "5M", "--gpus", "0"],
+        "Invalid value for '--gpus': must be at least 1, got 0",
+    ),
+    (
+        "negative search timeout",
+        ["search", "--model", "llama3-8b", "--target", "5M", "--timeout", "-5"],
+        "Invalid value for '--timeout': must be above 0 seconds, got -5",
+    ),
+    (
+        "GPU count no Ulysses degree divides",
+        ["search", "--model", "llama3-8b", "--target", "5M", "--gpus", "3", "--space", "{d}/space-no-degree.yaml"],
+        "--gpus 3",
+    ),
+    (
+        "config's Ulysses degree vs 3 GPUs",
+        ["estimate", "--model", "llama3-8b", "--seq", "1M", "--gpus", "3", "--config", "{d}/config-good.json"],
+        "ulysses_degree 8 does not divide the GPU count 3",
+    ),
     ("unknown hardware", ["search", "--model", "llama3-8b", "--target", "5M", "--hardware", "tpu-v9"], "'tpu-v9'"),
-    ("malformed space YAML", ["search", "--model", "llama3-8b", "--target", "5M", "--space", "{d}/space-malformed.yaml",
-                              "--out", "{d}/out"], "line"),
-    ("space with unknown knob", ["search", "--model", "llama3-8b", "--target", "5M", "--space",
-                                 "{d}/space-unknown-knob.yaml", "--out", "{d}/out"], "unknown knob 'zero_stage'"),
-    ("space with empty choice list", ["search", "--model", "llama3-8b", "--target", "5M", "--space",
-                                      "{d}/space-empty.yaml", "--out", "{d}/out"], "empty choice list"),
-    ("space with a type error", ["search", "--model", "llama3-8b", "--target", "5M", "--space", "{d}/space-type.yaml",
-                                 "--out", "{d}/out"], "'yes-please'"),
-    ("config with unknown key", ["estimate", "--model", "llama3-8b", "--seq", "1M", "--config",
-                                 "{d}/config-unknown-key.json"], "unknown key 'zero_stage'"),
-    ("config with wrong schema", ["estimate", "--model", "llama3-8b", "--seq", "1M", "--config",
-                                  "{d}/config-schema.json"], "'autotune/config-v0'"),
-    ("config with impossible combination", ["estimate", "--model", "llama3-8b", "--seq", "1M", "--config",
-                                            "{d}/config-offload.json"], "needs activation_checkpointing"),
-    ("config with truncated JSON", ["trial", "--model", "tiny-llama", "--seq", "1K", "--config",
-                                    "{d}/config-truncated.json"], "not valid JSON"),
-    ("config file missing", ["trial", "--model", "tiny-llama", "--seq", "1K", "--config", "{d}/nope.json"],
-     "does not exist"),
+    (
+        "malformed space YAML",
+        ["search", "--model", "llama3-8b", "--target", "5M", "--space", "{d}/space-malformed.yaml", "--out", "{d}/out"],
+        "line",
+    ),
+    (
+        "space with unknown knob",
+        [
+            "search",
+            "--model",
+            "llama3-8b",
+            "--target",
+            "5M",
+            "--space",
+            "{d}/space-unknown-knob.yaml",
+            "--out",
+            "{d}/out",
+        ],
+        "unknown knob 'zero_stage'",
+    ),
+    (
+        "space with empty choice list",
+        ["search", "--model", "llama3-8b", "--target", "5M", "--space", "{d}/space-empty.yaml", "--out", "{d}/out"],
+        "empty choice list",
+    ),
+    (
+        "space with a type error",
+        ["search", "--model", "llama3-8b", "--target", "5M", "--space", "{d}/space-type.yaml", "--out", "{d}/out"],
+        "'yes-please'",
+    ),
+    (
+        "config with unknown key",
+        ["estimate", "--model", "llama3-8b", "--seq", "1M", "--config", "{d}/config-unknown-key.json"],
+        "unknown key 'zero_stage'",
+    ),
+    (
+        "config with wrong schema",
+        ["estimate", "--model", "llama3-8b", "--seq", "1M", "--config", "{d}/config-schema.json"],
+        "'autotune/config-v0'",
+    ),
+    (
+        "config with impossible combination",
+        ["estimate", "--model", "llama3-8b", "--seq", "1M", "--config", "{d}/config-offload.json"],
+        "needs activation_checkpointing",
+    ),
+    (
+        "config with truncated JSON",
+        ["trial", "--model", "tiny-llama", "--seq", "1K", "--config", "{d}/config-truncated.json"],
+        "not valid JSON",
+    ),
+    (
+        "config file missing",
+        ["trial", "--model", "tiny-llama", "--seq", "1K", "--config", "{d}/nope.json"],
+        "does not exist",
+    ),
     ("--out is a file", ["search", "--model", "llama3-8b", "--target", "5M", "--out", "{d}/a-file"], "is a file"),
-    ("--out cannot be created", ["search", "--model", "llama3-8b", "--target", "5M", "--out",
-                                 "/proc/autotune-out"], "cannot be created"),
-    ("export target beyond the front", ["export", "{d}/finished-search", "--target", "1M"],
-     "longest reached is 4,096"),
+    (
+        "--out cannot be created",
+        ["search", "--model", "llama3-8b", "--target", "5M", "--out", "/proc/autotune-out"],
+        "cannot be created",
+    ),
+    ("export target beyond the front", ["export", "{d}/finished-search", "--target", "1M"], "longest reached is 4,096"),
     ("export of a folder that is no search", ["export", "{d}"], "no pareto.json"),
     ("export format unknown", ["export", "{d}/finished-search", "--format", "megatron"], "'megatron'"),
-    ("--storage that cannot be opened", ["search", "--model", "llama3-8b", "--target", "5M", "--out", "{d}/out",
-                                         "--storage", "sqlite:////proc/no/such/dir/study.db"], "cannot be opened"),
-    ("--storage that is no URL", ["search", "--model", "llama3-8b", "--target", "5M", "--out", "{d}/out",
-                                  "--storage", "my-database"], "'my-database'"),
+    (
+        "--storage that cannot be opened",
+        [
+            "search",
+            "--model",
+            "llama3-8b",
+            "--target",
+            "5M",
+            "--out",
+            "{d}/out",
+            "--storage",
+            "sqlite:////proc/no/such/dir/study.db",
+        ],
+        "cannot be opened",
+    ),
+    (
+        "--storage that is no URL",
+        ["search", "--model", "llama3-8b", "--target", "5M", "--out", "{d}/out", "--storage", "my-database"],
+        "'my-database'",
+    ),
     ("unknown option", ["search", "--model", "llama3-8b", "--target", "5M", "--bogus"], "--bogus"),
     ("non-integer --gpus", ["search", "--model", "llama3-8b", "--target", "5M", "--gpus", "eight"], "--gpus"),
 ]
@@ -113,24 +218,47 @@ CASES: list[tuple[str, list[str], str]] = [
 
 # ``autotune run``: the data file problems it finds before launching training
 CASES += [
-    ("--data missing", ["run", "--config", "{d}/run-config.json", "--data", "{d}/no-tokens.parquet"],
-     "does not exist"),
-    ("--data not Parquet/Arrow", ["run", "--config", "{d}/run-config.json", "--data", "{d}/tokens.txt"],
-     "cannot be read as a Parquet or Arrow file"),
-    ("--data .arrow that is not Arrow", ["run", "--config", "{d}/run-config.json", "--data", "{d}/tokens.arrow"],
-     "cannot be read as a Parquet or Arrow file"),
-    ("--data without a token column", ["run", "--config", "{d}/run-config.json", "--data", "{d}/text.parquet"],
-     "needs a column 'input_ids'"),
-    ("--data with ids outside the vocabulary", ["run", "--config", "{d}/run-config.json", "--data",
-                                                "{d}/big-ids.parquet"], f"token ids must lie in [0, {TINY_VOCAB})"),
-    ("--data with negative ids", ["run", "--config", "{d}/run-config.json", "--data", "{d}/negative-ids.parquet"],
-     f"token ids must lie in [0, {TINY_VOCAB})"),
-    ("--data with string tokens", ["run", "--config", "{d}/run-config.json", "--data", "{d}/string-tokens.parquet"],
-     "holds string values, not integer token ids"),
-    ("--data with float tokens", ["run", "--config", "{d}/run-config.json", "--data", "{d}/float-tokens.parquet"],
-     "holds double values, not integer token ids"),
-    ("--data shorter than one sequence", ["run", "--config", "{d}/run-config.json", "--data", "{d}/short.parquet"],
-     f"fewer than one sequence of {RUN_SEQ}"),
+    ("--data missing", ["run", "--config", "{d}/run-config.json", "--data", "{d}/no-tokens.parquet"], "does not exist"),
+    (
+        "--data not Parquet/Arrow",
+        ["run", "--config", "{d}/run-config.json", "--data", "{d}/tokens.txt"],
+        "cannot be read as a Parquet or Arrow file",
+    ),
+    (
+        "--data .arrow that is not Arrow",
+        ["run", "--config", "{d}/run-config.json", "--data", "{d}/tokens.arrow"],
+        "cannot be read as a Parquet or Arrow file",
+    ),
+    (
+        "--data without a token column",
+        ["run", "--config", "{d}/run-config.json", "--data", "{d}/text.parquet"],
+        "needs a column 'input_ids'",
+    ),
+    (
+        "--data with ids outside the vocabulary",
+        ["run", "--config", "{d}/run-config.json", "--data", "{d}/big-ids.parquet"],
+        f"token ids must lie in [0, {TINY_VOCAB})",
+    ),
+    (
+        "--data with negative ids",
+        ["run", "--config", "{d}/run-config.json", "--data", "{d}/negative-ids.parquet"],
+        f"token ids must lie in [0, {TINY_VOCAB})",
+    ),
+    (
+        "--data with string tokens",
+        ["run", "--config", "{d}/run-config.json", "--data", "{d}/string-tokens.parquet"],
+        "holds string values, not integer token ids",
+    ),
+    (
+        "--data with float tokens",
+        ["run", "--config", "{d}/run-config.json", "--data", "{d}/float-tokens.parquet"],
+        "holds double values, not integer token ids",
+    ),
+    (
+        "--data shorter than one sequence",
+        ["run", "--config", "{d}/run-config.json", "--data", "{d}/short.parquet"],
+        f"fewer than one sequence of {RUN_SEQ}",
+    ),
 ]
 
 
@@ -139,8 +267,9 @@ def _make_run_files(root: Path) -> None:
     import pyarrow.parquet as pq
 
     techniques = {"ulysses_degree": 1, "activation_checkpointing": True, "attention": "sdpa"}
-    (root / "run-config.json").write_text(json.dumps(_config(model="tiny-llama", hardware="cpu", gpus=1,
-                                                             seq_len=RUN_SEQ, techniques=techniques)))
+    (root / "run-config.json").write_text(
+        json.dumps(_config(model="tiny-llama", hardware="cpu", gpus=1, seq_len=RUN_SEQ, techniques=techniques))
+    )
     (root / "tokens.txt").write_text(" ".join(str(i) for i in range(4 * RUN_SEQ)) + "\n")
     (root / "tokens.arrow").write_text("not an Arrow IPC file\n")
     pq.write_table(pa.table({"text": ["a document"] * 4}), root / "text.parquet")
@@ -182,6 +311,7 @@ def numeric_options() -> list[tuple[str, str, type]]:
 
 def _outside(allowed, kind: type) -> list[str]:
     """Values just outside ``allowed`` (an ``autotune.cli_options.Range``) as a user would type them."""
+
     def typed(value: float) -> str:
         return str(int(value)) if kind is int else str(float(value))
 
@@ -206,8 +336,13 @@ def range_cases() -> list[tuple[str, list[str], str]]:
             continue
         allowed = RANGES[flag]
         for value in _outside(allowed, kind):
-            cases.append((f"{command} {flag} {value}", [*COMMAND_ARGV[command], flag, value],
-                          f"Invalid value for '{flag}': must be {allowed.describe()}, got "))
+            cases.append(
+                (
+                    f"{command} {flag} {value}",
+                    [*COMMAND_ARGV[command], flag, value],
+                    f"Invalid value for '{flag}': must be {allowed.describe()}, got ",
+                )
+            )
     return cases
 
 

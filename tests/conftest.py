@@ -15,8 +15,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """``autotune ARGS`` as a user runs it (a fresh process), capturing stdout and stderr."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "autotune.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=full_env)
+    return subprocess.run(
+        [sys.executable, "-m", "autotune.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=full_env,
+    )
 
 
 @pytest.fixture

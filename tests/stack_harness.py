@@ -87,8 +87,9 @@ def reference(model_config: dict, seq_len: int, dp: int) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
     optimizer.step()
     with torch.no_grad():
-        step_loss = sum(float(model(b.input_ids, b.position_ids, b.labels, scale=1.0 / b.valid_tokens))
-                        for b in batches) / dp
+        step_loss = (
+            sum(float(model(b.input_ids, b.position_ids, b.labels, scale=1.0 / b.valid_tokens)) for b in batches) / dp
+        )
     return {"loss": loss, "grads": grads, "step_loss": step_loss}
 
 
@@ -148,8 +149,7 @@ def run_case(case: dict, seq_len: int, refs: dict, meshes: dict) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
-            scaled = model(batch.input_ids, batch.position_ids, batch.labels,
-                           scale=mesh.sp_degree / batch.valid_tokens)
+            scaled = model(batch.input_ids, batch.position_ids, batch.labels, scale=mesh.sp_degree / batch.valid_tokens)
         step_loss = global_loss(scaled, mesh)
         result["step_loss_rel"] = abs(step_loss - ref["step_loss"]) / abs(ref["step_loss"])
     result["seconds"] = round(time.perf_counter() - start, 3)
@@ -175,8 +175,15 @@ def main(argv: list[str]) -> int:
                 print(json.dumps(results[-1]), flush=True)
     except Exception as exc:
         if rank == 0 or world == 1:
-            out_path.write_text(json.dumps({"world_size": world, "results": results,
-                                            "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}))
+            out_path.write_text(
+                json.dumps(
+                    {
+                        "world_size": world,
+                        "results": results,
+                        "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}",
+                    }
+                )
+            )
         print(traceback.format_exc(), file=sys.stderr, flush=True)
         os._exit(1)
     if rank == 0:

@@ -35,8 +35,12 @@ def one_step(model_config: dict, techniques: dict, seq_len: int, mesh) -> dict:
         apply(model, Techniques.from_dict(techniques), mesh)
         tracker.retag(model.parameters(), "params")
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=False)
-        batch = make_batch(synthetic_sample(mesh.dp_rank, seq_len, model.config.vocab_size, 0), mesh.sp_rank,
-                           mesh.sp_degree, mesh.device)
+        batch = make_batch(
+            synthetic_sample(mesh.dp_rank, seq_len, model.config.vocab_size, 0),
+            mesh.sp_rank,
+            mesh.sp_degree,
+            mesh.device,
+        )
         tracker.reset_peak()
         with tracker.in_phase("forward"):
             loss = model(batch.input_ids, batch.position_ids, batch.labels, scale=loss_scale(batch, mesh))
@@ -48,9 +52,13 @@ def one_step(model_config: dict, techniques: dict, seq_len: int, mesh) -> dict:
         with tracker.in_phase("optimizer"):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    return {"peak_device_bytes": tracker.peak_device_bytes, "forward_device_bytes": forward_device,
-            "forward_host_bytes": forward_host, "host_bytes": tracker.peak_host_bytes,
-            "breakdown": dict(tracker.peak_breakdown)}
+    return {
+        "peak_device_bytes": tracker.peak_device_bytes,
+        "forward_device_bytes": forward_device,
+        "forward_host_bytes": forward_host,
+        "host_bytes": tracker.peak_host_bytes,
+        "breakdown": dict(tracker.peak_breakdown),
+    }
 
 
 def main(argv: list[str]) -> int:

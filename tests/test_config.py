@@ -10,8 +10,17 @@ from trials.techniques import Techniques
 
 
 def full_stack(**overrides):
-    values = dict(fsdp=True, optimizer_offload=True, ulysses_degree=8, head_chunk=1, activation_checkpointing=True,
-                  activation_offload_layers=32, mlp_tile_tokens=65536, loss_tile_tokens=65536, attention="flash")
+    values = dict(
+        fsdp=True,
+        optimizer_offload=True,
+        ulysses_degree=8,
+        head_chunk=1,
+        activation_checkpointing=True,
+        activation_offload_layers=32,
+        mlp_tile_tokens=65536,
+        loss_tile_tokens=65536,
+        attention="flash",
+    )
     values.update(overrides)
     return Techniques(**values)
 
@@ -20,17 +29,20 @@ def test_full_stack_is_valid_for_llama3_8b():
     full_stack().validate(load_model_config("llama3-8b"), gpus=8, seq_len=5_242_880)
 
 
-@pytest.mark.parametrize("overrides, gpus, reason", [
-    ({"ulysses_degree": 3}, 8, "does not divide the GPU count"),
-    ({"ulysses_degree": 8}, 4, "does not divide the GPU count"),
-    ({"head_chunk": 3}, 8, "does not divide"),
-    ({"head_chunk": 5}, 8, "between 1 and"),
-    ({"activation_checkpointing": False}, 8, "needs activation_checkpointing"),
-    ({"fsdp": False}, 8, "optimizer_offload needs fsdp"),
-    ({"activation_offload_layers": 33}, 8, "between 0 and 32"),
-    ({"attention": "eager"}, 8, "must be one of"),
-    ({"mlp_tile_tokens": -1}, 8, "must be 0"),
-])
+@pytest.mark.parametrize(
+    "overrides, gpus, reason",
+    [
+        ({"ulysses_degree": 3}, 8, "does not divide the GPU count"),
+        ({"ulysses_degree": 8}, 4, "does not divide the GPU count"),
+        ({"head_chunk": 3}, 8, "does not divide"),
+        ({"head_chunk": 5}, 8, "between 1 and"),
+        ({"activation_checkpointing": False}, 8, "needs activation_checkpointing"),
+        ({"fsdp": False}, 8, "optimizer_offload needs fsdp"),
+        ({"activation_offload_layers": 33}, 8, "between 0 and 32"),
+        ({"attention": "eager"}, 8, "must be one of"),
+        ({"mlp_tile_tokens": -1}, 8, "must be 0"),
+    ],
+)
 def test_impossible_combinations_are_refused_with_reason(overrides, gpus, reason):
     with pytest.raises(ConfigError, match=reason):
         full_stack(**overrides).validate(load_model_config("llama3-8b"), gpus=gpus)
@@ -53,8 +65,16 @@ def test_offload_all_and_none():
 
 
 def config_doc(**overrides):
-    doc = {"schema": SCHEMA, "model": "llama3-8b", "hardware": "h100-sxm", "gpus": 8, "seq_len": 5_242_880,
-           "techniques": full_stack().to_dict(), "predicted": None, "measured": None}
+    doc = {
+        "schema": SCHEMA,
+        "model": "llama3-8b",
+        "hardware": "h100-sxm",
+        "gpus": 8,
+        "seq_len": 5_242_880,
+        "techniques": full_stack().to_dict(),
+        "predicted": None,
+        "measured": None,
+    }
     doc.update(overrides)
     return doc
 
@@ -68,12 +88,15 @@ def test_config_file_round_trip(tmp_path):
     assert json.loads((tmp_path / "again.json").read_text()) == config_doc()
 
 
-@pytest.mark.parametrize("doc, reason", [
-    (config_doc(extra=1), "unknown key 'extra'"),
-    (config_doc(schema="autotune/config-v0"), "schema"),
-    (config_doc(techniques={"fsdp": "yes"}), "must be true or false"),
-    ([1, 2], "JSON object"),
-])
+@pytest.mark.parametrize(
+    "doc, reason",
+    [
+        (config_doc(extra=1), "unknown key 'extra'"),
+        (config_doc(schema="autotune/config-v0"), "schema"),
+        (config_doc(techniques={"fsdp": "yes"}), "must be true or false"),
+        ([1, 2], "JSON object"),
+    ],
+)
 def test_bad_config_documents(doc, reason):
     with pytest.raises(ConfigError, match=reason):
         parse_config(doc)
@@ -88,16 +111,31 @@ def test_truncated_json(tmp_path):
 
 def test_presets_load():
     tiny = load_model_config("tiny-llama")
-    assert (tiny["hidden_size"], tiny["num_hidden_layers"], tiny["num_attention_heads"], tiny["num_key_value_heads"],
-            tiny["vocab_size"]) == (128, 4, 8, 2, 4096)
+    assert (
+        tiny["hidden_size"],
+        tiny["num_hidden_layers"],
+        tiny["num_attention_heads"],
+        tiny["num_key_value_heads"],
+        tiny["vocab_size"],
+    ) == (128, 4, 8, 2, 4096)
     h100 = load_hardware("h100-sxm")
     assert h100.device_memory_bytes == 81_559 * 2**20 and h100.bf16_flops == 989e12  # the card reports 79.65 GiB
 
 
 def test_model_from_hf_config_path(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
-                                "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 512}))
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 256,
+                "intermediate_size": 512,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "vocab_size": 512,
+            }
+        )
+    )
     config = load_model_config(str(path))
     assert config["num_key_value_heads"] == 4 and config["head_dim"] == 64
 

@@ -22,8 +22,9 @@ def _flash_stand_in(seen: list):
         assert q.dtype == k.dtype == v.dtype and q.dtype in (torch.float16, torch.bfloat16), seen[-1]
         groups = q.shape[2] // k.shape[2]
         k, v = (t.repeat_interleave(groups, dim=2) for t in (k, v))
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=causal, scale=softmax_scale)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, scale=softmax_scale
+        )
         return out.transpose(1, 2)
 
     return flash_attn_func
@@ -34,8 +35,9 @@ def _one_step(techniques: Techniques, compute_dtype=torch.bfloat16) -> float:
     from trials.step import build_training, train_step
 
     mesh = Mesh.single("cpu")
-    model, optimizer = build_training(load_model_config("tiny-llama"), techniques, mesh, seed=0,
-                                      compute_dtype=compute_dtype)
+    model, optimizer = build_training(
+        load_model_config("tiny-llama"), techniques, mesh, seed=0, compute_dtype=compute_dtype
+    )
     batch = make_batch(synthetic_sample(0, 256, model.config.vocab_size, 0), 0, 1, mesh.device)
     return train_step(model, optimizer, batch, mesh).loss
 
@@ -84,7 +86,8 @@ def test_flash_configs_without_fsdp_get_a_prediction_on_a_gpu_preset():
     for knobs in ({}, {"ulysses_degree": 2}, {"ulysses_degree": 2, "head_chunk": 1}):
         techniques = Techniques(attention="flash", **knobs)
         record = PlanBackend(throughput=False).evaluate(
-            Evaluation(config, techniques, 2048, techniques.ulysses_degree, load_hardware("h100-sxm")))
+            Evaluation(config, techniques, 2048, techniques.ulysses_degree, load_hardware("h100-sxm"))
+        )
         assert record.status == "ok", (knobs, record.error)
 
 
@@ -107,6 +110,7 @@ def test_loss_tiles_accumulate_the_lm_head_gradient_in_fp32():
 
 
 # -- allocator settings, deadlines, the measured record ------------------------------------------------------
+
 
 def test_allocator_settings_are_merged_into_the_trial_environment_and_known_to_torch():
     from trials.allocator import SETTINGS, configure, trial_environment
@@ -156,7 +160,7 @@ def test_the_tracker_counts_host_storages_as_host_on_a_real_accelerator():
     with DeviceMemoryTracker(device_type="cuda") as tracker:
         host = torch.empty(1000, dtype=torch.float32)  # a CPU storage beside a GPU step: host memory
         assert tracker.host_bytes == 4000 and tracker.device_bytes == 0
-    with DeviceMemoryTracker() as tracker:              # the simulated device: CPU storages are the device's
+    with DeviceMemoryTracker() as tracker:  # the simulated device: CPU storages are the device's
         simulated = torch.empty(1000, dtype=torch.float32)
         assert tracker.device_bytes == 4000 and tracker.host_bytes == 0
     del host, simulated
@@ -166,9 +170,13 @@ def test_a_measured_record_has_the_predicted_quantities():
     from trials.runner import run_trial
     from trials.spec import TrialSpec
 
-    spec = TrialSpec(model_config=load_model_config("tiny-llama"),
-                     techniques=Techniques(activation_checkpointing=True, activation_offload_layers=1),
-                     seq_len=256, steps=1, warmup=0)
+    spec = TrialSpec(
+        model_config=load_model_config("tiny-llama"),
+        techniques=Techniques(activation_checkpointing=True, activation_offload_layers=1),
+        seq_len=256,
+        steps=1,
+        warmup=0,
+    )
     record = run_trial(spec, Mesh.single("cpu"))
     assert record.status == "ok", record.error
     # the simulated device has no allocator and no runtime: all three peaks are the tracker's

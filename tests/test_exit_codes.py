@@ -29,8 +29,14 @@ TECHNIQUES = {"ulysses_degree": 1, "activation_checkpointing": True, "attention"
 
 def autotune(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     assert AUTOTUNE.is_file(), f"{AUTOTUNE} is not installed (pip install -e .)"
-    return subprocess.run([str(AUTOTUNE), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [str(AUTOTUNE), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def stderr_lines(done) -> list[str]:
@@ -52,8 +58,20 @@ def assert_bad_input(done, fragment: str) -> None:
 
 
 def write_config(path: Path, model: str = "tiny-llama", seq_len: int = 512) -> Path:
-    path.write_text(json.dumps({"schema": "autotune/config-v1", "model": model, "hardware": "cpu", "gpus": 1,
-                                "seq_len": seq_len, "techniques": TECHNIQUES, "predicted": None, "measured": None}))
+    path.write_text(
+        json.dumps(
+            {
+                "schema": "autotune/config-v1",
+                "model": model,
+                "hardware": "cpu",
+                "gpus": 1,
+                "seq_len": seq_len,
+                "techniques": TECHNIQUES,
+                "predicted": None,
+                "measured": None,
+            }
+        )
+    )
     return path
 
 
@@ -76,6 +94,7 @@ def reached(tmp_path_factory):
 
 # --- search ---------------------------------------------------------------------------------------------------------
 
+
 def test_search_that_reaches_its_target_exits_0(reached):
     out, done = reached
     assert_exit(done, 0)
@@ -91,8 +110,10 @@ def test_search_that_reaches_no_config_exits_1_without_best_json(tmp_path):
 
 
 def test_search_bad_input_exits_2(tmp_path):
-    assert_bad_input(autotune("search", *PLAN, "--target", "4K", "--timeout", "-5", "--out", str(tmp_path)),
-                     "Invalid value for '--timeout': must be above 0 seconds, got -5")
+    assert_bad_input(
+        autotune("search", *PLAN, "--target", "4K", "--timeout", "-5", "--out", str(tmp_path)),
+        "Invalid value for '--timeout': must be above 0 seconds, got -5",
+    )
 
 
 def _point(trial) -> dict:
@@ -126,8 +147,26 @@ def _wait_for_a_running_trial(out: Path, process: subprocess.Popen, timeout_s: f
 @pytest.mark.slow
 def test_sigint_during_a_search_exits_130_and_the_resumed_search_loses_nothing(tmp_path):
     out = tmp_path / "out"
-    command = [str(AUTOTUNE), "search", "--model", "tiny-llama", "--target", "4K", "--gpus", "2", "--backend", "plan",
-               "--hardware", "cpu", "--memory-gib", "0.5", "--trials", "10", "--out", str(out)]
+    command = [
+        str(AUTOTUNE),
+        "search",
+        "--model",
+        "tiny-llama",
+        "--target",
+        "4K",
+        "--gpus",
+        "2",
+        "--backend",
+        "plan",
+        "--hardware",
+        "cpu",
+        "--memory-gib",
+        "0.5",
+        "--trials",
+        "10",
+        "--out",
+        str(out),
+    ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         _wait_for_a_running_trial(out, process)
@@ -170,6 +209,7 @@ def _analytic_search(tmp_path):
 
     class Analytic(Backend):
         """Memory and speed from the length alone; raises KeyboardInterrupt on its ``interrupt_at``-th call."""
+
         name = "plan"
 
         def __init__(self, interrupt_at: int | None = None):
@@ -180,17 +220,30 @@ def _analytic_search(tmp_path):
             if len(self.calls) == self.interrupt_at:
                 raise KeyboardInterrupt
             fits = evaluation.seq_len <= 4096
-            return ResultRecord(status="ok" if fits else "oom", source="predicted", seq_len=evaluation.seq_len,
-                                tokens_per_s=1e7 / evaluation.seq_len if fits else None,
-                                peak_device_bytes=evaluation.seq_len * 1000)
+            return ResultRecord(
+                status="ok" if fits else "oom",
+                source="predicted",
+                seq_len=evaluation.seq_len,
+                tokens_per_s=1e7 / evaluation.seq_len if fits else None,
+                peak_device_bytes=evaluation.seq_len * 1000,
+            )
 
     config = load_model_config("tiny-llama")
 
     def job(backend):
-        return search.SearchJob(model="tiny-llama", model_config=config, target=8192, gpus=2,
-                                hardware=load_hardware("cpu").with_memory_gib(4096 * 1000 / 2**30),
-                                space=load_space(SPACES_DIR / "reduced-tiny.yaml", config, 2, 8192, flash_ok=False),
-                                backend=backend, out=tmp_path, trials=6, seed=0, follow_ups=False)
+        return search.SearchJob(
+            model="tiny-llama",
+            model_config=config,
+            target=8192,
+            gpus=2,
+            hardware=load_hardware("cpu").with_memory_gib(4096 * 1000 / 2**30),
+            space=load_space(SPACES_DIR / "reduced-tiny.yaml", config, 2, 8192, flash_ok=False),
+            backend=backend,
+            out=tmp_path,
+            trials=6,
+            seed=0,
+            follow_ups=False,
+        )
 
     return Analytic, job
 
@@ -238,41 +291,94 @@ def test_a_trial_killed_before_it_was_marked_is_evaluated_in_the_same_resumed_ru
 
 # --- estimate -------------------------------------------------------------------------------------------------------
 
+
 def test_estimate_exits_0_for_a_prediction_oom_or_not():
     fits = autotune("estimate", *PLAN[:4], "--hardware", "cpu", "--seq", "1K", "--config", "baseline", "--json")
     assert_exit(fits, 0)
     assert json.loads(fits.stdout)["status"] == "ok"
-    oom = autotune("estimate", *PLAN[:4], "--hardware", "cpu", "--seq", "1K", "--config", "baseline",
-                   "--memory-gib", "0.001", "--json")
+    oom = autotune(
+        "estimate",
+        *PLAN[:4],
+        "--hardware",
+        "cpu",
+        "--seq",
+        "1K",
+        "--config",
+        "baseline",
+        "--memory-gib",
+        "0.001",
+        "--json",
+    )
     assert_exit(oom, 0)
     assert json.loads(oom.stdout)["status"] == "oom"
 
 
 def test_estimate_whose_prediction_fails_exits_1_with_the_record(tmp_path):
-    done = autotune("estimate", "--model", str(unbuildable_model(tmp_path)), "--gpus", "1", "--hardware", "cpu",
-                    "--seq", "1K", "--config", "baseline", "--json")
+    done = autotune(
+        "estimate",
+        "--model",
+        str(unbuildable_model(tmp_path)),
+        "--gpus",
+        "1",
+        "--hardware",
+        "cpu",
+        "--seq",
+        "1K",
+        "--config",
+        "baseline",
+        "--json",
+    )
     assert_exit(done, 1, "the prediction failed")
     assert json.loads(done.stdout)["status"] == "error"  # the record is still printed
     assert "no-such-activation" in stderr_lines(done)[-1]
 
 
 def test_estimate_bad_input_exits_2():
-    assert_bad_input(autotune("estimate", *PLAN[:2], "--seq", "1K", "--config", "baseline", "--gpus", "0"),
-                     "Invalid value for '--gpus': must be at least 1, got 0")
+    assert_bad_input(
+        autotune("estimate", *PLAN[:2], "--seq", "1K", "--config", "baseline", "--gpus", "0"),
+        "Invalid value for '--gpus': must be at least 1, got 0",
+    )
 
 
 # --- trial ----------------------------------------------------------------------------------------------------------
 
+
 def test_trial_whose_record_is_ok_exits_0():
-    done = autotune("trial", "--model", "tiny-llama", "--seq", "512", "--config", "baseline", "--gpus", "1",
-                    "--steps", "1", "--json")
+    done = autotune(
+        "trial",
+        "--model",
+        "tiny-llama",
+        "--seq",
+        "512",
+        "--config",
+        "baseline",
+        "--gpus",
+        "1",
+        "--steps",
+        "1",
+        "--json",
+    )
     assert_exit(done, 0)
     assert json.loads(done.stdout)["status"] == "ok"
 
 
 def test_trial_whose_record_is_not_ok_exits_1_with_the_record():
-    done = autotune("trial", "--model", "tiny-llama", "--seq", "1K", "--config", "baseline", "--gpus", "1",
-                    "--steps", "1", "--memory-gib", "0.001", "--json")
+    done = autotune(
+        "trial",
+        "--model",
+        "tiny-llama",
+        "--seq",
+        "1K",
+        "--config",
+        "baseline",
+        "--gpus",
+        "1",
+        "--steps",
+        "1",
+        "--memory-gib",
+        "0.001",
+        "--json",
+    )
     assert_exit(done, 1, "the trial ended oom")
     assert json.loads(done.stdout)["status"] == "oom"  # the record is still printed
 
@@ -282,16 +388,38 @@ def _stop_a_running_trial(gpus: int, settle_s: float) -> tuple[int, list]:
     alive 30 s on)."""
     import psutil
 
-    process = subprocess.Popen([str(AUTOTUNE), "trial", "--model", "tiny-llama", "--seq", "1K", "--config", "baseline",
-                                "--gpus", str(gpus), "--steps", "100000", "--timeout", "600"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    process = subprocess.Popen(
+        [
+            str(AUTOTUNE),
+            "trial",
+            "--model",
+            "tiny-llama",
+            "--seq",
+            "1K",
+            "--config",
+            "baseline",
+            "--gpus",
+            str(gpus),
+            "--steps",
+            "100000",
+            "--timeout",
+            "600",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+    )
     trial_processes = []
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and process.poll() is None:
             trial_processes = psutil.Process(process.pid).children(recursive=True)
-            ranks = [p for p in trial_processes if "trials.runner" in p.cmdline()  # not torchrun, which names it
-                     and "torch.distributed.run" not in p.cmdline()]
+            ranks = [
+                p
+                for p in trial_processes
+                if "trials.runner" in p.cmdline()  # not torchrun, which names it
+                and "torch.distributed.run" not in p.cmdline()
+            ]
             if len(ranks) == gpus:
                 break
             time.sleep(0.2)
@@ -317,11 +445,14 @@ def test_trial_stopped_by_sigterm_exits_130_and_leaves_no_process():
 
 
 def test_trial_bad_input_exits_2():
-    assert_bad_input(autotune("trial", "--model", "tiny-llama", "--seq", "1K", "--config", "baseline", "--steps", "0"),
-                     "Invalid value for '--steps': must be at least 1, got 0")
+    assert_bad_input(
+        autotune("trial", "--model", "tiny-llama", "--seq", "1K", "--config", "baseline", "--steps", "0"),
+        "Invalid value for '--steps': must be at least 1, got 0",
+    )
 
 
 # --- verify ---------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_verify_exits_0_when_every_trial_ran(reached, tmp_path):
@@ -349,6 +480,7 @@ def test_verify_bad_input_exits_2(reached):
 
 # --- export, show, plot, models, hardware -----------------------------------------------------------------------------
 
+
 def test_export_show_plot_exit_0_on_a_search_folder_and_2_on_another(reached, tmp_path):
     out, _ = reached
     exported = autotune("export", str(out))
@@ -367,11 +499,29 @@ def test_export_exits_1_when_the_format_expresses_no_config_at_the_target(tmp_pa
 
     record = {"status": "ok", "source": "predicted", "seq_len": 1024, "tokens_per_s": 1000.0}
     techniques = Techniques(activation_checkpointing=True, loss_tile_tokens=512).to_dict()
-    (tmp_path / "pareto.json").write_text(json.dumps({
-        "schema": "autotune/pareto-v1", "model": "tiny-llama", "hardware": "cpu", "gpus": 1, "target": 1024,
-        "capacity_bytes": 2**30, "front": [{"trial": 0, "seq_len": 1024, "tokens_per_s": 1000.0,
-                                            "techniques": techniques, "record": record, "predicted": record,
-                                            "measured": None}]}))
+    (tmp_path / "pareto.json").write_text(
+        json.dumps(
+            {
+                "schema": "autotune/pareto-v1",
+                "model": "tiny-llama",
+                "hardware": "cpu",
+                "gpus": 1,
+                "target": 1024,
+                "capacity_bytes": 2**30,
+                "front": [
+                    {
+                        "trial": 0,
+                        "seq_len": 1024,
+                        "tokens_per_s": 1000.0,
+                        "techniques": techniques,
+                        "record": record,
+                        "predicted": record,
+                        "measured": None,
+                    }
+                ],
+            }
+        )
+    )
     assert_exit(autotune("export", str(tmp_path), "--format", "autotune"), 0)
     done = autotune("export", str(tmp_path), "--format", "arctic")
     assert_exit(done, 1, "no front config that --format arctic expresses in full reaches 1,024 tokens")
@@ -387,19 +537,32 @@ def test_models_and_hardware_exit_0():
 
 # --- run --------------------------------------------------------------------------------------------------------------
 
+
 def test_run_that_trains_exits_0(tmp_path):
     tokens = [[(7 * i + j) % 4096 for j in range(600)] for i in range(2)]
     pq.write_table(pa.table({"input_ids": tokens}), tmp_path / "tokens.parquet")
-    done = autotune("run", "--config", str(write_config(tmp_path / "cfg.json")), "--steps", "1", "--data",
-                    str(tmp_path / "tokens.parquet"))
+    done = autotune(
+        "run",
+        "--config",
+        str(write_config(tmp_path / "cfg.json")),
+        "--steps",
+        "1",
+        "--data",
+        str(tmp_path / "tokens.parquet"),
+    )
     assert_exit(done, 0)
     assert json.loads(done.stdout.split("summary ", 1)[1].splitlines()[0])["steps"] == 1
 
 
 def test_run_whose_training_fails_exits_1_with_the_root_cause_last(tmp_path):
     config = write_config(tmp_path / "cfg.json", model=str(unbuildable_model(tmp_path)))
-    done = subprocess.run([str(AUTOTUNE), "run", "--config", str(config), "--steps", "1"], capture_output=True,
-                          text=True, timeout=600, cwd=ROOT)
+    done = subprocess.run(
+        [str(AUTOTUNE), "run", "--config", str(config), "--steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert done.returncode == 1, done.stderr[-3000:]
     assert "Traceback" in done.stderr  # the training's own, passed through; the root cause is the last line
     assert stderr_lines(done)[-1].startswith("autotune: training failed: ")
@@ -417,8 +580,13 @@ def test_run_stopped_by_sigterm_exits_130(tmp_path):
     import psutil
 
     config = write_config(tmp_path / "cfg.json")
-    process = subprocess.Popen([str(AUTOTUNE), "run", "--config", str(config), "--steps", "100000"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    process = subprocess.Popen(
+        [str(AUTOTUNE), "run", "--config", str(config), "--steps", "100000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         first = process.stdout.readline()  # rank 0's first step line: training runs
         assert first.startswith("step 1/"), first
@@ -437,12 +605,19 @@ def test_run_stopped_by_sigterm_exits_130(tmp_path):
 def test_the_root_cause_is_the_first_exception_a_rank_raised():
     from autotune.cli_run import root_cause
 
-    torchrun = ["[rank1]: Traceback (most recent call last):", "[rank1]: KeyError: 'no-such-activation'",
-                "[rank0]: RuntimeError: Connection closed by peer",
-                "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: "]
+    torchrun = [
+        "[rank1]: Traceback (most recent call last):",
+        "[rank1]: KeyError: 'no-such-activation'",
+        "[rank0]: RuntimeError: Connection closed by peer",
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+    ]
     assert root_cause(torchrun, 1) == "rank 1: KeyError: 'no-such-activation'"
-    chained = ["Traceback (most recent call last):", "ValueError: bad ids",
-               "During handling of the above exception, another exception occurred:", "RuntimeError: cleanup"]
+    chained = [
+        "Traceback (most recent call last):",
+        "ValueError: bad ids",
+        "During handling of the above exception, another exception occurred:",
+        "RuntimeError: cleanup",
+    ]
     assert root_cause(chained, 1) == "ValueError: bad ids"
     assert root_cause(["step 1/10  loss 8.3"], -9) == "killed by signal SIGKILL"
 
@@ -453,11 +628,13 @@ def test_an_interrupt_inside_storage_code_waits_until_that_code_returns():
     from autotune.cli_interrupts import interrupts_at_safe_points
 
     namespace = {}
-    source = ("import os, signal, time\n"
-              "def storage_call(steps):\n"
-              "    os.kill(os.getpid(), signal.SIGINT)\n"
-              "    time.sleep(0.3)\n"
-              "    steps.append('storage call finished')\n")
+    source = (
+        "import os, signal, time\n"
+        "def storage_call(steps):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(0.3)\n"
+        "    steps.append('storage call finished')\n"
+    )
     exec(compile(source, "/site-packages/sqlalchemy/orm/session_stand_in.py", "exec"), namespace)
     steps = []
     with interrupts_at_safe_points():

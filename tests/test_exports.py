@@ -28,20 +28,53 @@ from trials.config_file import load_config_file
 from trials.model_config import load_model_config
 from trials.techniques import Techniques, knob_names
 
-TECHNIQUES = {"fsdp": False, "optimizer_offload": False, "ulysses_degree": 1, "head_chunk": None,
-              "activation_checkpointing": True, "activation_offload_layers": 0, "mlp_tile_tokens": 0,
-              "loss_tile_tokens": 0, "attention": "sdpa"}
+TECHNIQUES = {
+    "fsdp": False,
+    "optimizer_offload": False,
+    "ulysses_degree": 1,
+    "head_chunk": None,
+    "activation_checkpointing": True,
+    "activation_offload_layers": 0,
+    "mlp_tile_tokens": 0,
+    "loss_tile_tokens": 0,
+    "attention": "sdpa",
+}
 JUDGES = str(ROOT / "tests" / "trainer_judges.py")
 CAPACITY_GIB = 0.25
 # (label, length, techniques): what the front of a long-context search looks like, in small
 FRONT_CONFIGS = [
-    ("short", 2048, dict(activation_checkpointing=True, activation_offload_layers=2, mlp_tile_tokens=512,
-                         loss_tile_tokens=512)),
-    ("middle", 4096, dict(fsdp=True, ulysses_degree=2, activation_checkpointing=True, activation_offload_layers=4,
-                          mlp_tile_tokens=16384, loss_tile_tokens=8192)),
-    ("target", 8192, dict(fsdp=True, optimizer_offload=True, ulysses_degree=2, head_chunk=1,
-                          activation_checkpointing=True, activation_offload_layers=4, mlp_tile_tokens=1024,
-                          loss_tile_tokens=1024, norm_tile_tokens=1024)),
+    (
+        "short",
+        2048,
+        dict(activation_checkpointing=True, activation_offload_layers=2, mlp_tile_tokens=512, loss_tile_tokens=512),
+    ),
+    (
+        "middle",
+        4096,
+        dict(
+            fsdp=True,
+            ulysses_degree=2,
+            activation_checkpointing=True,
+            activation_offload_layers=4,
+            mlp_tile_tokens=16384,
+            loss_tile_tokens=8192,
+        ),
+    ),
+    (
+        "target",
+        8192,
+        dict(
+            fsdp=True,
+            optimizer_offload=True,
+            ulysses_degree=2,
+            head_chunk=1,
+            activation_checkpointing=True,
+            activation_offload_layers=4,
+            mlp_tile_tokens=1024,
+            loss_tile_tokens=1024,
+            norm_tile_tokens=1024,
+        ),
+    ),
 ]
 LABELS = [label for label, _, _ in FRONT_CONFIGS]
 TRAINER_FORMATS = ("arctic", "accelerate", "deepspeed")
@@ -61,12 +94,30 @@ def plan_front(tmp_path_factory):
     for trial, (_, length, knobs) in enumerate(FRONT_CONFIGS):
         record = plan.evaluate(Evaluation(model_config, Techniques(**knobs), length, 2, hardware)).to_dict()
         assert record["status"] == "ok", record
-        front.append({"trial": trial, "seq_len": length, "tokens_per_s": record["tokens_per_s"],
-                      "techniques": Techniques(**knobs).to_dict(), "record": record, "predicted": record,
-                      "measured": None})
-    (root / "pareto.json").write_text(json.dumps({
-        "schema": "autotune/pareto-v1", "model": "tiny-llama", "hardware": "cpu", "gpus": 2, "target": 8192,
-        "capacity_bytes": hardware.device_memory_bytes, "front": front}))
+        front.append(
+            {
+                "trial": trial,
+                "seq_len": length,
+                "tokens_per_s": record["tokens_per_s"],
+                "techniques": Techniques(**knobs).to_dict(),
+                "record": record,
+                "predicted": record,
+                "measured": None,
+            }
+        )
+    (root / "pareto.json").write_text(
+        json.dumps(
+            {
+                "schema": "autotune/pareto-v1",
+                "model": "tiny-llama",
+                "hardware": "cpu",
+                "gpus": 2,
+                "target": 8192,
+                "capacity_bytes": hardware.device_memory_bytes,
+                "front": front,
+            }
+        )
+    )
     return root
 
 
@@ -101,8 +152,14 @@ def exports(plan_front, tmp_path_factory):
 
 def judge(*args: str) -> list[dict]:
     """Run a trainer's judge (tests/trainer_judges.py) in a fresh process; its JSON lines."""
-    result = subprocess.run([sys.executable, JUDGES, *args], capture_output=True, text=True, timeout=600,
-                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    result = subprocess.run(
+        [sys.executable, JUDGES, *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
@@ -113,6 +170,7 @@ def knobs_of(label: str) -> dict:
 
 # -- the declarations ---------------------------------------------------------------------------------------------
 
+
 def test_every_format_declares_every_knob_once():
     for cls in EXPORTERS.values():
         assert set(cls.expresses) == set(knob_names()), cls.name
@@ -120,6 +178,7 @@ def test_every_format_declares_every_knob_once():
 
 def test_a_format_that_forgets_a_knob_is_refused():
     with pytest.raises(TypeError, match="norm_tile_tokens"):
+
         class Forgetful(Exporter):  # noqa: F841 -- defining it is the test
             name, trainer, default_file = "forgetful", "nothing", "x"
             expresses = {k: exactly(k) for k in knob_names() if k != "norm_tile_tokens"}
@@ -144,6 +203,7 @@ def test_what_each_trainer_runs_follows_its_declaration():
 
 
 # -- each trainer judges each export -------------------------------------------------------------------------------
+
 
 def test_arctic_training_loads_each_recipe(exports, model_dir):
     paths = [str(exports["arctic", label][1]) for label in LABELS]
@@ -216,6 +276,7 @@ def test_deepspeed_alst_python_trains_like_the_plain_model(exports, model_dir):
 
 # -- what an export says and which length it claims ------------------------------------------------------------------
 
+
 def test_an_export_never_claims_a_length_its_trainer_cannot_reach(exports, plan_front):
     """Every export's length fits, as the oracle estimates what the trainer runs; ArcticTraining's version of the
     target config (no head chunk, no tiled RMSNorm, a larger loss tile) does not fit at 8K, so its recipe is for
@@ -238,8 +299,10 @@ def test_an_export_never_claims_a_length_its_trainer_cannot_reach(exports, plan_
     at_target = ExportJob("tiny-llama", model_config, 2, 8192, Techniques(**knobs_of("target")))
     runs = make_exporter("arctic").trainer_techniques(at_target)
     assert plan.evaluate(Evaluation(model_config, runs, 8192, 2, hardware)).status == "oom"
-    assert plan.evaluate(Evaluation(model_config, arctic.config.techniques, arctic.config.seq_len, 2,
-                                    hardware)).status == "ok"
+    assert (
+        plan.evaluate(Evaluation(model_config, arctic.config.techniques, arctic.config.seq_len, 2, hardware)).status
+        == "ok"
+    )
 
 
 def test_a_partial_export_lists_what_its_trainer_will_not_do(exports):
@@ -264,13 +327,16 @@ def test_a_trainers_own_way_is_said_but_still_in_full(exports):
 
 
 def test_export_picks_the_fastest_config_its_trainer_runs_in_full(plan_front, tmp_path, capsys):
-    assert main(["export", str(plan_front), "--format", "arctic", "--target", "2K", "-o",
-                 str(tmp_path / "r.yaml")]) == 0
+    assert (
+        main(["export", str(plan_front), "--format", "arctic", "--target", "2K", "-o", str(tmp_path / "r.yaml")]) == 0
+    )
     capsys.readouterr()
     # the short config is faster, but ArcticTraining has no tiled loss without Ulysses: the middle one
     assert yaml.safe_load((tmp_path / "r.yaml").read_text())["data"]["max_length"] == 4096
-    assert main(["export", str(plan_front), "--format", "deepspeed", "--target", "2K", "-o",
-                 str(tmp_path / "ds.json")]) == 0
+    assert (
+        main(["export", str(plan_front), "--format", "deepspeed", "--target", "2K", "-o", str(tmp_path / "ds.json")])
+        == 0
+    )
     assert "max_length" not in (tmp_path / "ds.json").read_text()
     assert "SEQ_LEN = 2048" in (tmp_path / "ds.alst.py").read_text()
 
@@ -295,24 +361,47 @@ def test_allow_partial_exports_the_fastest_at_the_target(plan_front, capsys):
 
 # -- autotune's own formats -----------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def search_dir(tmp_path_factory):
     """A search folder whose front holds one real measured trial (tiny-llama, 1 rank, 1K tokens)."""
     root = tmp_path_factory.mktemp("search")
-    config = {"schema": "autotune/config-v1", "model": "tiny-llama", "hardware": "cpu", "gpus": 1,
-              "seq_len": 1024, "techniques": TECHNIQUES, "predicted": None, "measured": None}
+    config = {
+        "schema": "autotune/config-v1",
+        "model": "tiny-llama",
+        "hardware": "cpu",
+        "gpus": 1,
+        "seq_len": 1024,
+        "techniques": TECHNIQUES,
+        "predicted": None,
+        "measured": None,
+    }
     (root / "config.json").write_text(json.dumps(config))
-    trial = run_cli("trial", "--model", "tiny-llama", "--seq", "1K", "--config", str(root / "config.json"),
-                    "--steps", "1", "--json")
+    trial = run_cli(
+        "trial", "--model", "tiny-llama", "--seq", "1K", "--config", str(root / "config.json"), "--steps", "1", "--json"
+    )
     assert trial.returncode == 0, trial.stderr
     record = json.loads(trial.stdout)
     assert record["status"] == "ok"
-    front = [{"trial": 0, "seq_len": 1024, "tokens_per_s": record["tokens_per_s"], "techniques": TECHNIQUES,
-              "record": record},
-             {"trial": 1, "seq_len": 512, "tokens_per_s": record["tokens_per_s"] * 2,
-              "techniques": {**TECHNIQUES, "activation_checkpointing": False}, "record": {**record, "seq_len": 512}}]
-    (root / "pareto.json").write_text(json.dumps({"model": "tiny-llama", "hardware": "cpu", "gpus": 1,
-                                                  "target": 1024, "front": front}))
+    front = [
+        {
+            "trial": 0,
+            "seq_len": 1024,
+            "tokens_per_s": record["tokens_per_s"],
+            "techniques": TECHNIQUES,
+            "record": record,
+        },
+        {
+            "trial": 1,
+            "seq_len": 512,
+            "tokens_per_s": record["tokens_per_s"] * 2,
+            "techniques": {**TECHNIQUES, "activation_checkpointing": False},
+            "record": {**record, "seq_len": 512},
+        },
+    ]
+    (root / "pareto.json").write_text(
+        json.dumps({"model": "tiny-llama", "hardware": "cpu", "gpus": 1, "target": 1024, "front": front})
+    )
     return root
 
 
@@ -337,10 +426,16 @@ def test_any_front_target_can_be_exported(search_dir, capsys):
 
 def test_torchrun_export_trains_and_matches_the_trial_loss(search_dir, tmp_path, capsys):
     export(search_dir, "--format", "torchrun", "-o", str(tmp_path / "train.sh"), capsys=capsys)
-    env = {**os.environ, "STEPS": "2", "CONFIG": str(tmp_path / "cfg.json"),
-           "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(["bash", str(tmp_path / "train.sh")], capture_output=True, text=True, env=env,
-                            cwd=tmp_path, timeout=600)
+    env = {
+        **os.environ,
+        "STEPS": "2",
+        "CONFIG": str(tmp_path / "cfg.json"),
+        "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+        "PYTHONPATH": str(ROOT),
+    }
+    result = subprocess.run(
+        ["bash", str(tmp_path / "train.sh")], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads(result.stdout.split("summary ", 1)[1].splitlines()[0])
     trial_loss = json.loads((search_dir / "pareto.json").read_text())["front"][0]["record"]["loss"]
@@ -351,11 +446,20 @@ def test_torchrun_export_trains_and_matches_the_trial_loss(search_dir, tmp_path,
 def test_run_trains_on_a_parquet_file(tmp_path):
     tokens = [[(7 * i + j) % 4096 for j in range(700)] for i in range(4)]
     pq.write_table(pa.table({"input_ids": tokens}), tmp_path / "tokens.parquet")
-    config = {"schema": "autotune/config-v1", "model": "tiny-llama", "hardware": "cpu", "gpus": 1,
-              "seq_len": 512, "techniques": TECHNIQUES, "predicted": None, "measured": None}
+    config = {
+        "schema": "autotune/config-v1",
+        "model": "tiny-llama",
+        "hardware": "cpu",
+        "gpus": 1,
+        "seq_len": 512,
+        "techniques": TECHNIQUES,
+        "predicted": None,
+        "measured": None,
+    }
     (tmp_path / "cfg.json").write_text(json.dumps(config))
-    result = run_cli("run", "--config", str(tmp_path / "cfg.json"), "--steps", "3", "--data",
-                     str(tmp_path / "tokens.parquet"))
+    result = run_cli(
+        "run", "--config", str(tmp_path / "cfg.json"), "--steps", "3", "--data", str(tmp_path / "tokens.parquet")
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     steps = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 3

@@ -7,6 +7,7 @@ Floors, and where they come from:
 - flash-attn 2.7: ``flash_attn_interface._wrapped_flash_attn_forward`` / ``_backward`` first appear in tag v2.7.0
   (commit 83e41b3c, "Add custom ops for compatibility with PT Compile"); v2.6.3 has neither.
 """
+
 import os
 import re
 import shutil
@@ -86,10 +87,14 @@ def test_gpu_and_cpu_constraints_pin_the_same_torch():
     assert "+" not in gpu, "the GPU pin must not name a local build (+cpu, +cu130): PyPI's plain wheel is CUDA"
 
 
-@pytest.mark.parametrize("driver, says", [
-    (None, "nvidia-smi not found"),                                    # no driver installed
-    ("#!/bin/sh\nexit 9\n", "nvidia-smi fails: is the NVIDIA driver loaded?"),  # installed, not loaded
-], ids=["no-driver", "driver-not-loaded"])
+@pytest.mark.parametrize(
+    "driver, says",
+    [
+        (None, "nvidia-smi not found"),  # no driver installed
+        ("#!/bin/sh\nexit 9\n", "nvidia-smi fails: is the NVIDIA driver loaded?"),  # installed, not loaded
+    ],
+    ids=["no-driver", "driver-not-loaded"],
+)
 def test_setup_gpu_without_a_driver_fails_loudly_before_touching_anything(tmp_path, driver, says):
     (tmp_path / "bin").mkdir()
     shutil.copy2(SETUP_GPU, tmp_path / "bin" / "setup-gpu")
@@ -102,8 +107,13 @@ def test_setup_gpu_without_a_driver_fails_loudly_before_touching_anything(tmp_pa
     if driver is not None:
         (tools / "nvidia-smi").write_text(driver)
         (tools / "nvidia-smi").chmod(0o755)
-    done = subprocess.run([shutil.which("bash"), str(tmp_path / "bin" / "setup-gpu")], capture_output=True,
-                          text=True, env={"PATH": str(tools), "HOME": str(tmp_path)}, timeout=60)
+    done = subprocess.run(
+        [shutil.which("bash"), str(tmp_path / "bin" / "setup-gpu")],
+        capture_output=True,
+        text=True,
+        env={"PATH": str(tools), "HOME": str(tmp_path)},
+        timeout=60,
+    )
     assert done.returncode != 0
     assert says in done.stderr, done.stderr
     assert not (tmp_path / ".venv").exists()

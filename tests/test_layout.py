@@ -16,8 +16,9 @@ def test_import_contracts_hold():
     """Layers import downwards only, ``trials`` never imports ``autotune``, no import cycles (function-local
     imports included): ``lint-imports`` checks pyproject.toml's contracts."""
     lint = Path(sys.executable).with_name("lint-imports")
-    done = subprocess.run([str(lint), "--config", str(ROOT / "pyproject.toml")], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [str(lint), "--config", str(ROOT / "pyproject.toml")], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "3 kept, 0 broken" in done.stdout
 
@@ -26,8 +27,13 @@ def test_no_module_under_trials_imports_autotune():
     offenders = []
     for path in sorted((ROOT / "trials").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             offenders += [f"{path.name}:{node.lineno} {n}" for n in names if n.split(".")[0] == "autotune"]
     assert offenders == []
 

@@ -36,10 +36,13 @@ def test_capacity_turns_into_oom_at_the_crossing_allocation(tiny_llama):
     assert 0.02 * 2**30 < record.peak_device_bytes < 0.03 * 2**30
 
 
-@pytest.mark.parametrize("fault, status, expected", [
-    ("crash:0", "error", "injected crash on rank 0"),
-    ("signal:0", "error", "without a record from every rank"),
-])
+@pytest.mark.parametrize(
+    "fault, status, expected",
+    [
+        ("crash:0", "error", "injected crash on rank 0"),
+        ("signal:0", "error", "without a record from every rank"),
+    ],
+)
 def test_failures_are_classified_one_rank(tiny_llama, monkeypatch, fault, status, expected):
     monkeypatch.setenv("AUTOTUNE_TEST_FAULT", fault)
     record = LocalBackend(steps=1, timeout_s=120).evaluate(evaluation(tiny_llama))
@@ -82,10 +85,13 @@ def test_a_hung_two_rank_trial_leaves_no_rank_behind(tiny_llama, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault, status, expected", [
-    ("crash:1", "error", "injected crash on rank 1"),
-    ("signal:1", "error", "without a record from every rank"),
-])
+@pytest.mark.parametrize(
+    "fault, status, expected",
+    [
+        ("crash:1", "error", "injected crash on rank 1"),
+        ("signal:1", "error", "without a record from every rank"),
+    ],
+)
 def test_failures_are_classified_two_ranks(tiny_llama, monkeypatch, fault, status, expected):
     monkeypatch.setenv("AUTOTUNE_TEST_FAULT", fault)
     record = LocalBackend(steps=1, timeout_s=300).evaluate(evaluation(tiny_llama, gpus=2))
@@ -96,13 +102,30 @@ def test_failures_are_classified_two_ranks(tiny_llama, monkeypatch, fault, statu
 @pytest.mark.slow
 def test_one_rank_and_two_ranks_see_the_same_sequence(tmp_path):
     """DESIGN.md data rule: FSDP + checkpointing + Ulysses 2 on 2 ranks trains on the 1-rank sequence."""
-    config = {"schema": "autotune/config-v1", "model": "tiny-llama", "hardware": "cpu", "gpus": 2,
-              "seq_len": 2048, "techniques": {"fsdp": True, "activation_checkpointing": True, "ulysses_degree": 2},
-              "predicted": None, "measured": None}
+    config = {
+        "schema": "autotune/config-v1",
+        "model": "tiny-llama",
+        "hardware": "cpu",
+        "gpus": 2,
+        "seq_len": 2048,
+        "techniques": {"fsdp": True, "activation_checkpointing": True, "ulysses_degree": 2},
+        "predicted": None,
+        "measured": None,
+    }
     (tmp_path / "stack.json").write_text(json.dumps(config))
     one = run_cli("trial", "--model", "tiny-llama", "--seq", "2048", "--gpus", "1", "--config", "baseline", "--json")
-    two = run_cli("trial", "--model", "tiny-llama", "--seq", "2048", "--gpus", "2", "--config",
-                  str(tmp_path / "stack.json"), "--json")
+    two = run_cli(
+        "trial",
+        "--model",
+        "tiny-llama",
+        "--seq",
+        "2048",
+        "--gpus",
+        "2",
+        "--config",
+        str(tmp_path / "stack.json"),
+        "--json",
+    )
     assert one.returncode == 0, one.stderr
     assert two.returncode == 0, two.stderr
     one, two = json.loads(one.stdout), json.loads(two.stdout)
@@ -136,8 +159,9 @@ def _freed_bytes_given_back(tmp_path, environ=None) -> tuple[int, str]:
     return int(held) - int(after), tunables
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/statm") or os.confstr("CS_GNU_LIBC_VERSION") is None,
-                    reason="glibc on Linux")
+@pytest.mark.skipif(
+    not os.path.exists("/proc/self/statm") or os.confstr("CS_GNU_LIBC_VERSION") is None, reason="glibc on Linux"
+)
 def test_a_cpu_trial_keeps_the_memory_it_frees_as_cudas_caching_allocator_does(tmp_path):
     from trials.allocator import HOST_MALLOC_TUNABLES, trial_environment
 
@@ -151,6 +175,9 @@ def test_a_cpu_trial_keeps_the_memory_it_frees_as_cudas_caching_allocator_does(t
     assert all(f"{name}={value}" in tunables for name, value in HOST_MALLOC_TUNABLES.items())
     # a user's own tunables are kept beside ours; ours replace the same names; a GPU trial's environment is untouched
     env = trial_environment({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=7:glibc.cpu.hwcaps=-AVX512F"}, cpu=True)
-    assert env["GLIBC_TUNABLES"].split(":") == ["glibc.cpu.hwcaps=-AVX512F", "glibc.malloc.mmap_max=0",
-                                                f"glibc.malloc.trim_threshold={HOST_MALLOC_TUNABLES['glibc.malloc.trim_threshold']}"]
+    assert env["GLIBC_TUNABLES"].split(":") == [
+        "glibc.cpu.hwcaps=-AVX512F",
+        "glibc.malloc.mmap_max=0",
+        f"glibc.malloc.trim_threshold={HOST_MALLOC_TUNABLES['glibc.malloc.trim_threshold']}",
+    ]
     assert trial_environment({"GLIBC_TUNABLES": "glibc.cpu.x=1"})["GLIBC_TUNABLES"] == "glibc.cpu.x=1"

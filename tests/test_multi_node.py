@@ -30,6 +30,7 @@ GB = 1e9
 
 # -- the presets ----------------------------------------------------------------------------------------------
 
+
 def test_gpu_presets_carry_their_inter_node_fabric():
     h100, a100, cpu = load_hardware("h100-sxm"), load_hardware("a100-80g"), load_hardware("cpu")
     assert h100.gpus_per_node == a100.gpus_per_node == load_hardware("h200").gpus_per_node == 8
@@ -45,13 +46,14 @@ def test_gpu_presets_carry_their_inter_node_fabric():
 
 # -- the time model -------------------------------------------------------------------------------------------
 
+
 def test_group_layout_follows_consecutive_ranks_on_nodes():
-    assert group_layout(8, 16, 8) == (1, 8)      # a Ulysses group of 8 stays inside a node of 8
-    assert group_layout(16, 16, 8) == (2, 8)     # 16 spans two nodes, 8 ranks on each
+    assert group_layout(8, 16, 8) == (1, 8)  # a Ulysses group of 8 stays inside a node of 8
+    assert group_layout(16, 16, 8) == (2, 8)  # 16 spans two nodes, 8 ranks on each
     assert group_layout(32, 32, 8) == (4, 8)
     assert group_layout(16, 16, None) == (1, 16)  # one node
-    assert group_layout(4, 12, 6) == (2, 2)      # [4, 8) straddles nodes of 6: 2 ranks on each side
-    assert group_layout(None, 16, 8) == (1, 1)   # counts without group sizes: as inside a node
+    assert group_layout(4, 12, 6) == (2, 2)  # [4, 8) straddles nodes of 6: 2 ranks on each side
+    assert group_layout(None, 16, 8) == (1, 1)  # counts without group sizes: as inside a node
 
 
 def _counts(key: str, wire: float, calls: int = 1) -> StepCounts:
@@ -66,17 +68,20 @@ def test_an_all_to_all_spanning_nodes_goes_through_one_nic_per_gpu():
     counts = _counts("all_to_all/forward/sync/16", wire)
     inside = predict_step_time(counts, r, 16, Techniques(ulysses_degree=16))
     across = predict_step_time(counts, r, 16, Techniques(ulysses_degree=16), gpus_per_node=8)
-    assert inside.exposed_comm_s == pytest.approx(wire / (r.intra_node_bytes_per_s * r.all_to_all_efficiency)
-                                                  + r.collective_latency_s)
+    assert inside.exposed_comm_s == pytest.approx(
+        wire / (r.intra_node_bytes_per_s * r.all_to_all_efficiency) + r.collective_latency_s
+    )
     # 8 of the 15 peers are on the other node: 8/15 of the bytes through this GPU's own NIC
     nic = wire * 8 / 15 / (r.inter_node_bytes_per_s * r.inter_node_efficiency)
     assert across.exposed_comm_s == pytest.approx(nic + r.inter_node_latency_s)
     assert across.exposed_comm_s > 4 * inside.exposed_comm_s
     # a Ulysses group of 8 inside each node of a 16-rank job: NVLink only
-    local = predict_step_time(_counts("all_to_all/forward/sync/8", wire), r, 16, Techniques(ulysses_degree=8),
-                              gpus_per_node=8)
-    assert local.exposed_comm_s == pytest.approx(wire / (r.intra_node_bytes_per_s * r.all_to_all_efficiency)
-                                                 + r.collective_latency_s)
+    local = predict_step_time(
+        _counts("all_to_all/forward/sync/8", wire), r, 16, Techniques(ulysses_degree=8), gpus_per_node=8
+    )
+    assert local.exposed_comm_s == pytest.approx(
+        wire / (r.intra_node_bytes_per_s * r.all_to_all_efficiency) + r.collective_latency_s
+    )
 
 
 def test_a_ring_collective_across_nodes_uses_every_nic_of_the_node():
@@ -84,22 +89,27 @@ def test_a_ring_collective_across_nodes_uses_every_nic_of_the_node():
     wire = 8e9
     counts = _counts("all_reduce/other/sync/32", wire)
     across = predict_step_time(counts, r, 32, Techniques(), gpus_per_node=8)
-    expected = max(wire / (r.intra_node_bytes_per_s * r.all_reduce_efficiency),
-                   wire / (8 * r.inter_node_bytes_per_s * r.inter_node_efficiency))
+    expected = max(
+        wire / (r.intra_node_bytes_per_s * r.all_reduce_efficiency),
+        wire / (8 * r.inter_node_bytes_per_s * r.inter_node_efficiency),
+    )
     assert across.exposed_comm_s == pytest.approx(expected + r.inter_node_latency_s)
     # an A100 node's 8x 200 Gb/s HDR binds it: half the H100's fabric
     a100 = load_hardware("a100-80g").rates
     slower = predict_step_time(counts, a100, 32, Techniques(), gpus_per_node=8)
     assert slower.exposed_comm_s == pytest.approx(
-        wire / (8 * a100.inter_node_bytes_per_s * a100.inter_node_efficiency) + a100.inter_node_latency_s)
+        wire / (8 * a100.inter_node_bytes_per_s * a100.inter_node_efficiency) + a100.inter_node_latency_s
+    )
 
 
 def test_the_cpu_preset_has_no_fabric_of_its_own():
     """Its "nodes" are agents on one machine: priced on the loopback link, as one node."""
     r = load_hardware("cpu").rates_for(4)
     counts = _counts("all_to_all/forward/sync/4", 1e6)
-    assert (predict_step_time(counts, r, 4, Techniques(ulysses_degree=4), gpus_per_node=2).step_time_s
-            == predict_step_time(counts, r, 4, Techniques(ulysses_degree=4)).step_time_s)
+    assert (
+        predict_step_time(counts, r, 4, Techniques(ulysses_degree=4), gpus_per_node=2).step_time_s
+        == predict_step_time(counts, r, 4, Techniques(ulysses_degree=4)).step_time_s
+    )
 
 
 def test_old_counts_without_group_sizes_still_predict():
@@ -109,6 +119,7 @@ def test_old_counts_without_group_sizes_still_predict():
 
 
 # -- plans ----------------------------------------------------------------------------------------------------
+
 
 def test_a_plan_over_two_nodes_counts_group_sizes_and_prices_the_fabric(tiny_llama):
     """2 nodes x 2 GPUs vs one node of 4, the same stack: the same tensors per rank (plus NCCL's network buffers),
@@ -150,30 +161,104 @@ def test_config_files_carry_nodes():
 
 def test_estimate_on_two_nodes(tmp_path, capsys):
     config = tmp_path / "c.json"
-    config.write_text(json.dumps({"schema": "autotune/config-v1", "model": "tiny-llama", "hardware": "h100-sxm",
-                                  "gpus": 2, "nodes": 2, "techniques": {"ulysses_degree": 4, "attention": "flash"}}))
+    config.write_text(
+        json.dumps(
+            {
+                "schema": "autotune/config-v1",
+                "model": "tiny-llama",
+                "hardware": "h100-sxm",
+                "gpus": 2,
+                "nodes": 2,
+                "techniques": {"ulysses_degree": 4, "attention": "flash"},
+            }
+        )
+    )
     assert main(["estimate", "--model", "tiny-llama", "--seq", "4K", "--config", str(config), "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["status"] == "ok" and record["device"] == "h100-sxm 2x2 (predicted)"
-    assert main(["estimate", "--model", "tiny-llama", "--seq", "4K", "--config", str(config), "--nodes", "1",
-                 "--gpus", "4", "--json"]) == 0
+    assert (
+        main(
+            [
+                "estimate",
+                "--model",
+                "tiny-llama",
+                "--seq",
+                "4K",
+                "--config",
+                str(config),
+                "--nodes",
+                "1",
+                "--gpus",
+                "4",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["device"] == "h100-sxm x4 (predicted)"
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["search", "--model", "llama3-8b", "--target", "5M", "--gpus", "16", "--backend", "plan"],
-     "(for 16 GPUs: --nodes 2 --gpus 8)"),
-    (["trial", "--model", "tiny-llama", "--seq", "1K", "--config", "baseline", "--nodes", "2"], "--rdzv-endpoint"),
-    (["trial", "--model", "tiny-llama", "--seq", "1K", "--config", "baseline", "--rdzv-endpoint", "127.0.0.1:29400"],
-     "--nodes 2 or more"),
-    (["trial", "--model", "tiny-llama", "--seq", "1K", "--config", "baseline", "--nodes", "2", "--rdzv-endpoint",
-      "no-port"], "must be HOST:PORT"),
-    (["trial", "--model", "tiny-llama", "--seq", "1K", "--config", "baseline", "--nodes", "2", "--rdzv-endpoint",
-      "127.0.0.1:99999"], "must be HOST:PORT"),
-    (["verify", "/nonexistent", "--rdzv-endpoint", "127.0.0.1:29400"], "--nodes 2 or more"),
-    (["search", "--model", "llama3-8b", "--target", "5M", "--backend", "plan", "--rdzv-endpoint", "127.0.0.1:1"],
-     "--rdzv-endpoint is for real trials"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (
+            ["search", "--model", "llama3-8b", "--target", "5M", "--gpus", "16", "--backend", "plan"],
+            "(for 16 GPUs: --nodes 2 --gpus 8)",
+        ),
+        (["trial", "--model", "tiny-llama", "--seq", "1K", "--config", "baseline", "--nodes", "2"], "--rdzv-endpoint"),
+        (
+            [
+                "trial",
+                "--model",
+                "tiny-llama",
+                "--seq",
+                "1K",
+                "--config",
+                "baseline",
+                "--rdzv-endpoint",
+                "127.0.0.1:29400",
+            ],
+            "--nodes 2 or more",
+        ),
+        (
+            [
+                "trial",
+                "--model",
+                "tiny-llama",
+                "--seq",
+                "1K",
+                "--config",
+                "baseline",
+                "--nodes",
+                "2",
+                "--rdzv-endpoint",
+                "no-port",
+            ],
+            "must be HOST:PORT",
+        ),
+        (
+            [
+                "trial",
+                "--model",
+                "tiny-llama",
+                "--seq",
+                "1K",
+                "--config",
+                "baseline",
+                "--nodes",
+                "2",
+                "--rdzv-endpoint",
+                "127.0.0.1:99999",
+            ],
+            "must be HOST:PORT",
+        ),
+        (["verify", "/nonexistent", "--rdzv-endpoint", "127.0.0.1:29400"], "--nodes 2 or more"),
+        (
+            ["search", "--model", "llama3-8b", "--target", "5M", "--backend", "plan", "--rdzv-endpoint", "127.0.0.1:1"],
+            "--rdzv-endpoint is for real trials",
+        ),
+    ],
+)
 def test_bad_multi_node_input_exits_2_with_one_line(argv, fragment, capsys):
     assert main(argv) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and not line.startswith("note:")]
@@ -182,14 +267,39 @@ def test_bad_multi_node_input_exits_2_with_one_line(argv, fragment, capsys):
 
 # -- the Slurm export -----------------------------------------------------------------------------------------
 
+
 def _front(root, techniques: dict, seq_len: int = 1024, hardware: str = "cpu", gpus: int = 1, nodes: int = 2):
     tech = Techniques(**techniques).to_dict()
-    record = {"status": "ok", "source": "predicted", "seq_len": seq_len, "tokens_per_s": 1000.0,
-              "peak_device_bytes": 1 << 20}
-    (root / "pareto.json").write_text(json.dumps({
-        "schema": "autotune/pareto-v1", "model": "tiny-llama", "hardware": hardware, "gpus": gpus, "nodes": nodes,
-        "target": seq_len, "front": [{"trial": 0, "seq_len": seq_len, "tokens_per_s": 1000.0, "techniques": tech,
-                                      "record": record, "predicted": record, "measured": None}]}))
+    record = {
+        "status": "ok",
+        "source": "predicted",
+        "seq_len": seq_len,
+        "tokens_per_s": 1000.0,
+        "peak_device_bytes": 1 << 20,
+    }
+    (root / "pareto.json").write_text(
+        json.dumps(
+            {
+                "schema": "autotune/pareto-v1",
+                "model": "tiny-llama",
+                "hardware": hardware,
+                "gpus": gpus,
+                "nodes": nodes,
+                "target": seq_len,
+                "front": [
+                    {
+                        "trial": 0,
+                        "seq_len": seq_len,
+                        "tokens_per_s": 1000.0,
+                        "techniques": tech,
+                        "record": record,
+                        "predicted": record,
+                        "measured": None,
+                    }
+                ],
+            }
+        )
+    )
     return root
 
 
@@ -198,8 +308,16 @@ def test_slurm_export_is_an_sbatch_script_for_the_config_nodes(tmp_path):
     out = tmp_path / "train.sbatch"
     assert main(["export", str(tmp_path), "--format", "slurm", "-o", str(out)]) == 0
     text = out.read_text()
-    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8", "srun --nodes=2",
-                 "--nproc-per-node=8", "--rdzv-backend=c10d", '--rdzv-endpoint="$head_node:$port"', "-m trials.train"):
+    for line in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=8",
+        "srun --nodes=2",
+        "--nproc-per-node=8",
+        "--rdzv-backend=c10d",
+        '--rdzv-endpoint="$head_node:$port"',
+        "-m trials.train",
+    ):
         assert line in text, line
     assert subprocess.run(["bash", "-n", str(out)]).returncode == 0
     exporter = make_exporter("slurm")
@@ -224,10 +342,18 @@ def test_the_sbatch_script_takes_the_first_host_of_a_long_node_list(tmp_path):
     """The script reads the head node without a pipe into ``head``: under ``pipefail`` an ``scontrol`` killed by
     SIGPIPE after ``head`` took its line failed the job before ``srun`` (seen in CI with a two-line stand-in)."""
     # far more than a pipe holds, so a reader that stops after one line always leaves scontrol writing into a closed pipe
-    script, bin_dir = _sbatch_under_stand_ins(tmp_path, scontrol="seq -f 'node%g' 1 200000\n",
-                                              srun='echo "$head_node:$port" > "$OUT_DIR/endpoint"\n')
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT_DIR": str(tmp_path),
-           "SLURM_JOB_NODELIST": "node[1-200000]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242", "RDZV_PORT": "29511"}
+    script, bin_dir = _sbatch_under_stand_ins(
+        tmp_path, scontrol="seq -f 'node%g' 1 200000\n", srun='echo "$head_node:$port" > "$OUT_DIR/endpoint"\n'
+    )
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "OUT_DIR": str(tmp_path),
+        "SLURM_JOB_NODELIST": "node[1-200000]",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_ID": "4242",
+        "RDZV_PORT": "29511",
+    }
     done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "endpoint").read_text() == "node1:29511\n"
@@ -247,6 +373,7 @@ def test_torchrun_export_of_a_multi_node_config_joins_a_rendezvous(tmp_path, cap
 
 # -- real trials on two agents (two "nodes" on 127.0.0.1, gloo) -------------------------------------------------
 
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -254,21 +381,54 @@ def _free_port() -> int:
 
 
 def _cli(*args, env=None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "autotune.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    return subprocess.Popen(
+        [sys.executable, "-m", "autotune.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+    )
 
 
 def _config(path, techniques: dict, gpus: int, nodes: int = 1):
-    path.write_text(json.dumps({"schema": "autotune/config-v1", "model": "tiny-llama", "hardware": "cpu",
-                                "gpus": gpus, "nodes": nodes, "techniques": techniques}))
+    path.write_text(
+        json.dumps(
+            {
+                "schema": "autotune/config-v1",
+                "model": "tiny-llama",
+                "hardware": "cpu",
+                "gpus": gpus,
+                "nodes": nodes,
+                "techniques": techniques,
+            }
+        )
+    )
     return str(path)
 
 
 def _two_agents(config: str, env=None, timeout: float = 600) -> list[tuple[int, dict | None, str]]:
     endpoint = f"127.0.0.1:{_free_port()}"
-    args = ("trial", "--model", "tiny-llama", "--seq", "1K", "--config", config, "--gpus", "2", "--nodes", "2",
-            "--rdzv-endpoint", endpoint, "--steps", "1", "--timeout", "300", "--json")
+    args = (
+        "trial",
+        "--model",
+        "tiny-llama",
+        "--seq",
+        "1K",
+        "--config",
+        config,
+        "--gpus",
+        "2",
+        "--nodes",
+        "2",
+        "--rdzv-endpoint",
+        endpoint,
+        "--steps",
+        "1",
+        "--timeout",
+        "300",
+        "--json",
+    )
     agents = [_cli(*args, env=env)]
     time.sleep(0.5)
     agents.append(_cli(*args, env=env))
@@ -283,13 +443,29 @@ def _two_agents(config: str, env=None, timeout: float = 600) -> list[tuple[int, 
 def test_a_trial_over_two_agents_gives_the_loss_of_one_rank(tmp_path):
     """2 nodes x 2 ranks (FSDP over all 4, Ulysses over all 4, checkpointing) through torchrun's c10d rendezvous:
     exactly the plain model's first-step loss on one rank; both agents print the same merged record."""
-    one = _cli("trial", "--model", "tiny-llama", "--seq", "1K", "--config",
-               _config(tmp_path / "one.json", {"attention": "sdpa"}, 1), "--steps", "1", "--timeout", "300", "--json")
+    one = _cli(
+        "trial",
+        "--model",
+        "tiny-llama",
+        "--seq",
+        "1K",
+        "--config",
+        _config(tmp_path / "one.json", {"attention": "sdpa"}, 1),
+        "--steps",
+        "1",
+        "--timeout",
+        "300",
+        "--json",
+    )
     out, err = one.communicate(timeout=600)
     assert one.returncode == 0, err
     reference = json.loads(out)
-    config = _config(tmp_path / "four.json", {"fsdp": True, "ulysses_degree": 4, "activation_checkpointing": True,
-                                              "attention": "sdpa"}, 2, nodes=2)
+    config = _config(
+        tmp_path / "four.json",
+        {"fsdp": True, "ulysses_degree": 4, "activation_checkpointing": True, "attention": "sdpa"},
+        2,
+        nodes=2,
+    )
     results = _two_agents(config)
     for code, record, err in results:
         assert code == 0, err[-3000:]
@@ -315,22 +491,45 @@ def test_the_sbatch_script_trains_on_two_nodes_under_srun(tmp_path):
     """The exported script under stand-ins of ``scontrol`` and ``srun`` that start its per-node task twice on this
     machine: two torchrun agents rendezvous on the first "node" and train; the loss is the one-rank trial's."""
     script, bin_dir = _sbatch_under_stand_ins(
-        tmp_path, scontrol="echo 127.0.0.1\necho 127.0.0.2\n",
+        tmp_path,
+        scontrol="echo 127.0.0.1\necho 127.0.0.2\n",
         srun="# stand-in: the task once per node, here\nwhile [[ $1 == --* ]]; do shift; done\n"
-             "for node in $(seq 0 $((SLURM_NNODES - 1))); do\n"
-             '  SLURM_NODEID=$node TMPDIR=$(mktemp -d) "$@" > "$OUT_DIR/node$node.log" 2>&1 &\n'
-             "done\nstatus=0\nfor job in $(jobs -p); do wait $job || status=1; done\nexit $status\n")
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT), "OUT_DIR": str(tmp_path),
-           "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242", "STEPS": "1",
-           "RDZV_PORT": str(_free_port()), "PYTHON": sys.executable}
+        "for node in $(seq 0 $((SLURM_NNODES - 1))); do\n"
+        '  SLURM_NODEID=$node TMPDIR=$(mktemp -d) "$@" > "$OUT_DIR/node$node.log" 2>&1 &\n'
+        "done\nstatus=0\nfor job in $(jobs -p); do wait $job || status=1; done\nexit $status\n",
+    )
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "PYTHONPATH": str(ROOT),
+        "OUT_DIR": str(tmp_path),
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_ID": "4242",
+        "STEPS": "1",
+        "RDZV_PORT": str(_free_port()),
+        "PYTHON": sys.executable,
+    }
     done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     node_logs = [tmp_path / f"node{n}.log" for n in (0, 1)]
     assert all(log.exists() for log in node_logs), f"srun never started (exit {done.returncode}): {done.stderr}"
     logs = "".join(log.read_text() for log in node_logs)
     assert done.returncode == 0, done.stderr + logs[-3000:]
     summary = [json.loads(line.split(" ", 1)[1]) for line in logs.splitlines() if line.startswith("summary {")]
-    one = _cli("trial", "--model", "tiny-llama", "--seq", "1K", "--config",
-               _config(tmp_path / "one.json", {"attention": "sdpa"}, 1), "--steps", "1", "--timeout", "300", "--json")
+    one = _cli(
+        "trial",
+        "--model",
+        "tiny-llama",
+        "--seq",
+        "1K",
+        "--config",
+        _config(tmp_path / "one.json", {"attention": "sdpa"}, 1),
+        "--steps",
+        "1",
+        "--timeout",
+        "300",
+        "--json",
+    )
     out, err = one.communicate(timeout=600)
     assert one.returncode == 0, err
     assert len(summary) == 1 and summary[0]["world_size"] == 2, logs[-3000:]  # rank 0 of the one job

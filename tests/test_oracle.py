@@ -56,35 +56,86 @@ def _compare(configs):
 
 
 def test_oracle_matches_real_trials_one_rank():
-    _compare([
-        (Config("tiny-llama", 1, 2 * K, {"activation_checkpointing": True}), 0),
-        (Config("tiny-qwen3", 1, 4 * K, {"activation_checkpointing": True, "activation_offload_layers": 2,
-                                         "mlp_tile_tokens": 1024}, layers=6), 0),  # extrapolated, partial offload
-        (Config("tiny-llama", 1, 2 * K, {"fsdp": True, "optimizer_offload": True, "loss_tile_tokens": 512},
-                compute_dtype="bf16"), FSDP_OPTOFF_BYTES),
-    ])
+    _compare(
+        [
+            (Config("tiny-llama", 1, 2 * K, {"activation_checkpointing": True}), 0),
+            (
+                Config(
+                    "tiny-qwen3",
+                    1,
+                    4 * K,
+                    {"activation_checkpointing": True, "activation_offload_layers": 2, "mlp_tile_tokens": 1024},
+                    layers=6,
+                ),
+                0,
+            ),  # extrapolated, partial offload
+            (
+                Config(
+                    "tiny-llama",
+                    1,
+                    2 * K,
+                    {"fsdp": True, "optimizer_offload": True, "loss_tile_tokens": 512},
+                    compute_dtype="bf16",
+                ),
+                FSDP_OPTOFF_BYTES,
+            ),
+        ]
+    )
 
 
 @pytest.mark.slow
 def test_oracle_matches_real_trials_two_ranks():
-    _compare([
-        (Config("tiny-llama", 2, 4 * K, {"fsdp": True, "ulysses_degree": 2, "activation_checkpointing": True}), 0),
-        (Config("tiny-llama", 2, 4 * K, {"fsdp": True, "ulysses_degree": 2, "head_chunk": 1,
-                                         "activation_checkpointing": True, "activation_offload_layers": 6,
-                                         "mlp_tile_tokens": 512, "loss_tile_tokens": 1024}, layers=6), 0),
-        (Config("tiny-qwen3", 2, 2 * K, {"ulysses_degree": 2}, compute_dtype="bf16"), 0),
-    ])
+    _compare(
+        [
+            (Config("tiny-llama", 2, 4 * K, {"fsdp": True, "ulysses_degree": 2, "activation_checkpointing": True}), 0),
+            (
+                Config(
+                    "tiny-llama",
+                    2,
+                    4 * K,
+                    {
+                        "fsdp": True,
+                        "ulysses_degree": 2,
+                        "head_chunk": 1,
+                        "activation_checkpointing": True,
+                        "activation_offload_layers": 6,
+                        "mlp_tile_tokens": 512,
+                        "loss_tile_tokens": 1024,
+                    },
+                    layers=6,
+                ),
+                0,
+            ),
+            (Config("tiny-qwen3", 2, 2 * K, {"ulysses_degree": 2}, compute_dtype="bf16"), 0),
+        ]
+    )
 
 
 # -- extrapolation == full depth ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("gpus, techniques", [
-    (1, {}),
-    (1, {"activation_checkpointing": True, "activation_offload_layers": 3}),
-    (2, {"fsdp": True, "ulysses_degree": 2, "head_chunk": 2, "activation_checkpointing": True,
-         "mlp_tile_tokens": 512, "loss_tile_tokens": 512}),
-    (2, {"fsdp": True, "optimizer_offload": True, "activation_checkpointing": True, "activation_offload_layers": 8}),
-])
+
+@pytest.mark.parametrize(
+    "gpus, techniques",
+    [
+        (1, {}),
+        (1, {"activation_checkpointing": True, "activation_offload_layers": 3}),
+        (
+            2,
+            {
+                "fsdp": True,
+                "ulysses_degree": 2,
+                "head_chunk": 2,
+                "activation_checkpointing": True,
+                "mlp_tile_tokens": 512,
+                "loss_tile_tokens": 512,
+            },
+        ),
+        (
+            2,
+            {"fsdp": True, "optimizer_offload": True, "activation_checkpointing": True, "activation_offload_layers": 8},
+        ),
+    ],
+)
 def test_depth_extrapolation_is_exact(gpus, techniques):
     ev = evaluation(model(layers=8), seq=2 * K, gpus=gpus, **techniques)
     fast = oracle.predict(ev)
@@ -97,12 +148,26 @@ def test_depth_extrapolation_is_exact(gpus, techniques):
 
 @pytest.mark.slow
 def test_depth_extrapolation_is_exact_for_llama3_8b_on_h100():
-    ev = evaluation(load_model_config("llama3-8b"), seq=64 * K, gpus=8, hardware="h100-sxm", fsdp=True,
-                    ulysses_degree=8, head_chunk=1, activation_checkpointing=True, activation_offload_layers=12,
-                    mlp_tile_tokens=16 * K, loss_tile_tokens=4 * K, attention="flash")
+    ev = evaluation(
+        load_model_config("llama3-8b"),
+        seq=64 * K,
+        gpus=8,
+        hardware="h100-sxm",
+        fsdp=True,
+        ulysses_degree=8,
+        head_chunk=1,
+        activation_checkpointing=True,
+        activation_offload_layers=12,
+        mlp_tile_tokens=16 * K,
+        loss_tile_tokens=4 * K,
+        attention="flash",
+    )
     fast, full = oracle.predict(ev), oracle.predict(ev, full_depth=True)
-    assert (fast.peak_device_bytes, fast.breakdown, fast.host_bytes) == \
-        (full.peak_device_bytes, full.breakdown, full.host_bytes)
+    assert (fast.peak_device_bytes, fast.breakdown, fast.host_bytes) == (
+        full.peak_device_bytes,
+        full.breakdown,
+        full.host_bytes,
+    )
 
 
 def test_priming_the_optimizer_equals_a_second_step():
@@ -115,6 +180,7 @@ def test_priming_the_optimizer_equals_a_second_step():
 
 
 # -- one process, many evaluations -------------------------------------------------------------------------
+
 
 def test_repeated_evaluations_in_one_process_leave_no_process_group():
     import torch.distributed as dist
@@ -129,6 +195,7 @@ def test_repeated_evaluations_in_one_process_leave_no_process_group():
 
 
 # -- the plan backend --------------------------------------------------------------------------------------
+
 
 def test_plan_backend_records_status_against_capacity():
     backend = PlanBackend(throughput=False)
@@ -249,6 +316,7 @@ def test_fake_flash_op_footprint():
 
 # -- explain, --max-seq, plot ------------------------------------------------------------------------------
 
+
 def test_explain_names_the_peak():
     text = oracle.explain(evaluation(model(layers=5), seq=2 * K, activation_checkpointing=True))
     assert "<- peak" in text and "largest live tensors" in text
@@ -256,8 +324,16 @@ def test_explain_names_the_peak():
 
 def test_find_max_seq_returns_the_longest_fitting_grid_point():
     backend = PlanBackend(throughput=False)
-    ev = evaluation(model(), seq=0, gpus=2, memory_gib=0.15, fsdp=True, ulysses_degree=2,
-                    activation_checkpointing=True, loss_tile_tokens=2 * K)
+    ev = evaluation(
+        model(),
+        seq=0,
+        gpus=2,
+        memory_gib=0.15,
+        fsdp=True,
+        ulysses_degree=2,
+        activation_checkpointing=True,
+        loss_tile_tokens=2 * K,
+    )
     best = find_max_seq(ev, backend=backend)
     unit = length_unit(ev.techniques)
     assert unit == 2 * K and best.status == "ok" and best.seq_len % unit == 0

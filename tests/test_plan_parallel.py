@@ -43,11 +43,14 @@ def evaluation(config, seq=2 * K, gpus=2, memory_gib=0.5, host_gib=None, **techn
 
 
 def _points(config):
-    return [evaluation(config, seq=4 * K, fsdp=True, ulysses_degree=2, activation_checkpointing=True),
-            evaluation(config, seq=8 * K, fsdp=True, ulysses_degree=2, activation_checkpointing=True,
-                       loss_tile_tokens=2 * K),
-            evaluation(config, seq=16 * K),  # far over: stopped at the crossing
-            evaluation(config, seq=2 * K, ulysses_degree=3)]  # invalid: an error record
+    return [
+        evaluation(config, seq=4 * K, fsdp=True, ulysses_degree=2, activation_checkpointing=True),
+        evaluation(
+            config, seq=8 * K, fsdp=True, ulysses_degree=2, activation_checkpointing=True, loss_tile_tokens=2 * K
+        ),
+        evaluation(config, seq=16 * K),  # far over: stopped at the crossing
+        evaluation(config, seq=2 * K, ulysses_degree=3),
+    ]  # invalid: an error record
 
 
 def test_pooled_records_are_the_direct_records():
@@ -67,8 +70,10 @@ def test_stored_records_are_the_direct_records(tmp_path):
     config = model(layers=6)
     points = _points(config)
     for stop in (1.0, None):
-        first, again = PlanBackend(stop_above=stop, store=PlanStore(tmp_path)), PlanBackend(stop_above=stop,
-                                                                                            store=PlanStore(tmp_path))
+        first, again = (
+            PlanBackend(stop_above=stop, store=PlanStore(tmp_path)),
+            PlanBackend(stop_above=stop, store=PlanStore(tmp_path)),
+        )
         direct = PlanBackend(stop_above=stop)
         for point in points:
             expected = direct.evaluate(point).to_dict()
@@ -98,8 +103,9 @@ def test_the_deeper_copy_stops_when_its_extension_cannot_fit():
     """3-layer copy fits, the model does not: the 4-layer copy stops early, same verdict as the whole trace, and
     the lower bound it gives lies between capacity and the whole peak. The same for host memory."""
     config = model(layers=8)
-    ev = evaluation(config, seq=4 * K, memory_gib=None, fsdp=True, activation_checkpointing=True,
-                    activation_offload_layers=8)
+    ev = evaluation(
+        config, seq=4 * K, memory_gib=None, fsdp=True, activation_checkpointing=True, activation_offload_layers=8
+    )
     whole_backend = PlanBackend(throughput=False)
     whole = whole_backend.evaluate(ev)
     three = whole_backend.last_prediction.traces[0]
@@ -151,14 +157,26 @@ def _job(tmp_path: Path, trials: int, workers: int, target: int = 8 * K):
     config = model()
     hardware = load_hardware("cpu").with_memory_gib(0.5)
     space = load_space(REDUCED, config, 2, target, flash_ok=False)
-    return search.SearchJob(model="tiny-llama", model_config=config, target=target, gpus=2, hardware=hardware,
-                            space=space, backend=PlanBackend(stop_above=1.0), out=tmp_path, trials=trials, seed=0,
-                            workers=workers)
+    return search.SearchJob(
+        model="tiny-llama",
+        model_config=config,
+        target=target,
+        gpus=2,
+        hardware=hardware,
+        space=space,
+        backend=PlanBackend(stop_above=1.0),
+        out=tmp_path,
+        trials=trials,
+        seed=0,
+        workers=workers,
+    )
 
 
 def _trials(study):
-    return [(t.number, t.params, t.user_attrs["record"], t.user_attrs["answered_by"], t.user_attrs.get("follow_up_of"))
-            for t in search.finished_trials(study)]
+    return [
+        (t.number, t.params, t.user_attrs["record"], t.user_attrs["answered_by"], t.user_attrs.get("follow_up_of"))
+        for t in search.finished_trials(study)
+    ]
 
 
 @pytest.mark.slow

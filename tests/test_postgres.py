@@ -32,8 +32,20 @@ from conftest import ROOT, run_cli
 
 PASSWORD = "s3cr3t-p@ss:w0rd"  # characters a URL must escape: the message must hide it either way
 USER = "autotune"
-TINY = ["--model", "tiny-llama", "--target", "4K", "--gpus", "2", "--backend", "plan", "--hardware", "cpu",
-        "--memory-gib", "0.5"]
+TINY = [
+    "--model",
+    "tiny-llama",
+    "--target",
+    "4K",
+    "--gpus",
+    "2",
+    "--backend",
+    "plan",
+    "--hardware",
+    "cpu",
+    "--memory-gib",
+    "0.5",
+]
 
 
 def _postgres_bin() -> Path | None:
@@ -68,23 +80,42 @@ class Server:
         pwfile.write_text(PASSWORD + "\n")
         if self.as_user:
             os.chown(pwfile, pwd.getpwnam(self.as_user[2]).pw_uid, -1)
-        self._run("initdb", "-D", str(self.data), "-U", USER, f"--pwfile={pwfile}", "--auth-host=scram-sha-256",
-                  "--auth-local=scram-sha-256", "--no-sync", "-E", "UTF8", "--locale=C")
+        self._run(
+            "initdb",
+            "-D",
+            str(self.data),
+            "-U",
+            USER,
+            f"--pwfile={pwfile}",
+            "--auth-host=scram-sha-256",
+            "--auth-local=scram-sha-256",
+            "--no-sync",
+            "-E",
+            "UTF8",
+            "--locale=C",
+        )
         options = f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c max_connections=60 -c fsync=off"
-        self._run("pg_ctl", "-D", str(self.data), "-o", options, "-l", str(self.dir / "log"), "-w", "-t", "60",
-                  "start")
+        self._run("pg_ctl", "-D", str(self.data), "-o", options, "-l", str(self.dir / "log"), "-w", "-t", "60", "start")
         import psycopg
 
-        with psycopg.connect(host="127.0.0.1", port=self.port, user=USER, password=PASSWORD, dbname="postgres",
-                             autocommit=True, connect_timeout=10) as connection:
+        with psycopg.connect(
+            host="127.0.0.1",
+            port=self.port,
+            user=USER,
+            password=PASSWORD,
+            dbname="postgres",
+            autocommit=True,
+            connect_timeout=10,
+        ) as connection:
             connection.execute("CREATE DATABASE autotune")
 
     def url(self, password: str = PASSWORD, port: int | None = None) -> str:
         return f"postgresql://{USER}:{quote(password, safe='')}@127.0.0.1:{port or self.port}/autotune"
 
     def _run(self, tool: str, *args: str) -> None:
-        result = subprocess.run([*self.as_user, str(self.bin / tool), *args], capture_output=True, text=True,
-                                timeout=120, cwd=self.dir)
+        result = subprocess.run(
+            [*self.as_user, str(self.bin / tool), *args], capture_output=True, text=True, timeout=120, cwd=self.dir
+        )
         if result.returncode != 0:
             raise RuntimeError(f"{tool} failed: {result.stdout[-2000:]}{result.stderr[-2000:]}")
 
@@ -107,8 +138,7 @@ def _has_user(name: str) -> bool:
 def postgres():
     bin_dir = _postgres_bin()
     if bin_dir is None:
-        pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl): apt-get install postgresql "
-                    "(.ci/run installs it)")
+        pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl): apt-get install postgresql (.ci/run installs it)")
     server = Server(bin_dir)
     try:
         yield server
@@ -129,8 +159,9 @@ def _assert_one_line_exit_2(result: subprocess.CompletedProcess, elapsed: float,
 
 def _search(url: str, out: Path, *more: str) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
-    result = run_cli("search", *TINY, "--trials", "4", "--storage", url, "--study", "s", "--out", str(out), *more,
-                     timeout=120)
+    result = run_cli(
+        "search", *TINY, "--trials", "4", "--storage", url, "--study", "s", "--out", str(out), *more, timeout=120
+    )
     return result, time.monotonic() - start
 
 
@@ -201,11 +232,30 @@ def test_storage_messages_hide_the_password():
 
 
 def _worker(url: str, out: Path, seed: int, trials: int) -> subprocess.Popen:
-    args = ["search", *TINY, "--trials", str(trials), "--storage", url, "--study", "shared", "--out", str(out),
-            "--seed", str(seed), "--json"]
+    args = [
+        "search",
+        *TINY,
+        "--trials",
+        str(trials),
+        "--storage",
+        url,
+        "--study",
+        "shared",
+        "--out",
+        str(out),
+        "--seed",
+        str(seed),
+        "--json",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "autotune.cli", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "autotune.cli", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 @pytest.mark.slow
@@ -227,15 +277,19 @@ def test_two_workers_on_postgres_make_one_search(postgres, tmp_path):
     assert len({t.user_attrs["worker"] for t in done}) == 2, "one worker did all the work"
     assert not [t for t in every if t.state == optuna.trial.TrialState.RUNNING], "a trial was left RUNNING"
     # no config+length evaluated twice by a backend (repeats are answered from the study: cache, monotone)
-    evaluated = [(t.user_attrs["record"]["seq_len"], json.dumps(t.user_attrs["techniques"], sort_keys=True))
-                 for t in done if t.user_attrs["answered_by"] == "plan"]
+    evaluated = [
+        (t.user_attrs["record"]["seq_len"], json.dumps(t.user_attrs["techniques"], sort_keys=True))
+        for t in done
+        if t.user_attrs["answered_by"] == "plan"
+    ]
     assert len(evaluated) == len(set(evaluated)), "a point was evaluated twice"
     # no queued follow-up lost: every point a failed (surplus) trial had been handed is queued again
     for failed in (t for t in every if t.state == optuna.trial.TrialState.FAIL):
         fixed = failed.system_attrs.get("fixed_params")
         if fixed:
-            assert any(t.system_attrs.get("fixed_params") == fixed and t.number > failed.number
-                       for t in every), f"trial {failed.number}'s queued point was lost"
+            assert any(t.system_attrs.get("fixed_params") == fixed and t.number > failed.number for t in every), (
+                f"trial {failed.number}'s queued point was lost"
+            )
     # every worker's outputs hold the whole study
     numbers = sorted(t.number for t in done)
     front = None
@@ -272,8 +326,14 @@ def _dashboard_front(url: str, study_name: str) -> list[tuple[float, float]]:
     def get(path: str) -> dict:
         environ: dict = {}
         setup_testing_defaults(environ)
-        environ.update({"PATH_INFO": path, "QUERY_STRING": "after=0" if "studies/" in path else "",
-                        "REQUEST_METHOD": "GET", "wsgi.input": io.BytesIO()})
+        environ.update(
+            {
+                "PATH_INFO": path,
+                "QUERY_STRING": "after=0" if "studies/" in path else "",
+                "REQUEST_METHOD": "GET",
+                "wsgi.input": io.BytesIO(),
+            }
+        )
         status = []
         body = b"".join(app(environ, lambda s, h, *a: status.append(s)))
         assert status[0].startswith("200"), (path, status, body[:500])
@@ -308,8 +368,9 @@ def test_a_point_being_evaluated_is_waited_for_not_evaluated_again(tmp_path):
     time.sleep(2)
     assert waiter.is_alive() and not answers, "the second trial did not wait for the first"
     first.set_user_attr("techniques", BASELINE.to_dict())
-    first.set_user_attr("record", ResultRecord(status="ok", source="predicted", seq_len=4096,
-                                                tokens_per_s=10.0).to_dict())
+    first.set_user_attr(
+        "record", ResultRecord(status="ok", source="predicted", seq_len=4096, tokens_per_s=10.0).to_dict()
+    )
     study.tell(first, [4096.0, 10.0])
     waiter.join(timeout=30)
     ((record, how),) = answers

@@ -21,8 +21,7 @@ def _lines(*records):
 def test_oom_lines_show_no_rate_and_best_counts_only_fits():
     fits = ResultRecord(status="ok", source="predicted", seq_len=4096, tokens_per_s=1234.0, peak_device_bytes=2**30)
     # a plan OOM keeps the rate it would have had if it fit; the log must not present it as achieved
-    oom = ResultRecord(status="oom", source="predicted", seq_len=8192, tokens_per_s=999.0,
-                       peak_device_bytes=3 * 2**30)
+    oom = ResultRecord(status="oom", source="predicted", seq_len=8192, tokens_per_s=999.0, peak_device_bytes=3 * 2**30)
     lines, progress = _lines((fits, None), (oom, "oracle"))
     assert lines[0] == "trial 0: 4,096 tokens ok 1,234 tok/s peak 1.0 GiB (predicted)"
     assert lines[1] == "trial 1: 8,192 tokens oom - peak 3.0 GiB (oracle)"

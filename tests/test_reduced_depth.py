@@ -19,14 +19,17 @@ def _evaluation(layers: int, seq: int = 512, gpus: int = 1, **knobs) -> Evaluati
 
 def test_a_reduced_trial_runs_the_oracles_copies():
     reduced = LocalBackend(depth="reduced")
-    assert reduced.copies(_evaluation(4))[1] == []                      # shallow models run whole
-    assert LocalBackend().copies(_evaluation(16))[1] == []               # depth full
+    assert reduced.copies(_evaluation(4))[1] == []  # shallow models run whole
+    assert LocalBackend().copies(_evaluation(16))[1] == []  # depth full
     runs, copies = reduced.copies(_evaluation(16, activation_checkpointing=True))
     assert runs == [("layers", 16)] and [c["runs"] for c in copies] == [[["layers", 3]], [["layers", 4]]]
     runs, copies = reduced.copies(_evaluation(16, activation_checkpointing=True, activation_offload_layers=6))
     # a partial offload: an offloaded run and a device run, each cut to 3 and varied to 4
-    assert [c["runs"] for c in copies] == [[["offload", 3], ["device", 3]], [["offload", 4], ["device", 3]],
-                                           [["offload", 3], ["device", 4]]]
+    assert [c["runs"] for c in copies] == [
+        [["offload", 3], ["device", 3]],
+        [["offload", 4], ["device", 3]],
+        [["offload", 3], ["device", 4]],
+    ]
     assert [c["techniques"]["activation_offload_layers"] for c in copies] == [3, 4, 3]
 
 
@@ -42,8 +45,9 @@ def test_the_step_time_extends_by_middle_layers_and_the_tail_by_parameters():
     assert extend_step_time(timed, [("layers", 4)], [("layers", 10)], 2500) == pytest.approx(3.0 + 6 * 0.25 + 0.75)
     # two runs: only the run longer than the copy's extends, by its own middle layer
     timed = dict(timed, layer_times_s=[0.1, 0.2, 0.3, 1.0, 2.0, 3.0])
-    assert extend_step_time(timed, [("offload", 3), ("device", 3)], [("offload", 3), ("device", 8)],
-                            1000) == pytest.approx(3.0 + 5 * 2.0)
+    assert extend_step_time(
+        timed, [("offload", 3), ("device", 3)], [("offload", 3), ("device", 8)], 1000
+    ) == pytest.approx(3.0 + 5 * 2.0)
 
 
 def test_the_layer_clock_splits_a_real_step():
@@ -59,8 +63,9 @@ def test_the_layer_clock_splits_a_real_step():
     mesh = Mesh.single(torch.device("cpu"))
     tracker = DeviceMemoryTracker()
     with tracker:
-        model, optimizer = build_training(config, Techniques.from_dict({"activation_checkpointing": True}, 3),
-                                          mesh, 0, tracker)
+        model, optimizer = build_training(
+            config, Techniques.from_dict({"activation_checkpointing": True}, 3), mesh, 0, tracker
+        )
         clock = LayerClock(model, tracker, mesh.device)
         batch = make_batch(synthetic_sample(0, 256, model.config.vocab_size, 0), 0, 1, mesh.device)
         clock.start_step()
@@ -75,8 +80,9 @@ def test_the_layer_clock_splits_a_real_step():
 
 @pytest.mark.slow
 def test_reduced_trial_equals_the_full_trial_on_cpu():
-    evaluation = _evaluation(8, seq=1024, activation_checkpointing=True, activation_offload_layers=5,
-                             loss_tile_tokens=256)
+    evaluation = _evaluation(
+        8, seq=1024, activation_checkpointing=True, activation_offload_layers=5, loss_tile_tokens=256
+    )
     reduced = LocalBackend(depth="reduced", timeout_s=600).evaluate(evaluation)
     full = LocalBackend(timeout_s=600).evaluate(evaluation)
     assert reduced.status == full.status == "ok", (reduced.error, full.error)
@@ -125,17 +131,42 @@ def test_a_local_search_runs_long_lengths_reduced_within_a_deadline_full_depth_w
     model = tmp_path / f"tiny-llama-{layers}.json"
     model.write_text(json.dumps(dict(load_model_config("tiny-llama"), num_hidden_layers=layers)))
     space = tmp_path / "space.yaml"
-    space.write_text("schema: autotune/space-v1\nseq_len: {min_fraction: 0.5, max_fraction: 1.0, "
-                     "points_per_doubling: 1, multiple_of: 1024}\nknobs:\n  fsdp: [false]\n  ulysses_degree: [1]\n"
-                     "  activation_checkpointing: [true]\n  activation_offload_layers: [0]\n  mlp_tile_tokens: [0]\n"
-                     "  loss_tile_tokens: [0]\n  attention: [sdpa]\n")
+    space.write_text(
+        "schema: autotune/space-v1\nseq_len: {min_fraction: 0.5, max_fraction: 1.0, "
+        "points_per_doubling: 1, multiple_of: 1024}\nknobs:\n  fsdp: [false]\n  ulysses_degree: [1]\n"
+        "  activation_checkpointing: [true]\n  activation_offload_layers: [0]\n  mlp_tile_tokens: [0]\n"
+        "  loss_tile_tokens: [0]\n  attention: [sdpa]\n"
+    )
     out = tmp_path / "out"
-    result = run_cli("search", "--model", str(model), "--target", "4K", "--gpus", "1", "--backend", "local",
-                     "--hardware", "cpu", "--space", str(space), "--trials", "2", "--no-prefilter",
-                     "--depth", "reduced", "--trial-timeout", str(deadline_s), "--out", str(out), timeout=900)
+    result = run_cli(
+        "search",
+        "--model",
+        str(model),
+        "--target",
+        "4K",
+        "--gpus",
+        "1",
+        "--backend",
+        "local",
+        "--hardware",
+        "cpu",
+        "--space",
+        str(space),
+        "--trials",
+        "2",
+        "--no-prefilter",
+        "--depth",
+        "reduced",
+        "--trial-timeout",
+        str(deadline_s),
+        "--out",
+        str(out),
+        timeout=900,
+    )
     assert (out / "trials.parquet").is_file(), result.stderr[-3000:]
     rows = pq.read_table(out / "trials.parquet").to_pylist()
     local = [r for r in rows if r["answered_by"] == "local"]
     assert {r["seq_len"] for r in local} == {2048, 4096}, [(r["seq_len"], r["status"]) for r in rows]
-    assert all(r["status"] in ("ok", "oom") and r["reduced_layers"] == 4 for r in local), \
-        [(r["seq_len"], r["status"], r["error"]) for r in local] + [result.stderr[-2000:]]
+    assert all(r["status"] in ("ok", "oom") and r["reduced_layers"] == 4 for r in local), [
+        (r["seq_len"], r["status"], r["error"]) for r in local
+    ] + [result.stderr[-2000:]]

@@ -11,8 +11,25 @@ from conftest import run_cli
 def test_local_search_end_to_end(tmp_path):
     # --no-prefilter: every trial runs for real, so the OOM below comes from the tracked capacity itself
     out = tmp_path / "search"
-    result = run_cli("search", "--model", "tiny-llama", "--target", "4K", "--gpus", "2", "--backend", "local",
-                     "--memory-gib", "1", "--trials", "10", "--out", str(out), "--no-prefilter", timeout=900)
+    result = run_cli(
+        "search",
+        "--model",
+        "tiny-llama",
+        "--target",
+        "4K",
+        "--gpus",
+        "2",
+        "--backend",
+        "local",
+        "--memory-gib",
+        "1",
+        "--trials",
+        "10",
+        "--out",
+        str(out),
+        "--no-prefilter",
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     for name in ("study.db", "trials.parquet", "pareto.json", "pareto.png", "best.json"):
         assert (out / name).is_file(), name

@@ -24,8 +24,20 @@ from autotune.search.space import load_space
 from trials.model_config import load_model_config
 from trials.techniques import knob_names
 
-TINY = ["--model", "tiny-llama", "--target", "4K", "--gpus", "2", "--backend", "plan", "--hardware", "cpu",
-        "--memory-gib", "0.5"]
+TINY = [
+    "--model",
+    "tiny-llama",
+    "--target",
+    "4K",
+    "--gpus",
+    "2",
+    "--backend",
+    "plan",
+    "--hardware",
+    "cpu",
+    "--memory-gib",
+    "0.5",
+]
 
 
 def load_study(out, storage=None, name=None):
@@ -35,8 +47,11 @@ def load_study(out, storage=None, name=None):
 
 
 def finished(study):
-    return [t for t in study.get_trials(deepcopy=False) if t.state in (optuna.trial.TrialState.COMPLETE,
-                                                                       optuna.trial.TrialState.PRUNED)]
+    return [
+        t
+        for t in study.get_trials(deepcopy=False)
+        if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    ]
 
 
 def test_plan_search_reports_ooms_as_constraint_violations(tmp_path):
@@ -77,10 +92,18 @@ def test_monotone_inference_and_cache_answer_without_running(tmp_path):
     answers from that OOM (monotone inference); asked again at the same length, from its record (cache); neither
     reaches the backend. A config that differs in one knob is another config: the backend evaluates it."""
     config = load_model_config("tiny-llama")
-    job = search.SearchJob(model="tiny-llama", model_config=config, target=4096, gpus=2,
-                           hardware=load_hardware("cpu").with_memory_gib(0.5),
-                           space=load_space(None, config, 2, 4096, flash_ok=False), backend=_Counting(),
-                           out=tmp_path, trials=4, seed=0)
+    job = search.SearchJob(
+        model="tiny-llama",
+        model_config=config,
+        target=4096,
+        gpus=2,
+        hardware=load_hardware("cpu").with_memory_gib(0.5),
+        space=load_space(None, config, 2, 4096, flash_ok=False),
+        backend=_Counting(),
+        out=tmp_path,
+        trials=4,
+        seed=0,
+    )
     plain = seed_params(job)[0]  # the plain model
     tiled = {**plain, "norm_tile_tokens": 65536}  # one knob apart: another config
     study = search.create_study(job)  # no seeds: the queue below is the whole search
@@ -88,8 +111,12 @@ def test_monotone_inference_and_cache_answer_without_running(tmp_path):
         study.enqueue_trial({**params, "seq_len": seq_len})
     search.run(job, study=study)
     trials = sorted(search.finished_trials(study), key=lambda t: t.number)
-    assert [(t.user_attrs["record"]["seq_len"], t.user_attrs["answered_by"]) for t in trials] == \
-        [(8192, "plan"), (16384, "monotone"), (8192, "cache"), (16384, "plan")]
+    assert [(t.user_attrs["record"]["seq_len"], t.user_attrs["answered_by"]) for t in trials] == [
+        (8192, "plan"),
+        (16384, "monotone"),
+        (8192, "cache"),
+        (16384, "plan"),
+    ]
     oom, inferred, cached, other = trials
     assert oom.user_attrs["record"]["status"] == "oom", "the plain model fits 8K tokens in 0.5 GiB: nothing to infer"
     # the inference is the OOMed config itself, every knob, at the longer length; the cache answer is its record
@@ -124,8 +151,9 @@ def test_kill_9_then_resume_loses_nothing(tmp_path):
     out = tmp_path / "s"
     args = [sys.executable, "-m", "autotune.cli", "search", *TINY, "--trials", "14", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     deadline = time.time() + 300
     while _trials_in_db(out / "study.db") < 5 and time.time() < deadline:
         time.sleep(0.5)
@@ -156,11 +184,17 @@ def test_workers_opening_a_new_sqlite_study_together_all_open_it(tmp_path):
     # race to create its schema retry (autotune.search.storage._SCHEMA_RACE) instead of failing
     url = f"sqlite:///{tmp_path / 'new.db'}"
     start_at = time.time() + 8.0
-    code = ("import sys, time; from pathlib import Path; from autotune.search.storage import open_storage; "
-            "time.sleep(max(0.0, float(sys.argv[2]) - time.time())); open_storage(sys.argv[1], Path('.'))")
+    code = (
+        "import sys, time; from pathlib import Path; from autotune.search.storage import open_storage; "
+        "time.sleep(max(0.0, float(sys.argv[2]) - time.time())); open_storage(sys.argv[1], Path('.'))"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    workers = [subprocess.Popen([sys.executable, "-c", code, url, str(start_at)], cwd=tmp_path, env=env,
-                                stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, url, str(start_at)], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(4)
+    ]
     errors = [worker.communicate(timeout=120)[1] for worker in workers]
     assert [worker.returncode for worker in workers] == [0] * 4, "\n".join(errors)[-3000:]
     assert optuna.storages.RDBStorage(url).get_all_studies() == []
@@ -178,9 +212,17 @@ def test_two_workers_share_one_study(tmp_path, kind):
         # the schema made beforehand: a worker that loses the race to create it backs off for up to 5 s, long
         # enough for the other to finish all twelve trials alone (the race has its own test above)
         optuna.storages.RDBStorage(storage)
-    workers = [subprocess.Popen([sys.executable, "-m", "autotune.cli", *args, "--out", str(tmp_path / f"w{i}"),
-                                 "--seed", str(i)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True) for i in range(2)]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "autotune.cli", *args, "--out", str(tmp_path / f"w{i}"), "--seed", str(i)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     for worker in workers:
         _, err = worker.communicate(timeout=600)
         assert worker.returncode in (0, 1), err[-3000:]

@@ -23,8 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 REDUCED = SPACES_DIR / "reduced-tiny.yaml"
 
 
-@pytest.mark.parametrize("model,gpus,space_path", [("llama3-8b", 8, DEFAULT_SPACE), ("tiny-qwen3", 2, DEFAULT_SPACE),
-                                                   ("tiny-llama", 2, REDUCED)])
+@pytest.mark.parametrize(
+    "model,gpus,space_path",
+    [("llama3-8b", 8, DEFAULT_SPACE), ("tiny-qwen3", 2, DEFAULT_SPACE), ("tiny-llama", 2, REDUCED)],
+)
 def test_params_for_inverts_sample(model, gpus, space_path):
     """Enqueued params must make ``sample`` give back exactly the config and length they were made from."""
     config = load_model_config(model)
@@ -51,16 +53,33 @@ def test_memory_steps_change_one_knob_toward_less_memory():
     plain = Techniques(attention="flash")
     steps = space.memory_steps(plain, layers)
     changed = [{k for k, v in s.to_dict().items() if v != plain.to_dict()[k]} for s in steps]
-    assert changed == [{"fsdp"}, {"ulysses_degree"}, {"activation_checkpointing"}, {"mlp_tile_tokens"},
-                       {"loss_tile_tokens"}, {"norm_tile_tokens"}]
+    assert changed == [
+        {"fsdp"},
+        {"ulysses_degree"},
+        {"activation_checkpointing"},
+        {"mlp_tile_tokens"},
+        {"loss_tile_tokens"},
+        {"norm_tile_tokens"},
+    ]
     assert steps[3].mlp_tile_tokens == max(space.choices["mlp_tile_tokens"])  # the largest tile first
-    full = Techniques(fsdp=True, optimizer_offload=True, ulysses_degree=8, head_chunk=1, activation_checkpointing=True,
-                      activation_offload_layers=layers, mlp_tile_tokens=16 << 10, loss_tile_tokens=2 << 10,
-                      norm_tile_tokens=64 << 10, attention="flash")
+    full = Techniques(
+        fsdp=True,
+        optimizer_offload=True,
+        ulysses_degree=8,
+        head_chunk=1,
+        activation_checkpointing=True,
+        activation_offload_layers=layers,
+        mlp_tile_tokens=16 << 10,
+        loss_tile_tokens=2 << 10,
+        norm_tile_tokens=64 << 10,
+        attention="flash",
+    )
     assert space.memory_steps(full, layers) == []  # nothing left to turn on or shrink
     mid = Techniques(fsdp=True, ulysses_degree=4, activation_checkpointing=True, mlp_tile_tokens=64 << 10)
-    steps = {frozenset(k for k, v in s.to_dict().items() if v != mid.to_dict()[k]): s
-             for s in space.memory_steps(mid, layers)}
+    steps = {
+        frozenset(k for k, v in s.to_dict().items() if v != mid.to_dict()[k]): s
+        for s in space.memory_steps(mid, layers)
+    }
     assert steps[frozenset({"ulysses_degree"})].ulysses_degree == 8
     assert steps[frozenset({"head_chunk"})].head_chunk == 4  # the next smaller chunk than all 8 local heads
     assert steps[frozenset({"activation_offload_layers"})].activation_offload_layers == layers
@@ -93,10 +112,20 @@ class SyntheticBackend(Backend):
     by a fixed factor, so the exhaustive front is known exactly and cheaply."""
 
     name = "plan"
-    MEMORY = {"activation_checkpointing": 0.45, "mlp_tile_tokens": 0.8, "loss_tile_tokens": 0.7,
-              "ulysses_degree": 0.55, "head_chunk": 0.8}
-    SPEED = {"activation_checkpointing": 0.75, "mlp_tile_tokens": 0.97, "loss_tile_tokens": 0.98,
-             "ulysses_degree": 0.8, "head_chunk": 0.75}
+    MEMORY = {
+        "activation_checkpointing": 0.45,
+        "mlp_tile_tokens": 0.8,
+        "loss_tile_tokens": 0.7,
+        "ulysses_degree": 0.55,
+        "head_chunk": 0.8,
+    }
+    SPEED = {
+        "activation_checkpointing": 0.75,
+        "mlp_tile_tokens": 0.97,
+        "loss_tile_tokens": 0.98,
+        "ulysses_degree": 0.8,
+        "head_chunk": 0.75,
+    }
     CAPACITY = 2500.0
 
     def __init__(self):
@@ -106,7 +135,7 @@ class SyntheticBackend(Backend):
         value = 1.0
         for knob, factor in table.items():
             on = getattr(techniques, knob)
-            if (on > 1 if knob == "ulysses_degree" else bool(on)):
+            if on > 1 if knob == "ulysses_degree" else bool(on):
                 value *= factor
         return value
 
@@ -116,8 +145,13 @@ class SyntheticBackend(Backend):
         peak = 1000.0 * length / 2048 * self.factors(t, self.MEMORY)
         rate = 1e7 / length * self.factors(t, self.SPEED)
         fits = peak <= self.CAPACITY
-        return ResultRecord(status="ok" if fits else "oom", source="predicted", seq_len=length,
-                            tokens_per_s=rate if fits else None, peak_device_bytes=int(peak))
+        return ResultRecord(
+            status="ok" if fits else "oom",
+            source="predicted",
+            seq_len=length,
+            tokens_per_s=rate if fits else None,
+            peak_device_bytes=int(peak),
+        )
 
 
 def _job(tmp_path, backend, trials, follow_ups=True):
@@ -125,9 +159,19 @@ def _job(tmp_path, backend, trials, follow_ups=True):
     config = load_model_config("tiny-llama")
     space = load_space(REDUCED, config, 2, 8192, flash_ok=False)
     hardware = load_hardware("cpu").with_memory_gib(SyntheticBackend.CAPACITY / 2**30)
-    return search.SearchJob(model="tiny-llama", model_config=config, target=8192, gpus=2, hardware=hardware,
-                            space=space, backend=backend, out=tmp_path, trials=trials, seed=0,
-                            follow_ups=follow_ups)
+    return search.SearchJob(
+        model="tiny-llama",
+        model_config=config,
+        target=8192,
+        gpus=2,
+        hardware=hardware,
+        space=space,
+        backend=backend,
+        out=tmp_path,
+        trials=trials,
+        seed=0,
+        follow_ups=follow_ups,
+    )
 
 
 def _front(points):
@@ -151,10 +195,16 @@ def test_follow_ups_climb_and_step_down(tmp_path):
         if record["seq_len"] not in lens:
             # a wall step: the same config between its longest fit and its shortest OOM, off the grid
             assert trial.user_attrs["techniques"] == origin.user_attrs["techniques"]
-            same = [t.user_attrs["record"] for t in trials if t.number < trial.number
-                    and t.user_attrs["techniques"] == trial.user_attrs["techniques"]]
-            assert max(r["seq_len"] for r in same if r["status"] == "ok") < record["seq_len"] \
+            same = [
+                t.user_attrs["record"]
+                for t in trials
+                if t.number < trial.number and t.user_attrs["techniques"] == trial.user_attrs["techniques"]
+            ]
+            assert (
+                max(r["seq_len"] for r in same if r["status"] == "ok")
+                < record["seq_len"]
                 < min(r["seq_len"] for r in same if r["status"] == "oom")
+            )
             walls += 1
         elif trial.user_attrs["techniques"] == origin.user_attrs["techniques"]:
             # a climb: the same config at the next longer length, after it fit there
@@ -164,8 +214,10 @@ def test_follow_ups_climb_and_step_down(tmp_path):
         else:
             # a memory step: one knob more at the length where the origin ran out of memory
             assert before["status"] == "oom" and record["seq_len"] == before["seq_len"]
-            old, new = Techniques.from_dict(origin.user_attrs["techniques"]), Techniques.from_dict(
-                trial.user_attrs["techniques"])
+            old, new = (
+                Techniques.from_dict(origin.user_attrs["techniques"]),
+                Techniques.from_dict(trial.user_attrs["techniques"]),
+            )
             assert new in job.space.memory_steps(old, 4)
             steps += 1
         assert trial.user_attrs["answered_by"] == "plan"  # never a point the study already knew
@@ -182,14 +234,30 @@ def test_follow_ups_find_the_exhaustive_front(tmp_path):
     probe = _job(tmp_path / "grid", SyntheticBackend(), trials=1)
     space = probe.space
     grid = []
-    for fsdp, degree, ckpt, mlp, loss in itertools.product(*(space.choices[k] for k in (
-            "fsdp", "ulysses_degree", "activation_checkpointing", "mlp_tile_tokens", "loss_tile_tokens"))):
-        for chunk in (space.head_chunks(degree) if degree > 1 else [None]):
-            grid.append(Techniques(fsdp=fsdp, ulysses_degree=degree, head_chunk=chunk, activation_checkpointing=ckpt,
-                                   mlp_tile_tokens=mlp, loss_tile_tokens=loss))
+    for fsdp, degree, ckpt, mlp, loss in itertools.product(
+        *(
+            space.choices[k]
+            for k in ("fsdp", "ulysses_degree", "activation_checkpointing", "mlp_tile_tokens", "loss_tile_tokens")
+        )
+    ):
+        for chunk in space.head_chunks(degree) if degree > 1 else [None]:
+            grid.append(
+                Techniques(
+                    fsdp=fsdp,
+                    ulysses_degree=degree,
+                    head_chunk=chunk,
+                    activation_checkpointing=ckpt,
+                    mlp_tile_tokens=mlp,
+                    loss_tile_tokens=loss,
+                )
+            )
     oracle = SyntheticBackend()
-    points = [(s, r.tokens_per_s) for t in grid for s in space.seq_lens
-              if (r := oracle.evaluate(Evaluation(probe.model_config, t, s, 2, probe.hardware))).status == "ok"]
+    points = [
+        (s, r.tokens_per_s)
+        for t in grid
+        for s in space.seq_lens
+        if (r := oracle.evaluate(Evaluation(probe.model_config, t, s, 2, probe.hardware))).status == "ok"
+    ]
 
     def hypervolume(found):
         ref, area, best = math.log2(space.seq_lens[0]) - 1, 0.0, 0.0

@@ -4,10 +4,19 @@ from autotune.core.errors import UserError
 from autotune.core.sizes import format_tokens, parse_tokens
 
 
-@pytest.mark.parametrize("text, tokens", [
-    ("5M", 5_242_880), ("5m", 5_242_880), ("128K", 131_072), ("5242880", 5_242_880), ("5_242_880", 5_242_880),
-    ("4K", 4096), (4096, 4096), ("1G", 1024**3),
-])
+@pytest.mark.parametrize(
+    "text, tokens",
+    [
+        ("5M", 5_242_880),
+        ("5m", 5_242_880),
+        ("128K", 131_072),
+        ("5242880", 5_242_880),
+        ("5_242_880", 5_242_880),
+        ("4K", 4096),
+        (4096, 4096),
+        ("1G", 1024**3),
+    ],
+)
 def test_parse_tokens(text, tokens):
     assert parse_tokens(text) == tokens
 

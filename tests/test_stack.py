@@ -29,8 +29,16 @@ LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4
 SEQ = 512
 
-FULL = {"fsdp": True, "optimizer_offload": True, "head_chunk": 1, "activation_checkpointing": True,
-        "activation_offload_layers": 4, "mlp_tile_tokens": 96, "loss_tile_tokens": 80, "norm_tile_tokens": 112}
+FULL = {
+    "fsdp": True,
+    "optimizer_offload": True,
+    "head_chunk": 1,
+    "activation_checkpointing": True,
+    "activation_offload_layers": 4,
+    "mlp_tile_tokens": 96,
+    "loss_tile_tokens": 80,
+    "norm_tile_tokens": 112,
+}
 
 
 def _cases(degree: int) -> list[dict]:
@@ -45,9 +53,9 @@ def _cases(degree: int) -> list[dict]:
             "ulysses": {},
             "head_chunk=1": {"head_chunk": 1},
             "head_chunk=2": {"head_chunk": 2},
-            "mlp_tiles": {"mlp_tile_tokens": 96},        # uneven last tile on purpose
+            "mlp_tiles": {"mlp_tile_tokens": 96},  # uneven last tile on purpose
             "loss_tiles": {"loss_tile_tokens": 80},
-            "norm_tiles": {"norm_tile_tokens": 112},     # qwen3: per-head q/k norms tiled too
+            "norm_tiles": {"norm_tile_tokens": 112},  # qwen3: per-head q/k norms tiled too
             "checkpointing": ckpt,
             "offload=2": {**ckpt, "activation_offload_layers": 2},
             "fsdp": {"fsdp": True},
@@ -74,12 +82,24 @@ def _cases(degree: int) -> list[dict]:
             rows.append({"name": f"{model}/{name}", "model": model, "techniques": {**u, **techniques}, "step": step})
     if degree > 1:  # untied Ulysses packing each step's tensors into one all-to-all
         for model in ("tiny-llama", "tiny-qwen3"):
-            rows.append({"name": f"{model}/head_chunk=1 batched exchanges", "model": model, "step": False,
-                         "techniques": {**u, "head_chunk": 1, "activation_checkpointing": True},
-                         "batch_exchanges": True})
+            rows.append(
+                {
+                    "name": f"{model}/head_chunk=1 batched exchanges",
+                    "model": model,
+                    "step": False,
+                    "techniques": {**u, "head_chunk": 1, "activation_checkpointing": True},
+                    "batch_exchanges": True,
+                }
+            )
     if degree == 2:  # data parallel: two replicas of degree 1 (different samples), sharded and head-chunked
-        rows.append({"name": "tiny-llama/dp2+fsdp+optimizer_offload+head_chunk=1", "model": "tiny-llama",
-                     "techniques": {"fsdp": True, "optimizer_offload": True, "head_chunk": 1}, "step": True})
+        rows.append(
+            {
+                "name": "tiny-llama/dp2+fsdp+optimizer_offload+head_chunk=1",
+                "model": "tiny-llama",
+                "techniques": {"fsdp": True, "optimizer_offload": True, "head_chunk": 1},
+                "step": True,
+            }
+        )
         rows.append({"name": "tiny-qwen3/dp2+full", "model": "tiny-qwen3", "techniques": FULL, "step": True})
     return rows
 
@@ -90,15 +110,30 @@ def _launch(script: Path, world: int, spec: dict, tmp_path: Path, timeout: float
     if world == 1:
         command = [sys.executable, str(script), str(cases), str(out)]
     else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                   str(script), str(cases), str(out)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1" if world > 1 else "2",
-           "MKL_DYNAMIC": "FALSE", "OMP_DYNAMIC": "FALSE"}
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={world}",
+            str(script),
+            str(cases),
+            str(out),
+        ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1" if world > 1 else "2",
+        "MKL_DYNAMIC": "FALSE",
+        "OMP_DYNAMIC": "FALSE",
+    }
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     report = json.loads(out.read_text()) if out.exists() else {}
     if done.returncode or "error" in report:
-        pytest.fail(f"harness failed (exit {done.returncode}): {report.get('error', '')}\n"
-                    f"{done.stdout[-3000:]}\n{done.stderr[-4000:]}")
+        pytest.fail(
+            f"harness failed (exit {done.returncode}): {report.get('error', '')}\n"
+            f"{done.stdout[-3000:]}\n{done.stderr[-4000:]}"
+        )
     return report
 
 
@@ -108,13 +143,19 @@ def _check_exact(report: dict, expected: int) -> None:
     bad = []
     for row in results:
         # the norm is one scalar collective on the mesh's device (never one per parameter, never a host tensor)
-        if row["grad_norm_rel"] > GRAD_RTOL or len(row["grad_norm_collectives"]) > 1 or any(
-                device != "cpu" for device in row["grad_norm_collectives"]):
-            bad.append(f"{row['name']}: grad norm rel {row['grad_norm_rel']:.2e}, "
-                       f"collectives {row['grad_norm_collectives']}")
+        if (
+            row["grad_norm_rel"] > GRAD_RTOL
+            or len(row["grad_norm_collectives"]) > 1
+            or any(device != "cpu" for device in row["grad_norm_collectives"])
+        ):
+            bad.append(
+                f"{row['name']}: grad norm rel {row['grad_norm_rel']:.2e}, collectives {row['grad_norm_collectives']}"
+            )
         if row["loss_rel"] > LOSS_RTOL or row["grad_rel"] > GRAD_RTOL or row.get("step_loss_rel", 0) > LOSS_RTOL:
-            bad.append(f"{row['name']}: loss rel {row['loss_rel']:.2e}, grad rel {row['grad_rel']:.2e} "
-                       f"({row['grad_rel_param']}), after-step loss rel {row.get('step_loss_rel', 0):.2e}")
+            bad.append(
+                f"{row['name']}: loss rel {row['loss_rel']:.2e}, grad rel {row['grad_rel']:.2e} "
+                f"({row['grad_rel_param']}), after-step loss rel {row.get('step_loss_rel', 0):.2e}"
+            )
     assert not bad, "not exact:\n" + "\n".join(bad)
 
 
@@ -137,10 +178,25 @@ def test_exact_four_ranks_with_replicated_kv_heads(tmp_path):
 
 # -- head chunk plan (no processes) ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("heads, kv_heads, degree, chunk", [
-    (8, 2, 1, 1), (8, 2, 1, 8), (8, 2, 2, 1), (8, 2, 2, 2), (8, 2, 4, 1), (8, 2, 4, 2),
-    (8, 4, 2, 1), (8, 4, 2, 4), (8, 8, 2, 2), (32, 8, 8, 1), (64, 8, 8, 2), (24, 8, 2, 2), (24, 8, 2, 4),
-])
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, degree, chunk",
+    [
+        (8, 2, 1, 1),
+        (8, 2, 1, 8),
+        (8, 2, 2, 1),
+        (8, 2, 2, 2),
+        (8, 2, 4, 1),
+        (8, 2, 4, 2),
+        (8, 4, 2, 1),
+        (8, 4, 2, 4),
+        (8, 8, 2, 2),
+        (32, 8, 8, 1),
+        (64, 8, 8, 2),
+        (24, 8, 2, 2),
+        (24, 8, 2, 4),
+    ],
+)
 def test_chunk_plan_gives_every_query_its_kv_head(heads, kv_heads, degree, chunk):
     from trials.upipe import ChunkPlan
 
@@ -164,12 +220,13 @@ def test_chunk_plan_refuses_what_cannot_be_chunked():
     from trials.upipe import ChunkPlan
 
     with pytest.raises(ValueError):
-        ChunkPlan.build(8, 2, 2, 16, 3)   # 3 does not divide the 4 local heads
+        ChunkPlan.build(8, 2, 2, 16, 3)  # 3 does not divide the 4 local heads
     with pytest.raises(ValueError):
-        ChunkPlan.build(8, 3, 16, 2, 1)   # kv heads and degree do not divide one another
+        ChunkPlan.build(8, 3, 16, 2, 1)  # kv heads and degree do not divide one another
 
 
 # -- memory ------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_each_knob_moves_the_peak_as_theory_says(tmp_path):
@@ -219,6 +276,7 @@ def _shard_elements(preset: str, world: int) -> int:
 
 # -- mixed precision (one process) -------------------------------------------------------------------------------
 
+
 def test_bf16_autocast_stack_is_as_close_to_fp32_as_plain_autocast():
     """Unsharded bf16 runs under autocast (``trials.model.set_compute_dtype``); the custom autograd Functions
     (head chunking, tiled MLP recompute, tiled loss) must compute in bf16 like the plain model, not crash on
@@ -248,8 +306,14 @@ def test_bf16_autocast_stack_is_as_close_to_fp32_as_plain_autocast():
     plain_loss, plain_grad = run({}, torch.bfloat16)
     yardstick = float((plain_grad - ref_grad).norm() / ref_grad.norm())
     assert 0 < yardstick < 0.05
-    full = {"head_chunk": 2, "activation_checkpointing": True, "activation_offload_layers": 2,
-            "mlp_tile_tokens": 100, "loss_tile_tokens": 100, "norm_tile_tokens": 100}
+    full = {
+        "head_chunk": 2,
+        "activation_checkpointing": True,
+        "activation_offload_layers": 2,
+        "mlp_tile_tokens": 100,
+        "loss_tile_tokens": 100,
+        "norm_tile_tokens": 100,
+    }
     for techniques in ({"head_chunk": 1}, full):
         loss, grad = run(techniques, torch.bfloat16)
         assert abs(loss - ref_loss) / ref_loss < 1e-3

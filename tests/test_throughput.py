@@ -34,8 +34,11 @@ def rates(name: str, world_size: int = 1):
 def matmul_params(cfg: dict) -> int:
     """Weights that multiply every token: q/k/v/o and the MLP per layer, plus the lm_head."""
     h, d = cfg["hidden_size"], cfg["head_dim"]
-    per_layer = h * d * (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) \
-        + cfg["num_attention_heads"] * d * h + 3 * h * cfg["intermediate_size"]
+    per_layer = (
+        h * d * (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"])
+        + cfg["num_attention_heads"] * d * h
+        + 3 * h * cfg["intermediate_size"]
+    )
     return cfg["num_hidden_layers"] * per_layer + h * cfg["vocab_size"]
 
 
@@ -53,11 +56,18 @@ def baseline_counts(llama):
 def fake_calibration(tmp_path, monkeypatch):
     """A cpu calibration file with round numbers, so nothing is measured during tests."""
     monkeypatch.setenv("AUTOTUNE_CACHE_DIR", str(tmp_path))
-    world = {"matmul_flops": 1e11, "attention_flops": {"16": [4e10, 4e10], "128": [8e10, 8e10]},
-             "elementwise_bytes_per_s": 1e10, "memcpy_bytes_per_s": 5e9, "op_overhead_s": 2e-5,
-             "view_overhead_s": 1e-5, "optimizer_bytes_per_s": 1e10}
-    gloo = {k: {"latency_s": 1e-4, "bytes_per_s": 1e9} for k in ("all_to_all", "all_gather", "reduce_scatter",
-                                                                 "all_reduce")}
+    world = {
+        "matmul_flops": 1e11,
+        "attention_flops": {"16": [4e10, 4e10], "128": [8e10, 8e10]},
+        "elementwise_bytes_per_s": 1e10,
+        "memcpy_bytes_per_s": 5e9,
+        "op_overhead_s": 2e-5,
+        "view_overhead_s": 1e-5,
+        "optimizer_bytes_per_s": 1e10,
+    }
+    gloo = {
+        k: {"latency_s": 1e-4, "bytes_per_s": 1e9} for k in ("all_to_all", "all_gather", "reduce_scatter", "all_reduce")
+    }
     data = {"machine": calibrate.machine_key(), "worlds": {"1": dict(world), "2": dict(world, gloo=gloo)}}
     calibrate.cache_path().write_text(json.dumps(data))
     return data
@@ -149,8 +159,12 @@ def test_ulysses_all_to_all_bytes_match_the_analytic_volume(llama):
     counts = counters[0].counts
     assert counters[0].failures == {}
     local = seq // degree
-    d, hq, hkv, layers = llama["head_dim"], llama["num_attention_heads"], llama["num_key_value_heads"], \
-        llama["num_hidden_layers"]
+    d, hq, hkv, layers = (
+        llama["head_dim"],
+        llama["num_attention_heads"],
+        llama["num_key_value_heads"],
+        llama["num_hidden_layers"],
+    )
     kv = max(hkv, degree)  # kv heads are replicated up to the degree when fewer
     # per layer and direction: q, k, v in (sequence shard, all heads) and the output back, fp32
     per_layer = 4 * local * d * (hq + 2 * kv + hq)
@@ -250,8 +264,10 @@ def test_faster_hardware_takes_less_time(baseline_counts):
     h100 = _no_launch_floor("h100-sxm")
     base = predict_step_time(baseline_counts, h100, 1, Techniques()).step_time_s
     assert predict_step_time(baseline_counts, _no_launch_floor("a100-80g"), 1, Techniques()).step_time_s > base
-    assert (predict_step_time(baseline_counts, rates("a100-80g", 1), 1, Techniques()).step_time_s
-            >= predict_step_time(baseline_counts, rates("h100-sxm", 1), 1, Techniques()).step_time_s)
+    assert (
+        predict_step_time(baseline_counts, rates("a100-80g", 1), 1, Techniques()).step_time_s
+        >= predict_step_time(baseline_counts, rates("h100-sxm", 1), 1, Techniques()).step_time_s
+    )
     for field, factor in (("bf16_flops", 2.0), ("hbm_bytes_per_s", 2.0), ("matmul_efficiency", 1.2)):
         faster = replace(h100, **{field: getattr(h100, field) * factor})
         assert predict_step_time(baseline_counts, faster, 1, Techniques()).step_time_s < base
@@ -268,7 +284,7 @@ def test_tokens_per_s_counts_data_parallel_replicas():
     from autotune.timing.counts import CollectiveCounts
 
     counts = StepCounts(seq_len=1000)
-    counts.phases["forward"] = PhaseCounts(matmul_flops=2e12)   # 2e12 / 1e12 FLOP/s = 2 s
+    counts.phases["forward"] = PhaseCounts(matmul_flops=2e12)  # 2e12 / 1e12 FLOP/s = 2 s
     counts.phases["backward"] = PhaseCounts(matmul_flops=4e12)  # 4 s: a 6 s step
     # 8 ranks: Ulysses 2 leaves 4 replicas, 4 x 1,000 tokens / 6 s = 666.67 tokens/s; Ulysses 8 one replica,
     # 1,000 / 6 = 166.67; no Ulysses 8 replicas, 8,000 / 6 = 1,333.33
@@ -277,13 +293,20 @@ def test_tokens_per_s_counts_data_parallel_replicas():
         assert timing.step_time_s == pytest.approx(6.0)
         assert timing.tokens_per_s == pytest.approx(tokens_per_s, rel=1e-5)
     # every part of the step, each worked out by hand
-    counts.phases["forward"].d2h_bytes = 3e11                     # 3 s of copies at 1e11 B/s
-    counts.phases["recompute"] = PhaseCounts(matmul_flops=1e12)   # 1 s
+    counts.phases["forward"].d2h_bytes = 3e11  # 3 s of copies at 1e11 B/s
+    counts.phases["recompute"] = PhaseCounts(matmul_flops=1e12)  # 1 s
     counts.phases["optimizer"] = PhaseCounts(elementwise_bytes=5e9)
     counts.collectives = {"all_to_all/forward/sync/2": CollectiveCounts(calls=2, bytes=1e11, wire_bytes=5e10)}
-    r = _round_rates(intra_node_bytes_per_s=1e11, all_to_all_efficiency=1.0, collective_latency_s=1e-3,
-                     collective_wait_s=1e-2, host_bytes_per_s=1e11, host_copy_efficiency=1.0,
-                     side_stream_overlap=1.0, host_optimizer_bytes_per_s=1e10)
+    r = _round_rates(
+        intra_node_bytes_per_s=1e11,
+        all_to_all_efficiency=1.0,
+        collective_latency_s=1e-3,
+        collective_wait_s=1e-2,
+        host_bytes_per_s=1e11,
+        host_copy_efficiency=1.0,
+        side_stream_overlap=1.0,
+        host_optimizer_bytes_per_s=1e10,
+    )
     timing = predict_step_time(counts, r, 8, Techniques(ulysses_degree=2, optimizer_offload=True), seq_len=1000)
     # compute 2 + 4 = 6 s; recompute 1 s; the all-to-all stalls: 5e10 B / 1e11 B/s = 0.5 s + 2 calls x 1 ms latency
     # + 2 calls x 10 ms waiting for the other rank = 0.522 s; the forward's 3 s of copies hide behind its 2 s of
@@ -301,9 +324,11 @@ def test_ranks_wait_for_each_other_per_collective_call_not_per_compute_second(ba
     from autotune.timing.counts import CollectiveCounts
 
     counts = StepCounts.from_dict(baseline_counts.to_dict())
-    counts.collectives = {"all_to_all/forward/sync/2": CollectiveCounts(calls=16, bytes=1e6, wire_bytes=5e5),
-                          "all_gather/forward/fsdp/2": CollectiveCounts(calls=4, bytes=1e6, wire_bytes=5e5),
-                          "all_reduce/backward/sync/1": CollectiveCounts(calls=3, bytes=1e3, wire_bytes=0.0)}
+    counts.collectives = {
+        "all_to_all/forward/sync/2": CollectiveCounts(calls=16, bytes=1e6, wire_bytes=5e5),
+        "all_gather/forward/fsdp/2": CollectiveCounts(calls=4, bytes=1e6, wire_bytes=5e5),
+        "all_reduce/backward/sync/1": CollectiveCounts(calls=3, bytes=1e3, wire_bytes=0.0),
+    }
     assert counts.collective_calls() == 20
     base = replace(rates("cpu", 2), collective_wait_s=0.0)
     waiting = replace(base, collective_wait_s=1e-3)
@@ -314,8 +339,9 @@ def test_ranks_wait_for_each_other_per_collective_call_not_per_compute_second(ba
     # the same calls with twice the compute wait the same
     heavier = StepCounts.from_dict(counts.to_dict())
     heavier.phases["forward"].matmul_flops *= 2
-    assert predict_step_time(heavier, waiting, 2, Techniques(ulysses_degree=2)).detail["rank_wait_s"] == \
-        pytest.approx(20e-3)
+    assert predict_step_time(heavier, waiting, 2, Techniques(ulysses_degree=2)).detail["rank_wait_s"] == pytest.approx(
+        20e-3
+    )
     assert predict_step_time(counts, waiting, 1, Techniques()).detail["rank_wait_s"] == 0.0
 
 
@@ -341,9 +367,16 @@ def test_overlap_rules():
 def test_optimizer_offload_runs_on_the_host():
     counts = StepCounts(seq_len=128)
     counts.phases["optimizer"] = PhaseCounts(elementwise_bytes=4e9, ops=1000, views=500)
-    r = _round_rates(1, hbm_bytes_per_s=2e12, elementwise_efficiency=1.0, elementwise_traffic_factor=1.0,
-                     host_optimizer_bytes_per_s=2e9, op_overhead_s=1e-4, view_overhead_s=2e-4,
-                     launch_overlaps_compute=True)
+    r = _round_rates(
+        1,
+        hbm_bytes_per_s=2e12,
+        elementwise_efficiency=1.0,
+        elementwise_traffic_factor=1.0,
+        host_optimizer_bytes_per_s=2e9,
+        op_overhead_s=1e-4,
+        view_overhead_s=2e-4,
+        launch_overlaps_compute=True,
+    )
     on_device = predict_step_time(counts, r, 1, Techniques())
     on_host = predict_step_time(counts, r, 1, Techniques(optimizer_offload=True))
     # on the host: 4e9 B / 2e9 B/s = 2 s, plus its dispatches 1,000 x 0.1 ms + 500 x 0.2 ms = 0.2 s: 2.2 s
@@ -385,6 +418,7 @@ def test_plan_backend_fills_in_step_time(fake_calibration, llama):
 
 class Counting(TorchDispatchMode):
     """Counts the ops dispatched under it: code meant to run outside the caller's dispatch modes leaves it at 0."""
+
     calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

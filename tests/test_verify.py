@@ -23,8 +23,25 @@ from trials.config_file import load_config_file
 from trials.model_config import load_model_config
 from trials.techniques import BASELINE
 
-SEARCH = ["search", "--model", "tiny-llama", "--target", "2K", "--gpus", "2", "--backend", "plan", "--hardware", "cpu",
-          "--memory-gib", "0.5", "--space", str(ROOT / "search_spaces/reduced-tiny.yaml"), "--trials", "6"]
+SEARCH = [
+    "search",
+    "--model",
+    "tiny-llama",
+    "--target",
+    "2K",
+    "--gpus",
+    "2",
+    "--backend",
+    "plan",
+    "--hardware",
+    "cpu",
+    "--memory-gib",
+    "0.5",
+    "--space",
+    str(ROOT / "search_spaces/reduced-tiny.yaml"),
+    "--trials",
+    "6",
+]
 
 
 def _key(techniques: dict, seq_len: int):
@@ -37,13 +54,16 @@ def _row_key(row: dict):
 
 # --- a real plan search, then real trials of its front (tiny-llama, 2 gloo ranks) ---------------------------------
 
+
 @pytest.fixture(scope="module")
 def verified(tmp_path_factory):
     out = tmp_path_factory.mktemp("verify") / "out"
     searched = run_cli(*SEARCH, "--out", str(out), "--json")
     assert searched.returncode in (0, 1), searched.stderr[-3000:]
-    before = {"front": json.loads((out / "pareto.json").read_text())["front"],
-              "best": json.loads((out / "best.json").read_text())}
+    before = {
+        "front": json.loads((out / "pareto.json").read_text())["front"],
+        "best": json.loads((out / "best.json").read_text()),
+    }
     start = time.monotonic()
     first = run_cli("verify", str(out), "--top", "2", "--json")
     first_s = time.monotonic() - start
@@ -58,8 +78,10 @@ def test_verify_measures_the_top_of_the_front_and_the_best(verified):
     ran = {o["trial"]: o for o in result["verified"] if o["ran"]}
     assert {f["trial"] for f in fastest} <= set(ran), (fastest, list(ran))
     best_before = before["best"]
-    assert any(_key(o["techniques"], o["seq_len"]) == _key(best_before["techniques"], best_before["seq_len"])
-               for o in result["verified"])
+    assert any(
+        _key(o["techniques"], o["seq_len"]) == _key(best_before["techniques"], best_before["seq_len"])
+        for o in result["verified"]
+    )
     for outcome in ran.values():
         assert outcome["predicted"]["source"] == "predicted"
         assert outcome["measured"]["source"] == "measured" and outcome["measured"]["status"] in ("ok", "oom")
@@ -126,6 +148,7 @@ def test_a_second_run_skips_what_was_measured(verified):
 
 # --- the logic, with a scripted backend (no real trials) -----------------------------------------------------------
 
+
 class Scripted(Backend):
     """Answers from a table {seq_len: record fields}; counts its calls."""
 
@@ -141,17 +164,30 @@ class Scripted(Backend):
 
 def _folder(tmp_path, trials: list[tuple[dict, int, float]], target: int = 2048) -> verify.Folder:
     """A plan study of ``(techniques, seq_len, predicted tokens/s)`` trials (all fit), written like a search."""
-    study = optuna.create_study(directions=["maximize", "maximize"], study_name="s",
-                                storage=f"sqlite:///{tmp_path / 'study.db'}")
+    study = optuna.create_study(
+        directions=["maximize", "maximize"], study_name="s", storage=f"sqlite:///{tmp_path / 'study.db'}"
+    )
     for techniques, seq_len, rate in trials:
-        record = ResultRecord(status="ok", source="predicted", seq_len=seq_len, tokens_per_s=rate,
-                              peak_device_bytes=2**27, host_bytes=0)
-        study.add_trial(optuna.trial.create_trial(
-            values=[float(seq_len), rate], user_attrs={"techniques": techniques, "record": record.to_dict(),
-                                                       "answered_by": "plan"}))
-    job = SearchJob(model="tiny-llama", model_config=load_model_config("tiny-llama"), target=target, gpus=2,
-                    hardware=load_hardware("cpu").with_memory_gib(0.5), space=None, backend=None, out=tmp_path,
-                    trials=len(trials))
+        record = ResultRecord(
+            status="ok", source="predicted", seq_len=seq_len, tokens_per_s=rate, peak_device_bytes=2**27, host_bytes=0
+        )
+        study.add_trial(
+            optuna.trial.create_trial(
+                values=[float(seq_len), rate],
+                user_attrs={"techniques": techniques, "record": record.to_dict(), "answered_by": "plan"},
+            )
+        )
+    job = SearchJob(
+        model="tiny-llama",
+        model_config=load_model_config("tiny-llama"),
+        target=target,
+        gpus=2,
+        hardware=load_hardware("cpu").with_memory_gib(0.5),
+        space=None,
+        backend=None,
+        out=tmp_path,
+        trials=len(trials),
+    )
     report.write_outputs(job, study)
     return verify.Folder(tmp_path, study, job)
 
@@ -163,11 +199,16 @@ CKPT = {**PLAIN, "fsdp": True, "activation_checkpointing": True}
 
 def test_a_measured_oom_drops_a_config_and_the_new_best_is_measured_too(tmp_path):
     # 4K fastest, then 3K, then 2K; cache duplicate of the 4K config (trial 3)
-    folder = _folder(tmp_path, [(CKPT, 4096, 3000.0), (FSDP, 3072, 2000.0), (PLAIN, 2048, 1000.0),
-                                (CKPT, 4096, 3000.0)])
-    backend = Scripted({4096: {"status": "oom", "peak_device_bytes": 2**30}, 3072: {"status": "ok",
-                        "tokens_per_s": 1500.0, "peak_device_bytes": 2**27, "host_bytes": 0},
-                        2048: {"status": "ok", "tokens_per_s": 900.0}})
+    folder = _folder(
+        tmp_path, [(CKPT, 4096, 3000.0), (FSDP, 3072, 2000.0), (PLAIN, 2048, 1000.0), (CKPT, 4096, 3000.0)]
+    )
+    backend = Scripted(
+        {
+            4096: {"status": "oom", "peak_device_bytes": 2**30},
+            3072: {"status": "ok", "tokens_per_s": 1500.0, "peak_device_bytes": 2**27, "host_bytes": 0},
+            2048: {"status": "ok", "tokens_per_s": 900.0},
+        }
+    )
     chosen = verify.select(folder, top=1)
     assert [p.number for p in chosen] == [0]  # the fastest, which is also the best
     hw = load_hardware("cpu").with_memory_gib(0.5)
@@ -224,6 +265,7 @@ def test_reduced_depth_reuses_a_full_measurement_but_not_the_reverse(tmp_path):
 
 # --- bad input: exit 2, one line, no traceback ---------------------------------------------------------------------
 
+
 def test_a_missing_folder_exits_2_with_one_line(tmp_path):
     done = run_cli("verify", str(tmp_path / "nowhere"))
     lines = [line for line in done.stderr.splitlines() if line.strip()]
@@ -239,17 +281,24 @@ def _old_folder(tmp_path):
     return folder
 
 
-@pytest.mark.parametrize("case", ["not a search folder", "a file", "--top 0", "--depth", "older folder",
-                                  "no study.db", "unknown --study"])
+@pytest.mark.parametrize(
+    "case", ["not a search folder", "a file", "--top 0", "--depth", "older folder", "no study.db", "unknown --study"]
+)
 def test_bad_input_exits_2_with_one_line(case, tmp_path, capsys):
-    argv = {"not a search folder": lambda: ["verify", str(tmp_path)],
-            "a file": lambda: ["verify", str(_touch(tmp_path / "f.txt"))],
-            "--top 0": lambda: ["verify", str(tmp_path), "--top", "0"],
-            "--depth": lambda: ["verify", str(tmp_path), "--depth", "half"],
-            "older folder": lambda: ["verify", str(_old_folder(tmp_path).directory)],
-            "no study.db": lambda: ["verify", str(_no_study(tmp_path))],
-            "unknown --study": lambda: ["verify", str(_folder(tmp_path, [(FSDP, 2048, 1.0)]).directory),
-                                        "--study", "other"]}[case]()
+    argv = {
+        "not a search folder": lambda: ["verify", str(tmp_path)],
+        "a file": lambda: ["verify", str(_touch(tmp_path / "f.txt"))],
+        "--top 0": lambda: ["verify", str(tmp_path), "--top", "0"],
+        "--depth": lambda: ["verify", str(tmp_path), "--depth", "half"],
+        "older folder": lambda: ["verify", str(_old_folder(tmp_path).directory)],
+        "no study.db": lambda: ["verify", str(_no_study(tmp_path))],
+        "unknown --study": lambda: [
+            "verify",
+            str(_folder(tmp_path, [(FSDP, 2048, 1.0)]).directory),
+            "--study",
+            "other",
+        ],
+    }[case]()
     code = main(argv)
     captured = capsys.readouterr()
     lines = [line for line in captured.err.splitlines() if line.strip()]

@@ -26,8 +26,13 @@ def judge_arctic(model_dir: str, world: int, recipes: list[str]) -> None:
     import torch.distributed as dist
     import yaml
 
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=os.environ.get("JUDGE_PORT", "29561"))
+    os.environ.update(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=os.environ.get("JUDGE_PORT", "29561"),
+    )
     dist.init_process_group("gloo", rank=0, world_size=1)
     os.environ["WORLD_SIZE"] = str(world)
     os.chdir(tempfile.mkdtemp())  # the loader creates train-log-metrics.jsonl in the working folder
@@ -37,15 +42,25 @@ def judge_arctic(model_dir: str, world: int, recipes: list[str]) -> None:
         recipe = yaml.safe_load(Path(path).read_text())
         recipe["model"]["name_or_path"] = model_dir  # the user's model: here a folder with the preset's config
         config = get_config(recipe)
-        print(json.dumps({"path": path, "type": config.type, "world_size": config.world_size,
-                          "sequence_parallel_size": config.sequence_parallel_size,
-                          "activation_checkpoint_cpu_offload": config.activation_checkpoint_cpu_offload,
-                          "tiled_mlp_compute": config.tiled_mlp_compute,
-                          "disable_activation_checkpoint": config.model.disable_activation_checkpoint,
-                          "attn_implementation": config.model.attn_implementation,
-                          "max_length": config.data.max_length, "optimizer": config.optimizer.type,
-                          "zero": config.deepspeed["zero_optimization"],
-                          "train_batch_size": config.deepspeed["train_batch_size"]}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "path": path,
+                    "type": config.type,
+                    "world_size": config.world_size,
+                    "sequence_parallel_size": config.sequence_parallel_size,
+                    "activation_checkpoint_cpu_offload": config.activation_checkpoint_cpu_offload,
+                    "tiled_mlp_compute": config.tiled_mlp_compute,
+                    "disable_activation_checkpoint": config.model.disable_activation_checkpoint,
+                    "attn_implementation": config.model.attn_implementation,
+                    "max_length": config.data.max_length,
+                    "optimizer": config.optimizer.type,
+                    "zero": config.deepspeed["zero_optimization"],
+                    "train_batch_size": config.deepspeed["train_batch_size"],
+                }
+            ),
+            flush=True,
+        )
 
 
 def judge_accelerate(configs: list[str]) -> None:
@@ -85,18 +100,27 @@ def judge_accelerate(configs: list[str]) -> None:
         os.environ.clear()
         os.environ.update(saved)
         handler = parallelism.sp_handler
-        print(json.dumps({
-            "path": path, "distributed_type": str(loaded.distributed_type), "num_processes": loaded.num_processes,
-            "use_parallelism_config": env.get("ACCELERATE_USE_PARALLELISM_CONFIG") == "true",
-            "sp_size": parallelism.sp_size, "sp_backend": parallelism.sp_backend,
-            "sp_attn_implementation": handler.sp_attn_implementation if handler else None,
-            "sp_seq_length_is_variable": handler.sp_seq_length_is_variable if handler else None,
-            "deepspeed_config_file": env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"),
-            "zero_stage": plugin.deepspeed_config["zero_optimization"]["stage"],
-            "trainer_sp_size": args.parallelism_config.sp_size if args.parallelism_config else 1,
-            "trainer_checkpointing": args.activation_checkpointing,
-            "trainer_checkpointing_kwargs": args.activation_checkpointing_kwargs,
-            "trainer_deepspeed": args.deepspeed}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "path": path,
+                    "distributed_type": str(loaded.distributed_type),
+                    "num_processes": loaded.num_processes,
+                    "use_parallelism_config": env.get("ACCELERATE_USE_PARALLELISM_CONFIG") == "true",
+                    "sp_size": parallelism.sp_size,
+                    "sp_backend": parallelism.sp_backend,
+                    "sp_attn_implementation": handler.sp_attn_implementation if handler else None,
+                    "sp_seq_length_is_variable": handler.sp_seq_length_is_variable if handler else None,
+                    "deepspeed_config_file": env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"),
+                    "zero_stage": plugin.deepspeed_config["zero_optimization"]["stage"],
+                    "trainer_sp_size": args.parallelism_config.sp_size if args.parallelism_config else 1,
+                    "trainer_checkpointing": args.activation_checkpointing,
+                    "trainer_checkpointing_kwargs": args.activation_checkpointing_kwargs,
+                    "trainer_deepspeed": args.deepspeed,
+                }
+            ),
+            flush=True,
+        )
 
 
 def run_alst(alst_path: str, model_dir: str) -> None:
@@ -128,11 +152,25 @@ def run_alst(alst_path: str, model_dir: str) -> None:
     model.gradient_checkpointing_disable()
     reference = model(input_ids=ids, labels=ids, position_ids=batch["position_ids"]).loss
     reference.backward()
-    worst = max(float((grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp(min=1e-12))
-                for n, p in model.named_parameters())
-    print(json.dumps({"path": alst_path, "mpu": mpu is not None, "loss": float(loss), "reference": float(reference),
-                      "worst_relative_grad_error": worst, "mlp_tiled": tiled_mlp is alst._tiled_mlp_forward,
-                      "checkpointing": alst.CHECKPOINTING, "offloaded_layers": alst.OFFLOADED_LAYERS}), flush=True)
+    worst = max(
+        float((grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp(min=1e-12))
+        for n, p in model.named_parameters()
+    )
+    print(
+        json.dumps(
+            {
+                "path": alst_path,
+                "mpu": mpu is not None,
+                "loss": float(loss),
+                "reference": float(reference),
+                "worst_relative_grad_error": worst,
+                "mlp_tiled": tiled_mlp is alst._tiled_mlp_forward,
+                "checkpointing": alst.CHECKPOINTING,
+                "offloaded_layers": alst.OFFLOADED_LAYERS,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

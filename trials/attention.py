@@ -27,6 +27,7 @@ ATTN_IMPLEMENTATION = "autotune"
 
 try:  # optional GPU extra
     from flash_attn import flash_attn_func  # type: ignore
+
     FLASH_IMPORT_ERROR = None
     FLASH_INSTALLED = True
 except Exception as exc:  # pragma: no cover - not installed (CPU machines), or installed but broken: say which
@@ -62,7 +63,7 @@ class _FlashKernels:
 
     def __init__(self):
         self.func = flash_attn_func
-        self.wrapped_forward = None   # flash-attn >= 2.7 ``_wrapped_flash_attn_forward`` / ``_backward``: on use
+        self.wrapped_forward = None  # flash-attn >= 2.7 ``_wrapped_flash_attn_forward`` / ``_backward``: on use
         self.wrapped_backward = None
         self.any_device = False
 
@@ -76,7 +77,11 @@ def flash_kernels(func, wrapped_forward, wrapped_backward):
     runs ``attention='flash'`` under FakeTensorMode on a CPU-only torch with flash-attn's memory footprint."""
     saved = dict(vars(_flash))
     _flash.func, _flash.wrapped_forward, _flash.wrapped_backward, _flash.any_device = (
-        func, wrapped_forward, wrapped_backward, True)
+        func,
+        wrapped_forward,
+        wrapped_backward,
+        True,
+    )
     try:
         yield
     finally:
@@ -104,8 +109,10 @@ def flash_inputs(*tensors):
     else:
         dtype = next((t.dtype for t in reversed(tensors) if t.dtype in FLASH_DTYPES), None)
     if dtype is None:
-        raise RuntimeError(f"attention 'flash' computes in fp16/bf16 only, got q/k/v in "
-                           f"{', '.join(str(t.dtype) for t in tensors)} (use compute dtype bf16, or attention 'sdpa')")
+        raise RuntimeError(
+            f"attention 'flash' computes in fp16/bf16 only, got q/k/v in "
+            f"{', '.join(str(t.dtype) for t in tensors)} (use compute dtype bf16, or attention 'sdpa')"
+        )
     return tuple(t if t.dtype == dtype else t.to(dtype) for t in tensors)
 
 
@@ -185,7 +192,8 @@ def attention_forward(query, key, value, scaling: float, kernel: str = "sdpa"):
             raise RuntimeError(_flash_unavailable(query.device))
         query, key, value = flash_inputs(query, key, value)
         out, lse, _, rng_state = _wrapped_flash("forward")(
-            query, key, value, 0.0, scaling, True, -1, -1, 0.0, None, False)
+            query, key, value, 0.0, scaling, True, -1, -1, 0.0, None, False
+        )
         return out, (lse, rng_state)
     groups = query.shape[1] // key.shape[1]
     k, v = _repeat_kv(key, groups), _repeat_kv(value, groups)
@@ -194,7 +202,8 @@ def attention_forward(query, key, value, scaling: float, kernel: str = "sdpa"):
         return out, (lse,)
     # CUDA "sdpa": the memory-efficient kernel (any float dtype, returns logsumexp; the flash one is 16-bit only)
     out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
-        query, k, v, None, True, 0.0, True, scale=scaling)
+        query, k, v, None, True, 0.0, True, scale=scaling
+    )
     return out, (lse, seed, offset)
 
 
@@ -203,17 +212,20 @@ def attention_backward(grad_out, query, key, value, out, residuals, scaling: flo
     if kernel == "flash":
         lse, rng_state = residuals
         dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
-        _wrapped_flash("backward")(grad_out, query, key, value, out, lse, dq, dk, dv, 0.0, scaling, True,
-                                     -1, -1, 0.0, None, False, rng_state)
+        _wrapped_flash("backward")(
+            grad_out, query, key, value, out, lse, dq, dk, dv, 0.0, scaling, True, -1, -1, 0.0, None, False, rng_state
+        )
         return dq, dk, dv
     groups = query.shape[1] // key.shape[1]
     k, v = _repeat_kv(key, groups), _repeat_kv(value, groups)
     if query.device.type == "cpu":
         (lse,) = residuals
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, query, k, v, out, lse, 0.0, True, scale=scaling)
+            grad_out, query, k, v, out, lse, 0.0, True, scale=scaling
+        )
     else:
         lse, seed, offset = residuals
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            grad_out, query, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], True, scale=scaling)
+            grad_out, query, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], True, scale=scaling
+        )
     return dq, _sum_kv_groups(dk, groups), _sum_kv_groups(dv, groups)

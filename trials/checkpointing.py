@@ -19,12 +19,12 @@ def apply_activation_checkpointing(model, offload_layers: int = 0) -> None:
         raise ValueError(f"activation_offload_layers {offload_layers} must be between 0 and {len(layers)}")
     offload = None
     if offload_layers:
-
         offload = ActivationOffload(offload_layers)
         model.activation_offload = offload
     for index, layer in enumerate(layers):
         if offload is not None and index <= offload_layers:
             layers[index] = checkpoint_wrapper(layer, checkpoint_fn=offload.checkpoint_fn(index))
         else:
-            layers[index] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                               preserve_rng_state=False)
+            layers[index] = checkpoint_wrapper(
+                layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False
+            )

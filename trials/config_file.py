@@ -28,19 +28,25 @@ class TrialConfig:
     model: str
     techniques: Techniques
     hardware: str = "h100-sxm"
-    gpus: int = 8                       # per node
+    gpus: int = 8  # per node
     seq_len: int | None = None
     predicted: dict | None = None
     measured: dict | None = None
     schema: str = SCHEMA
-    nodes: int = 1                      # the world is nodes x gpus
+    nodes: int = 1  # the world is nodes x gpus
 
     def to_dict(self) -> dict[str, Any]:
         nodes = {"nodes": self.nodes} if self.nodes != 1 else {}  # one node: no ``nodes`` key (absent means 1)
         return {
-            "schema": self.schema, "model": self.model, "hardware": self.hardware, "gpus": self.gpus, **nodes,
-            "seq_len": self.seq_len, "techniques": self.techniques.to_dict(),
-            "predicted": self.predicted, "measured": self.measured,
+            "schema": self.schema,
+            "model": self.model,
+            "hardware": self.hardware,
+            "gpus": self.gpus,
+            **nodes,
+            "seq_len": self.seq_len,
+            "techniques": self.techniques.to_dict(),
+            "predicted": self.predicted,
+            "measured": self.measured,
         }
 
     def write(self, path: str | Path) -> None:
@@ -69,9 +75,14 @@ def parse_config(data: Any, source: str = "config") -> TrialConfig:
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int)):
         raise ConfigError(f"{source}: seq_len must be an integer, got {seq_len!r}")
     return TrialConfig(
-        model=model, techniques=Techniques.from_dict(data.get("techniques", {}), layers),
-        hardware=data.get("hardware", "h100-sxm"), gpus=gpus, nodes=nodes, seq_len=seq_len,
-        predicted=data.get("predicted"), measured=data.get("measured"),
+        model=model,
+        techniques=Techniques.from_dict(data.get("techniques", {}), layers),
+        hardware=data.get("hardware", "h100-sxm"),
+        gpus=gpus,
+        nodes=nodes,
+        seq_len=seq_len,
+        predicted=data.get("predicted"),
+        measured=data.get("measured"),
     )
 
 

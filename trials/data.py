@@ -20,10 +20,10 @@ import torch
 
 @dataclass
 class Batch:
-    input_ids: torch.Tensor     # [1, seq_local]
-    labels: torch.Tensor        # [1, seq_local]
+    input_ids: torch.Tensor  # [1, seq_local]
+    labels: torch.Tensor  # [1, seq_local]
     position_ids: torch.Tensor  # [1, seq_local]
-    valid_tokens: int           # labelled tokens in the whole sequence (not just this shard)
+    valid_tokens: int  # labelled tokens in the whole sequence (not just this shard)
 
 
 def synthetic_sample(index: int, seq_len: int, vocab_size: int, seed: int = 0) -> torch.Tensor:

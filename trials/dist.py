@@ -82,8 +82,9 @@ def ensure_device_mesh(mesh: Mesh) -> Mesh:
     if not dist.is_initialized():
         if mesh.world_size != 1:
             raise ValueError("a multi-rank mesh without a process group")
-        dist.init_process_group(backend=process_group_backend(mesh.device), store=dist.HashStore(), rank=0,
-                                world_size=1)
+        dist.init_process_group(
+            backend=process_group_backend(mesh.device), store=dist.HashStore(), rank=0, world_size=1
+        )
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh.device_mesh = init_device_mesh(mesh.device.type, (dist.get_world_size(),), mesh_dim_names=("fsdp",))
@@ -110,5 +111,6 @@ def build_mesh(sp_degree: int, device: torch.device) -> Mesh:
         if not deepspeed.comm.is_initialized():
             # the already-initialised default group is reused; DeepSpeed wants the device backend's plain name
             deepspeed.comm.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
-    return Mesh(rank=rank, world_size=world_size, sp_degree=sp_degree, device=device,
-                sp_group=sp_group, device_mesh=device_mesh)
+    return Mesh(
+        rank=rank, world_size=world_size, sp_degree=sp_degree, device=device, sp_group=sp_group, device_mesh=device_mesh
+    )

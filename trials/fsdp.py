@@ -33,7 +33,6 @@ def apply_fsdp(model, mesh, optimizer_offload: bool = False, param_dtype: torch.
         raise ValueError("apply_fsdp needs a mesh with a device mesh (trials.dist.ensure_device_mesh)")
     offload = CPUOffloadPolicy(pin_memory=mesh.device.type == "cuda") if optimizer_offload else OffloadPolicy()
     if optimizer_offload:
-
         tracker = active_tracker()
         if tracker is not None:
             tracker.host_phases.add("optimizer")

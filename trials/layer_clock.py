@@ -73,6 +73,7 @@ class LayerClock:
                 hidden = layer_input(args, kwargs)
                 if hidden is not None and hidden.requires_grad:
                     hidden.register_hook(self._grad_mark(("bwd end",)))
+
         return hook
 
     def _post(self, index: int):
@@ -84,11 +85,13 @@ class LayerClock:
             hidden = hidden_of(output)
             if hidden is not None and hidden.requires_grad:
                 hidden.register_hook(self._grad_mark(("bwd", index)))
+
         return hook
 
     def _grad_mark(self, key: tuple):
         def hook(grad):
             self._mark(key)
+
         return hook
 
     def start_step(self) -> None:
@@ -110,13 +113,17 @@ class LayerClock:
         n = self.layers
         forward = [at[("fwd", i + 1) if i + 1 < n else ("fwd end",)] - at[("fwd", i)] for i in range(n)]
         backward = [at[("bwd", i - 1) if i > 0 else ("bwd end",)] - at[("bwd", i)] for i in range(n)]
-        return StepTimes(layer_s=[f + b for f, b in zip(forward, backward)],
-                         tail_s=at[("step end",)] - at[("bwd end",)], step_s=at[("step end",)] - at[("start",)])
+        return StepTimes(
+            layer_s=[f + b for f, b in zip(forward, backward)],
+            tail_s=at[("step end",)] - at[("bwd end",)],
+            step_s=at[("step end",)] - at[("start",)],
+        )
 
     def _order(self) -> list[tuple]:
         n = self.layers
-        return ([("fwd", i) for i in range(n)] + [("fwd end",)] + [("bwd", i) for i in reversed(range(n))]
-                + [("bwd end",)])
+        return (
+            [("fwd", i) for i in range(n)] + [("fwd end",)] + [("bwd", i) for i in reversed(range(n))] + [("bwd end",)]
+        )
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -126,8 +133,11 @@ class LayerClock:
 def mean_step_times(steps: list[StepTimes]) -> StepTimes:
     """The mean of several steps' splits, layer by layer."""
     count = len(steps)
-    return StepTimes(layer_s=[sum(s.layer_s[i] for s in steps) / count for i in range(len(steps[0].layer_s))],
-                     tail_s=sum(s.tail_s for s in steps) / count, step_s=sum(s.step_s for s in steps) / count)
+    return StepTimes(
+        layer_s=[sum(s.layer_s[i] for s in steps) / count for i in range(len(steps[0].layer_s))],
+        tail_s=sum(s.tail_s for s in steps) / count,
+        step_s=sum(s.step_s for s in steps) / count,
+    )
 
 
 def local_parameter_count(model) -> int:
@@ -135,4 +145,3 @@ def local_parameter_count(model) -> int:
     from torch.distributed.tensor import DTensor
 
     return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
-

@@ -127,8 +127,11 @@ class DeviceMemoryTracker(TorchDispatchMode):
         storage = tensor.untyped_storage()
         info = self._storages.get(storage)
         if info is None:
-            on_host = self._on_host > 0 or self.phase in self.host_phases or (
-                self.device_type != "cpu" and tensor.device.type == "cpu")
+            on_host = (
+                self._on_host > 0
+                or self.phase in self.host_phases
+                or (self.device_type != "cpu" and tensor.device.type == "cpu")
+            )
             info = StorageInfo(storage.nbytes(), category or _PHASE_CATEGORY.get(self.phase, "other"), host=on_host)
             self._storages[storage] = info
             weakref.finalize(storage, self._on_free, info, None)

@@ -29,8 +29,9 @@ def hf_config(model_config: dict):
     return config
 
 
-def build_model(model_config: dict, seed: int = 0, dtype: torch.dtype = torch.float32,
-                device: torch.device | str = "cpu") -> TrainingModel:
+def build_model(
+    model_config: dict, seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> TrainingModel:
     """Random-weight model, identical on every rank for the same seed.
 
     ``device="meta"`` builds it without memory (nothing initialised): apply the technique stack, then
@@ -43,8 +44,7 @@ def build_model(model_config: dict, seed: int = 0, dtype: torch.dtype = torch.fl
     attention.register()
     config = hf_config(model_config)
     with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(config, attn_implementation=attention.ATTN_IMPLEMENTATION,
-                                              dtype=dtype)
+        lm = AutoModelForCausalLM.from_config(config, attn_implementation=attention.ATTN_IMPLEMENTATION, dtype=dtype)
     model = TrainingModel(lm)
     if torch.device(device).type != "meta":
         materialize(model, device, seed)
@@ -83,8 +83,9 @@ def _allocate_parameters(model, device) -> None:
             if param is None:
                 continue
             if id(param) not in allocated:  # DTensor shards stay DTensors: empty_like keeps the spec
-                allocated[id(param)] = nn.Parameter(torch.empty_like(param, device=device),
-                                                    requires_grad=param.requires_grad)
+                allocated[id(param)] = nn.Parameter(
+                    torch.empty_like(param, device=device), requires_grad=param.requires_grad
+                )
             module._parameters[key] = allocated[id(param)]
     for module in model.modules():  # FSDP2 holds its own reference to each sharded parameter: re-read them
         if isinstance(module, FSDPModule):
@@ -174,7 +175,7 @@ def _fill_normal(local: torch.Tensor, start: int, shape, std: float, seed: int, 
             values = torch.empty((count, *shape[1:]), dtype=torch.float32, device="cpu")
             values.normal_(0.0, std, generator=generator)
         lo, hi = max(start, first), min(stop, first + count)
-        local[lo - start:hi - start].copy_(values[lo - first:hi - first])
+        local[lo - start : hi - start].copy_(values[lo - first : hi - first])
 
 
 def plain_loss(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, scale: float) -> torch.Tensor:

@@ -13,7 +13,11 @@ from trials.errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral")
 _REQUIRED_MODEL_KEYS = (
-    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
 )
 
 
@@ -46,8 +50,7 @@ def load_model_config(name_or_path: str) -> dict:
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
-            f"model config {str(path)!r} has model_type {model_type!r}; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"model config {str(path)!r} has model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     for key in _REQUIRED_MODEL_KEYS:
         value = config.get(key)
@@ -66,8 +69,12 @@ def load_model_config(name_or_path: str) -> dict:
 
 def parameter_count(config: dict) -> int:
     """Parameters of the model: attention (GQA) and MLP per layer, norms, embedding and (untied) lm_head."""
-    h, layers, inter, vocab = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"], \
-        config["vocab_size"]
+    h, layers, inter, vocab = (
+        config["hidden_size"],
+        config["num_hidden_layers"],
+        config["intermediate_size"],
+        config["vocab_size"],
+    )
     d, hq, hkv = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
     attn = h * d * (2 * hq + 2 * hkv)
     per_layer = attn + 3 * h * inter + 2 * h

@@ -36,7 +36,9 @@ def storage_resized(callback: Callable):
             result = original(storage, size)
             callback(storage)
             return result
+
         return resize_
+
     return _wrapped(torch.UntypedStorage, "resize_", make)
 
 
@@ -51,7 +53,9 @@ def fsdp_shard_made(callback: Callable):
         def to_sharded_dtensor(self, tensor):
             callback(self, tensor)
             return original(self, tensor)
+
         return to_sharded_dtensor
+
     return _wrapped(_fsdp_param_class(), "to_sharded_dtensor", make)
 
 
@@ -61,5 +65,7 @@ def fsdp_all_gather_buffers(callback: Callable):
             result = original(self, *args, **kwargs)
             callback(self)
             return result
+
         return init_all_gather_outputs
+
     return _wrapped(_fsdp_param_class(), "init_all_gather_outputs", make)

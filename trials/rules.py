@@ -92,9 +92,11 @@ def problems(techniques, model_config: dict, world: int, seq_len: int | None = N
 
 def length_problems(techniques, seq_len: int) -> list[str]:
     """Knobs whose value the sequence length must be a multiple of (``length_unit: required``)."""
-    return [f"seq_len {seq_len:,} is not divisible by {k.name} {getattr(techniques, k.name)}"
-            for k in declared_knobs(type(techniques))
-            if k.length_unit == "required" and seq_len % max(1, getattr(techniques, k.name))]
+    return [
+        f"seq_len {seq_len:,} is not divisible by {k.name} {getattr(techniques, k.name)}"
+        for k in declared_knobs(type(techniques))
+        if k.length_unit == "required" and seq_len % max(1, getattr(techniques, k.name))
+    ]
 
 
 def length_unit(techniques, base: int = 1024) -> int:

@@ -58,8 +58,10 @@ def _limit_device_memory(device: torch.device, capacity_bytes: int | None) -> No
     runtime = _runtime_bytes(device)
     usable = capacity_bytes - runtime
     if usable <= 0 or capacity_bytes > total:
-        raise ValueError(f"capacity {capacity_bytes:,} bytes does not fit this device: it has {total:,} bytes, "
-                         f"{runtime:,} of them held by the CUDA runtime")
+        raise ValueError(
+            f"capacity {capacity_bytes:,} bytes does not fit this device: it has {total:,} bytes, "
+            f"{runtime:,} of them held by the CUDA runtime"
+        )
     torch.cuda.set_per_process_memory_fraction(usable / total, device)
 
 
@@ -75,9 +77,15 @@ def run_trial(spec: TrialSpec, mesh=None) -> RankRecord:
         runs = [tuple(run) for run in copy["runs"]]
         config = dict(spec.model_config, num_hidden_layers=sum(n for _, n in runs))
         techniques = Techniques.from_dict(copy["techniques"])
-        result = _run_model(spec, mesh, config, techniques, runs, f"copy {index + 1}/{len(spec.copies)} "
-                                                                 f"({config['num_hidden_layers']} layers)",
-                            timed=copy.get("timed", True))
+        result = _run_model(
+            spec,
+            mesh,
+            config,
+            techniques,
+            runs,
+            f"copy {index + 1}/{len(spec.copies)} ({config['num_hidden_layers']} layers)",
+            timed=copy.get("timed", True),
+        )
         record.copies.append(result.to_dict())
         if result.status != "ok":  # a shallower copy that fails: so would the model
             record.status, record.error = result.status, result.error
@@ -87,8 +95,9 @@ def run_trial(spec: TrialSpec, mesh=None) -> RankRecord:
     return record
 
 
-def _run_model(spec: TrialSpec, mesh, model_config: dict, techniques, runs=None, label: str = "",
-               timed: bool = True) -> RankRecord:
+def _run_model(
+    spec: TrialSpec, mesh, model_config: dict, techniques, runs=None, label: str = "", timed: bool = True
+) -> RankRecord:
     """Build ``model_config`` with ``techniques``, run warm-up + measured steps, record memory and time.
 
     With ``runs`` (a shallower copy of the model, its decoder layers as runs, ``trials.segments.layer_runs``): the
@@ -102,8 +111,13 @@ def _run_model(spec: TrialSpec, mesh, model_config: dict, techniques, runs=None,
     if runs is not None:
         peaks = SegmentPeaks()
         tracker.add_listener(peaks)
-    record = RankRecord(status="ok", seq_len=seq_len, rank=mesh.rank, device=_describe(device, mesh),
-                        layers=model_config["num_hidden_layers"])
+    record = RankRecord(
+        status="ok",
+        seq_len=seq_len,
+        rank=mesh.rank,
+        device=_describe(device, mesh),
+        layers=model_config["num_hidden_layers"],
+    )
     step_times = []
     say = _progress(mesh.rank, label)
     try:
@@ -111,8 +125,9 @@ def _run_model(spec: TrialSpec, mesh, model_config: dict, techniques, runs=None,
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         with tracker:
-            model, optimizer = build_training(model_config, techniques, mesh, seed, tracker,
-                                              compute_dtype=_compute_dtype(spec.compute_dtype))
+            model, optimizer = build_training(
+                model_config, techniques, mesh, seed, tracker, compute_dtype=_compute_dtype(spec.compute_dtype)
+            )
             clock = None
             if peaks is not None:
                 install_segment_hooks(model, tracker, peaks, runs)
@@ -137,8 +152,10 @@ def _run_model(spec: TrialSpec, mesh, model_config: dict, techniques, runs=None,
                 elapsed = time.perf_counter() - start
                 if clock is not None and index >= warmup:
                     splits.append(clock.finish_step())
-                say(f"step {index + 1}/{warmup + steps} took {elapsed:.2f} s"
-                    + (" (warm-up)" if index < warmup else "" if timed else " (memory only)"))
+                say(
+                    f"step {index + 1}/{warmup + steps} took {elapsed:.2f} s"
+                    + (" (warm-up)" if index < warmup else "" if timed else " (memory only)")
+                )
                 if index == 0:
                     record.loss, record.grad_norm = result.loss, result.grad_norm
                 if index >= warmup and timed:
@@ -155,8 +172,10 @@ def _run_model(spec: TrialSpec, mesh, model_config: dict, techniques, runs=None,
             record.status, record.error = "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"
     _measured_memory(device, tracker, record)
     if peaks is not None:
-        record.segments = [[phase, position, seg.device_bytes, dict(seg.breakdown), seg.host_bytes]
-                           for (phase, position), seg in peaks.segments.items()]
+        record.segments = [
+            [phase, position, seg.device_bytes, dict(seg.breakdown), seg.host_bytes]
+            for (phase, position), seg in peaks.segments.items()
+        ]
     if step_times:
         record.step_time_s = sum(step_times) / len(step_times)
         record.tokens_per_s = seq_len * mesh.dp_size / record.step_time_s
@@ -169,8 +188,10 @@ def _progress(rank: int, label: str):
 
     def say(message: str) -> None:
         if rank == 0:
-            print(f"progress: {label + ': ' if label else ''}{message}, {time.perf_counter() - started:.0f} s in",
-                  flush=True)
+            print(
+                f"progress: {label + ': ' if label else ''}{message}, {time.perf_counter() - started:.0f} s in",
+                flush=True,
+            )
 
     return say
 
@@ -180,8 +201,7 @@ def _compute_dtype(name: str | None) -> torch.dtype | None:
     fp32 on CPU). bf16 on CPU lets the oracle's GPU precision model be checked against real CPU trials."""
     if name is None:
         return None
-    return {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
-            "float32": torch.float32}[name]
+    return {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}[name]
 
 
 def _inject_fault(rank: int) -> None:
@@ -219,8 +239,12 @@ def main(argv: list[str] | None = None) -> int:
         seq_len = spec.seq_len
         record = run_trial(spec)
     except Exception as exc:  # failure before the trial could even start (spec, groups, imports)
-        record = RankRecord(status="error", seq_len=seq_len, rank=rank,
-                            error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}")
+        record = RankRecord(
+            status="error",
+            seq_len=seq_len,
+            rank=rank,
+            error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}",
+        )
     record.finished_at = time.time()  # the launcher reports the earliest failure as the root cause
     record.write(out_dir)
     sys.stdout.flush()

@@ -18,8 +18,8 @@ class Segment:
     device_bytes: int
     breakdown: dict[str, int]
     host_bytes: int = 0
-    at_op: str | None = None             # explain mode: the op right before the peak
-    live: list | None = None             # explain mode: the largest live storages at the peak
+    at_op: str | None = None  # explain mode: the op right before the peak
+    live: list | None = None  # explain mode: the largest live storages at the peak
 
 
 def layer_runs(techniques, num_layers: int) -> list[tuple[str, int]]:
@@ -57,8 +57,12 @@ class SegmentPeaks(TrackerListener):
 
     def on_new_storage(self, tracker: DeviceMemoryTracker, info, tensor: torch.Tensor) -> None:
         if self.explain:
-            self._origin[id(info)] = (str(tracker.op).replace("aten.", ""), tuple(tensor.shape),
-                                      str(tensor.dtype).replace("torch.", ""), self.segment)
+            self._origin[id(info)] = (
+                str(tracker.op).replace("aten.", ""),
+                tuple(tensor.shape),
+                str(tensor.dtype).replace("torch.", ""),
+                self.segment,
+            )
 
     def on_phase(self, tracker: DeviceMemoryTracker, phase: str, entering: bool) -> None:
         self.segment = (phase, "pre" if entering else "end")
@@ -66,8 +70,7 @@ class SegmentPeaks(TrackerListener):
     def on_change(self, tracker: DeviceMemoryTracker) -> None:
         seg = self.segments.get(self.segment)
         if seg is None:
-            seg = self.segments[self.segment] = Segment(tracker.device_bytes, dict(tracker.current),
-                                                        tracker.host_bytes)
+            seg = self.segments[self.segment] = Segment(tracker.device_bytes, dict(tracker.current), tracker.host_bytes)
             if self.explain:
                 seg.at_op, seg.live = str(tracker.op), self._live(tracker)
         else:
@@ -86,8 +89,16 @@ class SegmentPeaks(TrackerListener):
             if info.host or not info.nbytes:
                 continue
             op, shape, dtype, seg = self._origin.get(id(info), ("?", (), "?", None))
-            live.append({"bytes": info.nbytes, "category": info.category, "op": op, "shape": shape,
-                         "dtype": dtype, "made_in": seg})
+            live.append(
+                {
+                    "bytes": info.nbytes,
+                    "category": info.category,
+                    "op": op,
+                    "shape": shape,
+                    "dtype": dtype,
+                    "made_in": seg,
+                }
+            )
         live.sort(key=lambda e: -e["bytes"])
         return live[:top]
 
@@ -128,9 +139,11 @@ def install_segment_hooks(model, tracker: DeviceMemoryTracker, peaks: SegmentPea
     def set_segment(key):
         def hook(grad):
             peaks.segment = key
+
         return hook
 
     for index, layer in enumerate(layers):
+
         def pre(module, args, kwargs, index=index):
             if tracker.phase != "forward":
                 return

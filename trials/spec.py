@@ -24,9 +24,9 @@ class TrialSpec:
     seq_len: int
     steps: int = 2
     warmup: int = 1
-    capacity_bytes: int | None = None   # per-rank capacity (--memory-gib): the tracker's on CPU, the allocator's on CUDA
+    capacity_bytes: int | None = None  # per-rank capacity (--memory-gib): the tracker's on CPU, the allocator's on CUDA
     seed: int = 0
-    compute_dtype: str | None = None    # "bf16" | "fp32"; None = the device's default (bf16 CUDA, fp32 CPU)
+    compute_dtype: str | None = None  # "bf16" | "fp32"; None = the device's default (bf16 CUDA, fp32 CPU)
     collective_timeout_s: float = 600.0  # the process group's (NCCL watchdog's) timeout: above the longest step
     # reduced depth: shallower copies of the model to run instead of it, in order, each
     # {"runs": [[kind, layers], ...], "techniques": {...}, "timed": bool} (``trials.segments.layer_runs``); a copy
@@ -52,31 +52,31 @@ class TrialSpec:
 class RankRecord:
     """One rank's measurement of a trial (DESIGN.md's result record fields, plus the rank and when it ended)."""
 
-    status: str                          # ok | oom | error
+    status: str  # ok | oom | error
     seq_len: int | None
     rank: int
     source: str = "measured"
     device: str | None = None
-    loss: float | None = None            # first step, mean over the global batch
+    loss: float | None = None  # first step, mean over the global batch
     grad_norm: float | None = None
     error: str | None = None
     # memory, the quantities the oracle predicts (on the simulated CPU device all three peaks are the tracker's):
-    peak_device_bytes: int = 0           # everything the process holds on the device: reserved + runtime_bytes
-    peak_allocated_bytes: int = 0        # live tensors (CUDA: max_memory_allocated; the oracle's tensor peak)
-    peak_reserved_bytes: int = 0         # the caching allocator's segments (CUDA: max_memory_reserved)
-    runtime_bytes: int = 0               # CUDA context, library workspaces, NCCL buffers (outside the allocator)
+    peak_device_bytes: int = 0  # everything the process holds on the device: reserved + runtime_bytes
+    peak_allocated_bytes: int = 0  # live tensors (CUDA: max_memory_allocated; the oracle's tensor peak)
+    peak_reserved_bytes: int = 0  # the caching allocator's segments (CUDA: max_memory_reserved)
+    runtime_bytes: int = 0  # CUDA context, library workspaces, NCCL buffers (outside the allocator)
     breakdown: dict[str, int] = field(default_factory=dict)  # live tensors by category at the tracker's peak
-    host_bytes: int = 0                  # peak host bytes the step holds (offloaded activations, shards, states)
-    step_time_s: float | None = None     # mean of the measured steps
+    host_bytes: int = 0  # peak host bytes the step holds (offloaded activations, shards, states)
+    step_time_s: float | None = None  # mean of the measured steps
     tokens_per_s: float | None = None
-    finished_at: float | None = None     # the launcher reports the earliest failure as the root cause
-    layers: int | None = None            # decoder layers of the model that ran
+    finished_at: float | None = None  # the launcher reports the earliest failure as the root cause
+    layers: int | None = None  # decoder layers of the model that ran
     segments: list = field(default_factory=list)  # with runs: [phase, position, device_bytes, breakdown, host_bytes]
     copies: list[dict] = field(default_factory=list)  # reduced depth: one record (as a dict) per copy
     # a timed copy's step split along its layers (``trials.layer_clock``), means over the measured steps:
     layer_times_s: list[float] = field(default_factory=list)  # forward + backward of each decoder layer
-    tail_time_s: float | None = None     # gradient reduction, norm, optimizer: scales with the parameters
-    parameters: int | None = None        # parameters this rank holds
+    tail_time_s: float | None = None  # gradient reduction, norm, optimizer: scales with the parameters
+    parameters: int | None = None  # parameters this rank holds
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -40,8 +40,9 @@ def apply(model, techniques: Techniques, mesh: Mesh, param_dtype=None):
     FSDP2 (and ``optimizer_offload``) work as on several ranks.
     """
     if techniques.ulysses_degree != mesh.sp_degree:
-        raise ValueError(f"techniques ask for ulysses_degree {techniques.ulysses_degree}, "
-                         f"the mesh has {mesh.sp_degree}")
+        raise ValueError(
+            f"techniques ask for ulysses_degree {techniques.ulysses_degree}, the mesh has {mesh.sp_degree}"
+        )
     missing = requirement_problems(techniques)
     if missing:
         raise ValueError(missing[0])

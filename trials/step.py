@@ -22,12 +22,20 @@ from trials.stack import apply
 
 @dataclass
 class StepResult:
-    loss: float       # mean token loss over the whole global batch
+    loss: float  # mean token loss over the whole global batch
     grad_norm: float  # L2 norm of the full (reduced) gradient
 
 
-def build_training(model_config: dict, techniques, mesh, seed: int = 0, tracker=None, lr: float = 1e-5,
-                   compute_dtype: torch.dtype | None = None, fused_optimizer: bool | None = None):
+def build_training(
+    model_config: dict,
+    techniques,
+    mesh,
+    seed: int = 0,
+    tracker=None,
+    lr: float = 1e-5,
+    compute_dtype: torch.dtype | None = None,
+    fused_optimizer: bool | None = None,
+):
     """Model from the preset (seeded), the technique stack applied, and its AdamW optimizer.
 
     ``compute_dtype``: None = bf16 on CUDA, fp32 on CPU; fp32 master weights either way (see
@@ -47,8 +55,9 @@ def build_training(model_config: dict, techniques, mesh, seed: int = 0, tracker=
         tracker.retag(model.parameters(), "params")
     if fused_optimizer is None:
         fused_optimizer = mesh.device.type == "cuda" and not techniques.optimizer_offload
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, **({"fused": True} if fused_optimizer else
-                                                                  {"foreach": False}))
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=lr, **({"fused": True} if fused_optimizer else {"foreach": False})
+    )
     return model, optimizer
 
 

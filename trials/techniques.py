@@ -46,34 +46,97 @@ def _degree_above_one(degree) -> bool:
 class Techniques:
     """The memory techniques of one training configuration (DESIGN.md's table); defaults = the plain model."""
 
-    fsdp: bool = knob(False, "bool", "shard params, grads and optimizer states over all ranks (FSDP2, ZeRO-3)",
-                      label="fsdp", less_memory="on", alst=True)
+    fsdp: bool = knob(
+        False,
+        "bool",
+        "shard params, grads and optimizer states over all ranks (FSDP2, ZeRO-3)",
+        label="fsdp",
+        less_memory="on",
+        alst=True,
+    )
     optimizer_offload: bool = knob(
-        False, "bool", "sharded params, grads and Adam states on the host; the step runs there",
-        label="+optoff", requires=("fsdp", "the host keeps the sharded optimizer states"), less_memory="on",
-        alst=True)
+        False,
+        "bool",
+        "sharded params, grads and Adam states on the host; the step runs there",
+        label="+optoff",
+        requires=("fsdp", "the host keeps the sharded optimizer states"),
+        less_memory="on",
+        alst=True,
+    )
     ulysses_degree: int = knob(
-        1, "int", "DeepSpeed-Ulysses sequence parallelism over this many ranks", label="sp{}", minimum=1,
-        less_memory="larger", alst="max", length_unit="required")
+        1,
+        "int",
+        "DeepSpeed-Ulysses sequence parallelism over this many ranks",
+        label="sp{}",
+        minimum=1,
+        less_memory="larger",
+        alst="max",
+        length_unit="required",
+    )
     head_chunk: int | None = knob(
-        None, "int", "untied Ulysses (UPipe): attention over this many local heads at a time (null = all)",
-        label="/hc{}", nullable=True, minimum=1, sampled_when=("ulysses_degree", _degree_above_one),
-        split_by=("ulysses_degree", "u", head_chunk_split_problem), less_memory="smaller", alst=None)
+        None,
+        "int",
+        "untied Ulysses (UPipe): attention over this many local heads at a time (null = all)",
+        label="/hc{}",
+        nullable=True,
+        minimum=1,
+        sampled_when=("ulysses_degree", _degree_above_one),
+        split_by=("ulysses_degree", "u", head_chunk_split_problem),
+        less_memory="smaller",
+        alst=None,
+    )
     activation_checkpointing: bool = knob(
-        False, "bool", "keep only each decoder layer's input, recompute the layer in backward", label="ac",
-        less_memory="on", alst=True)
+        False,
+        "bool",
+        "keep only each decoder layer's input, recompute the layer in backward",
+        label="ac",
+        less_memory="on",
+        alst=True,
+    )
     activation_offload_layers: int = knob(
-        0, "int", "the first N layers' checkpointed inputs live on the host", label="+off{}", minimum=0,
+        0,
+        "int",
+        "the first N layers' checkpointed inputs live on the host",
+        label="+off{}",
+        minimum=0,
         requires=("activation_checkpointing", "it offloads checkpointed inputs"),
-        words={"none": 0, "all": ALL_LAYERS}, less_memory="larger", alst="all")
-    mlp_tile_tokens: int = knob(0, "tokens", "tiled MLP over sequence tiles of this many tokens (0 = off)",
-                                label="tiled", minimum=0, less_memory="smaller", alst="max", length_unit="grid")
-    loss_tile_tokens: int = knob(0, "tokens", "tiled logits + cross-entropy over tiles of this many tokens",
-                                 label="tiled", minimum=0, less_memory="smaller", alst="max", length_unit="grid")
-    norm_tile_tokens: int = knob(0, "tokens", "tiled RMSNorm: fp32 math one tile of this many tokens at a time",
-                                 label="tiled", minimum=0, less_memory="smaller", alst="max", length_unit="grid")
-    attention: str = knob("sdpa", "choice", "attention kernel: flash (flash-attn, CUDA) or sdpa",
-                          choices=ATTENTION_KERNELS, alst="flash")
+        words={"none": 0, "all": ALL_LAYERS},
+        less_memory="larger",
+        alst="all",
+    )
+    mlp_tile_tokens: int = knob(
+        0,
+        "tokens",
+        "tiled MLP over sequence tiles of this many tokens (0 = off)",
+        label="tiled",
+        minimum=0,
+        less_memory="smaller",
+        alst="max",
+        length_unit="grid",
+    )
+    loss_tile_tokens: int = knob(
+        0,
+        "tokens",
+        "tiled logits + cross-entropy over tiles of this many tokens",
+        label="tiled",
+        minimum=0,
+        less_memory="smaller",
+        alst="max",
+        length_unit="grid",
+    )
+    norm_tile_tokens: int = knob(
+        0,
+        "tokens",
+        "tiled RMSNorm: fp32 math one tile of this many tokens at a time",
+        label="tiled",
+        minimum=0,
+        less_memory="smaller",
+        alst="max",
+        length_unit="grid",
+    )
+    attention: str = knob(
+        "sdpa", "choice", "attention kernel: flash (flash-attn, CUDA) or sdpa", choices=ATTENTION_KERNELS, alst="flash"
+    )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], num_layers: int | None = None) -> Techniques:

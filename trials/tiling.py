@@ -49,6 +49,7 @@ def _tiles(tokens: int, tile_tokens: int) -> int:
 
 # -- tiled MLP ---------------------------------------------------------------------------------------------------
 
+
 def _mlp_body(mlp, x):
     """The untiled MLP of the wrapped module (the class's own forward, not the tiled replacement)."""
     return type(mlp).forward(mlp, x)
@@ -89,6 +90,7 @@ def apply_mlp_tiling(model, tile_tokens: int) -> None:
 
 # -- tiled logits + loss -----------------------------------------------------------------------------------------
 
+
 class TiledLogitsLoss(torch.autograd.Function):
     """sum over tiles of cross_entropy(lm_head(hidden_tile), labels_tile, reduction=sum) * scale.
 
@@ -110,18 +112,20 @@ class TiledLogitsLoss(torch.autograd.Function):
         wanted = [p for p in params if p.requires_grad]
         total = hidden.new_zeros((), dtype=torch.float32)
         for start in range(0, b * s_l, step):
-            x_tile = x2d[start:start + step]
+            x_tile = x2d[start : start + step]
             with torch.enable_grad():
                 x_tile = x_tile.detach().requires_grad_(d_hidden is not None)
                 logits = lm_head(x_tile).float()
-                loss = nn.functional.cross_entropy(logits, y1d[start:start + step], ignore_index=-100,
-                                                   reduction="sum") * scale
+                loss = (
+                    nn.functional.cross_entropy(logits, y1d[start : start + step], ignore_index=-100, reduction="sum")
+                    * scale
+                )
                 inputs = ([x_tile] if d_hidden is not None else []) + wanted
                 grads = list(torch.autograd.grad(loss, inputs)) if inputs else []
             del logits
             total += loss.detach()
             if d_hidden is not None:
-                d_hidden[start:start + step] = grads.pop(0)
+                d_hidden[start : start + step] = grads.pop(0)
             for d_param, grad in zip((g for g in d_params if g is not None), grads):
                 d_param += grad
             del grads, loss
@@ -136,8 +140,10 @@ class TiledLogitsLoss(torch.autograd.Function):
     def backward(ctx, grad_total):
         saved = iter(ctx.saved_tensors)
         d_hidden = next(saved).view(ctx.hidden_shape) * grad_total if ctx.has_hidden_grad else None
-        d_params = [(next(saved) * grad_total).to(dtype) if here else None
-                    for here, dtype in zip(ctx.param_mask, ctx.param_dtypes)]
+        d_params = [
+            (next(saved) * grad_total).to(dtype) if here else None
+            for here, dtype in zip(ctx.param_mask, ctx.param_dtypes)
+        ]
         return (None, d_hidden, None, None, None, *d_params)
 
 
@@ -160,6 +166,7 @@ def apply_loss_tiling(model, tile_tokens: int) -> None:
 
 # -- tiled RMSNorm -----------------------------------------------------------------------------------------------
 
+
 class TiledRMSNorm(torch.autograd.Function):
     """y = norm_module(x) over row tiles; saves x and the weight only, recomputes each tile in backward.
 
@@ -173,10 +180,10 @@ class TiledRMSNorm(torch.autograd.Function):
         out = None
         with torch.no_grad():
             for start in range(0, rows.shape[0], tile_rows):
-                y_tile = _norm_body(norm_module, weight, rows[start:start + tile_rows])
+                y_tile = _norm_body(norm_module, weight, rows[start : start + tile_rows])
                 if out is None:  # the output dtype is the module's (weight * normalised.to(input dtype))
                     out = rows.new_empty((rows.shape[0], rows.shape[1]), dtype=y_tile.dtype)
-                out[start:start + tile_rows] = y_tile
+                out[start : start + tile_rows] = y_tile
         ctx.save_for_backward(x, weight)
         ctx.norm_module, ctx.tile_rows = norm_module, tile_rows
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -190,17 +197,21 @@ class TiledRMSNorm(torch.autograd.Function):
         d_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[2] else None
         for start in range(0, rows.shape[0], ctx.tile_rows):
             with torch.enable_grad():
-                x_tile = rows[start:start + ctx.tile_rows].detach().requires_grad_(d_rows is not None)
+                x_tile = rows[start : start + ctx.tile_rows].detach().requires_grad_(d_rows is not None)
                 w = weight.detach().requires_grad_(d_weight is not None)
                 y_tile = _norm_body(ctx.norm_module, w, x_tile)
                 inputs = [t for t, wanted in ((x_tile, d_rows is not None), (w, d_weight is not None)) if wanted]
-                grads = list(torch.autograd.grad(y_tile, inputs, grad_rows[start:start + ctx.tile_rows]))
+                grads = list(torch.autograd.grad(y_tile, inputs, grad_rows[start : start + ctx.tile_rows]))
             if d_rows is not None:
-                d_rows[start:start + ctx.tile_rows] = grads.pop(0)
+                d_rows[start : start + ctx.tile_rows] = grads.pop(0)
             if d_weight is not None:
                 d_weight += grads.pop(0)
-        return (None, None if d_rows is None else d_rows.view_as(x),
-                None if d_weight is None else d_weight.to(weight.dtype), None)
+        return (
+            None,
+            None if d_rows is None else d_rows.view_as(x),
+            None if d_weight is None else d_weight.to(weight.dtype),
+            None,
+        )
 
 
 def _norm_body(norm_module, weight, x):

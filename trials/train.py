@@ -87,19 +87,29 @@ def train(config_path: str, steps: int, data: str | None = None, seed: int = 0, 
         model, optimizer = build_training(model_config, techniques, mesh, seed, tracker)
         source = TokenSource(seq_len, model.config.vocab_size, seed, data)
         for step in range(steps):
-            batch = make_batch(source.window(step * mesh.dp_size + mesh.dp_rank), mesh.sp_rank, mesh.sp_degree,
-                               mesh.device)
+            batch = make_batch(
+                source.window(step * mesh.dp_size + mesh.dp_rank), mesh.sp_rank, mesh.sp_degree, mesh.device
+            )
             start = time.perf_counter()
             result = train_step(model, optimizer, batch, mesh, tracker)
             elapsed = time.perf_counter() - start
-            peak = (torch.cuda.max_memory_allocated(mesh.device) if tracker is None else tracker.peak_device_bytes)
+            peak = torch.cuda.max_memory_allocated(mesh.device) if tracker is None else tracker.peak_device_bytes
             losses.append(result.loss)
             rates.append(seq_len * mesh.dp_size / elapsed)
-            talk(f"step {step + 1}/{steps}  loss {result.loss:.6f}  grad_norm {result.grad_norm:.4f}  "
-                 f"{rates[-1]:,.0f} tokens/s  peak {peak / 2**30:.3f} GiB", flush=True)
-    summary = {"steps": steps, "seq_len": seq_len, "first_loss": losses[0], "last_loss": losses[-1],
-               "tokens_per_s": sum(rates[1:] or rates) / len(rates[1:] or rates), "peak_device_bytes": int(peak),
-               "world_size": mesh.world_size}
+            talk(
+                f"step {step + 1}/{steps}  loss {result.loss:.6f}  grad_norm {result.grad_norm:.4f}  "
+                f"{rates[-1]:,.0f} tokens/s  peak {peak / 2**30:.3f} GiB",
+                flush=True,
+            )
+    summary = {
+        "steps": steps,
+        "seq_len": seq_len,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "tokens_per_s": sum(rates[1:] or rates) / len(rates[1:] or rates),
+        "peak_device_bytes": int(peak),
+        "world_size": mesh.world_size,
+    }
     talk("summary " + json.dumps(summary), flush=True)
     return summary
 

@@ -79,11 +79,11 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral")
 
 @dataclass(frozen=True)
 class Chunk:
-    q_head: int                 # first global query head of the chunk (it covers c*P consecutive heads)
-    kv_lo: int                  # distinct kv heads projected for the chunk: [kv_lo, kv_hi)
+    q_head: int  # first global query head of the chunk (it covers c*P consecutive heads)
+    kv_lo: int  # distinct kv heads projected for the chunk: [kv_lo, kv_hi)
     kv_hi: int
-    kv_slots: tuple[int, ...]   # global kv head of each of the P*kc slots, rank-major
-    needs_select: bool          # False when the slots are exactly kv_lo..kv_hi-1 in order
+    kv_slots: tuple[int, ...]  # global kv head of each of the P*kc slots, rank-major
+    needs_select: bool  # False when the slots are exactly kv_lo..kv_hi-1 in order
 
 
 @dataclass(frozen=True)
@@ -92,8 +92,8 @@ class ChunkPlan:
     kv_heads: int
     head_dim: int
     degree: int
-    chunk: int                  # c, local heads per chunk
-    kv_slots_per_rank: int      # kc
+    chunk: int  # c, local heads per chunk
+    kv_slots_per_rank: int  # kc
     chunks: tuple[Chunk, ...]
 
     @classmethod
@@ -175,18 +175,24 @@ class UPipeAttention:
         self.q_norm = getattr(module, "q_norm", None)
         self.k_norm = getattr(module, "k_norm", None)
         self._slot_indices: dict = {}  # (chunk, device) -> index tensor, made once: a host list copied to a GPU
-                                       # per use would block the host on every kv group of every layer
+        # per use would block the host on every kv group of every layer
 
     # -- called as the attention module's forward -----------------------------------------------------
-    def __call__(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
-                 **kwargs):
+    def __call__(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         if past_key_values is not None:
             raise ValueError("head-chunked attention is for training; it has no kv cache")
         cos, sin = position_embeddings
         m = self.module
-        params = (m.q_proj.weight, m.q_proj.bias, m.k_proj.weight, m.k_proj.bias, m.v_proj.weight, m.v_proj.bias,
-                  None if self.q_norm is None else self.q_norm.weight,
-                  None if self.k_norm is None else self.k_norm.weight)
+        params = (
+            m.q_proj.weight,
+            m.q_proj.bias,
+            m.k_proj.weight,
+            m.k_proj.bias,
+            m.v_proj.weight,
+            m.v_proj.bias,
+            None if self.q_norm is None else self.q_norm.weight,
+            None if self.k_norm is None else self.k_norm.weight,
+        )
         out = _HeadChunkedAttention.apply(self, hidden_states, cos, sin, *params)
         return m.o_proj(out), None
 
@@ -277,7 +283,7 @@ class UPipeAttention:
         for full in fulls:
             if self.layout == "bshd":
                 b, s, n, d = full.shape
-                blocks.append(full.reshape(b, P, s // P, n, d).transpose(0, 1))         # [P, b, s_l, n, d]
+                blocks.append(full.reshape(b, P, s // P, n, d).transpose(0, 1))  # [P, b, s_l, n, d]
             else:
                 b, n, s, d = full.shape
                 blocks.append(full.reshape(b, n, P, s // P, d).permute(2, 0, 3, 1, 4))  # [P, b, s_l, n, d]
@@ -290,7 +296,7 @@ class UPipeAttention:
             for n in widths:
                 blocks.append(recv.narrow(3, offset, n))
                 offset += n
-        return [block.permute(1, 2, 0, 3, 4) for block in blocks]                     # [b, s_l, P, n, d]
+        return [block.permute(1, 2, 0, 3, 4) for block in blocks]  # [b, s_l, P, n, d]
 
 
 class _HeadChunkedAttention(torch.autograd.Function):
@@ -305,8 +311,12 @@ class _HeadChunkedAttention(torch.autograd.Function):
         ctx.compute_dtype = compute
         with torch.autocast(device_type, enabled=False):
             out, residuals = _HeadChunkedAttention._forward(
-                layer, hidden.to(compute), cos.to(compute), sin.to(compute),
-                [None if p is None else p.to(compute) for p in params])
+                layer,
+                hidden.to(compute),
+                cos.to(compute),
+                sin.to(compute),
+                [None if p is None else p.to(compute) for p in params],
+            )
         ctx.layer = layer
         ctx.residuals_per_chunk = len(residuals) // len(layer.plan.chunks)
         ctx.present = [p is not None for p in params]
@@ -325,10 +335,14 @@ class _HeadChunkedAttention(torch.autograd.Function):
         for group in plan.kv_groups():
             first = group[0]
             n_kv = first.kv_hi - first.kv_lo
-            k = layer.select_slots(first, layer.k_post(layer.project(hidden, k_w, k_b, first.kv_lo, n_kv), cos, sin, kn_w))
-            v = layer.select_slots(first, layer.project(hidden, v_w, v_b, first.kv_lo, n_kv))   # [b, s_l, P*kc, d]
+            k = layer.select_slots(
+                first, layer.k_post(layer.project(hidden, k_w, k_b, first.kv_lo, n_kv), cos, sin, kn_w)
+            )
+            v = layer.select_slots(first, layer.project(hidden, v_w, v_b, first.kv_lo, n_kv))  # [b, s_l, P*kc, d]
             for index, chunk in enumerate(group):
-                q = layer.q_post(layer.project(hidden, q_w, q_b, chunk.q_head, width), cos, sin, qn_w)  # [b, s_l, c*P, d]
+                q = layer.q_post(
+                    layer.project(hidden, q_w, q_b, chunk.q_head, width), cos, sin, qn_w
+                )  # [b, s_l, c*P, d]
                 if index == 0:  # the group's k/v travel with its first chunk's queries
                     q_heads, k_heads, v_heads = layer.to_heads(q, k, v)
                     del k, v
@@ -337,10 +351,11 @@ class _HeadChunkedAttention(torch.autograd.Function):
                 del q
                 o_heads, chunk_residuals = attention_forward(q_heads, k_heads, v_heads, layer.scaling, layer.kernel)
                 del q_heads
-                (o_local,) = layer.to_seq(o_heads)                                 # [b, s_l, P, c, d]
+                (o_local,) = layer.to_seq(o_heads)  # [b, s_l, P, c, d]
                 del o_heads
-                out_heads[:, :, chunk.q_head:chunk.q_head + width].view(b, s_l, plan.degree, plan.chunk,
-                                                                         plan.head_dim).copy_(o_local)
+                out_heads[:, :, chunk.q_head : chunk.q_head + width].view(
+                    b, s_l, plan.degree, plan.chunk, plan.head_dim
+                ).copy_(o_local)
                 del o_local
                 residuals += chunk_residuals
             del k_heads, v_heads
@@ -355,14 +370,34 @@ class _HeadChunkedAttention(torch.autograd.Function):
         compute = ctx.compute_dtype
         with torch.autocast(hidden.device.type, enabled=False):
             d_hidden, grads = _HeadChunkedAttention._backward(
-                ctx.layer, ctx.residuals_per_chunk, grad_out.to(compute), hidden.to(compute), cos.to(compute),
-                sin.to(compute), out, residuals, [None if p is None else p.to(compute) for p in params],
-                [None if p is None else torch.zeros_like(p) for p in params], hidden.dtype)
+                ctx.layer,
+                ctx.residuals_per_chunk,
+                grad_out.to(compute),
+                hidden.to(compute),
+                cos.to(compute),
+                sin.to(compute),
+                out,
+                residuals,
+                [None if p is None else p.to(compute) for p in params],
+                [None if p is None else torch.zeros_like(p) for p in params],
+                hidden.dtype,
+            )
         return (None, d_hidden.to(hidden.dtype), None, None, *grads)
 
     @staticmethod
-    def _backward(layer: UPipeAttention, per_chunk: int, grad_out, hidden, cos, sin, out, residuals, params, grads,
-                  accumulate_dtype):
+    def _backward(
+        layer: UPipeAttention,
+        per_chunk: int,
+        grad_out,
+        hidden,
+        cos,
+        sin,
+        out,
+        residuals,
+        params,
+        grads,
+        accumulate_dtype,
+    ):
         """Everything in the compute dtype except ``grads`` (zeros like the parameters), accumulated in place."""
         plan = layer.plan
         q_w, q_b, k_w, k_b, v_w, v_b, qn_w, kn_w = params
@@ -441,8 +476,15 @@ class _HeadChunkedAttention(torch.autograd.Function):
                 del received
                 i = chunk_index[chunk]
                 dq_heads, dk_c, dv_c = attention_backward(
-                    do_heads, q_heads, k_heads, v_heads, o_heads,
-                    tuple(residuals[i * per_chunk:(i + 1) * per_chunk]), layer.scaling, layer.kernel)
+                    do_heads,
+                    q_heads,
+                    k_heads,
+                    v_heads,
+                    o_heads,
+                    tuple(residuals[i * per_chunk : (i + 1) * per_chunk]),
+                    layer.scaling,
+                    layer.kernel,
+                )
                 del q_heads, o_heads, do_heads
                 dk_heads = dk_c if dk_heads is None else dk_heads.add_(dk_c)
                 dv_heads = dv_c if dv_heads is None else dv_heads.add_(dv_c)
@@ -460,7 +502,7 @@ class _HeadChunkedAttention(torch.autograd.Function):
                 linear_backward(dq_proj, q_w, dq_w, dq_b, chunk.q_head, width)
                 del dq_proj
             slot_shape = (b, s_l, plan.degree * plan.kv_slots_per_rank, d)
-            dk = slots_backward(first, dk_local.reshape(slot_shape), n_kv)              # [b, s_l, n_kv, d]
+            dk = slots_backward(first, dk_local.reshape(slot_shape), n_kv)  # [b, s_l, n_kv, d]
             del dk_local
             dk_proj = post_backward(layer.k_norm, kn_w, dkn_w, k_proj, dk)
             del dk, k_proj
@@ -478,9 +520,9 @@ def apply_head_chunking(model, mesh, head_chunk: int, kernel: str = "sdpa") -> N
 
     config = model.config
     if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"head_chunk supports {', '.join(SUPPORTED_MODEL_TYPES)} attention, "
-                         f"not {config.model_type!r}")
-    plan = ChunkPlan.build(config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-                           mesh.sp_degree, head_chunk)
+        raise ValueError(f"head_chunk supports {', '.join(SUPPORTED_MODEL_TYPES)} attention, not {config.model_type!r}")
+    plan = ChunkPlan.build(
+        config.num_attention_heads, config.num_key_value_heads, config.head_dim, mesh.sp_degree, head_chunk
+    )
     for module in attention_modules(model):
         module.forward = UPipeAttention(module, plan, mesh.sp_group, kernel)

@@ -17,5 +17,4 @@ class Backend(abc.ABC):
     name: str = "backend"
 
     @abc.abstractmethod
-    def evaluate(self, evaluation: Evaluation) -> ResultRecord:
-        ...
+    def evaluate(self, evaluation: Evaluation) -> ResultRecord: ...

@@ -36,8 +36,8 @@ from trials.spec import RankRecord, TrialSpec
 
 DEPTHS = ("full", "reduced")
 
-STARTUP_S = 600.0        # starting the ranks, imports, DeepSpeed's JIT op build, building and sharding the model
-STEP_TIME_MARGIN = 3.0   # the time model's predictions are not exact (docs/predictions.md): allow 3x per step
+STARTUP_S = 600.0  # starting the ranks, imports, DeepSpeed's JIT op build, building and sharding the model
+STEP_TIME_MARGIN = 3.0  # the time model's predictions are not exact (docs/predictions.md): allow 3x per step
 FOLLOWER_GRACE_S = 60.0  # how long after its deadline the driver still waits for another node's report
 MIN_COLLECTIVE_TIMEOUT_S = 600.0
 
@@ -58,8 +58,9 @@ def visible_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-_PEER_LOST = re.compile(r"Connection closed by peer|Connection reset|Read error|pair\.cc|NCCL.*(remote|closed)",
-                        re.IGNORECASE)
+_PEER_LOST = re.compile(
+    r"Connection closed by peer|Connection reset|Read error|pair\.cc|NCCL.*(remote|closed)", re.IGNORECASE
+)
 
 
 class LocalBackend(Backend):
@@ -67,10 +68,19 @@ class LocalBackend(Backend):
 
     name = "local"
 
-    def __init__(self, steps: int = 2, warmup: int = 1, timeout_s: float | None = None,
-                 memory_gib: float | None = None, seed: int = 0, keep_logs: str | None = None,
-                 predictor: Backend | None = None, depth: str = "full", progress=None,
-                 group: NodeGroup | None = None):
+    def __init__(
+        self,
+        steps: int = 2,
+        warmup: int = 1,
+        timeout_s: float | None = None,
+        memory_gib: float | None = None,
+        seed: int = 0,
+        keep_logs: str | None = None,
+        predictor: Backend | None = None,
+        depth: str = "full",
+        progress=None,
+        group: NodeGroup | None = None,
+    ):
         """``timeout_s``: a fixed deadline per trial; None = from the step time ``predictor`` (a plan backend with
         the time model; its cached records are reused) predicts for what the trial runs (``trial_deadlines``).
         ``depth``: ``full`` runs the model; ``reduced`` runs its 3- and 4-layer copies (the memory oracle's) in one
@@ -86,16 +96,28 @@ class LocalBackend(Backend):
         self.predictor, self.depth, self.progress = predictor, depth, progress
         self.group = group
 
-    def command(self, gpus: int, spec_path: Path, out_dir: Path, nodes: int = 1,
-                rdzv_id: str | None = None) -> list[str]:
+    def command(
+        self, gpus: int, spec_path: Path, out_dir: Path, nodes: int = 1, rdzv_id: str | None = None
+    ) -> list[str]:
         """The trial's launch on this node: one process, ``torchrun --standalone``, or (``nodes`` > 1) torchrun
         joining the c10d rendezvous at the group's endpoint under ``rdzv_id`` (``autotune.backends.nodes``)."""
         runner = ["-m", "trials.runner", str(spec_path), str(out_dir)]
         if nodes > 1:
             if self.group is None or rdzv_id is None:
-                raise ConfigError(f"a trial over {nodes} nodes needs --rdzv-endpoint HOST:PORT (the same on every node)")
-            return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={gpus}",
-                    "--rdzv-backend=c10d", f"--rdzv-endpoint={self.group.endpoint}", f"--rdzv-id={rdzv_id}", *runner]
+                raise ConfigError(
+                    f"a trial over {nodes} nodes needs --rdzv-endpoint HOST:PORT (the same on every node)"
+                )
+            return [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nnodes={nodes}",
+                f"--nproc-per-node={gpus}",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={self.group.endpoint}",
+                f"--rdzv-id={rdzv_id}",
+                *runner,
+            ]
         if gpus == 1:
             return [sys.executable, *runner]
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}", *runner]
@@ -117,8 +139,10 @@ class LocalBackend(Backend):
         if not all(times):
             return trial_deadlines(None, self.steps, self.warmup)
         # a copy for memory only runs one step after priming the optimizer (about one more step's worth)
-        each = [trial_deadlines(t, self.steps, self.warmup) if copy["timed"] else trial_deadlines(t, 2, 0)
-                for t, copy in zip(times, copies)]
+        each = [
+            trial_deadlines(t, self.steps, self.warmup) if copy["timed"] else trial_deadlines(t, 2, 0)
+            for t, copy in zip(times, copies)
+        ]
         return STARTUP_S + sum(d - STARTUP_S for d, _ in each), max(c for _, c in each)
 
     def copies(self, evaluation: Evaluation) -> tuple[list, list[dict]]:
@@ -130,10 +154,14 @@ class LocalBackend(Backend):
         shallow = [base] + [longer for _, longer in varied]
         # memory needs each copy's first step (after priming the optimizer states); time needs only one copy,
         # its layers split by the layer clock: the last (deepest) one runs warm-up + measured steps
-        return runs, [{"runs": [list(r) for r in copy],
-                       "techniques": techniques_for_runs(evaluation.techniques, copy).to_dict(),
-                       "timed": index == len(shallow) - 1}
-                      for index, copy in enumerate(shallow)]
+        return runs, [
+            {
+                "runs": [list(r) for r in copy],
+                "techniques": techniques_for_runs(evaluation.techniques, copy).to_dict(),
+                "timed": index == len(shallow) - 1,
+            }
+            for index, copy in enumerate(shallow)
+        ]
 
     def evaluate(self, evaluation: Evaluation) -> ResultRecord:
         visible = visible_devices()
@@ -141,10 +169,17 @@ class LocalBackend(Backend):
             raise ConfigError(f"--gpus {evaluation.gpus} but this node shows {visible} CUDA device(s)")
         runs, copies = self.copies(evaluation)
         deadline_s, collective_timeout_s = self.deadlines(evaluation, copies)
-        spec = TrialSpec(model_config=evaluation.model_config, techniques=evaluation.techniques,
-                         seq_len=evaluation.seq_len, steps=self.steps, warmup=self.warmup,
-                         capacity_bytes=self.capacity_bytes(evaluation), seed=self.seed,
-                         collective_timeout_s=collective_timeout_s, copies=copies)
+        spec = TrialSpec(
+            model_config=evaluation.model_config,
+            techniques=evaluation.techniques,
+            seq_len=evaluation.seq_len,
+            steps=self.steps,
+            warmup=self.warmup,
+            capacity_bytes=self.capacity_bytes(evaluation),
+            seed=self.seed,
+            collective_timeout_s=collective_timeout_s,
+            copies=copies,
+        )
         work = Path(tempfile.mkdtemp(prefix="autotune-trial-"))
         try:
             spec_path = work / "spec.json"
@@ -158,20 +193,29 @@ class LocalBackend(Backend):
             record = extend_to_depth(evaluation, copies, first.copies, record.device, runs, capacity)
         return record
 
-    def _run(self, evaluation: Evaluation, spec_path: Path, work: Path,
-             deadline_s: float) -> tuple[ResultRecord, list[RankRecord]]:
+    def _run(
+        self, evaluation: Evaluation, spec_path: Path, work: Path, deadline_s: float
+    ) -> tuple[ResultRecord, list[RankRecord]]:
         if evaluation.nodes == 1:
             ranks, returncode, timed_out, tail = self.launch(evaluation.gpus, spec_path, work, deadline_s)
             return merge_rank_records(evaluation, ranks, returncode, timed_out, tail, deadline_s), ranks
         if self.group is None or not self.group.driver:
-            raise ConfigError(f"a trial over {evaluation.nodes} nodes needs --rdzv-endpoint HOST:PORT, the same on "
-                              f"every node")
+            raise ConfigError(
+                f"a trial over {evaluation.nodes} nodes needs --rdzv-endpoint HOST:PORT, the same on every node"
+            )
         # every node runs the same spec under the same rendezvous id; the followers report their ranks back
         started = time.monotonic()
-        number, rdzv_id = self.group.publish({"spec": json.loads(spec_path.read_text()), "gpus": evaluation.gpus,
-                                              "nodes": evaluation.nodes, "deadline_s": deadline_s})
-        ranks, returncode, timed_out, tail = self.launch(evaluation.gpus, spec_path, work, deadline_s,
-                                                         evaluation.nodes, rdzv_id)
+        number, rdzv_id = self.group.publish(
+            {
+                "spec": json.loads(spec_path.read_text()),
+                "gpus": evaluation.gpus,
+                "nodes": evaluation.nodes,
+                "deadline_s": deadline_s,
+            }
+        )
+        ranks, returncode, timed_out, tail = self.launch(
+            evaluation.gpus, spec_path, work, deadline_s, evaluation.nodes, rdzv_id
+        )
         left = max(0.0, deadline_s - (time.monotonic() - started))
         for result in sorted(self.group.collect(number, wait_s=left + FOLLOWER_GRACE_S), key=lambda r: r.node):
             ranks += [RankRecord.from_dict(r) for r in result.ranks]
@@ -192,24 +236,30 @@ class LocalBackend(Backend):
             try:
                 spec_path = work / "spec.json"
                 spec_path.write_text(json.dumps(job["spec"]))
-                ranks, returncode, timed_out, tail = self.launch(int(job["gpus"]), spec_path, work,
-                                                                 float(job["deadline_s"]), int(job["nodes"]),
-                                                                 job["rdzv_id"])
+                ranks, returncode, timed_out, tail = self.launch(
+                    int(job["gpus"]), spec_path, work, float(job["deadline_s"]), int(job["nodes"]), job["rdzv_id"]
+                )
             finally:
                 shutil.rmtree(work, ignore_errors=True)
             group.report(number, NodeResult(group.node, [r.to_dict() for r in ranks], returncode, timed_out, tail))
         return group.final
 
-    def launch(self, gpus: int, spec_path: Path, work: Path, deadline_s: float, nodes: int = 1,
-               rdzv_id: str | None = None) -> tuple[list[RankRecord], int | None, bool, str]:
+    def launch(
+        self, gpus: int, spec_path: Path, work: Path, deadline_s: float, nodes: int = 1, rdzv_id: str | None = None
+    ) -> tuple[list[RankRecord], int | None, bool, str]:
         """Run the trial's processes of this node: (the records its ranks wrote, the exit code, whether it ran past
         ``deadline_s`` and was killed, the tail of its output)."""
         log_path = work / "output.log"
         env = allocator.trial_environment(dict(os.environ), cpu=not visible_devices())
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // gpus)))
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(self.command(gpus, spec_path, work, nodes, rdzv_id), stdout=log,
-                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            proc = subprocess.Popen(
+                self.command(gpus, spec_path, work, nodes, rdzv_id),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
             try:
                 returncode = self._wait(proc, deadline_s, log_path)
                 timed_out = False
@@ -219,7 +269,6 @@ class LocalBackend(Backend):
             finally:
                 _kill_group(proc)
         return RankRecord.read_all(work), returncode, timed_out, _tail(log_path)
-
 
     def _wait(self, proc: subprocess.Popen, deadline_s: float, log_path: Path):
         """Wait for the trial, passing its latest progress line to ``progress`` every few seconds."""
@@ -234,32 +283,54 @@ class LocalBackend(Backend):
                 return proc.wait(timeout=min(5.0, left))
             except subprocess.TimeoutExpired:
                 lines = [line for line in _tail(log_path, 200).splitlines() if line.startswith("progress: ")]
-                self.progress(lines[-1][len("progress: "):] if lines else "starting",
-                              time.monotonic() - started, deadline_s)
+                self.progress(
+                    lines[-1][len("progress: ") :] if lines else "starting", time.monotonic() - started, deadline_s
+                )
 
 
 def _copy_evaluation(evaluation: Evaluation, copy: dict) -> Evaluation:
     from trials.techniques import Techniques
 
     layers = sum(n for _, n in copy["runs"])
-    return Evaluation(dict(evaluation.model_config, num_hidden_layers=layers), Techniques.from_dict(copy["techniques"]),
-                      evaluation.seq_len, evaluation.gpus, evaluation.hardware, evaluation.nodes)
+    return Evaluation(
+        dict(evaluation.model_config, num_hidden_layers=layers),
+        Techniques.from_dict(copy["techniques"]),
+        evaluation.seq_len,
+        evaluation.gpus,
+        evaluation.hardware,
+        evaluation.nodes,
+    )
 
 
-def extend_to_depth(evaluation: Evaluation, copies: list[dict], measured: list[dict], device_name: str | None,
-                    runs: list, capacity_bytes: int | None) -> ResultRecord:
+def extend_to_depth(
+    evaluation: Evaluation,
+    copies: list[dict],
+    measured: list[dict],
+    device_name: str | None,
+    runs: list,
+    capacity_bytes: int | None,
+) -> ResultRecord:
     """The reduced trial's ``copies`` (as ``copies()`` made them) and rank 0's records of them (``measured``:
     ``RankRecord.copies``) extended to the model's ``runs``: segment peaks exactly as the oracle extends its traces
     (``autotune.oracle.extrapolation``), the step time by ``extend_step_time``. Every byte and second measured,
     only the count of identical layers extended."""
     traces = []
     for copy in measured:
-        segments = {(phase, tuple(position) if isinstance(position, list) else position):  # JSON made tuples lists
-                    Segment(int(device), dict(breakdown), int(host))
-                    for phase, position, device, breakdown, host in copy["segments"]}
+        segments = {
+            (phase, tuple(position) if isinstance(position, list) else position):  # JSON made tuples lists
+            Segment(int(device), dict(breakdown), int(host))
+            for phase, position, device, breakdown, host in copy["segments"]
+        }
         peak = max(segments.values(), key=lambda seg: seg.device_bytes)
-        traces.append(Trace(layers=copy["layers"], peak_device_bytes=peak.device_bytes, breakdown=peak.breakdown,
-                            peak_host_bytes=int(copy["host_bytes"]), segments=segments))
+        traces.append(
+            Trace(
+                layers=copy["layers"],
+                peak_device_bytes=peak.device_bytes,
+                breakdown=peak.breakdown,
+                peak_host_bytes=int(copy["host_bytes"]),
+                segments=segments,
+            )
+        )
     _, varied = plan_traces(runs)
     extended = extrapolate(traces[0], [(index, trace) for (index, _), trace in zip(varied, traces[1:])], runs)
     lengths = [runs[index][1] - EXTRAPOLATE_FROM[0] for index, _ in varied]
@@ -273,17 +344,27 @@ def extend_to_depth(evaluation: Evaluation, copies: list[dict], measured: list[d
     device = reserved + int(last.get("runtime_bytes") or 0)
     dp = evaluation.world_size // evaluation.techniques.ulysses_degree
     result = ResultRecord(
-        status="ok", source="measured", seq_len=evaluation.seq_len, step_time_s=float(step_time),
+        status="ok",
+        source="measured",
+        seq_len=evaluation.seq_len,
+        step_time_s=float(step_time),
         tokens_per_s=evaluation.seq_len * dp / step_time if step_time > 0 else None,
-        peak_device_bytes=device, peak_allocated_bytes=allocated, peak_reserved_bytes=reserved,
-        host_bytes=int(extended.peak_host_bytes), breakdown=dict(extended.breakdown), device=device_name,
-        measured_layers=max(c["layers"] for c in measured))
+        peak_device_bytes=device,
+        peak_allocated_bytes=allocated,
+        peak_reserved_bytes=reserved,
+        host_bytes=int(extended.peak_host_bytes),
+        breakdown=dict(extended.breakdown),
+        device=device_name,
+        measured_layers=max(c["layers"] for c in measured),
+    )
     if step_time <= 0:
         result.status, result.error = "error", f"the extended step time is {step_time:.3g} s (timings too noisy)"
     elif capacity_bytes is not None and device > capacity_bytes:
         result.status = "oom"
-        result.error = (f"measured at {result.measured_layers} layers and extended: peak {device:,} bytes > capacity "
-                        f"{capacity_bytes:,} bytes (at {'/'.join(map(str, extended.peak_segment or ()))})")
+        result.error = (
+            f"measured at {result.measured_layers} layers and extended: peak {device:,} bytes > capacity "
+            f"{capacity_bytes:,} bytes (at {'/'.join(map(str, extended.peak_segment or ()))})"
+        )
     return result
 
 
@@ -307,16 +388,21 @@ def extend_step_time(timed: dict, timed_runs: list, runs: list, parameters: int)
     return step + timed["tail_time_s"] * (parameters / timed["parameters"] - 1)
 
 
-def merge_rank_records(evaluation: Evaluation, ranks: list[RankRecord], returncode, timed_out: bool, tail: str,
-                       timeout_s: float) -> ResultRecord:
+def merge_rank_records(
+    evaluation: Evaluation, ranks: list[RankRecord], returncode, timed_out: bool, tail: str, timeout_s: float
+) -> ResultRecord:
     """One record from the per-rank ones, root cause first: an OOM anywhere makes the trial ``oom``; else the
     earliest error a rank wrote itself; else a rank that died without writing its record (a signal, a
     segfault) -- its peers' "connection closed" errors are only symptoms of it."""
     base = {"source": "measured", "seq_len": evaluation.seq_len}
     peak = max((r.peak_device_bytes or 0 for r in ranks), default=None)
     if timed_out:
-        return ResultRecord(status="timeout", **base, peak_device_bytes=peak,
-                            error=f"trial exceeded its {timeout_s:g} s deadline; last output:\n{tail}")
+        return ResultRecord(
+            status="timeout",
+            **base,
+            peak_device_bytes=peak,
+            error=f"trial exceeded its {timeout_s:g} s deadline; last output:\n{tail}",
+        )
     ooms = [r for r in ranks if r.status == "oom"]
     missing = sorted(set(range(evaluation.world_size)) - {r.rank for r in ranks})
     errors = sorted((r for r in ranks if r.status == "error"), key=lambda r: r.finished_at or 0)
@@ -325,30 +411,52 @@ def merge_rank_records(evaluation: Evaluation, ranks: list[RankRecord], returnco
     errors = primary if (primary or not missing) else []
     if ooms:
         cause = ooms[0]
-        return ResultRecord(status="oom", **base, peak_device_bytes=peak, breakdown=cause.breakdown or {},
-                            host_bytes=cause.host_bytes, device=cause.device,
-                            error=f"rank {cause.rank}: {cause.error}")
+        return ResultRecord(
+            status="oom",
+            **base,
+            peak_device_bytes=peak,
+            breakdown=cause.breakdown or {},
+            host_bytes=cause.host_bytes,
+            device=cause.device,
+            error=f"rank {cause.rank}: {cause.error}",
+        )
     if errors:
         cause = errors[0]
-        return ResultRecord(status="error", **base, peak_device_bytes=peak,
-                            error=f"rank {cause.rank}: {cause.error}\n"
-                                  f"--- last lines of the trial's output ---\n{tail}")
+        return ResultRecord(
+            status="error",
+            **base,
+            peak_device_bytes=peak,
+            error=f"rank {cause.rank}: {cause.error}\n--- last lines of the trial's output ---\n{tail}",
+        )
     if missing:
-        return ResultRecord(status="error", **base, peak_device_bytes=peak,
-                            error=f"rank(s) {missing} ended without a record from every rank "
-                                  f"({_signal_reason(returncode)}); last output:\n{tail}")
+        return ResultRecord(
+            status="error",
+            **base,
+            peak_device_bytes=peak,
+            error=f"rank(s) {missing} ended without a record from every rank "
+            f"({_signal_reason(returncode)}); last output:\n{tail}",
+        )
     if returncode not in (0, None):
-        return ResultRecord(status="error", **base, peak_device_bytes=peak,
-                            error=f"trial exited with code {returncode} after every rank reported ok; "
-                                  f"last output:\n{tail}")
+        return ResultRecord(
+            status="error",
+            **base,
+            peak_device_bytes=peak,
+            error=f"trial exited with code {returncode} after every rank reported ok; last output:\n{tail}",
+        )
     first = next(r for r in ranks if r.rank == 0)
     peak_rank = max(ranks, key=lambda r: r.peak_device_bytes or 0)
     return ResultRecord(
-        status="ok", **base, tokens_per_s=first.tokens_per_s, step_time_s=first.step_time_s,
-        peak_device_bytes=peak, peak_allocated_bytes=max(r.peak_allocated_bytes or 0 for r in ranks),
+        status="ok",
+        **base,
+        tokens_per_s=first.tokens_per_s,
+        step_time_s=first.step_time_s,
+        peak_device_bytes=peak,
+        peak_allocated_bytes=max(r.peak_allocated_bytes or 0 for r in ranks),
         peak_reserved_bytes=max(r.peak_reserved_bytes or 0 for r in ranks),
         host_bytes=max((r.host_bytes or 0) for r in ranks),
-        breakdown=peak_rank.breakdown or {}, loss=first.loss, grad_norm=first.grad_norm,
+        breakdown=peak_rank.breakdown or {},
+        loss=first.loss,
+        grad_norm=first.grad_norm,
         device=first.device,
     )
 

@@ -92,20 +92,29 @@ class NodeGroup:
             raise ConfigError("a node group needs --nodes 2 or more")
         if _is_this_machine(host):
             try:
-                store = TCPStore(host, port, is_master=True, wait_for_workers=False, multi_tenant=True,
-                                 timeout=timedelta(seconds=connect_timeout_s))
+                store = TCPStore(
+                    host,
+                    port,
+                    is_master=True,
+                    wait_for_workers=False,
+                    multi_tenant=True,
+                    timeout=timedelta(seconds=connect_timeout_s),
+                )
                 return cls(host, port, nodes, store, driver=True, node=0)
             except (RuntimeError, ValueError, TimeoutError):
                 pass  # the port is taken: by the driver of this command on this machine (or by something else)
         try:
             store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=connect_timeout_s))
         except (RuntimeError, ValueError, TimeoutError) as exc:
-            raise ConfigError(f"--rdzv-endpoint {endpoint}: cannot reach the driver's store there "
-                              f"({str(exc).splitlines()[0][:200]})") from None
+            raise ConfigError(
+                f"--rdzv-endpoint {endpoint}: cannot reach the driver's store there ({str(exc).splitlines()[0][:200]})"
+            ) from None
         node = int(store.add(PREFIX + "followers", 1))
         if node >= nodes:
-            raise ConfigError(f"--rdzv-endpoint {endpoint}: {node + 1} agents joined a {nodes}-node job "
-                              f"(is another command using this endpoint?)")
+            raise ConfigError(
+                f"--rdzv-endpoint {endpoint}: {node + 1} agents joined a {nodes}-node job "
+                f"(is another command using this endpoint?)"
+            )
         return cls(host, port, nodes, store, driver=False, node=node)
 
     # -- the driver --------------------------------------------------------------------------------------------
@@ -167,4 +176,3 @@ class NodeGroup:
 
     def report(self, number: int, result: NodeResult) -> None:
         self.store.set(f"{PREFIX}result/{number}/{self.node}", result.to_json())
-

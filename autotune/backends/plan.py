@@ -33,9 +33,20 @@ from trials.errors import ConfigError
 def record_key(evaluation: Evaluation) -> str:
     """The in-process cache key of one evaluation."""
     hw = evaluation.hardware
-    return json.dumps([evaluation.model_config, evaluation.techniques.to_dict(), evaluation.seq_len,
-                       evaluation.gpus, hw.name, hw.device_memory_bytes, evaluation.nodes,
-                       hw.runtime_overhead_bytes], sort_keys=True, default=str)
+    return json.dumps(
+        [
+            evaluation.model_config,
+            evaluation.techniques.to_dict(),
+            evaluation.seq_len,
+            evaluation.gpus,
+            hw.name,
+            hw.device_memory_bytes,
+            evaluation.nodes,
+            hw.runtime_overhead_bytes,
+        ],
+        sort_keys=True,
+        default=str,
+    )
 
 
 class PlanBackend(Backend):
@@ -43,8 +54,13 @@ class PlanBackend(Backend):
 
     name = "plan"
 
-    def __init__(self, throughput: bool = True, cache_size: int = 4096, stop_above: float | None = None,
-                 store: PlanStore | None = None):
+    def __init__(
+        self,
+        throughput: bool = True,
+        cache_size: int = 4096,
+        stop_above: float | None = None,
+        store: PlanStore | None = None,
+    ):
         """``stop_above``: a fraction of device capacity (e.g. 1.0, or 1.05 for a prefilter's margin) and of the
         node's host memory per device; a trace crossing it stops there (a 4-layer copy as soon as its extension
         to full depth is known to) and the record is ``oom`` with the bytes at the crossing as a lower bound of
@@ -61,8 +77,12 @@ class PlanBackend(Backend):
 
     def options(self) -> dict:
         """The constructor's arguments: another process builds the same backend from them (``PooledBackend``)."""
-        return {"throughput": self.throughput, "cache_size": self.cache_size, "stop_above": self.stop_above,
-                "store": self.store}
+        return {
+            "throughput": self.throughput,
+            "cache_size": self.cache_size,
+            "stop_above": self.stop_above,
+            "store": self.store,
+        }
 
     def peak_at(self, evaluation: Evaluation):
         """Where the peak of an evaluated point is: (phase, position) of the oracle's segment, or None."""
@@ -119,16 +139,21 @@ class PlanBackend(Backend):
         prediction = self.last_prediction
         if self.store is None or prediction is None:  # an invalid config: no trace to keep
             return
-        reached = {"device": prediction.reached_tensor_bytes,
-                   "host": max([prediction.host_bytes] + [t.peak_host_bytes for t in prediction.traces])}
-        self.store.put(self._store_key(evaluation),
-                       Entry(record, prediction.peak_segment, reached,
-                             self._limits(evaluation) if prediction.stopped else None))
+        reached = {
+            "device": prediction.reached_tensor_bytes,
+            "host": max([prediction.host_bytes] + [t.peak_host_bytes for t in prediction.traces]),
+        }
+        self.store.put(
+            self._store_key(evaluation),
+            Entry(record, prediction.peak_segment, reached, self._limits(evaluation) if prediction.stopped else None),
+        )
 
     def _evaluate(self, evaluation: Evaluation) -> ResultRecord:
         hw = evaluation.hardware
         nodes = str(evaluation.nodes) if evaluation.nodes > 1 else ""  # "h100-sxm 2x8": 2 nodes of 8
-        base = dict(source="predicted", seq_len=evaluation.seq_len, device=f"{hw.name} {nodes}x{evaluation.gpus} (predicted)")
+        base = dict(
+            source="predicted", seq_len=evaluation.seq_len, device=f"{hw.name} {nodes}x{evaluation.gpus} (predicted)"
+        )
         try:
             evaluation.techniques.validate(evaluation.model_config, evaluation.world_size, evaluation.seq_len)
         except ConfigError as exc:
@@ -140,42 +165,61 @@ class PlanBackend(Backend):
             host_stop = (self._limits(evaluation) or {}).get("host")
             prediction = predict(evaluation, modes=modes, stop_above_bytes=stop, stop_host_bytes=host_stop)
         except Exception as exc:  # a config the trial code cannot run is an error record, not a crash
-            return ResultRecord(status="error", error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}",
-                                **base)
+            return ResultRecord(
+                status="error", error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}", **base
+            )
         self.last_prediction = prediction
         capacity = hw.device_memory_bytes
         fits = prediction.peak_device_bytes <= capacity and not prediction.stopped
-        where = '/'.join(str(p) for p in prediction.peak_segment or ())
+        where = "/".join(str(p) for p in prediction.peak_segment or ())
         error = None
         copy = prediction.traces[-1].layers
-        extended = (f"the {copy}-layer copy extended to {evaluation.model_config['num_hidden_layers']} layers"
-                    if prediction.extension else f"a {copy}-layer copy")
+        extended = (
+            f"the {copy}-layer copy extended to {evaluation.model_config['num_hidden_layers']} layers"
+            if prediction.extension
+            else f"a {copy}-layer copy"
+        )
         if fits and not hw.host_fits(prediction.host_bytes):  # offloaded states need the node's RAM too
             fits = False
-            error = (f"predicted host memory {prediction.host_bytes:,} bytes per rank > the node's "
-                     f"{hw.host_memory_bytes_per_device:,} bytes per device (host out of memory)")
+            error = (
+                f"predicted host memory {prediction.host_bytes:,} bytes per rank > the node's "
+                f"{hw.host_memory_bytes_per_device:,} bytes per device (host out of memory)"
+            )
         elif prediction.stopped and prediction.stop_reason == "host":
-            error = (f"predicted host out of memory: {extended} already holds {prediction.host_bytes:,} bytes per "
-                     f"rank on the host > {host_stop:,} bytes (trace stopped there; the full amount is higher)")
+            error = (
+                f"predicted host out of memory: {extended} already holds {prediction.host_bytes:,} bytes per "
+                f"rank on the host > {host_stop:,} bytes (trace stopped there; the full amount is higher)"
+            )
         elif prediction.stopped:
-            error = (f"predicted out of memory: {extended} already reaches {prediction.peak_device_bytes:,} bytes "
-                     f"> capacity {capacity:,} bytes at {where} (trace stopped there; the full peak is higher)")
+            error = (
+                f"predicted out of memory: {extended} already reaches {prediction.peak_device_bytes:,} bytes "
+                f"> capacity {capacity:,} bytes at {where} (trace stopped there; the full peak is higher)"
+            )
         elif not fits:
             error = f"predicted peak {prediction.peak_device_bytes:,} bytes > capacity {capacity:,} bytes (at {where})"
         tensor_peak = int(prediction.tensor_peak_bytes)
         record = ResultRecord(
-            status="ok" if fits else "oom", peak_device_bytes=int(prediction.peak_device_bytes),
+            status="ok" if fits else "oom",
+            peak_device_bytes=int(prediction.peak_device_bytes),
             peak_allocated_bytes=tensor_peak,
             peak_reserved_bytes=tensor_peak + hw.fragmentation_bytes(tensor_peak),
-            host_bytes=int(prediction.host_bytes), breakdown=dict(prediction.breakdown), error=error, **base)
+            host_bytes=int(prediction.host_bytes),
+            breakdown=dict(prediction.breakdown),
+            error=error,
+            **base,
+        )
         if self.throughput and not prediction.stopped:
             try:
                 timing = step_time(evaluation, prediction)
             except Exception as exc:  # the memory verdict stands, but a config without a time cannot be ranked
-                return ResultRecord(status="error", peak_device_bytes=record.peak_device_bytes,
-                                    host_bytes=record.host_bytes, breakdown=record.breakdown,
-                                    error=f"time prediction failed ({record.status} by memory): "
-                                          f"{type(exc).__name__}: {exc}", **base)
+                return ResultRecord(
+                    status="error",
+                    peak_device_bytes=record.peak_device_bytes,
+                    host_bytes=record.host_bytes,
+                    breakdown=record.breakdown,
+                    error=f"time prediction failed ({record.status} by memory): {type(exc).__name__}: {exc}",
+                    **base,
+                )
             record.step_time_s = float(timing.step_time_s)
             record.tokens_per_s = float(timing.tokens_per_s) if timing.tokens_per_s else None
         return record
@@ -183,8 +227,10 @@ class PlanBackend(Backend):
 
 def counter_modes(evaluation: Evaluation):
     """The oracle's ``modes``: a step counter inside each traced step's memory tracker."""
+
     def modes(tracker):
         return [StepCounter(tracker, seq_len=evaluation.seq_len, world_size=evaluation.world_size)]
+
     return modes
 
 
@@ -208,6 +254,11 @@ def step_counts(prediction: Prediction) -> StepCounts:
 
 
 def step_time(evaluation: Evaluation, prediction: Prediction) -> TimeBreakdown:
-    return predict_step_time(step_counts(prediction), evaluation.hardware.rates_for(evaluation.world_size),
-                             evaluation.world_size, evaluation.techniques, seq_len=evaluation.seq_len,
-                             gpus_per_node=evaluation.gpus if evaluation.nodes > 1 else None)
+    return predict_step_time(
+        step_counts(prediction),
+        evaluation.hardware.rates_for(evaluation.world_size),
+        evaluation.world_size,
+        evaluation.techniques,
+        seq_len=evaluation.seq_len,
+        gpus_per_node=evaluation.gpus if evaluation.nodes > 1 else None,
+    )

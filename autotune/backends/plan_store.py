@@ -74,20 +74,30 @@ class Entry:
 
     record: ResultRecord
     peak_segment: tuple | None  # where the peak is (the backend's ``peak_at``)
-    reached: dict               # the most any traced copy or the extension reached: {"device": tensor bytes,
-                                # "host": bytes per rank}
-    limits: dict | None         # the limits it was traced under when they stopped it; None: it ran to its end
+    reached: dict  # the most any traced copy or the extension reached: {"device": tensor bytes,
+    # "host": bytes per rank}
+    limits: dict | None  # the limits it was traced under when they stopped it; None: it ran to its end
 
     def to_json(self) -> str:
-        return json.dumps({"record": self.record.to_dict(), "peak_segment": self.peak_segment,
-                           "reached": self.reached, "limits": self.limits})
+        return json.dumps(
+            {
+                "record": self.record.to_dict(),
+                "peak_segment": self.peak_segment,
+                "reached": self.reached,
+                "limits": self.limits,
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str) -> Entry:
         data = json.loads(text)
         segment = data["peak_segment"]
-        return cls(ResultRecord.from_dict(data["record"]), tuple(segment) if segment is not None else None,
-                   dict(data["reached"]), data["limits"])
+        return cls(
+            ResultRecord.from_dict(data["record"]),
+            tuple(segment) if segment is not None else None,
+            dict(data["reached"]),
+            data["limits"],
+        )
 
     def answers(self, limits: dict | None) -> bool:
         """Would a trace under ``limits`` ({"device": tensor bytes, "host": bytes or None}; None: no limits) have
@@ -147,8 +157,9 @@ class PlanStore:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             os.utime(self.directory)
-            versions = sorted((p for p in self.root.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime,
-                              reverse=True)
+            versions = sorted(
+                (p for p in self.root.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True
+            )
         except OSError:
             return
         for old in versions[keep:]:

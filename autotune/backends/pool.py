@@ -60,8 +60,7 @@ class PooledBackend(Backend):
 
     name = "plan"
 
-    def __init__(self, options: dict, workers: int,
-                 lookahead: Callable[[Evaluation], tuple[list, list]] | None = None):
+    def __init__(self, options: dict, workers: int, lookahead: Callable[[Evaluation], tuple[list, list]] | None = None):
         """``options``: a ``PlanBackend``'s (``PlanBackend.options()``). ``lookahead(evaluation)``: called each
         time a record is asked for, returns ``prefetch``'s (wanted, likely) as seen then."""
         self.options = dict(options)
@@ -72,8 +71,8 @@ class PooledBackend(Backend):
         self._running: dict[str, tuple[Future, Evaluation, bool]] = {}  # key -> (future, evaluation, a guess)
         self._done: dict[str, Future] = {}
         self._deaths: dict[str, int] = {}
-        self._wanted: list[Evaluation] = []   # prefetch: will be asked, in order
-        self._likely: list[Evaluation] = []   # prefetch: may be asked
+        self._wanted: list[Evaluation] = []  # prefetch: will be asked, in order
+        self._likely: list[Evaluation] = []  # prefetch: may be asked
         self.stats = {"asked": 0, "stored": 0, "ready": 0, "running": 0, "waited_s": 0.0, "guessed": 0}
 
     # -- the Backend interface -------------------------------------------------------------------------
@@ -105,8 +104,10 @@ class PooledBackend(Backend):
                 elif key not in self._running:  # its worker died: ask again, once
                     self._deaths[key] = self._deaths.get(key, 0) + 1
                     if self._deaths[key] > 1:
-                        raise RuntimeError(f"a plan worker died twice evaluating {evaluation.techniques} at "
-                                           f"{evaluation.seq_len:,} tokens (out of host memory?)")
+                        raise RuntimeError(
+                            f"a plan worker died twice evaluating {evaluation.techniques} at "
+                            f"{evaluation.seq_len:,} tokens (out of host memory?)"
+                        )
                     future = self._submit(evaluation, guess=False)
                 self._fill()
             self._done.pop(key, None)
@@ -148,8 +149,12 @@ class PooledBackend(Backend):
         if self._executor is None:
             # spawn: a fresh interpreter per worker (the search process may hold threads and a torch state that
             # a fork would copy half-way)
-            self._executor = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                                 initializer=_start_worker, initargs=(self.options,))
+            self._executor = ProcessPoolExecutor(
+                self.workers,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_start_worker,
+                initargs=(self.options,),
+            )
         return self._executor
 
     def _submit(self, evaluation: Evaluation, guess: bool) -> Future:

@@ -17,7 +17,7 @@ import statistics
 from pathlib import Path
 
 VERSION = 15
-CPU_ATTENTION_TILE_Q = 256   # torch's CPU flash kernel: q split 256 for q_seq_len >= 768
+CPU_ATTENTION_TILE_Q = 256  # torch's CPU flash kernel: q split 256 for q_seq_len >= 768
 CPU_ATTENTION_TILE_KV = 512  # and kv split 512 (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp)
 
 
@@ -41,8 +41,13 @@ def machine_key() -> dict:
                 break
     except OSError:
         pass
-    return {"version": VERSION, "host": socket.gethostname(), "cpu": model, "cpus": os.cpu_count() or 1,
-            "torch": str(torch.__version__)}
+    return {
+        "version": VERSION,
+        "host": socket.gethostname(),
+        "cpu": model,
+        "cpus": os.cpu_count() or 1,
+        "torch": str(torch.__version__),
+    }
 
 
 def load_cached() -> dict | None:
@@ -73,7 +78,9 @@ def rates_from_calibration(calibration: dict, world_size: int) -> dict:
     in_step = m.get("in_step") or {}
     matmul = in_step.get("matmul_flops", m["matmul_flops"])  # the in-step rate is what a trial sees
     factor = in_step.get("attention_factor", 1.0)
-    attention = {int(d): (fwd * factor / matmul, bwd * factor / matmul) for d, (fwd, bwd) in m["attention_flops"].items()}
+    attention = {
+        int(d): (fwd * factor / matmul, bwd * factor / matmul) for d, (fwd, bwd) in m["attention_flops"].items()
+    }
     values = {
         "bf16_flops": matmul,
         "matmul_efficiency": 1.0,
@@ -95,17 +102,26 @@ def rates_from_calibration(calibration: dict, world_size: int) -> dict:
     }
     # gloo: measured per world of 2+ ranks; a 1-rank trial has no collectives; a world between measured ones takes
     # the nearest measured world below it
-    gloo = next((per_world[str(k)].get("gloo") for k in sorted(keys, reverse=True)
-                 if k <= max(2, chosen) and per_world[str(k)].get("gloo")), None)
+    gloo = next(
+        (
+            per_world[str(k)].get("gloo")
+            for k in sorted(keys, reverse=True)
+            if k <= max(2, chosen) and per_world[str(k)].get("gloo")
+        ),
+        None,
+    )
     if gloo:
         link = gloo["all_to_all"]["bytes_per_s"]
-        values.update({
-            "intra_node_bytes_per_s": link,
-            "all_to_all_efficiency": 1.0,
-            "all_gather_efficiency": gloo["all_gather"]["bytes_per_s"] / link,
-            "reduce_scatter_efficiency": gloo["reduce_scatter"]["bytes_per_s"] / link,
-            "all_reduce_efficiency": gloo["all_reduce"]["bytes_per_s"] / link,
-            "collective_latency_s": statistics.median(gloo[k]["latency_s"] for k in
-                                                      ("all_to_all", "all_gather", "reduce_scatter", "all_reduce")),
-        })
+        values.update(
+            {
+                "intra_node_bytes_per_s": link,
+                "all_to_all_efficiency": 1.0,
+                "all_gather_efficiency": gloo["all_gather"]["bytes_per_s"] / link,
+                "reduce_scatter_efficiency": gloo["reduce_scatter"]["bytes_per_s"] / link,
+                "all_reduce_efficiency": gloo["all_reduce"]["bytes_per_s"] / link,
+                "collective_latency_s": statistics.median(
+                    gloo[k]["latency_s"] for k in ("all_to_all", "all_gather", "reduce_scatter", "all_reduce")
+                ),
+            }
+        )
     return values

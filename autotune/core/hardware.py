@@ -34,37 +34,37 @@ class Rates:
     """
 
     name: str
-    bf16_flops: float                       # matmul peak of the training dtype (bf16 on GPUs, fp32 for cpu)
-    hbm_bytes_per_s: float                  # device memory bandwidth
-    intra_node_bytes_per_s: float           # device-device link, per direction (NVLink / gloo loopback)
-    host_bytes_per_s: float                 # host link, per direction (PCIe / memcpy)
-    matmul_efficiency: float = 0.7          # achieved fraction of bf16_flops for the step's GEMMs
-    attention_efficiency: float = 0.35      # achieved fraction of bf16_flops, attention forward (computed FLOPs)
+    bf16_flops: float  # matmul peak of the training dtype (bf16 on GPUs, fp32 for cpu)
+    hbm_bytes_per_s: float  # device memory bandwidth
+    intra_node_bytes_per_s: float  # device-device link, per direction (NVLink / gloo loopback)
+    host_bytes_per_s: float  # host link, per direction (PCIe / memcpy)
+    matmul_efficiency: float = 0.7  # achieved fraction of bf16_flops for the step's GEMMs
+    attention_efficiency: float = 0.35  # achieved fraction of bf16_flops, attention forward (computed FLOPs)
     attention_backward_efficiency: float = 0.3
-    attention_tile_q: int = 128             # the kernel's query / key tile: causal blocks on the diagonal are
-    attention_tile_kv: int = 128            # computed whole, so computed pairs exceed s*(s+1)/2 by ~s*tile/2
-    elementwise_efficiency: float = 0.7     # achieved fraction of hbm_bytes_per_s for memory-bound ops
+    attention_tile_q: int = 128  # the kernel's query / key tile: causal blocks on the diagonal are
+    attention_tile_kv: int = 128  # computed whole, so computed pairs exceed s*(s+1)/2 by ~s*tile/2
+    elementwise_efficiency: float = 0.7  # achieved fraction of hbm_bytes_per_s for memory-bound ops
     elementwise_traffic_factor: float = 3.0  # bytes moved per output byte counted (read ~2 operands, write 1)
-    all_to_all_efficiency: float = 0.75     # achieved fraction of the link for all-to-all
-    all_gather_efficiency: float = 0.8      # achieved fraction of the link for all-gather (FSDP unshard)
+    all_to_all_efficiency: float = 0.75  # achieved fraction of the link for all-to-all
+    all_gather_efficiency: float = 0.8  # achieved fraction of the link for all-gather (FSDP unshard)
     reduce_scatter_efficiency: float = 0.8  # ... reduce-scatter (FSDP gradient reduction)
-    all_reduce_efficiency: float = 0.8      # ... all-reduce (replicated gradients, loss)
-    collective_latency_s: float = 20e-6     # fixed cost per collective call
+    all_reduce_efficiency: float = 0.8  # ... all-reduce (replicated gradients, loss)
+    collective_latency_s: float = 20e-6  # fixed cost per collective call
     # the inter-node fabric (jobs over several nodes): per GPU, per direction (one NIC per GPU, rail-optimised);
     # 0 = no fabric of its own: collectives across nodes are priced on the intra-node link
     inter_node_bytes_per_s: float = 0.0
-    inter_node_efficiency: float = 0.9      # achieved fraction of inter_node_bytes_per_s per NIC
-    inter_node_latency_s: float = 0.0       # fixed cost of a collective spanning nodes (0: collective_latency_s)
-    host_copy_efficiency: float = 1.0       # achieved fraction of host_bytes_per_s
+    inter_node_efficiency: float = 0.9  # achieved fraction of inter_node_bytes_per_s per NIC
+    inter_node_latency_s: float = 0.0  # fixed cost of a collective spanning nodes (0: collective_latency_s)
+    host_copy_efficiency: float = 1.0  # achieved fraction of host_bytes_per_s
     host_optimizer_bytes_per_s: float = 50e9  # optimizer-step output bytes per second on the host, per rank
-    op_overhead_s: float = 0.0              # host time per dispatched op that does work (python + launch)
-    view_overhead_s: float = 0.0            # host time per dispatched view / metadata op
-    launch_overlaps_compute: bool = True    # GPUs queue kernels: overhead is a floor, not an addition
-    side_stream_overlap: float = 1.0        # fraction of compute time FSDP collectives / offload copies can hide behind
-    collective_wait_s: float = 0.0          # several ranks: seconds per collective call beyond its priced transfer
-                                            # (waiting for the slower rank at each rendezvous; cpu calibration)
-    device_is_host: bool = False            # cpu preset: the "device" is host memory, so FSDP2's offload copies
-                                            # (shards to the device, gradients to the host) are no-ops
+    op_overhead_s: float = 0.0  # host time per dispatched op that does work (python + launch)
+    view_overhead_s: float = 0.0  # host time per dispatched view / metadata op
+    launch_overlaps_compute: bool = True  # GPUs queue kernels: overhead is a floor, not an addition
+    side_stream_overlap: float = 1.0  # fraction of compute time FSDP collectives / offload copies can hide behind
+    collective_wait_s: float = 0.0  # several ranks: seconds per collective call beyond its priced transfer
+    # (waiting for the slower rank at each rendezvous; cpu calibration)
+    device_is_host: bool = False  # cpu preset: the "device" is host memory, so FSDP2's offload copies
+    # (shards to the device, gradients to the host) are no-ops
     # measured attention efficiency per head dim (cpu calibration), {head_dim: (fwd, bwd)}; overrides the scalars
     attention_by_head_dim: tuple = ()
 
@@ -88,7 +88,6 @@ class Rates:
         return table[-1][1][index]
 
 
-
 @dataclass(frozen=True)
 class Hardware:
     """One accelerator of a node: capacity and overheads in bytes, and the time model's rates."""
@@ -101,7 +100,7 @@ class Hardware:
     nccl_buffer_bytes: int = 0
     allocator_fragmentation: float = 0.0
     host_memory_bytes_per_device: int = 0  # the node's host RAM / its accelerators; 0 = not checked
-    gpus_per_node: int = 0                 # accelerators in one node of this kind (0: any number, e.g. cpu)
+    gpus_per_node: int = 0  # accelerators in one node of this kind (0: any number, e.g. cpu)
     # NCCL's buffers for peers on other nodes (network transport), added to nccl_buffer_bytes when a job spans nodes
     nccl_inter_node_buffer_bytes: int = 0
     # the oracle's error band on this hardware: a local search's prefilter skips a real trial only when the
@@ -115,13 +114,17 @@ class Hardware:
     def rate_provenance(self) -> str:
         """One line: where the time model's rates come from (measured here, a typical machine's, or assumed)."""
         if self.calibrated:
-            return (f"rates measured by `autotune calibrate` on {self.calibrated.get('device', '?')} at "
-                    f"{self.calibrated.get('measured_at', '?')}")
+            return (
+                f"rates measured by `autotune calibrate` on {self.calibrated.get('device', '?')} at "
+                f"{self.calibrated.get('measured_at', '?')}"
+            )
         if self.calibration:
             machine = self.calibration.get("machine", {})
             own = machine == calibration_store.machine_key()
-            return (f"rates from {'this' if own else 'a typical'} machine's calibration "
-                    f"({machine.get('cpu', '?')}, {machine.get('cpus', '?')} cores, {self.calibration.get('measured_at', '?')})")
+            return (
+                f"rates from {'this' if own else 'a typical'} machine's calibration "
+                f"({machine.get('cpu', '?')}, {machine.get('cpus', '?')} cores, {self.calibration.get('measured_at', '?')})"
+            )
         return "rates assumed from public figures, not measured on this node"
 
     @property
@@ -160,8 +163,11 @@ class Hardware:
         """The preset as a job over ``nodes`` nodes sees it: NCCL's inter-node buffers join the runtime overhead."""
         if nodes <= 1 or not self.nccl_inter_node_buffer_bytes:
             return self
-        return replace(self, nccl_buffer_bytes=self.nccl_buffer_bytes + self.nccl_inter_node_buffer_bytes,
-                       nccl_inter_node_buffer_bytes=0)
+        return replace(
+            self,
+            nccl_buffer_bytes=self.nccl_buffer_bytes + self.nccl_inter_node_buffer_bytes,
+            nccl_inter_node_buffer_bytes=0,
+        )
 
     def with_memory_gib(self, gib: float | None) -> Hardware:
         return self if gib is None else replace(self, device_memory_bytes=int(gib * 1024**3))
@@ -202,8 +208,10 @@ def preset_path(name: str) -> tuple[Path, str]:
     if path.suffix in (".yaml", ".yml") and not path.is_file():
         raise UserError(f"hardware preset file {name!r} does not exist")
     if not path.is_file():
-        raise UserError(f"unknown hardware {name!r}: choose one of {', '.join(hardware_names())} "
-                        f"(or a preset YAML file; `autotune calibrate --name NAME` makes one for this node)")
+        raise UserError(
+            f"unknown hardware {name!r}: choose one of {', '.join(hardware_names())} "
+            f"(or a preset YAML file; `autotune calibrate --name NAME` makes one for this node)"
+        )
     return path, "file"
 
 
@@ -245,8 +253,11 @@ def load_hardware(name: str) -> Hardware:
     if rates.device_is_host:
         # a calibrated preset's own measurements; else this machine's cached calibration, else the typical
         # machine's the preset ships
-        calibration = (data.get("calibration") if data.get("calibrated") else None) or \
-            calibration_store.load_cached() or data.get("calibration")
+        calibration = (
+            (data.get("calibration") if data.get("calibrated") else None)
+            or calibration_store.load_cached()
+            or data.get("calibration")
+        )
         if calibration:
             hardware = replace(hardware, calibration=calibration)
     return hardware

@@ -19,19 +19,19 @@ class ResultRecord:
     tokens_per_s: float | None = None
     step_time_s: float | None = None
     # memory per rank, the same quantities predicted and measured (DESIGN.md, result record):
-    peak_device_bytes: int | None = None     # all the process holds on the device (what capacity is compared with):
-                                             # reserved + CUDA context/NCCL (measured; predicted: the preset's)
+    peak_device_bytes: int | None = None  # all the process holds on the device (what capacity is compared with):
+    # reserved + CUDA context/NCCL (measured; predicted: the preset's)
     peak_allocated_bytes: int | None = None  # live tensors (torch.cuda.max_memory_allocated; the oracle's tensor peak)
-    peak_reserved_bytes: int | None = None   # the caching allocator's segments (max_memory_reserved; predicted:
-                                             # tensor peak + the preset's fragmentation)
-    host_bytes: int | None = None            # host memory the step holds (offloaded activations, shards, states)
+    peak_reserved_bytes: int | None = None  # the caching allocator's segments (max_memory_reserved; predicted:
+    # tensor peak + the preset's fragmentation)
+    host_bytes: int | None = None  # host memory the step holds (offloaded activations, shards, states)
     breakdown: dict[str, int] = field(default_factory=dict)
     loss: float | None = None
     grad_norm: float | None = None
     device: str | None = None
     error: str | None = None
-    measured_layers: int | None = None       # a reduced-depth real trial: the decoder layers that ran (extended to
-                                             # the model's depth); None at full depth and for predictions
+    measured_layers: int | None = None  # a reduced-depth real trial: the decoder layers that ran (extended to
+    # the model's depth); None at full depth and for predictions
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

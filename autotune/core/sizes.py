@@ -18,9 +18,7 @@ def parse_tokens(text: "str | int", what: str = "length") -> int:
     else:
         match = _PATTERN.match(str(text))
         if not match:
-            raise UserError(
-                f"{what} {text!r} is not a token count: use an integer or a K/M suffix (128K, 5M)"
-            )
+            raise UserError(f"{what} {text!r} is not a token count: use an integer or a K/M suffix (128K, 5M)")
         value = int(match.group(1).replace("_", "")) * _SUFFIX[match.group(2).upper()]
     if value <= 0:
         raise UserError(f"{what} {text!r} must be positive")

@@ -61,8 +61,19 @@ from autotune.oracle.results import EXTRAPOLATE_FROM, Prediction, Segment, Trace
 from autotune.oracle.tracing import compute_dtype_for, trace
 from trials.segments import layer_runs
 
-__all__ = ["EXTRAPOLATE_FROM", "Prediction", "Segment", "Trace", "compute_dtype_for", "explain", "extend_value",
-           "layer_runs", "predict", "stop_tensor_bytes", "trace"]
+__all__ = [
+    "EXTRAPOLATE_FROM",
+    "Prediction",
+    "Segment",
+    "Trace",
+    "compute_dtype_for",
+    "explain",
+    "extend_value",
+    "layer_runs",
+    "predict",
+    "stop_tensor_bytes",
+    "trace",
+]
 
 
 def stop_tensor_bytes(hardware, stop_above_bytes: int) -> int:
@@ -71,8 +82,13 @@ def stop_tensor_bytes(hardware, stop_above_bytes: int) -> int:
     return max(0, int((stop_above_bytes - hardware.runtime_overhead_bytes) / (1 + hardware.allocator_fragmentation)))
 
 
-def _trace_to_full_depth(evaluation: Evaluation, full_depth: bool = False, stop_above_bytes: int | None = None,
-                         stop_host_bytes: int | None = None, **kwargs) -> tuple[Trace, list[Trace], list[int]]:
+def _trace_to_full_depth(
+    evaluation: Evaluation,
+    full_depth: bool = False,
+    stop_above_bytes: int | None = None,
+    stop_host_bytes: int | None = None,
+    **kwargs,
+) -> tuple[Trace, list[Trace], list[int]]:
     """Trace the model, or (deeper than ``EXTRAPOLATE_FROM``) its 3-layer copy and one 4-layer copy per run of
     layers, extended exactly to full depth. ``stop_above_bytes`` (tensor bytes) / ``stop_host_bytes``: a copy
     that crosses them stops (a shallower copy that does not fit means the model does not either); with one run
@@ -83,8 +99,9 @@ def _trace_to_full_depth(evaluation: Evaluation, full_depth: bool = False, stop_
     args = (evaluation.model_config, evaluation.techniques, evaluation.seq_len, evaluation.world_size)
     runs = layer_runs(evaluation.techniques, layers)
     base, varied = plan_traces(runs)
-    stops = dict(stop_above_bytes=stop_above_bytes,
-                 host_limit=stop_host_bytes if stop_above_bytes is not None else None)
+    stops = dict(
+        stop_above_bytes=stop_above_bytes, host_limit=stop_host_bytes if stop_above_bytes is not None else None
+    )
     if full_depth or not varied:
         result = trace(*args, runs=runs, **stops, **kwargs)
         return result, [result], []
@@ -96,8 +113,9 @@ def _trace_to_full_depth(evaluation: Evaluation, full_depth: bool = False, stop_
             break
         deeper = dict(stops)
         if stop_above_bytes is not None and len(varied) == 1:
-            deeper["segment_limits"], deeper["host_limit"] = extension_limits(traces[0], added, stop_above_bytes,
-                                                                              stops["host_limit"])
+            deeper["segment_limits"], deeper["host_limit"] = extension_limits(
+                traces[0], added, stop_above_bytes, stops["host_limit"]
+            )
         varied_traces.append((index, trace(*args, runs=longer, **deeper, **kwargs)))
         traces.append(varied_traces[-1][1])
     if traces[-1].stopped:
@@ -107,9 +125,15 @@ def _trace_to_full_depth(evaluation: Evaluation, full_depth: bool = False, stop_
     return extrapolate(traces[0], varied_traces, runs), traces, extension
 
 
-def predict(evaluation: Evaluation, modes: Callable[[Any], Iterable] | None = None, full_depth: bool = False,
-            compute_dtype: torch.dtype | None = None, gpu_kernels: bool | None = None,
-            stop_above_bytes: int | None = None, stop_host_bytes: int | None = None) -> Prediction:
+def predict(
+    evaluation: Evaluation,
+    modes: Callable[[Any], Iterable] | None = None,
+    full_depth: bool = False,
+    compute_dtype: torch.dtype | None = None,
+    gpu_kernels: bool | None = None,
+    stop_above_bytes: int | None = None,
+    stop_host_bytes: int | None = None,
+) -> Prediction:
     """The oracle's prediction for ``evaluation``.
 
     ``compute_dtype`` / ``gpu_kernels`` default from the hardware preset (fp32 and CPU kernels on ``cpu``,
@@ -124,8 +148,11 @@ def predict(evaluation: Evaluation, modes: Callable[[Any], Iterable] | None = No
     """
     started = time.perf_counter()
     hardware = evaluation.hardware
-    kwargs = dict(compute_dtype=compute_dtype or compute_dtype_for(hardware),
-                  gpu_kernels=not hardware.device_is_host if gpu_kernels is None else gpu_kernels, modes=modes)
+    kwargs = dict(
+        compute_dtype=compute_dtype or compute_dtype_for(hardware),
+        gpu_kernels=not hardware.device_is_host if gpu_kernels is None else gpu_kernels,
+        modes=modes,
+    )
     if stop_above_bytes is not None:  # tensor bytes t with t + overheads(t) above the limit
         kwargs["stop_above_bytes"] = stop_tensor_bytes(hardware, stop_above_bytes)
         kwargs["stop_host_bytes"] = stop_host_bytes
@@ -133,11 +160,20 @@ def predict(evaluation: Evaluation, modes: Callable[[Any], Iterable] | None = No
     extra = hardware.overhead_bytes(result.peak_device_bytes)
     breakdown = dict(result.breakdown)
     breakdown["other"] = breakdown.get("other", 0) + extra
-    return Prediction(tensor_peak_bytes=result.peak_device_bytes, peak_device_bytes=result.peak_device_bytes + extra,
-                      breakdown=breakdown, host_bytes=result.peak_host_bytes, overhead_bytes=extra,
-                      peak_segment=result.peak_segment, traces=traces, elapsed_s=time.perf_counter() - started,
-                      extension=extension, stopped=result.stopped, stop_reason=result.stop_reason,
-                      reached_tensor_bytes=max([result.peak_device_bytes] + [t.peak_device_bytes for t in traces]))
+    return Prediction(
+        tensor_peak_bytes=result.peak_device_bytes,
+        peak_device_bytes=result.peak_device_bytes + extra,
+        breakdown=breakdown,
+        host_bytes=result.peak_host_bytes,
+        overhead_bytes=extra,
+        peak_segment=result.peak_segment,
+        traces=traces,
+        elapsed_s=time.perf_counter() - started,
+        extension=extension,
+        stopped=result.stopped,
+        stop_reason=result.stop_reason,
+        reached_tensor_bytes=max([result.peak_device_bytes] + [t.peak_device_bytes for t in traces]),
+    )
 
 
 def explain(evaluation: Evaluation, top: int = 12) -> str:
@@ -145,25 +181,34 @@ def explain(evaluation: Evaluation, top: int = 12) -> str:
     category, then, for the peak segment, the op at its peak and the largest tensors alive then (from the
     traced shallow copy: per-layer tensors are shown once, the full-depth sums are in the table)."""
     hardware = evaluation.hardware
-    result, traces, _ = _trace_to_full_depth(evaluation, compute_dtype=compute_dtype_for(hardware),
-                                             gpu_kernels=not hardware.device_is_host, explain=True)
+    result, traces, _ = _trace_to_full_depth(
+        evaluation, compute_dtype=compute_dtype_for(hardware), gpu_kernels=not hardware.device_is_host, explain=True
+    )
     first = traces[0]
     gib = 2.0**30
     lines = [f"{'segment':<40} {'GiB':>8}  " + " ".join(f"{c[:6]:>7}" for c in BREAKDOWN_CATEGORIES) + "   host"]
     for key, seg in result.segments.items():
         mark = " <- peak" if key == result.peak_segment else ""
-        lines.append(f"{str(key):<40} {seg.device_bytes / gib:8.2f}  "
-                     + " ".join(f"{seg.breakdown.get(c, 0) / gib:7.2f}" for c in BREAKDOWN_CATEGORIES)
-                     + f" {seg.host_bytes / gib:6.1f}{mark}")
+        lines.append(
+            f"{str(key):<40} {seg.device_bytes / gib:8.2f}  "
+            + " ".join(f"{seg.breakdown.get(c, 0) / gib:7.2f}" for c in BREAKDOWN_CATEGORIES)
+            + f" {seg.host_bytes / gib:6.1f}{mark}"
+        )
     extra = hardware.overhead_bytes(result.peak_device_bytes)
-    lines.append(f"tensor peak {result.peak_device_bytes / gib:.2f} GiB + runtime overheads {extra / gib:.2f} GiB "
-                 f"= {(result.peak_device_bytes + extra) / gib:.2f} GiB vs capacity "
-                 f"{hardware.device_memory_bytes / gib:.2f} GiB")
+    lines.append(
+        f"tensor peak {result.peak_device_bytes / gib:.2f} GiB + runtime overheads {extra / gib:.2f} GiB "
+        f"= {(result.peak_device_bytes + extra) / gib:.2f} GiB vs capacity "
+        f"{hardware.device_memory_bytes / gib:.2f} GiB"
+    )
     seg = first.segments.get(result.peak_segment)
     if seg is not None and seg.live:
-        lines.append(f"at the peak of {result.peak_segment} in the {first.layers}-layer trace, right after "
-                     f"{seg.at_op}, the largest live tensors:")
+        lines.append(
+            f"at the peak of {result.peak_segment} in the {first.layers}-layer trace, right after "
+            f"{seg.at_op}, the largest live tensors:"
+        )
         for entry in seg.live[:top]:
-            lines.append(f"  {entry['bytes'] / gib:8.3f} GiB {entry['category']:<12} {entry['dtype']:<9} "
-                         f"{str(list(entry['shape'])):<28} from {entry['op']} in {entry['made_in']}")
+            lines.append(
+                f"  {entry['bytes'] / gib:8.3f} GiB {entry['category']:<12} {entry['dtype']:<9} "
+                f"{str(list(entry['shape'])):<28} from {entry['op']} in {entry['made_in']}"
+            )
     return "\n".join(lines)

@@ -27,8 +27,9 @@ def plan_traces(runs: list[tuple[str, int]]) -> tuple[list[tuple[str, int]], lis
     return base, varied
 
 
-def extension_limits(base: Trace, layers_added: int, device_limit: int,
-                     host_limit: int | None) -> tuple[dict[tuple, int], int | None]:
+def extension_limits(
+    base: Trace, layers_added: int, device_limit: int, host_limit: int | None
+) -> tuple[dict[tuple, int], int | None]:
     """Limits for the one deeper copy of a model with a single cut run, above which its extension cannot fit:
     a segment whose running peak ``b`` in that copy passes ``a + (device_limit - a) // n`` (``a`` its peak in
     ``base``, ``n`` = ``layers_added``) extends to ``a + (b - a) * n > device_limit``, and so does the host.
@@ -40,8 +41,9 @@ def extension_limits(base: Trace, layers_added: int, device_limit: int,
     return segments, host
 
 
-def extrapolate(base: Trace, varied: list[tuple[int, Trace]], runs: list[tuple[str, int]],
-                partial: bool = False) -> Trace:
+def extrapolate(
+    base: Trace, varied: list[tuple[int, Trace]], runs: list[tuple[str, int]], partial: bool = False
+) -> Trace:
     """Extend the traces of ``plan_traces`` to the model of ``runs``: each segment's peak (and each category
     in it, and the host bytes then) is ``base + sum over cut runs of (trace_run - base) * (length - 3)``.
 
@@ -71,11 +73,19 @@ def extrapolate(base: Trace, varied: list[tuple[int, Trace]], runs: list[tuple[s
     host = base.peak_host_bytes + sum((t.peak_host_bytes - base.peak_host_bytes) * n for t, n in steps)
     host = max(host, max(s.host_bytes for s in segments.values()))
     traces = [base] + [t for _, t in varied]
-    return Trace(layers=sum(n for _, n in runs), peak_device_bytes=peak.device_bytes,
-                 breakdown=full_breakdown(peak.breakdown), peak_host_bytes=int(host), peak_segment=peak_key,
-                 segments=segments, elapsed_s=sum(t.elapsed_s for t in traces),
-                 extras=[e for t in traces for e in t.extras], runs=list(runs), stopped=partial,
-                 stop_reason=traces[-1].stop_reason if partial else None)
+    return Trace(
+        layers=sum(n for _, n in runs),
+        peak_device_bytes=peak.device_bytes,
+        breakdown=full_breakdown(peak.breakdown),
+        peak_host_bytes=int(host),
+        peak_segment=peak_key,
+        segments=segments,
+        elapsed_s=sum(t.elapsed_s for t in traces),
+        extras=[e for t in traces for e in t.extras],
+        runs=list(runs),
+        stopped=partial,
+        stop_reason=traces[-1].stop_reason if partial else None,
+    )
 
 
 def extend_value(base, others: list[tuple[Any, int]]):
@@ -91,14 +101,23 @@ def extend_value(base, others: list[tuple[Any, int]]):
     if isinstance(base, dict):
         keys = list(base) + [k for other, _ in others for k in other if k not in base]
         keys = list(dict.fromkeys(keys))
-        return {k: extend_value(base[k] if k in base else _zero_like(next(o[k] for o, _ in others if k in o)),
-                                [(o[k] if k in o else _zero_like(base[k]), n) for o, n in others]) for k in keys}
-    if isinstance(base, (list, tuple)) and all(isinstance(o, (list, tuple)) and len(o) == len(base)
-                                               for o, _ in others):
+        return {
+            k: extend_value(
+                base[k] if k in base else _zero_like(next(o[k] for o, _ in others if k in o)),
+                [(o[k] if k in o else _zero_like(base[k]), n) for o, n in others],
+            )
+            for k in keys
+        }
+    if isinstance(base, (list, tuple)) and all(isinstance(o, (list, tuple)) and len(o) == len(base) for o, _ in others):
         return type(base)(extend_value(v, [(o[i], n) for o, n in others]) for i, v in enumerate(base))
     if dataclasses.is_dataclass(base) and not isinstance(base, type):
-        return type(base)(**{f.name: extend_value(getattr(base, f.name), [(getattr(o, f.name), n) for o, n in others])
-                             for f in dataclasses.fields(base) if f.init})
+        return type(base)(
+            **{
+                f.name: extend_value(getattr(base, f.name), [(getattr(o, f.name), n) for o, n in others])
+                for f in dataclasses.fields(base)
+                if f.init
+            }
+        )
     return base if not others else others[-1][0]
 
 

@@ -24,8 +24,9 @@ def fake_process_group(world_size: int, needed: bool | None = None):
         yield
         return
     if dist.is_initialized():
-        raise RuntimeError("the memory oracle cannot run in a process that already has a process group; "
-                           "run it in a separate process")
+        raise RuntimeError(
+            "the memory oracle cannot run in a process that already has a process group; run it in a separate process"
+        )
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
@@ -51,8 +52,10 @@ def oracle_mode(gpu_kernels: bool):
                 # CUDA flash backward (torch's vendored FA2): fp32 dq accumulator + softmax_d while it runs
                 query = args[1]
                 b, h, s, d = query.shape
-                scratch = (torch.empty((b, s, h, d), dtype=torch.float32, device=query.device),
-                           torch.empty((b, h, s), dtype=torch.float32, device=query.device))
+                scratch = (
+                    torch.empty((b, s, h, d), dtype=torch.float32, device=query.device),
+                    torch.empty((b, h, s), dtype=torch.float32, device=query.device),
+                )
                 out = func(*args, **kwargs)
                 del scratch
                 return out
@@ -85,11 +88,15 @@ class FakeFlashAttn(torch.autograd.Function):
         b, s, h, d = q.shape
         _record_attention(q, k, v, backward=True)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        scratch = [torch.empty((b, s, h, d), dtype=torch.float32, device=q.device),
-                   torch.empty((b, h, s), dtype=torch.float32, device=q.device)]
+        scratch = [
+            torch.empty((b, s, h, d), dtype=torch.float32, device=q.device),
+            torch.empty((b, h, s), dtype=torch.float32, device=q.device),
+        ]
         if k.shape[2] != h:
-            scratch += [torch.empty((b, k.shape[1], h, d), dtype=k.dtype, device=k.device),
-                        torch.empty((b, v.shape[1], h, d), dtype=v.dtype, device=v.device)]
+            scratch += [
+                torch.empty((b, k.shape[1], h, d), dtype=k.dtype, device=k.device),
+                torch.empty((b, v.shape[1], h, d), dtype=v.dtype, device=v.device),
+            ]
             # summed down to the kv heads into dk/dv (an op while the scratch buffers are live)
             groups = h // k.shape[2]
             torch.sum(scratch[2].unflatten(2, (k.shape[2], groups)), 3, out=dk)
@@ -105,8 +112,10 @@ def check_flash_inputs(*tensors) -> None:
     config the real kernel would reject fails in the oracle too instead of getting a prediction."""
     dtypes = {t.dtype for t in tensors if t is not None}
     if len(dtypes) != 1 or not dtypes <= set(attention.FLASH_DTYPES):
-        raise RuntimeError(f"FlashAttention only supports fp16 and bf16 data type, all inputs alike; got "
-                           f"{', '.join(str(t.dtype) for t in tensors if t is not None)}")
+        raise RuntimeError(
+            f"FlashAttention only supports fp16 and bf16 data type, all inputs alike; got "
+            f"{', '.join(str(t.dtype) for t in tensors if t is not None)}"
+        )
 
 
 def _record_attention(q, k, v, backward: bool, causal: bool = True) -> None:
@@ -118,8 +127,19 @@ def _fake_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fal
     return FakeFlashAttn.apply(q, k, v)
 
 
-def _fake_wrapped_flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left=-1,
-                                     window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False):
+def _fake_wrapped_flash_attn_forward(
+    q,
+    k,
+    v,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left=-1,
+    window_size_right=-1,
+    softcap=0.0,
+    alibi_slopes=None,
+    return_softmax=False,
+):
     """flash-attn >= 2.7 ``_wrapped_flash_attn_forward``: (out, softmax_lse fp32 [b, h, s], S_dmask, rng_state)."""
     check_flash_inputs(q, k, v)
     b, s, h, d = q.shape
@@ -130,9 +150,26 @@ def _fake_wrapped_flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, 
     return out, lse, None, rng_state
 
 
-def _fake_wrapped_flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                                      window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
-                                      deterministic=False, rng_state=None):
+def _fake_wrapped_flash_attn_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left=-1,
+    window_size_right=-1,
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    rng_state=None,
+):
     """flash-attn's ``mha_bwd`` into dq/dk/dv, with its scratch (see ``FakeFlashAttn``); returns softmax_d."""
     check_flash_inputs(dout, q, k, v, out, dq, dk, dv)
     b, s, h, d = q.shape
@@ -141,8 +178,10 @@ def _fake_wrapped_flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, d
     scratch = [torch.empty((b, s, h, d), dtype=torch.float32, device=q.device)]
     if k.shape[2] != h:
         groups = h // k.shape[2]
-        scratch += [torch.empty((b, k.shape[1], h, d), dtype=k.dtype, device=k.device),
-                    torch.empty((b, v.shape[1], h, d), dtype=v.dtype, device=v.device)]
+        scratch += [
+            torch.empty((b, k.shape[1], h, d), dtype=k.dtype, device=k.device),
+            torch.empty((b, v.shape[1], h, d), dtype=v.dtype, device=v.device),
+        ]
         torch.sum(scratch[1].unflatten(2, (k.shape[2], groups)), 3, out=dk)
         torch.sum(scratch[2].unflatten(2, (v.shape[2], groups)), 3, out=dv)
     else:
@@ -156,5 +195,6 @@ def fake_flash_kernels(enabled: bool):
     (fake) cpu device, through its public hook (restored on exit)."""
     if not enabled:
         return contextlib.nullcontext()
-    return attention.flash_kernels(_fake_flash_attn_func, _fake_wrapped_flash_attn_forward,
-                                   _fake_wrapped_flash_attn_backward)
+    return attention.flash_kernels(
+        _fake_flash_attn_func, _fake_wrapped_flash_attn_forward, _fake_wrapped_flash_attn_backward
+    )

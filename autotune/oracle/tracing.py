@@ -28,12 +28,25 @@ def compute_dtype_for(hardware) -> torch.dtype:
     return torch.float32 if hardware.device_is_host else torch.bfloat16
 
 
-def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
-          compute_dtype: torch.dtype = torch.float32, gpu_kernels: bool = False, layers: int | None = None,
-          runs: list[tuple[str, int]] | None = None, modes: Callable[[Any], Iterable] | None = None,
-          prime_optimizer: bool = True, steps: int = 1, seed: int = 0, explain: bool = False,
-          stop_above_bytes: int | None = None, segment_limits: dict[tuple, int] | None = None,
-          host_limit: int | None = None) -> Trace:
+def trace(
+    model_config: dict,
+    techniques,
+    seq_len: int,
+    world_size: int,
+    *,
+    compute_dtype: torch.dtype = torch.float32,
+    gpu_kernels: bool = False,
+    layers: int | None = None,
+    runs: list[tuple[str, int]] | None = None,
+    modes: Callable[[Any], Iterable] | None = None,
+    prime_optimizer: bool = True,
+    steps: int = 1,
+    seed: int = 0,
+    explain: bool = False,
+    stop_above_bytes: int | None = None,
+    segment_limits: dict[tuple, int] | None = None,
+    host_limit: int | None = None,
+) -> Trace:
     """Run ``steps`` training steps of the trial under FakeTensorMode on rank 0 of a fake world and return
     the tracked peak.
 
@@ -51,7 +64,6 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
     as the current segment's live bytes, or the host bytes, go above their limit (``Limits``); they need
     ``stop_above_bytes``. The trace's ``stop_reason`` says which limit stopped it.
     """
-
 
     started = time.perf_counter()
     num_layers = model_config["num_hidden_layers"]
@@ -89,9 +101,15 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
             model = optimizer = batch = tokens = None
             extra_modes = []
             try:  # a stop may come while the model is built (it is whole on the device before sharding)
-                model, optimizer = build_training(config, techniques, mesh, seed, tracker,
-                                                  compute_dtype=compute_dtype,
-                                                  fused_optimizer=gpu_kernels and not techniques.optimizer_offload)
+                model, optimizer = build_training(
+                    config,
+                    techniques,
+                    mesh,
+                    seed,
+                    tracker,
+                    compute_dtype=compute_dtype,
+                    fused_optimizer=gpu_kernels and not techniques.optimizer_offload,
+                )
                 install_segment_hooks(model, tracker, peaks, runs)
                 tokens = torch.zeros(seq_len + 1, dtype=torch.long)
                 batch = make_batch(tokens, mesh.sp_rank, mesh.sp_degree, device)
@@ -102,8 +120,11 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
                 with contextlib.ExitStack() as stack:
                     # the step alone: flash stand-ins for its attention, FSDP's buffers labelled params
                     stack.enter_context(fake_flash_kernels(gpu_kernels and techniques.attention == "flash"))
-                    stack.enter_context(patches.fsdp_all_gather_buffers(
-                        lambda fsdp_param: tracker.retag(fsdp_param.all_gather_outputs, "params")))
+                    stack.enter_context(
+                        patches.fsdp_all_gather_buffers(
+                            lambda fsdp_param: tracker.retag(fsdp_param.all_gather_outputs, "params")
+                        )
+                    )
                     for mode in extra_modes:
                         stack.enter_context(mode)
                     for _ in range(steps):
@@ -120,10 +141,19 @@ def trace(model_config: dict, techniques, seq_len: int, world_size: int, *,
     segments = dict(peaks.segments)
     peak_key = max(segments, key=lambda k: segments[k].device_bytes) if segments else None
     peak = segments[peak_key] if peak_key else Segment(0, dict.fromkeys(BREAKDOWN_CATEGORIES, 0))
-    return Trace(layers=layers, peak_device_bytes=int(peak.device_bytes), breakdown=full_breakdown(peak.breakdown),
-                 peak_host_bytes=int(tracker.peak_host_bytes), peak_segment=peak_key, segments=segments,
-                 elapsed_s=time.perf_counter() - started, extras=[extras], runs=list(runs), stopped=stopped,
-                 stop_reason=((limits.reason if limits is not None else None) or "device") if stopped else None)
+    return Trace(
+        layers=layers,
+        peak_device_bytes=int(peak.device_bytes),
+        breakdown=full_breakdown(peak.breakdown),
+        peak_host_bytes=int(tracker.peak_host_bytes),
+        peak_segment=peak_key,
+        segments=segments,
+        elapsed_s=time.perf_counter() - started,
+        extras=[extras],
+        runs=list(runs),
+        stopped=stopped,
+        stop_reason=((limits.reason if limits is not None else None) or "device") if stopped else None,
+    )
 
 
 class Limits(TrackerListener):
@@ -143,6 +173,6 @@ class Limits(TrackerListener):
         limit = self.segment_limits.get(self.peaks.segment)
         if limit is not None and tracker.device_bytes > limit:
             self.reason = "device"
-            raise torch.OutOfMemoryError(f"{tracker.device_bytes:,} bytes live in segment {self.peaks.segment} "
-                                         f"> limit {limit:,}")
-
+            raise torch.OutOfMemoryError(
+                f"{tracker.device_bytes:,} bytes live in segment {self.peaks.segment} > limit {limit:,}"
+            )

@@ -42,22 +42,41 @@ def plot_pareto(rows: list[dict], front: list[dict], target: int, path: Path, ti
     for source, marker in (("measured", "o"), ("predicted", "s")):
         pts = [r for r in ok if r["source"] == source]
         if pts:
-            ax.scatter([r["seq_len"] for r in pts], [r["tokens_per_s"] for r in pts], marker=marker, alpha=0.3,
-                       color="tab:blue", label=f"{source} (fits)")
-    for statuses, color, label in ((("oom",), "tab:red", "out of memory"),
-                                   (("error", "timeout"), "grey", "failed (error / timeout)")):
+            ax.scatter(
+                [r["seq_len"] for r in pts],
+                [r["tokens_per_s"] for r in pts],
+                marker=marker,
+                alpha=0.3,
+                color="tab:blue",
+                label=f"{source} (fits)",
+            )
+    for statuses, color, label in (
+        (("oom",), "tab:red", "out of memory"),
+        (("error", "timeout"), "grey", "failed (error / timeout)"),
+    ):
         for source, marker in (("measured", "v"), ("predicted", "x")):  # a real OOM vs one never launched
             pts = [r for r in rows if r["status"] in statuses and r.get("source", "predicted") == source]
             if pts:
-                ax.scatter([r["seq_len"] for r in pts], [floor] * len(pts), marker=marker, color=color, alpha=0.5,
-                           label=f"{label}, {source}")
+                ax.scatter(
+                    [r["seq_len"] for r in pts],
+                    [floor] * len(pts),
+                    marker=marker,
+                    color=color,
+                    alpha=0.5,
+                    label=f"{label}, {source}",
+                )
     if front:
         xs = [f["seq_len"] for f in front]
         ys = [f["tokens_per_s"] for f in front]
         ax.plot(xs, ys, "-o", color="tab:red", label="Pareto front", zorder=3)
         for f in front:
-            ax.annotate(knob_label(f["techniques"]), (f["seq_len"], f["tokens_per_s"]), fontsize=7,
-                        textcoords="offset points", xytext=(4, 4))
+            ax.annotate(
+                knob_label(f["techniques"]),
+                (f["seq_len"], f["tokens_per_s"]),
+                fontsize=7,
+                textcoords="offset points",
+                xytext=(4, 4),
+            )
     ax.axvline(target, color="tab:green", linestyle="--", label=f"target {target:,}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequence length (tokens)")
@@ -67,8 +86,10 @@ def plot_pareto(rows: list[dict], front: list[dict], target: int, path: Path, ti
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     fig.savefig(path)
-    drawn = {"points": sum(len(c.get_offsets()) for c in ax.collections),
-             "front": sum(len(line.get_xdata()) for line in ax.lines if line.get_label() == "Pareto front")}
+    drawn = {
+        "points": sum(len(c.get_offsets()) for c in ax.collections),
+        "front": sum(len(line.get_xdata()) for line in ax.lines if line.get_label() == "Pareto front"),
+    }
     plt.close(fig)
     return drawn
 
@@ -88,8 +109,14 @@ def write_pareto_html(study, path: Path) -> bool:
     return True
 
 
-_COLORS = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green", "activations": "tab:red",
-           "temporaries": "tab:purple", "other": "tab:gray"}
+_COLORS = {
+    "params": "tab:blue",
+    "grads": "tab:orange",
+    "optimizer": "tab:green",
+    "activations": "tab:red",
+    "temporaries": "tab:purple",
+    "other": "tab:gray",
+}
 
 
 def plot_memory(records, capacity: int, path, labels: list[str] | None = None, title: str = "") -> int:
@@ -110,12 +137,20 @@ def plot_memory(records, capacity: int, path, labels: list[str] | None = None, t
         note = f"{total:.1f} GiB"
         if row.get("host_bytes"):
             note += f"\nhost {row['host_bytes'] / gib:.1f}"
-        ax.annotate(note, (index, max(total, bottoms[index])), ha="center", va="bottom", fontsize=7,
-                    textcoords="offset points", xytext=(0, 3))
+        ax.annotate(
+            note,
+            (index, max(total, bottoms[index])),
+            ha="center",
+            va="bottom",
+            fontsize=7,
+            textcoords="offset points",
+            xytext=(0, 3),
+        )
     ax.axhline(capacity / gib, color="black", linestyle="--", label=f"capacity {capacity / gib:.0f} GiB")
     ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels(names, rotation=20 if len(rows) > 3 else 0, ha="right" if len(rows) > 3 else "center",
-                       fontsize=8)
+    ax.set_xticklabels(
+        names, rotation=20 if len(rows) > 3 else 0, ha="right" if len(rows) > 3 else "center", fontsize=8
+    )
     ax.set_ylabel("peak device memory per rank (GiB)")
     ax.set_title(title or "predicted peak device memory by category")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))

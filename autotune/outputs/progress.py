@@ -15,9 +15,16 @@ class SearchProgress:
         self.job, self.console, self.enabled = job, console, enabled
         self.counts = {"ok": 0, "oom": 0, "error": 0, "timeout": 0, "skipped": 0}
         self.best: tuple[int, float] | None = None
-        self._progress = Progress(TextColumn("[bold]trials"), BarColumn(), MofNCompleteColumn(),
-                                  TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
-                                  disable=not enabled, transient=False)
+        self._progress = Progress(
+            TextColumn("[bold]trials"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.description}"),
+            TimeElapsedColumn(),
+            console=console,
+            disable=not enabled,
+            transient=False,
+        )
         self._task = None
 
     def __enter__(self):
@@ -30,10 +37,15 @@ class SearchProgress:
 
     def _describe(self) -> str:
         c = self.counts
-        best = (f"best >= target: {format_tokens(self.best[0])} at {self.best[1]:,.0f} tok/s"
-                if self.best else "no config reaches the target yet")
-        return (f"ok {c['ok']}  oom {c['oom']}  failed {c['error'] + c['timeout']}  "
-                f"answered without running {c['skipped']} | {best}")
+        best = (
+            f"best >= target: {format_tokens(self.best[0])} at {self.best[1]:,.0f} tok/s"
+            if self.best
+            else "no config reaches the target yet"
+        )
+        return (
+            f"ok {c['ok']}  oom {c['oom']}  failed {c['error'] + c['timeout']}  "
+            f"answered without running {c['skipped']} | {best}"
+        )
 
     def on_record(self, number: int, techniques, record, answered_by) -> None:
         self.counts[record.status] = self.counts.get(record.status, 0) + 1
@@ -48,5 +60,9 @@ class SearchProgress:
             # an OOM plan record may carry the rate it would have had: only a config that fits has a rate
             rate = f"{record.tokens_per_s:,.0f} tok/s" if record.status == "ok" and record.tokens_per_s else "-"
             peak = f"{record.peak_device_bytes / 2**30:.1f} GiB" if record.peak_device_bytes else "-"
-            self.console.print(f"trial {number}: {record.seq_len:,} tokens {record.status} {rate} peak {peak} "
-                               f"({answered_by or record.source})", markup=False, highlight=False)
+            self.console.print(
+                f"trial {number}: {record.seq_len:,} tokens {record.status} {rate} peak {peak} "
+                f"({answered_by or record.source})",
+                markup=False,
+                highlight=False,
+            )

@@ -48,12 +48,19 @@ KNOBS = knob_names()
 # The result record's columns, in order: (field, arrow type, on the measured side too). ``breakdown`` expands to
 # one column per category. The measured side is ``measured_<field>`` (``measured_layers`` keeps its name).
 _RECORD_COLUMNS = (
-    ("seq_len", pa.int64(), False), ("status", pa.string(), True), ("source", pa.string(), False),
-    ("tokens_per_s", pa.float64(), True), ("step_time_s", pa.float64(), True),
-    ("peak_device_bytes", pa.int64(), True), ("peak_allocated_bytes", pa.int64(), True),
-    ("peak_reserved_bytes", pa.int64(), True), ("host_bytes", pa.int64(), True),
+    ("seq_len", pa.int64(), False),
+    ("status", pa.string(), True),
+    ("source", pa.string(), False),
+    ("tokens_per_s", pa.float64(), True),
+    ("step_time_s", pa.float64(), True),
+    ("peak_device_bytes", pa.int64(), True),
+    ("peak_allocated_bytes", pa.int64(), True),
+    ("peak_reserved_bytes", pa.int64(), True),
+    ("host_bytes", pa.int64(), True),
     ("breakdown", pa.int64(), True),
-    ("loss", pa.float64(), True), ("grad_norm", pa.float64(), True), ("device", pa.string(), True),
+    ("loss", pa.float64(), True),
+    ("grad_norm", pa.float64(), True),
+    ("device", pa.string(), True),
     ("error", pa.string(), True),
 )
 _OWN_ONLY = (("reduced_layers", "measured_layers", pa.int64()),)  # (column, record field): a reduced local trial
@@ -95,7 +102,9 @@ _SCHEMA = pa.schema(
 def _row(point: Point) -> dict:
     trial = point.trial
     row = {"trial": trial.number, "answered_by": trial.user_attrs.get("answered_by")}
-    row.update({k: trial.user_attrs["techniques"].get(k, getattr(BASELINE, k)) for k in KNOBS})  # older studies lack new knobs
+    row.update(
+        {k: trial.user_attrs["techniques"].get(k, getattr(BASELINE, k)) for k in KNOBS}
+    )  # older studies lack new knobs
     row.update({name: value for name, _, value in _record_columns(point.own, "", False)})
     row.update({name: value for name, _, value in _measured_columns(point.measured)})
     return row
@@ -116,8 +125,14 @@ def plot_rows(rows: list[dict]) -> list[dict]:
         if key in seen:
             continue
         seen.add(key)
-        drawn.append({**row, "source": "measured", "status": row["measured_status"],
-                      "tokens_per_s": row["measured_tokens_per_s"]})
+        drawn.append(
+            {
+                **row,
+                "source": "measured",
+                "status": row["measured_status"],
+                "tokens_per_s": row["measured_tokens_per_s"],
+            }
+        )
     return drawn
 
 
@@ -141,9 +156,18 @@ def front_entries(study) -> list[dict]:
     entries = []
     for p in front_points(study):
         predicted, measured = _sides(p)
-        entries.append({"trial": p.number, "seq_len": int(p.values[0]), "tokens_per_s": p.values[1],
-                        "techniques": p.techniques, "record": p.record, "predicted": predicted,
-                        "measured": measured, "measured_depth": p.measured["depth"] if p.measured else None})
+        entries.append(
+            {
+                "trial": p.number,
+                "seq_len": int(p.values[0]),
+                "tokens_per_s": p.values[1],
+                "techniques": p.techniques,
+                "record": p.record,
+                "predicted": predicted,
+                "measured": measured,
+                "measured_depth": p.measured["depth"] if p.measured else None,
+            }
+        )
     return entries
 
 
@@ -152,8 +176,14 @@ JOB_ATTR = "search_job"
 
 def job_attr(job: search.SearchJob) -> dict:
     """What ``autotune verify`` needs of a search job, as JSON (the study's user attribute ``search_job``)."""
-    return {"model": job.model, "model_config": job.model_config, "target": job.target, "gpus": job.gpus,
-            "nodes": job.nodes, "hardware": dataclasses.asdict(job.hardware)}
+    return {
+        "model": job.model,
+        "model_config": job.model_config,
+        "target": job.target,
+        "gpus": job.gpus,
+        "nodes": job.nodes,
+        "hardware": dataclasses.asdict(job.hardware),
+    }
 
 
 def hardware_from_attr(data: dict) -> Hardware:
@@ -173,29 +203,52 @@ def write_outputs(job: search.SearchJob, study) -> dict:
     rows = trial_rows(study)
     pq.write_table(pa.Table.from_pylist(rows, schema=_SCHEMA), out / "trials.parquet")
     front = front_entries(study)
-    (out / "pareto.json").write_text(json.dumps(
-        {"schema": FRONT_SCHEMA, "model": job.model, "hardware": job.hardware.name, "gpus": job.gpus,
-         "nodes": job.nodes, "target": job.target,
-         "capacity_bytes": job.hardware.device_memory_bytes, "front": front}, indent=2) + "\n")
-    plot_pareto(plot_rows(rows), front, job.target, out / "pareto.png",
-                title=f"{job.model} on {_where(job)}")
+    (out / "pareto.json").write_text(
+        json.dumps(
+            {
+                "schema": FRONT_SCHEMA,
+                "model": job.model,
+                "hardware": job.hardware.name,
+                "gpus": job.gpus,
+                "nodes": job.nodes,
+                "target": job.target,
+                "capacity_bytes": job.hardware.device_memory_bytes,
+                "front": front,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    plot_pareto(plot_rows(rows), front, job.target, out / "pareto.png", title=f"{job.model} on {_where(job)}")
     write_pareto_html(study, out / "pareto.html")
-    plot_front_memory(front, job.hardware.device_memory_bytes, out / "memory.png",
-                      title=f"memory per rank of the front, {job.model} on {_where(job)}")
+    plot_front_memory(
+        front,
+        job.hardware.device_memory_bytes,
+        out / "memory.png",
+        title=f"memory per rank of the front, {job.model} on {_where(job)}",
+    )
     best = best_point(study, job.target)
     summary = {"rows": len(rows), "front": front, "best": None, "message": None}
     best_path = out / "best.json"
     if best is None:
         longest = max((f["seq_len"] for f in front), default=0)
-        summary["message"] = (f"no config reached the target {job.target:,} tokens; the longest that fits is "
-                              f"{longest:,} tokens; {search.what_bound(study)}")
+        summary["message"] = (
+            f"no config reached the target {job.target:,} tokens; the longest that fits is "
+            f"{longest:,} tokens; {search.what_bound(study)}"
+        )
         if best_path.exists():  # a stale best from another target must not survive
             best_path.unlink()
         return summary
     predicted, measured = _sides(best)
     config = TrialConfig(
-        model=job.model, hardware=job.hardware.name, gpus=job.gpus, nodes=job.nodes, seq_len=int(best.values[0]),
-        techniques=_techniques(best.techniques), predicted=predicted, measured=measured,
+        model=job.model,
+        hardware=job.hardware.name,
+        gpus=job.gpus,
+        nodes=job.nodes,
+        seq_len=int(best.values[0]),
+        techniques=_techniques(best.techniques),
+        predicted=predicted,
+        measured=measured,
     )
     config.write(best_path)
     summary["best"] = config.to_dict()
@@ -203,7 +256,7 @@ def write_outputs(job: search.SearchJob, study) -> dict:
 
 
 def _where(job) -> str:
-    """"8x h100-sxm", or "2 nodes x 8x h100-sxm"."""
+    """ "8x h100-sxm", or "2 nodes x 8x h100-sxm"."""
     return (f"{job.nodes} nodes x " if job.nodes > 1 else "") + f"{job.gpus}x {job.hardware.name}"
 
 
@@ -212,8 +265,13 @@ def plot_front_memory(front: list[dict], capacity_bytes: int, path: Path, title:
     the number of bars drawn."""
     if not front:
         return 0
-    return plot_memory([f["record"] for f in front], capacity_bytes, path, title=title,
-                       labels=[f"{f['seq_len']:,}\n{knob_label(f['techniques'])}" for f in front])
+    return plot_memory(
+        [f["record"] for f in front],
+        capacity_bytes,
+        path,
+        title=title,
+        labels=[f"{f['seq_len']:,}\n{knob_label(f['techniques'])}" for f in front],
+    )
 
 
 def _techniques(values: dict) -> Techniques:

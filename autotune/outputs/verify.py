@@ -66,8 +66,10 @@ def open_folder(directory: Path, storage: str | None = None, study_name: str | N
         raise UserError(f"{str(directory)!r} is not a folder: give the --out folder of a search")
     load_front(directory)  # a search output folder has a pareto.json (one clear line when not)
     if storage is None and not (directory / "study.db").is_file():
-        raise UserError(f"{str(directory)!r} has no study.db: the study lives in the search's --storage; "
-                        f"pass the same --storage (and --study)")
+        raise UserError(
+            f"{str(directory)!r} has no study.db: the study lives in the search's --storage; "
+            f"pass the same --storage (and --study)"
+        )
     opened = open_storage(storage, directory)
     try:
         names = optuna.get_all_study_names(storage=opened)
@@ -75,23 +77,38 @@ def open_folder(directory: Path, storage: str | None = None, study_name: str | N
         raise UserError(f"cannot read the study of {str(directory)!r}: {str(exc).splitlines()[0]}") from None
     if study_name is None:
         if len(names) != 1:
-            raise UserError(f"{len(names)} studies in the storage of {str(directory)!r}: pick one with --study "
-                            f"({', '.join(names) or 'none'})")
+            raise UserError(
+                f"{len(names)} studies in the storage of {str(directory)!r}: pick one with --study "
+                f"({', '.join(names) or 'none'})"
+            )
         study_name = names[0]
     elif study_name not in names:
-        raise UserError(f"no study {study_name!r} in the storage of {str(directory)!r} "
-                        f"(it holds {', '.join(names) or 'none'})")
+        raise UserError(
+            f"no study {study_name!r} in the storage of {str(directory)!r} (it holds {', '.join(names) or 'none'})"
+        )
     study = optuna.load_study(study_name=study_name, storage=opened)
     data = study.user_attrs.get(report.JOB_ATTR)
     if not isinstance(data, dict):
-        raise UserError(f"{str(directory)!r} was written by an older autotune (its study does not record the search "
-                        f"job): run the same search command once more to refresh its outputs, then verify")
+        raise UserError(
+            f"{str(directory)!r} was written by an older autotune (its study does not record the search "
+            f"job): run the same search command once more to refresh its outputs, then verify"
+        )
     try:
         hardware = report.hardware_from_attr(data["hardware"])
-        job = SearchJob(model=data["model"], model_config=data["model_config"], target=int(data["target"]),
-                        gpus=int(data["gpus"]), hardware=hardware, space=None, backend=None, out=directory,
-                        trials=len(study.trials), storage=storage, study_name=study_name,
-                        nodes=int(data.get("nodes", 1)))
+        job = SearchJob(
+            model=data["model"],
+            model_config=data["model_config"],
+            target=int(data["target"]),
+            gpus=int(data["gpus"]),
+            hardware=hardware,
+            space=None,
+            backend=None,
+            out=directory,
+            trials=len(study.trials),
+            storage=storage,
+            study_name=study_name,
+            nodes=int(data.get("nodes", 1)),
+        )
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"the search job stored in {str(directory)!r} is unreadable ({exc!r})") from None
     return Folder(directory, study, job)
@@ -144,8 +161,9 @@ def select(folder: Folder, top: int | None) -> list[Point]:
     the current best for the target when it is not among them."""
     if top is not None and top < 1:
         raise UserError(f"--top must be at least 1, got {top}")
-    front = sorted(front_points(folder.study, verified=False), key=lambda p: (-(p.own.get("tokens_per_s") or 0.0),
-                                                                             p.number))
+    front = sorted(
+        front_points(folder.study, verified=False), key=lambda p: (-(p.own.get("tokens_per_s") or 0.0), p.number)
+    )
     chosen = front[:top] if top is not None else front
     best = best_point(folder.study, folder.job.target)
     keys = {_key(p) for p in chosen}
@@ -158,12 +176,16 @@ def check_node(folder: Folder, chosen: list[Point]) -> None:
     """What the real trials need of this node before any starts: enough visible GPUs, flash-attn where used."""
     gpus, visible = folder.job.gpus, visible_devices()
     if visible and gpus > visible:
-        raise UserError(f"the search is for {gpus} GPUs but this node shows {visible} CUDA device(s) "
-                        f"(CUDA_VISIBLE_DEVICES limits them)")
+        raise UserError(
+            f"the search is for {gpus} GPUs but this node shows {visible} CUDA device(s) "
+            f"(CUDA_VISIBLE_DEVICES limits them)"
+        )
     flash = [p for p in chosen if _flash_problem(p)]
     if flash:
-        raise UserError(f"trial(s) {', '.join(str(p.number) for p in flash)} use attention 'flash', which cannot run "
-                        f"here: {_flash_problem(flash[0])}")
+        raise UserError(
+            f"trial(s) {', '.join(str(p.number) for p in flash)} use attention 'flash', which cannot run "
+            f"here: {_flash_problem(flash[0])}"
+        )
 
 
 def _flash_problem(point: Point) -> str | None:
@@ -202,10 +224,19 @@ class Outcome:
         return a / b if a and b else None
 
     def to_dict(self) -> dict:
-        return {"trial": self.trial, "seq_len": self.seq_len, "config": knob_label(self.techniques),
-                "techniques": self.techniques, "why": self.why, "depth": self.depth, "ran": self.ran,
-                "predicted": self.predicted, "measured": self.measured,
-                "tokens_per_s_ratio": self.ratio("tokens_per_s"), "peak_ratio": self.ratio("peak_device_bytes")}
+        return {
+            "trial": self.trial,
+            "seq_len": self.seq_len,
+            "config": knob_label(self.techniques),
+            "techniques": self.techniques,
+            "why": self.why,
+            "depth": self.depth,
+            "ran": self.ran,
+            "predicted": self.predicted,
+            "measured": self.measured,
+            "tokens_per_s_ratio": self.ratio("tokens_per_s"),
+            "peak_ratio": self.ratio("peak_device_bytes"),
+        }
 
 
 @dataclass
@@ -241,18 +272,34 @@ def _current(folder: Folder, key: str) -> Point:
 def measure(folder: Folder, point: Point, backend: Backend, hardware: Hardware, depth: str) -> ResultRecord:
     """One real trial of ``point``'s config on this node (``hardware``), stored in the study as it ends."""
     techniques = Techniques.from_dict(point.techniques, folder.job.model_config["num_hidden_layers"])
-    evaluation = Evaluation(folder.job.model_config, techniques, int(point.own["seq_len"]), folder.job.gpus, hardware,
-                            folder.job.nodes)
+    evaluation = Evaluation(
+        folder.job.model_config, techniques, int(point.own["seq_len"]), folder.job.gpus, hardware, folder.job.nodes
+    )
     record = backend.evaluate(evaluation)
-    folder.study.set_user_attr(measured_attr(point.number), {
-        "trial": point.number, "techniques": point.techniques, "seq_len": int(point.own["seq_len"]), "depth": depth,
-        "record": record.to_dict(), "at": datetime.datetime.now().isoformat(timespec="seconds")})
+    folder.study.set_user_attr(
+        measured_attr(point.number),
+        {
+            "trial": point.number,
+            "techniques": point.techniques,
+            "seq_len": int(point.own["seq_len"]),
+            "depth": depth,
+            "record": record.to_dict(),
+            "at": datetime.datetime.now().isoformat(timespec="seconds"),
+        },
+    )
     return record
 
 
-def verify(folder: Folder, chosen: list[Point], backend: Backend, hardware: Hardware, depth: str = "full",
-           force: bool = False, on_outcome: Callable[[Outcome, int, int | None], None] | None = None,
-           interruptible: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> Verification:
+def verify(
+    folder: Folder,
+    chosen: list[Point],
+    backend: Backend,
+    hardware: Hardware,
+    depth: str = "full",
+    force: bool = False,
+    on_outcome: Callable[[Outcome, int, int | None], None] | None = None,
+    interruptible: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> Verification:
     """Measure ``chosen`` (``select``) on this node, then the best config until it is measured; rewrite the
     folder's outputs. ``on_outcome(outcome, index, total)`` as each config is done (``total`` None for the best
     config followed after the chosen ones). Ctrl-C / SIGTERM (as KeyboardInterrupt) stops after saving what was
@@ -294,8 +341,10 @@ def _measure_chosen(folder, chosen, backend, hardware, depth, force, on_outcome,
             result.notes.append(f"the best config now (trial {best.number}) was not verified: a trial failed")
             break
         if _flash_problem(best):
-            result.notes.append(f"the best config now (trial {best.number}) was not verified: attention 'flash' "
-                                f"cannot run here ({_flash_problem(best)})")
+            result.notes.append(
+                f"the best config now (trial {best.number}) was not verified: attention 'flash' "
+                f"cannot run here ({_flash_problem(best)})"
+            )
             break
         queue.append((best, "best"))
 
@@ -319,10 +368,12 @@ def progress_line(outcome: Outcome, index: int, total: int | None) -> str:
     p, m = outcome.predicted, outcome.measured or {}
     where = f"[{index}/{total}]" if total else f"[{index}] the best config now:"
     how = "" if outcome.ran else f" (already measured, {outcome.depth} depth)"
-    line = (f"{where} {outcome.label}{how}: {p.get('status')} -> {m.get('status', '-')}, "
-            f"peak {_gib(p.get('peak_device_bytes'))} -> {_gib(m.get('peak_device_bytes'))} GiB, "
-            f"host {_gib(p.get('host_bytes'))} -> {_gib(m.get('host_bytes'))} GiB, "
-            f"tokens/s {_rate(p)} -> {_rate(m)} (x{_ratio(outcome.ratio('tokens_per_s'))})")
+    line = (
+        f"{where} {outcome.label}{how}: {p.get('status')} -> {m.get('status', '-')}, "
+        f"peak {_gib(p.get('peak_device_bytes'))} -> {_gib(m.get('peak_device_bytes'))} GiB, "
+        f"host {_gib(p.get('host_bytes'))} -> {_gib(m.get('host_bytes'))} GiB, "
+        f"tokens/s {_rate(p)} -> {_rate(m)} (x{_ratio(outcome.ratio('tokens_per_s'))})"
+    )
     if outcome.failed:
         line += f"\n    {(m.get('error') or '').strip().splitlines()[0] if m.get('error') else 'no cause recorded'}"
     return line
@@ -336,18 +387,34 @@ def table_rows(result: Verification) -> list[tuple[str, ...]]:
     rows = []
     for o in result.outcomes:
         p, m = o.predicted, o.measured or {}
-        rows.append((str(o.trial), format_tokens(o.seq_len), knob_label(o.techniques),
-                     f"{p.get('status')} / {m.get('status', '-')}",
-                     f"{_gib(p.get('peak_device_bytes'))} / {_gib(m.get('peak_device_bytes'))}",
-                     f"{_gib(p.get('host_bytes'))} / {_gib(m.get('host_bytes'))}",
-                     f"{_rate(p)} / {_rate(m)}", _ratio(o.ratio("tokens_per_s"))))
+        rows.append(
+            (
+                str(o.trial),
+                format_tokens(o.seq_len),
+                knob_label(o.techniques),
+                f"{p.get('status')} / {m.get('status', '-')}",
+                f"{_gib(p.get('peak_device_bytes'))} / {_gib(m.get('peak_device_bytes'))}",
+                f"{_gib(p.get('host_bytes'))} / {_gib(m.get('host_bytes'))}",
+                f"{_rate(p)} / {_rate(m)}",
+                _ratio(o.ratio("tokens_per_s")),
+            )
+        )
     return rows
 
 
 def to_json(folder: Folder, result: Verification, depth: str, hardware: Hardware) -> dict:
     summary = result.summary or {}
-    return {"dir": str(folder.directory), "depth": depth, "node": hardware.name, "gpus": folder.job.gpus,
-            "nodes": folder.job.nodes,
-            "capacity_bytes": hardware.device_memory_bytes, "verified": [o.to_dict() for o in result.outcomes],
-            "failed": [o.trial for o in result.failed], "best": summary.get("best"),
-            "message": summary.get("message"), "notes": result.notes, "interrupted": result.interrupted}
+    return {
+        "dir": str(folder.directory),
+        "depth": depth,
+        "node": hardware.name,
+        "gpus": folder.job.gpus,
+        "nodes": folder.job.nodes,
+        "capacity_bytes": hardware.device_memory_bytes,
+        "verified": [o.to_dict() for o in result.outcomes],
+        "failed": [o.trial for o in result.failed],
+        "best": summary.get("best"),
+        "message": summary.get("message"),
+        "notes": result.notes,
+        "interrupted": result.interrupted,
+    }

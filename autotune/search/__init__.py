@@ -36,6 +36,22 @@ from autotune.search.objective import constraint_value, make_objective, open_stu
 from autotune.search.policy import follow_ups, infer_record, seed_params
 from autotune.search.study import FINISHED, create_study, open_storage, reap_dead_trials, study_name_for
 
-__all__ = ["FINISHED", "SearchJob", "best_for_target", "constraint_value", "create_study", "finished_trials",
-           "follow_ups", "infer_record", "make_objective", "open_storage", "open_study", "pareto_front",
-           "reap_dead_trials", "run", "seed_params", "study_name_for", "what_bound"]
+__all__ = [
+    "FINISHED",
+    "SearchJob",
+    "best_for_target",
+    "constraint_value",
+    "create_study",
+    "finished_trials",
+    "follow_ups",
+    "infer_record",
+    "make_objective",
+    "open_storage",
+    "open_study",
+    "pareto_front",
+    "reap_dead_trials",
+    "run",
+    "seed_params",
+    "study_name_for",
+    "what_bound",
+]

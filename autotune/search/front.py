@@ -51,9 +51,9 @@ class Point:
     """A finished trial with its current record: ``measured`` (a stored measurement) where there is one."""
 
     trial: optuna.trial.FrozenTrial
-    record: dict            # the current record: the measurement's, else the trial's own
-    own: dict               # the trial's own record (what the search got: predicted or measured)
-    measured: dict | None   # the stored measurement ({"depth", "record", ...}) of this config, or None
+    record: dict  # the current record: the measurement's, else the trial's own
+    own: dict  # the trial's own record (what the search got: predicted or measured)
+    measured: dict | None  # the stored measurement ({"depth", "record", ...}) of this config, or None
 
     @property
     def values(self) -> tuple[float, float]:
@@ -123,5 +123,7 @@ def what_bound(study: optuna.Study) -> str:
     shortest = min(ooms, key=lambda p: p.record["seq_len"])
     breakdown = shortest.record["breakdown"]
     category = max(breakdown, key=breakdown.get)
-    return (f"the shortest OOM ({shortest.record['seq_len']:,} tokens, trial {shortest.number}) was dominated by "
-            f"{category} ({breakdown[category] / 2**30:.1f} GiB)")
+    return (
+        f"the shortest OOM ({shortest.record['seq_len']:,} tokens, trial {shortest.number}) was dominated by "
+        f"{category} ({breakdown[category] / 2**30:.1f} GiB)"
+    )

@@ -14,8 +14,9 @@ from autotune.core.record import ResultRecord
 from trials.rules import length_unit
 
 
-def find_max_seq(evaluation: Evaluation, backend: Backend | None = None, max_tokens: int = 1024**3,
-                 progress: Callable | None = None) -> ResultRecord:
+def find_max_seq(
+    evaluation: Evaluation, backend: Backend | None = None, max_tokens: int = 1024**3, progress: Callable | None = None
+) -> ResultRecord:
     """The longest sequence that fits ``evaluation``'s config (its ``seq_len``, if > 0, is the first guess):
     the record (``ResultRecord``) at that length, status ``ok``; or, when not even one grid step fits, the
     ``oom`` (or ``error``) record of the shortest length.

@@ -46,8 +46,11 @@ def make_objective(job: SearchJob, study: optuna.Study, on_record: Callable | No
         trial.set_user_attr("worker", WORKER)  # first: a trial this worker leaves RUNNING when killed is reaped
         # several workers share one study: the trial is surplus if the study already holds ``job.trials``
         # trials created before it (finished or still running), so together they run exactly that many
-        ahead = sum(1 for t in study.get_trials(deepcopy=False, states=(*FINISHED, TrialState.RUNNING))
-                    if t.number < trial.number)
+        ahead = sum(
+            1
+            for t in study.get_trials(deepcopy=False, states=(*FINISHED, TrialState.RUNNING))
+            if t.number < trial.number
+        )
         if ahead >= job.trials:
             study.stop()
             requeue_surplus(study, trial)  # a seed or follow-up it was handed stays queued, not lost
@@ -96,8 +99,9 @@ def run(job: SearchJob, on_record: Callable | None = None, study: optuna.Study |
         timeout = None if deadline is None else deadline - time.monotonic()
         if remaining and (timeout is None or timeout > 0):
             with plan_workers(job, study):  # plan records from every core, the study unchanged (parallel.py)
-                study.optimize(make_objective(job, study, on_record), n_trials=remaining, timeout=timeout,
-                               catch=(SurplusTrial,))
+                study.optimize(
+                    make_objective(job, study, on_record), n_trials=remaining, timeout=timeout, catch=(SurplusTrial,)
+                )
         wait_for_others(study, job.trials)  # other workers' last trials: the outputs written next hold them too
         # a dead worker's trial the wait failed (one killed before it was marked as its worker's is only found
         # then) was queued again, and while RUNNING it counted against the budget: evaluate the study's rest now

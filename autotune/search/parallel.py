@@ -74,6 +74,7 @@ def upcoming(job: SearchJob, study: optuna.Study, current: Evaluation) -> tuple[
         degree = evaluation.techniques.ulysses_degree
         longer = [s for s in job.space.seq_lens if s > evaluation.seq_len and s % degree == 0]
         if longer and infer_record(study, evaluation.techniques, longer[0]) is None:
-            likely.append(Evaluation(job.model_config, evaluation.techniques, longer[0], job.gpus, job.hardware,
-                                     job.nodes))
+            likely.append(
+                Evaluation(job.model_config, evaluation.techniques, longer[0], job.gpus, job.hardware, job.nodes)
+            )
     return wanted, likely

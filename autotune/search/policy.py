@@ -35,8 +35,11 @@ def seed_params(job: SearchJob) -> list[dict]:
     base["seq_len"], alst["seq_len"] = space.seq_lens[0], target_len
     # the plain model at the shortest length keeps the front non-empty; at the longest it finds the wall
     # without techniques (cheap: an OOM aborts at the allocation that crosses capacity, or is predicted)
-    seeds = [_only_valid(base, choices), _only_valid(alst, choices),
-             _only_valid({**base, "seq_len": space.seq_lens[-1]}, choices)]
+    seeds = [
+        _only_valid(base, choices),
+        _only_valid(alst, choices),
+        _only_valid({**base, "seq_len": space.seq_lens[-1]}, choices),
+    ]
     values = {**alst, "ulysses_degree": degree}
     for knob in knobs():
         if knob.split_by is None:
@@ -68,9 +71,12 @@ def infer_record(study: optuna.Study, techniques: Techniques, seq_len: int) -> t
         if record.seq_len == seq_len and record.status in ("ok", "oom"):
             return record, "cache"
         if record.status == "oom" and record.seq_len <= seq_len:
-            inferred = ResultRecord(status="oom", source=record.source, seq_len=seq_len,
-                                    error=f"inferred: the same config is out of memory at {record.seq_len:,} "
-                                          f"tokens (trial {past.number})")
+            inferred = ResultRecord(
+                status="oom",
+                source=record.source,
+                seq_len=seq_len,
+                error=f"inferred: the same config is out of memory at {record.seq_len:,} tokens (trial {past.number})",
+            )
             return inferred, "monotone"
     return None
 
@@ -142,8 +148,9 @@ def _crossing(a: tuple[int, ResultRecord], b: tuple[int, ResultRecord], hardware
     return int(min(found)) if found else None
 
 
-def follow_ups(job: SearchJob, known: list[tuple[dict, int, ResultRecord]], techniques: Techniques,
-               record: ResultRecord) -> list[tuple[Techniques, int]]:
+def follow_ups(
+    job: SearchJob, known: list[tuple[dict, int, ResultRecord]], techniques: Techniques, record: ResultRecord
+) -> list[tuple[Techniques, int]]:
     """Points worth evaluating next, given a new record (already in ``known``) -- the structure TPE cannot see:
 
     - climb: a config that fits at L and is on the current front (nothing known is both as long and as fast) is
@@ -177,8 +184,11 @@ def follow_ups(job: SearchJob, known: list[tuple[dict, int, ResultRecord]], tech
             previous = [s for s in lens if s < seq_len and s % techniques.ulysses_degree == 0]
             if previous and last_len == previous[-1] and on_front(last_len, last.tokens_per_s or 0.0):
                 layers = job.model_config["num_hidden_layers"]
-                candidates += [(step, seq_len) for step in job.space.memory_steps(techniques, layers)
-                               if seq_len % step.ulysses_degree == 0]
+                candidates += [
+                    (step, seq_len)
+                    for step in job.space.memory_steps(techniques, layers)
+                    if seq_len % step.ulysses_degree == 0
+                ]
     fresh = []
     for candidate, length in candidates:
         as_dict = candidate.to_dict()
@@ -191,8 +201,9 @@ def follow_ups(job: SearchJob, known: list[tuple[dict, int, ResultRecord]], tech
     return fresh
 
 
-def enqueue_follow_ups(job: SearchJob, study: optuna.Study, techniques: Techniques, record: ResultRecord,
-                       origin: int) -> int:
+def enqueue_follow_ups(
+    job: SearchJob, study: optuna.Study, techniques: Techniques, record: ResultRecord, origin: int
+) -> int:
     """Queue ``follow_ups`` (skipping any already queued); returns how many were queued."""
     queued = 0
     layers = job.model_config["num_hidden_layers"]

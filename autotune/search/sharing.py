@@ -36,8 +36,9 @@ NO_HEARTBEAT_PATIENCE_S = 1800.0
 ORPHAN_S = 120.0
 
 
-def claim_or_answer(study: optuna.Study, trial: optuna.Trial, techniques: Techniques,
-                    seq_len: int) -> tuple[ResultRecord, str] | None:
+def claim_or_answer(
+    study: optuna.Study, trial: optuna.Trial, techniques: Techniques, seq_len: int
+) -> tuple[ResultRecord, str] | None:
     """An answer from the study for this point (``infer_record``), waiting first for another live trial that is
     evaluating it; else ``None``, with the point claimed by ``trial`` (which must then evaluate it)."""
     key = config_key(techniques.to_dict(), seq_len)
@@ -48,10 +49,16 @@ def claim_or_answer(study: optuna.Study, trial: optuna.Trial, techniques: Techni
             answered = infer_record(study, techniques, seq_len)
             if answered is not None:
                 return answered
-            busy = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-                    if t.number != trial.number and t.system_attrs.get(CLAIM_ATTR) == key]
-            patience_over = (waited_since is not None and not has_heartbeat(storage)
-                             and time.monotonic() - waited_since > NO_HEARTBEAT_PATIENCE_S)
+            busy = [
+                t
+                for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                if t.number != trial.number and t.system_attrs.get(CLAIM_ATTR) == key
+            ]
+            patience_over = (
+                waited_since is not None
+                and not has_heartbeat(storage)
+                and time.monotonic() - waited_since > NO_HEARTBEAT_PATIENCE_S
+            )
             if not busy or patience_over:
                 storage.set_trial_system_attr(trial._trial_id, CLAIM_ATTR, key)
                 return None

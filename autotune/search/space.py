@@ -188,8 +188,9 @@ def queued_params(trial) -> dict:
     return {}
 
 
-def load_space(path: str | Path | None, model_config: dict, gpus: int, target: int,
-               flash_ok: bool = True) -> SearchSpace:
+def load_space(
+    path: str | Path | None, model_config: dict, gpus: int, target: int, flash_ok: bool = True
+) -> SearchSpace:
     """Read and validate a space file, then drop choices this model and node cannot run."""
     path = Path(path) if path else DEFAULT_SPACE
     if not path.is_file():
@@ -199,7 +200,9 @@ def load_space(path: str | Path | None, model_config: dict, gpus: int, target: i
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise UserError(f"search space {str(path)!r} is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+        raise UserError(
+            f"search space {str(path)!r} is not valid YAML{where}: {getattr(exc, 'problem', exc)}"
+        ) from None
     if not isinstance(data, dict):
         raise UserError(f"search space {str(path)!r} must be a YAML mapping")
     unknown = sorted(set(data) - {"schema", "seq_len", "knobs"})
@@ -224,9 +227,13 @@ def load_space(path: str | Path | None, model_config: dict, gpus: int, target: i
         choices[name] = [_coerce(path, name, value, model_config) for value in raw]
     choices = _filter(choices, model_config, gpus, flash_ok, path)
     return SearchSpace(
-        choices=choices, seq_lens=_seq_grid(path, data.get("seq_len") or {}, target, choices),
-        split_choices={k.name: {v: _fitting(k, choices[k.name], v, model_config) for v in choices[k.split_by[0]]}
-                       for k in knobs() if k.split_by},
+        choices=choices,
+        seq_lens=_seq_grid(path, data.get("seq_len") or {}, target, choices),
+        split_choices={
+            k.name: {v: _fitting(k, choices[k.name], v, model_config) for v in choices[k.split_by[0]]}
+            for k in knobs()
+            if k.split_by
+        },
     )
 
 
@@ -267,16 +274,19 @@ def _coerce(path: Path, name: str, value: Any, model_config: dict):
 
 def _filter(choices: dict, model_config: dict, gpus: int, flash_ok: bool, path: Path) -> dict:
     heads, kv_heads = model_config["num_attention_heads"], model_config["num_key_value_heads"]
-    degrees = [d for d in dict.fromkeys(choices["ulysses_degree"])
-               if ulysses_degree_problem(d, gpus, heads, kv_heads) is None]
+    degrees = [
+        d for d in dict.fromkeys(choices["ulysses_degree"]) if ulysses_degree_problem(d, gpus, heads, kv_heads) is None
+    ]
     if not degrees:
         raise UserError(
             f"search space {str(path)!r}: no ulysses_degree in {choices['ulysses_degree']} divides "
             f"both --gpus {gpus} and the model's {heads} heads"
         )
     attention = [a for a in choices["attention"] if flash_ok or a != "flash"] or ["sdpa"]
-    return {name: list(dict.fromkeys(values)) for name, values in
-            {**choices, "ulysses_degree": degrees, "attention": attention}.items()}
+    return {
+        name: list(dict.fromkeys(values))
+        for name, values in {**choices, "ulysses_degree": degrees, "attention": attention}.items()
+    }
 
 
 def _fitting(knob: Knob, choices: list, value: Any, model_config: dict) -> list:
@@ -301,7 +311,8 @@ def _seq_grid(path: Path, spec: dict, target: int, choices: dict) -> list[int]:
     step = 1.0 / values["points_per_doubling"]
     low, high = math.log2(values["min_fraction"]), math.log2(values["max_fraction"])
     exponents = [k * step for k in range(math.floor(low / step), math.ceil(high / step) + 1)]
-    grid = {max(multiple, round(target * 2**e / multiple) * multiple) for e in exponents
-            if low - 1e-9 <= e <= high + 1e-9}
+    grid = {
+        max(multiple, round(target * 2**e / multiple) * multiple) for e in exponents if low - 1e-9 <= e <= high + 1e-9
+    }
     grid.add(max(multiple, -(-target // multiple) * multiple))  # the target itself, rounded up
     return sorted(grid)

@@ -33,9 +33,9 @@ from optuna.storages.journal import JournalFileBackend, JournalStorage
 
 from autotune.core.errors import UserError
 
-CONNECT_TIMEOUT_S = 10      # libpq's connect_timeout (the whole connection: TCP, TLS, authentication)
-STATEMENT_TIMEOUT_S = 300   # PostgreSQL: no statement of the search runs longer (Optuna's take milliseconds)
-LOCK_TIMEOUT_S = 120        # PostgreSQL: no row or advisory lock is waited for longer
+CONNECT_TIMEOUT_S = 10  # libpq's connect_timeout (the whole connection: TCP, TLS, authentication)
+STATEMENT_TIMEOUT_S = 300  # PostgreSQL: no statement of the search runs longer (Optuna's take milliseconds)
+LOCK_TIMEOUT_S = 120  # PostgreSQL: no row or advisory lock is waited for longer
 KEEPALIVES = {"keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10, "keepalives_count": 3}
 JOURNAL_SUFFIXES = (".log", ".jsonl", ".journal")
 CONSTRAINTS_KEY = "constraints"  # the trial system attribute optuna-dashboard and Optuna both read (a list)
@@ -108,8 +108,10 @@ def _cause(exc: BaseException, storage: str | None) -> str:
     """The first line of what went wrong, without the password and without SQLAlchemy's link footer."""
     if isinstance(exc, ImportError):
         module = getattr(exc.__cause__, "name", None) or str(exc.__cause__ or exc)
-        return (f"the database driver is not installed ({module}); postgresql:// uses psycopg 3, installed with "
-                f"autotune (pip install 'psycopg[binary]')")
+        return (
+            f"the database driver is not installed ({module}); postgresql:// uses psycopg 3, installed with "
+            f"autotune (pip install 'psycopg[binary]')"
+        )
     text = str(exc).strip()
     for line in text.splitlines():
         line = line.strip()
@@ -134,8 +136,9 @@ def database_url(url: str) -> tuple[str, dict]:
     if backend == "postgresql":
         connect_args = {k: v for k, v in {"connect_timeout": CONNECT_TIMEOUT_S, **KEEPALIVES}.items() if k not in query}
         if "options" not in query:
-            connect_args["options"] = (f"-c statement_timeout={STATEMENT_TIMEOUT_S * 1000} "
-                                       f"-c lock_timeout={LOCK_TIMEOUT_S * 1000}")
+            connect_args["options"] = (
+                f"-c statement_timeout={STATEMENT_TIMEOUT_S * 1000} -c lock_timeout={LOCK_TIMEOUT_S * 1000}"
+            )
     elif backend == "mysql" and "connect_timeout" not in query:
         connect_args = {"connect_timeout": CONNECT_TIMEOUT_S}
     engine_kwargs = {"connect_args": connect_args} if connect_args else {}
@@ -154,8 +157,13 @@ def _rdb(url: str, attempts: int = 5):
     for attempt in range(attempts):
         try:
             # heartbeats: a trial whose worker was killed is marked FAIL after the grace period and retried once
-            return RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=5, grace_period=20,
-                              heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1))
+            return RDBStorage(
+                url,
+                engine_kwargs=engine_kwargs,
+                heartbeat_interval=5,
+                grace_period=20,
+                heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1),
+            )
         except Exception as exc:
             transient = any(sign in str(exc) for sign in _SCHEMA_RACE)
             if not transient or attempt == attempts - 1:

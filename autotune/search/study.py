@@ -25,6 +25,7 @@ FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 class SurplusTrial(Exception):
     """Raised (and caught, leaving a FAIL trial outside every report) when the study is already full."""
 
+
 def study_name_for(job: SearchJob) -> str:
     nodes = f"{job.nodes}x" if job.nodes > 1 else ""  # 2x8xh100-sxm: 2 nodes of 8
     return job.study_name or f"autotune-{Path(job.model).stem}-{nodes}{job.gpus}x{job.hardware.name}-{job.target}"
@@ -33,12 +34,18 @@ def study_name_for(job: SearchJob) -> str:
 def create_study(job: SearchJob, storage=None, seeds: list[dict] = ()) -> optuna.Study:
     """Create or load the job's study (``storage``: an already opened Optuna storage, else opened here); a new
     study gets ``seeds`` (Optuna params) queued first."""
-    sampler = optuna.samplers.TPESampler(seed=job.seed, multivariate=True, group=True, constant_liar=True,
-                                         n_startup_trials=8)
+    sampler = optuna.samplers.TPESampler(
+        seed=job.seed, multivariate=True, group=True, constant_liar=True, n_startup_trials=8
+    )
     storage = storage or open_storage(job.storage, job.out)
     try:
-        study = optuna.create_study(storage=storage, sampler=sampler, study_name=study_name_for(job),
-                                    directions=["maximize", "maximize"], load_if_exists=True)
+        study = optuna.create_study(
+            storage=storage,
+            sampler=sampler,
+            study_name=study_name_for(job),
+            directions=["maximize", "maximize"],
+            load_if_exists=True,
+        )
     except Exception as exc:
         where = redact(job.storage) if job.storage else job.out
         raise UserError(f"cannot open the study in {where}: {scrub(str(exc).splitlines()[0], job.storage)}") from None

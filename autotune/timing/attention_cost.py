@@ -12,8 +12,9 @@ def causal_pairs(sq: int, sk: int, causal: bool) -> int:
     return sk * (sk + 1) // 2 + (sq - sk) * sk
 
 
-def attention_flops(batch: int, q_heads: int, sq: int, sk: int, head_dim: int, v_head_dim: int | None = None,
-                    causal: bool = True) -> tuple[float, float, float]:
+def attention_flops(
+    batch: int, q_heads: int, sq: int, sk: int, head_dim: int, v_head_dim: int | None = None, causal: bool = True
+) -> tuple[float, float, float]:
     """(forward, backward, dense forward+backward) FLOPs of one fused attention call.
 
     Forward: QK^T and PV, ``2*d + 2*dv`` FLOPs per unmasked pair per head. Backward recomputes QK^T and does

@@ -56,17 +56,79 @@ _aten = torch.ops.aten
 
 # ops that only make views / metadata / scalars: no kernel, no bytes
 NO_WORK_OPS = {
-    "detach", "t", "view", "_unsafe_view", "expand", "transpose", "unsqueeze", "squeeze", "slice", "select",
-    "as_strided", "permute", "split", "split_with_sizes", "chunk", "unbind", "alias", "lift_fresh",
-    "_local_scalar_dense", "_reshape_alias", "reshape", "unfold", "diagonal", "narrow", "expand_as", "view_as",
-    "numpy_T", "real", "imag", "_neg_view", "_conj", "is_same_size", "sym_size", "sym_stride", "sym_numel",
-    "sym_storage_offset", "size", "stride", "dim", "is_contiguous", "empty", "empty_like", "empty_strided",
-    "set_", "resize_", "_record_function_enter_new", "_record_function_exit", "record_stream", "_to_copy_noop",
-    "new_empty", "new_empty_strided", "item", "equal", "is_nonzero", "_has_compatible_shallow_copy_type",
-    "lift_fresh_copy", "_foreach_empty",
+    "detach",
+    "t",
+    "view",
+    "_unsafe_view",
+    "expand",
+    "transpose",
+    "unsqueeze",
+    "squeeze",
+    "slice",
+    "select",
+    "as_strided",
+    "permute",
+    "split",
+    "split_with_sizes",
+    "chunk",
+    "unbind",
+    "alias",
+    "lift_fresh",
+    "_local_scalar_dense",
+    "_reshape_alias",
+    "reshape",
+    "unfold",
+    "diagonal",
+    "narrow",
+    "expand_as",
+    "view_as",
+    "numpy_T",
+    "real",
+    "imag",
+    "_neg_view",
+    "_conj",
+    "is_same_size",
+    "sym_size",
+    "sym_stride",
+    "sym_numel",
+    "sym_storage_offset",
+    "size",
+    "stride",
+    "dim",
+    "is_contiguous",
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "set_",
+    "resize_",
+    "_record_function_enter_new",
+    "_record_function_exit",
+    "record_stream",
+    "_to_copy_noop",
+    "new_empty",
+    "new_empty_strided",
+    "item",
+    "equal",
+    "is_nonzero",
+    "_has_compatible_shallow_copy_type",
+    "lift_fresh_copy",
+    "_foreach_empty",
 }
-MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "dot", "_scaled_mm",
-           "_addmm_activation", "_int_mm"}
+MATMUL_OPS = {
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "addbmm",
+    "matmul",
+    "linear",
+    "mv",
+    "addmv",
+    "dot",
+    "_scaled_mm",
+    "_addmm_activation",
+    "_int_mm",
+}
 _COPY = {"_to_copy", "copy_", "_copy_from", "_copy_from_and_resize", "clone", "to", "contiguous"}
 _ADAM_PARAM_OPS = {"addcdiv_", "_foreach_addcdiv_", "_fused_adam_", "_fused_adamw_"}
 
@@ -161,7 +223,7 @@ class StepCounter(TorchDispatchMode):
         self.tracker = tracker
         self.counts = StepCounts(seq_len=seq_len)
         self.world_size = world_size
-        self._scopes: list[tuple[Any, str]] = []   # open record_function regions (handle, name)
+        self._scopes: list[tuple[Any, str]] = []  # open record_function regions (handle, name)
         # ops the counter could not count, {op: the first error}: counts then miss work, so whoever predicts a
         # time from them must not (the plan backend turns them into an error record)
         self.failures: dict[str, str] = {}
@@ -250,7 +312,8 @@ class StepCounter(TorchDispatchMode):
         pc = self.counts.phases[phase]
 
         if namespace in ("c10d", "_c10d_functional", "c10d_functional") or (
-                namespace == "deepspeed" and "all_to_all" in name):
+            namespace == "deepspeed" and "all_to_all" in name
+        ):
             self._count_collective(namespace, name, func, args, kwargs, out, phase)
             return
         if namespace == "_c10d_functional" or name in ("wait_tensor",):
@@ -319,8 +382,13 @@ class StepCounter(TorchDispatchMode):
     def _is_attention(namespace: str, name: str) -> bool:
         if namespace == "flash_attn" or "flash_attn" in name:
             return True
-        return "attention" in name and ("flash" in name or "efficient" in name or "cudnn" in name
-                                         or "scaled_dot_product" in name or namespace not in ("aten",))
+        return "attention" in name and (
+            "flash" in name
+            or "efficient" in name
+            or "cudnn" in name
+            or "scaled_dot_product" in name
+            or namespace not in ("aten",)
+        )
 
     def _count_attention(self, namespace, name, func, args, kwargs, pc: PhaseCounts, phase: str) -> bool:
         bound = _bound_args(func, args, kwargs)
@@ -367,7 +435,6 @@ class StepCounter(TorchDispatchMode):
         self._add_attention(b, hq, sq, sk, d, v.shape[-1], causal, backward, pc, phase)
         pc.ops += 1
 
-
     def _count_copy(self, name, args, kwargs, outputs, pc: PhaseCounts) -> None:
         if name == "copy_" and len(args) >= 2:
             dst, src = args[0], args[1]
@@ -403,7 +470,9 @@ class StepCounter(TorchDispatchMode):
             kind = "all_to_all"
             tensor = bound.get("input", args[0] if args else None)
             nbytes = _nbytes(tensor)
-            fallback = tensor.shape[0] if namespace == "deepspeed" and isinstance(tensor, torch.Tensor) else self.world_size
+            fallback = (
+                tensor.shape[0] if namespace == "deepspeed" and isinstance(tensor, torch.Tensor) else self.world_size
+            )
             size = fallback if namespace == "deepspeed" else _group_size(bound, fallback)
             factor = (size - 1) / size
         elif "allgather" in name or "all_gather" in name:
@@ -418,7 +487,9 @@ class StepCounter(TorchDispatchMode):
             factor = (size - 1) / size
         elif "allreduce" in name or "all_reduce" in name:
             kind = "all_reduce"
-            nbytes = sum(_nbytes(t) for t in _tensors(bound.get("tensors", bound.get("input", args[0] if args else None))))
+            nbytes = sum(
+                _nbytes(t) for t in _tensors(bound.get("tensors", bound.get("input", args[0] if args else None)))
+            )
             size = _group_size(bound, self.world_size)
             factor = 2 * (size - 1) / size
         elif name in ("wait_tensor",):
@@ -441,14 +512,17 @@ class StepCounter(TorchDispatchMode):
         if fsdp and kind == "all_gather":
             shard = bound.get("input_tensor", bound.get("input"))
             numel = shard.numel() if isinstance(shard, torch.Tensor) else 0
-            self.counts.fsdp_all_gather_input_numel[phase] = self.counts.fsdp_all_gather_input_numel.get(phase, 0) + numel
+            self.counts.fsdp_all_gather_input_numel[phase] = (
+                self.counts.fsdp_all_gather_input_numel.get(phase, 0) + numel
+            )
             if not self.counts.first_fsdp_all_gather_wire_bytes:
                 self.counts.first_fsdp_all_gather_wire_bytes = wire
         if fsdp and kind == "reduce_scatter":
             output = bound.get("output_tensor")
             out_bytes = _nbytes(output) if isinstance(output, torch.Tensor) else int(nbytes / max(size, 1))
             self.counts.fsdp_reduce_scatter_output_bytes[phase] = (
-                self.counts.fsdp_reduce_scatter_output_bytes.get(phase, 0) + out_bytes)
+                self.counts.fsdp_reduce_scatter_output_bytes.get(phase, 0) + out_bytes
+            )
             self.counts.last_fsdp_reduce_scatter_wire_bytes = wire
 
 

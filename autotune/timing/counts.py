@@ -9,19 +9,20 @@ from typing import Any
 PHASES = ("forward", "backward", "recompute", "optimizer", "other")
 COMPUTE_PHASES = ("forward", "backward", "recompute", "other")
 
+
 @dataclass
 class PhaseCounts:
     """Work of one phase of the step."""
 
     matmul_flops: float = 0.0
-    attention_flops: float = 0.0            # forward attention kernels (unmasked pairs only)
-    attention_bwd_flops: float = 0.0        # backward attention kernels
-    attention_dense_flops: float = 0.0      # what forward + backward would cost without the causal saving
-    elementwise_bytes: float = 0.0          # output bytes of memory-bound ops
-    ops: int = 0                            # ops that do work (kernel launches)
-    views: int = 0                          # dispatched ops that do no work (views, detach, metadata)
-    d2h_bytes: float = 0.0                  # device -> host copies (activation offload, grad offload)
-    h2d_bytes: float = 0.0                  # host -> device copies (prefetch, param offload)
+    attention_flops: float = 0.0  # forward attention kernels (unmasked pairs only)
+    attention_bwd_flops: float = 0.0  # backward attention kernels
+    attention_dense_flops: float = 0.0  # what forward + backward would cost without the causal saving
+    elementwise_bytes: float = 0.0  # output bytes of memory-bound ops
+    ops: int = 0  # ops that do work (kernel launches)
+    views: int = 0  # dispatched ops that do no work (views, detach, metadata)
+    d2h_bytes: float = 0.0  # device -> host copies (activation offload, grad offload)
+    h2d_bytes: float = 0.0  # host -> device copies (prefetch, param offload)
 
     def add(self, other: PhaseCounts) -> None:
         for f in fields(self):
@@ -33,8 +34,10 @@ class CollectiveCounts:
     """All calls of one kind of collective in one phase."""
 
     calls: int = 0
-    bytes: float = 0.0        # tensor bytes of the call (input for all-to-all/reduce-scatter/all-reduce, output for all-gather)
-    wire_bytes: float = 0.0   # bytes this rank sends over its link (algorithmic factor applied)
+    bytes: float = (
+        0.0  # tensor bytes of the call (input for all-to-all/reduce-scatter/all-reduce, output for all-gather)
+    )
+    wire_bytes: float = 0.0  # bytes this rank sends over its link (algorithmic factor applied)
     max_wire_bytes: float = 0.0
 
 
@@ -46,11 +49,11 @@ class StepCounts:
     # key: "<kind>/<phase>/<fsdp|sync>/<group size>", kind in all_to_all, all_gather, reduce_scatter, all_reduce,
     # other (counts from before group sizes were kept have no "/<group size>")
     collectives: dict[str, CollectiveCounts] = field(default_factory=dict)
-    optimizer_params: int = 0              # elements stepped by the optimizer on this rank
-    optimizer_param_bytes: int = 0         # their bytes (master dtype)
+    optimizer_params: int = 0  # elements stepped by the optimizer on this rank
+    optimizer_param_bytes: int = 0  # their bytes (master dtype)
     fsdp_all_gather_input_numel: dict[str, int] = field(default_factory=dict)  # per phase: the sharded params
     fsdp_reduce_scatter_output_bytes: dict[str, int] = field(default_factory=dict)  # per phase: sharded grads
-    fsdp_h2d_bytes: float = 0.0            # host->device copies seen inside FSDP (offloaded shards; CUDA only)
+    fsdp_h2d_bytes: float = 0.0  # host->device copies seen inside FSDP (offloaded shards; CUDA only)
     fsdp_d2h_bytes: dict[str, float] = field(default_factory=dict)  # per phase: FSDP's offloaded gradients
     first_fsdp_all_gather_wire_bytes: float = 0.0
     last_fsdp_reduce_scatter_wire_bytes: float = 0.0
@@ -71,14 +74,19 @@ class StepCounts:
     def attention_flops(self) -> float:
         return self.total("attention_flops") + self.total("attention_bwd_flops")
 
-    def collective(self, kind: str | None = None, phase: str | None = None, fsdp: bool | None = None,
-                   group_size: int | None = None) -> CollectiveCounts:
+    def collective(
+        self, kind: str | None = None, phase: str | None = None, fsdp: bool | None = None, group_size: int | None = None
+    ) -> CollectiveCounts:
         """The calls that match, summed (``group_size``: only those over groups of that many ranks)."""
         out = CollectiveCounts()
         for key, c in self.collectives.items():
             k, p, f, size = _parts(key)
-            if (kind is None or k == kind) and (phase is None or p == phase) and (fsdp is None or (f == "fsdp") == fsdp) \
-                    and (group_size is None or size == group_size):
+            if (
+                (kind is None or k == kind)
+                and (phase is None or p == phase)
+                and (fsdp is None or (f == "fsdp") == fsdp)
+                and (group_size is None or size == group_size)
+            ):
                 out.calls += c.calls
                 out.bytes += c.bytes
                 out.wire_bytes += c.wire_bytes
@@ -116,7 +124,9 @@ class StepCounts:
         out.optimizer_params = int(out.optimizer_params / factor)
         out.optimizer_param_bytes = int(out.optimizer_param_bytes / factor)
         out.fsdp_all_gather_input_numel = {k: int(v / factor) for k, v in out.fsdp_all_gather_input_numel.items()}
-        out.fsdp_reduce_scatter_output_bytes = {k: int(v / factor) for k, v in out.fsdp_reduce_scatter_output_bytes.items()}
+        out.fsdp_reduce_scatter_output_bytes = {
+            k: int(v / factor) for k, v in out.fsdp_reduce_scatter_output_bytes.items()
+        }
         out.steps = 1
         return out
 
@@ -136,11 +146,15 @@ class StepCounts:
         lines = []
         for p in PHASES:
             c = self.phases[p]
-            lines.append(f"{p:9s} matmul {c.matmul_flops / 1e9:10.3f} GF  attn {c.attention_flops / 1e9:9.3f}+"
-                         f"{c.attention_bwd_flops / 1e9:9.3f} GF  elementwise {c.elementwise_bytes / 1e6:10.2f} MB"
-                         f"  ops {c.ops:6d}  d2h {c.d2h_bytes / 1e6:8.2f} MB  h2d {c.h2d_bytes / 1e6:8.2f} MB")
+            lines.append(
+                f"{p:9s} matmul {c.matmul_flops / 1e9:10.3f} GF  attn {c.attention_flops / 1e9:9.3f}+"
+                f"{c.attention_bwd_flops / 1e9:9.3f} GF  elementwise {c.elementwise_bytes / 1e6:10.2f} MB"
+                f"  ops {c.ops:6d}  d2h {c.d2h_bytes / 1e6:8.2f} MB  h2d {c.h2d_bytes / 1e6:8.2f} MB"
+            )
         for key, c in sorted(self.collectives.items()):
-            lines.append(f"{key:32s} calls {c.calls:5d}  bytes {c.bytes / 1e6:10.3f} MB  wire {c.wire_bytes / 1e6:10.3f} MB")
+            lines.append(
+                f"{key:32s} calls {c.calls:5d}  bytes {c.bytes / 1e6:10.3f} MB  wire {c.wire_bytes / 1e6:10.3f} MB"
+            )
         lines.append(f"optimizer params {self.optimizer_params:,} ({self.optimizer_param_bytes:,} bytes)")
         return "\n".join(lines)
 

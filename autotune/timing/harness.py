@@ -16,8 +16,9 @@ from trials.step import train_step
 from trials.techniques import Techniques
 
 
-def count_real_step(model_config: dict, techniques, seq_len: int, mesh=None, steps: int = 1,
-                    seed: int = 0) -> StepCounts:
+def count_real_step(
+    model_config: dict, techniques, seq_len: int, mesh=None, steps: int = 1, seed: int = 0
+) -> StepCounts:
     """Build the trial's model, apply the stack and count ``steps`` training steps (after one uncounted
     warm-up step, as the trial runner does) with real tensors in this process. ``mesh``: a ``trials.dist.Mesh``
     (default: one rank)."""

@@ -40,20 +40,25 @@ class TimeBreakdown:
 
     step_time_s: float
     tokens_per_s: float | None
-    compute_s: float            # forward + backward (+ small "other" work), incl. per-op overhead
-    recompute_s: float          # activation checkpointing / tiling recompute
-    exposed_comm_s: float       # collectives not hidden behind compute
-    exposed_host_s: float       # host<->device copies not hidden behind compute
-    optimizer_s: float          # the optimizer step (host or device)
+    compute_s: float  # forward + backward (+ small "other" work), incl. per-op overhead
+    recompute_s: float  # activation checkpointing / tiling recompute
+    exposed_comm_s: float  # collectives not hidden behind compute
+    exposed_host_s: float  # host<->device copies not hidden behind compute
+    optimizer_s: float  # the optimizer step (host or device)
     detail: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def table(self) -> str:
-        rows = [("step", self.step_time_s), ("compute", self.compute_s), ("recompute", self.recompute_s),
-                ("exposed comm", self.exposed_comm_s), ("exposed host", self.exposed_host_s),
-                ("optimizer", self.optimizer_s)]
+        rows = [
+            ("step", self.step_time_s),
+            ("compute", self.compute_s),
+            ("recompute", self.recompute_s),
+            ("exposed comm", self.exposed_comm_s),
+            ("exposed host", self.exposed_host_s),
+            ("optimizer", self.optimizer_s),
+        ]
         return "  ".join(f"{k} {v:.4g}s" for k, v in rows)
 
 
@@ -89,8 +94,9 @@ def work_by_kind(pc: PhaseCounts, r: Rates, attention_s: float | None = None) ->
         if pc.attention_bwd_flops:
             work["attention_backward"] = pc.attention_bwd_flops / (r.bf16_flops * r.attention_backward_efficiency)
     if pc.elementwise_bytes:
-        work["elementwise"] = (pc.elementwise_bytes * r.elementwise_traffic_factor
-                               / (r.hbm_bytes_per_s * r.elementwise_efficiency))
+        work["elementwise"] = (
+            pc.elementwise_bytes * r.elementwise_traffic_factor / (r.hbm_bytes_per_s * r.elementwise_efficiency)
+        )
     return work
 
 
@@ -128,17 +134,27 @@ def group_layout(group_size: int | None, world_size: int, gpus_per_node: int | N
     return worst
 
 
-def _collective_time(c: CollectiveCounts, kind: str, r: Rates, group_size: int | None = None,
-                     world_size: int = 1, gpus_per_node: int | None = None) -> float:
+def _collective_time(
+    c: CollectiveCounts,
+    kind: str,
+    r: Rates,
+    group_size: int | None = None,
+    world_size: int = 1,
+    gpus_per_node: int | None = None,
+) -> float:
     if not c.calls:
         return 0.0
-    return (_transfer_time(c.wire_bytes, kind, r, group_size, world_size, gpus_per_node)
-            + c.calls * _latency(r, group_size, world_size, gpus_per_node))
+    return _transfer_time(c.wire_bytes, kind, r, group_size, world_size, gpus_per_node) + c.calls * _latency(
+        r, group_size, world_size, gpus_per_node
+    )
 
 
 def _efficiency(kind: str, r: Rates) -> float:
-    return {"all_to_all": r.all_to_all_efficiency, "all_gather": r.all_gather_efficiency,
-            "reduce_scatter": r.reduce_scatter_efficiency}.get(kind, r.all_reduce_efficiency)
+    return {
+        "all_to_all": r.all_to_all_efficiency,
+        "all_gather": r.all_gather_efficiency,
+        "reduce_scatter": r.reduce_scatter_efficiency,
+    }.get(kind, r.all_reduce_efficiency)
 
 
 def _spans_fabric(r: Rates, group_size: int | None, world_size: int, gpus_per_node: int | None) -> tuple[int, int]:
@@ -153,8 +169,14 @@ def _latency(r: Rates, group_size: int | None, world_size: int, gpus_per_node: i
     return (r.inter_node_latency_s or r.collective_latency_s) if nodes > 1 else r.collective_latency_s
 
 
-def _transfer_time(wire_bytes: float, kind: str, r: Rates, group_size: int | None = None, world_size: int = 1,
-                   gpus_per_node: int | None = None) -> float:
+def _transfer_time(
+    wire_bytes: float,
+    kind: str,
+    r: Rates,
+    group_size: int | None = None,
+    world_size: int = 1,
+    gpus_per_node: int | None = None,
+) -> float:
     """Seconds to move ``wire_bytes`` (this rank's share, the algorithmic factor applied) of a ``kind`` collective
     over a group of ``group_size`` ranks.
 
@@ -174,13 +196,20 @@ def _transfer_time(wire_bytes: float, kind: str, r: Rates, group_size: int | Non
     nic = r.inter_node_bytes_per_s * r.inter_node_efficiency
     size = group_size or 1
     if kind == "all_to_all":
-        return max(wire_bytes * (local - 1) / max(1, size - 1) / intra,
-                   wire_bytes * (size - local) / max(1, size - 1) / nic)
+        return max(
+            wire_bytes * (local - 1) / max(1, size - 1) / intra, wire_bytes * (size - local) / max(1, size - 1) / nic
+        )
     return max(wire_bytes / intra if local > 1 else 0.0, wire_bytes / (local * nic))
 
 
-def predict_step_time(counts: StepCounts, rates: Rates, world_size: int, techniques: Techniques,
-                      seq_len: int | None = None, gpus_per_node: int | None = None) -> TimeBreakdown:
+def predict_step_time(
+    counts: StepCounts,
+    rates: Rates,
+    world_size: int,
+    techniques: Techniques,
+    seq_len: int | None = None,
+    gpus_per_node: int | None = None,
+) -> TimeBreakdown:
     """Predicted time of one training step from ``counts`` (one rank's ``StepCounts``) at ``rates``
     (``Hardware.rates_for(world_size)``). ``techniques`` gives the Ulysses degree (tokens/s) and where the
     optimizer runs. ``gpus_per_node``: ranks per node of a job over several nodes (None: one node), so
@@ -220,10 +249,11 @@ def predict_step_time(counts: StepCounts, rates: Rates, world_size: int, techniq
     if fsdp_total:
         # the first all-gather of forward and the last reduce-scatter of backward have nothing to hide behind
         # (FSDP's group is every rank)
-        first_last = (_transfer_time(counts.first_fsdp_all_gather_wire_bytes, "all_gather", r, world_size, **layout)
-                      + _transfer_time(counts.last_fsdp_reduce_scatter_wire_bytes, "reduce_scatter", r, world_size,
-                                       **layout)
-                      + 2 * _latency(r, world_size, **layout))
+        first_last = (
+            _transfer_time(counts.first_fsdp_all_gather_wire_bytes, "all_gather", r, world_size, **layout)
+            + _transfer_time(counts.last_fsdp_reduce_scatter_wire_bytes, "reduce_scatter", r, world_size, **layout)
+            + 2 * _latency(r, world_size, **layout)
+        )
         first_last = min(first_last, fsdp_total)
     hideable = max(0.0, fsdp_total - first_last)
     fsdp_exposed = first_last + max(0.0, hideable - r.side_stream_overlap * busy)
@@ -265,8 +295,11 @@ def predict_step_time(counts: StepCounts, rates: Rates, world_size: int, techniq
     # the optimizer step
     opt = counts.phases["optimizer"]
     if offload_optimizer or r.device_is_host:
-        optimizer = (opt.elementwise_bytes / r.host_optimizer_bytes_per_s
-                     + opt.ops * r.op_overhead_s + opt.views * r.view_overhead_s)
+        optimizer = (
+            opt.elementwise_bytes / r.host_optimizer_bytes_per_s
+            + opt.ops * r.op_overhead_s
+            + opt.views * r.view_overhead_s
+        )
     else:
         work, overhead = _phase_time(opt, r, 0.0)
         optimizer = _combine(work, overhead, r)
@@ -274,9 +307,16 @@ def predict_step_time(counts: StepCounts, rates: Rates, world_size: int, techniq
     step = compute + recompute + exposed_comm + exposed_host + optimizer
     dp = max(1, world_size // degree)
     tokens_per_s = seq_len * dp / step if seq_len and step > 0 else None
-    return TimeBreakdown(step_time_s=step, tokens_per_s=tokens_per_s, compute_s=compute, recompute_s=recompute,
-                         exposed_comm_s=exposed_comm, exposed_host_s=exposed_host, optimizer_s=optimizer,
-                         detail=detail)
+    return TimeBreakdown(
+        step_time_s=step,
+        tokens_per_s=tokens_per_s,
+        compute_s=compute,
+        recompute_s=recompute,
+        exposed_comm_s=exposed_comm,
+        exposed_host_s=exposed_host,
+        optimizer_s=optimizer,
+        detail=detail,
+    )
 
 
 def _compute_phase(phase: str) -> str:

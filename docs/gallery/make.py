@@ -21,8 +21,20 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 RUNS = {
     "llama3-8b-5M": ["--model", "llama3-8b", "--target", "5M"],
-    "tiny-llama-local": ["--model", "tiny-llama", "--target", "8K", "--gpus", "2", "--backend", "local",
-                         "--memory-gib", "0.5", "--trials", "10"],
+    "tiny-llama-local": [
+        "--model",
+        "tiny-llama",
+        "--target",
+        "8K",
+        "--gpus",
+        "2",
+        "--backend",
+        "local",
+        "--memory-gib",
+        "0.5",
+        "--trials",
+        "10",
+    ],
 }
 
 

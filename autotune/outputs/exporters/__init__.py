@@ -26,12 +26,31 @@ from autotune.outputs.exporters.selection import Export, NotExpressible, export
 from autotune.outputs.exporters.slurm_script import SlurmScriptExporter
 from autotune.outputs.exporters.torchrun_script import TorchrunScriptExporter, torchrun_command
 
-__all__ = ["EXPORTERS", "Export", "Exporter", "FORMATS", "FRONT_SCHEMA", "NotExpressible", "entry_config",
-           "export", "load_front", "make_exporter", "torchrun_command"]
+__all__ = [
+    "EXPORTERS",
+    "Export",
+    "Exporter",
+    "FORMATS",
+    "FRONT_SCHEMA",
+    "NotExpressible",
+    "entry_config",
+    "export",
+    "load_front",
+    "make_exporter",
+    "torchrun_command",
+]
 
-EXPORTERS: dict[str, type[Exporter]] = {cls.name: cls for cls in (
-    AutotuneConfigExporter, DeepSpeedConfigExporter, ArcticRecipeExporter, AccelerateConfigExporter,
-    TorchrunScriptExporter, SlurmScriptExporter)}
+EXPORTERS: dict[str, type[Exporter]] = {
+    cls.name: cls
+    for cls in (
+        AutotuneConfigExporter,
+        DeepSpeedConfigExporter,
+        ArcticRecipeExporter,
+        AccelerateConfigExporter,
+        TorchrunScriptExporter,
+        SlurmScriptExporter,
+    )
+}
 FORMATS = tuple(EXPORTERS)
 
 

@@ -38,16 +38,19 @@ class AccelerateConfigExporter(Exporter):
     default_file = "accelerate-config.yaml"
     expresses = {
         "fsdp": exactly("zero_optimization.stage: 3 (0 without) in the DeepSpeed JSON"),
-        "optimizer_offload": exactly("zero_optimization.offload_optimizer and offload_param on the cpu in the "
-                                     "DeepSpeed JSON"),
+        "optimizer_offload": exactly(
+            "zero_optimization.offload_optimizer and offload_param on the cpu in the DeepSpeed JSON"
+        ),
         "ulysses_degree": exactly("parallelism_config_sp_size with sp_backend deepspeed"),
         "head_chunk": not_expressed("DeepSpeed's Ulysses attention runs all local heads at once"),
-        "activation_checkpointing": exactly("TrainingArguments(activation_checkpointing=True) or "
-                                            "model.activation_checkpointing_enable()"),
+        "activation_checkpointing": exactly(
+            "TrainingArguments(activation_checkpointing=True) or model.activation_checkpointing_enable()"
+        ),
         "activation_offload_layers": runs_as(
             "activation_checkpointing_kwargs={'offload': True}: every checkpointed layer input or none, copied "
             "synchronously (slower than autotune's overlapped offload)",
-            lambda layers, job: job.layers if layers else 0),
+            lambda layers, job: job.layers if layers else 0,
+        ),
         "mlp_tile_tokens": not_expressed("Accelerate and the Trainer have no tiled MLP"),
         "loss_tile_tokens": not_expressed("the Trainer computes the model's own untiled loss"),
         "norm_tile_tokens": not_expressed("no tiled RMSNorm outside autotune"),
@@ -82,10 +85,15 @@ class AccelerateConfigExporter(Exporter):
 
     def render(self, config: TrialConfig, notes: list[str], path: str) -> Rendered:
         deepspeed_path = beside(path, ".ds.json")
-        text = comment_block(notes) + "\n" + yaml.safe_dump(self.accelerate_yaml(config, deepspeed_path),
-                                                            sort_keys=False).rstrip()
-        companions = {".ds.json": json.dumps(deepspeed_json(config.techniques, with_optimizer=False), indent=2),
-                      ".trainer.py": trainer_python(config, notes, path, deepspeed_path)}
+        text = (
+            comment_block(notes)
+            + "\n"
+            + yaml.safe_dump(self.accelerate_yaml(config, deepspeed_path), sort_keys=False).rstrip()
+        )
+        companions = {
+            ".ds.json": json.dumps(deepspeed_json(config.techniques, with_optimizer=False), indent=2),
+            ".trainer.py": trainer_python(config, notes, path, deepspeed_path),
+        }
         return Rendered(text, companions)
 
     def launch(self, path: str, config: TrialConfig) -> str:
@@ -98,12 +106,16 @@ def trainer_python(config: TrialConfig, notes: list[str], accelerate_path: str, 
     t = config.techniques
     attention = hf_attention(t)
     if t.ulysses_degree > 1:
-        parallelism = (f"ParallelismConfig(\n    sp_backend=\"deepspeed\", sp_size={t.ulysses_degree}, "
-                       f"dp_shard_size={config.gpus // t.ulysses_degree},\n"
-                       f"    sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, "
-                       f"sp_attn_implementation={attention!r}),\n)")
-        batch = (f"one sequence of {config.seq_len:,} tokens (input_ids, labels, position_ids; a multiple of "
-                 f"{t.ulysses_degree}), which the Trainer shards over the {t.ulysses_degree} sequence-parallel ranks")
+        parallelism = (
+            f'ParallelismConfig(\n    sp_backend="deepspeed", sp_size={t.ulysses_degree}, '
+            f"dp_shard_size={config.gpus // t.ulysses_degree},\n"
+            f"    sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, "
+            f"sp_attn_implementation={attention!r}),\n)"
+        )
+        batch = (
+            f"one sequence of {config.seq_len:,} tokens (input_ids, labels, position_ids; a multiple of "
+            f"{t.ulysses_degree}), which the Trainer shards over the {t.ulysses_degree} sequence-parallel ranks"
+        )
     else:
         parallelism = "None  # no sequence parallelism: each rank trains whole sequences"
         batch = f"one sequence of {config.seq_len:,} tokens per rank (input_ids, labels)"

@@ -51,20 +51,24 @@ class ArcticRecipeExporter(Exporter):
     trainer = "ArcticTraining"
     expresses = {
         "fsdp": exactly("deepspeed.zero_optimization.stage: 3 (0 without)"),
-        "optimizer_offload": exactly("deepspeed.zero_optimization.offload_optimizer and offload_param on the cpu, "
-                                     "optimizer.type: cpu_adam"),
+        "optimizer_offload": exactly(
+            "deepspeed.zero_optimization.offload_optimizer and offload_param on the cpu, optimizer.type: cpu_adam"
+        ),
         "ulysses_degree": exactly("sequence_parallel_size"),
         "head_chunk": not_expressed("ArcticTraining runs plain Ulysses attention (no head chunking)"),
         "activation_checkpointing": exactly("on by default; model.disable_activation_checkpoint: true turns it off"),
         "activation_offload_layers": runs_as(
             "activation_checkpoint_cpu_offload: every checkpointed layer input or none",
-            lambda layers, job: job.layers if layers else 0),
+            lambda layers, job: job.layers if layers else 0,
+        ),
         "mlp_tile_tokens": runs_as(
-            "tiled_mlp_compute: true tiles at the model's hidden size",
-            lambda tile, job: job.hidden_size if tile else 0),
+            "tiled_mlp_compute: true tiles at the model's hidden size", lambda tile, job: job.hidden_size if tile else 0
+        ),
         "loss_tile_tokens": runs_as(
             "tiled logits + loss are automatic with sequence_parallel_size > 1 (~1 GiB of fp32 logits per tile), "
-            "absent without", arctic_loss_tile_tokens),
+            "absent without",
+            arctic_loss_tile_tokens,
+        ),
         "norm_tile_tokens": not_expressed("ArcticTraining has no tiled RMSNorm"),
         "attention": exactly("model.attn_implementation: flash_attention_2 | sdpa"),
     }
@@ -78,8 +82,11 @@ class ArcticRecipeExporter(Exporter):
         deepspeed: dict = {"zero_optimization": zero}
         if t.ulysses_degree > 1:  # the precision autotune's trials reduce gradients in (DeepSpeed's default)
             deepspeed["seq_parallel_communication_data_type"] = "fp32"
-        model: dict = {"type": "huggingface", "name_or_path": hf_model_name(config.model),
-                       "attn_implementation": hf_attention(t)}
+        model: dict = {
+            "type": "huggingface",
+            "name_or_path": hf_model_name(config.model),
+            "attn_implementation": hf_attention(t),
+        }
         if not t.activation_checkpointing:
             model["disable_activation_checkpoint"] = True
         optimizer: dict = {"type": "cpu_adam" if t.optimizer_offload else "fused_adam", "learning_rate": 1e-5}
@@ -92,16 +99,21 @@ class ArcticRecipeExporter(Exporter):
             "deepspeed": deepspeed,
             "optimizer": optimizer,
             "model": model,
-            "data": {"sources": [{"type": "huggingface_causal", "name_or_path": DATA_PLACEHOLDER}],
-                     "max_length": config.seq_len},
+            "data": {
+                "sources": [{"type": "huggingface_causal", "name_or_path": DATA_PLACEHOLDER}],
+                "max_length": config.seq_len,
+            },
         }
 
     def render(self, config: TrialConfig, notes: list[str], path: str) -> Rendered:
-        replace = [f"replace data.sources' {DATA_PLACEHOLDER} with your text dataset (a Hugging Face id or a "
-                   "folder with a 'text' column); causal packs it into max_length windows"]
+        replace = [
+            f"replace data.sources' {DATA_PLACEHOLDER} with your text dataset (a Hugging Face id or a "
+            "folder with a 'text' column); causal packs it into max_length windows"
+        ]
         if hf_model_name(config.model) == MODEL_PLACEHOLDER:
-            replace.append(f"replace model.name_or_path {MODEL_PLACEHOLDER} with your model (a Hugging Face id or "
-                           "folder)")
+            replace.append(
+                f"replace model.name_or_path {MODEL_PLACEHOLDER} with your model (a Hugging Face id or folder)"
+            )
         header = comment_block(notes + replace)
         return Rendered(header + "\n" + yaml.safe_dump(self.recipe(config), sort_keys=False).rstrip())
 

@@ -129,8 +129,7 @@ class Gap:
 
     def line(self, trainer: str) -> str:
         kind = "will not do" if self.needs_more_memory else "does its own way (never more device memory)"
-        return (f"{self.knob.name}: asked {_word(self.asked)}, {trainer} runs {_word(self.runs)} -- {kind}; "
-                f"{self.how}")
+        return f"{self.knob.name}: asked {_word(self.asked)}, {trainer} runs {_word(self.runs)} -- {kind}; {self.how}"
 
 
 def _word(value) -> str:
@@ -165,8 +164,9 @@ class Exporter(abc.ABC):
         every = {k.name for k in knobs()}
         if declared != every:
             missing, unknown = sorted(every - declared), sorted(declared - every)
-            raise TypeError(f"{cls.__name__}.expresses must declare every knob exactly once "
-                            f"(missing {missing}, unknown {unknown})")
+            raise TypeError(
+                f"{cls.__name__}.expresses must declare every knob exactly once (missing {missing}, unknown {unknown})"
+            )
 
     def trainer_techniques(self, job: ExportJob) -> Techniques:
         """The techniques the trainer runs when handed ``job``'s config."""
@@ -180,8 +180,11 @@ class Exporter(abc.ABC):
     def gaps(self, job: ExportJob) -> list[Gap]:
         """Every knob the trainer runs differently from ``job``'s config."""
         runs = self.trainer_techniques(job)
-        return [Gap(knob, getattr(job.techniques, knob.name), getattr(runs, knob.name), self.expresses[knob.name].how)
-                for knob in knobs() if getattr(runs, knob.name) != getattr(job.techniques, knob.name)]
+        return [
+            Gap(knob, getattr(job.techniques, knob.name), getattr(runs, knob.name), self.expresses[knob.name].how)
+            for knob in knobs()
+            if getattr(runs, knob.name) != getattr(job.techniques, knob.name)
+        ]
 
     def expresses_in_full(self, job: ExportJob) -> bool:
         """The trainer runs everything the config asks for, or differs only where that never needs more device
@@ -189,12 +192,10 @@ class Exporter(abc.ABC):
         return not any(gap.needs_more_memory for gap in self.gaps(job))
 
     @abc.abstractmethod
-    def render(self, config: TrialConfig, notes: list[str], path: str) -> Rendered:
-        ...
+    def render(self, config: TrialConfig, notes: list[str], path: str) -> Rendered: ...
 
     @abc.abstractmethod
-    def launch(self, path: str, config: TrialConfig) -> str:
-        ...
+    def launch(self, path: str, config: TrialConfig) -> str: ...
 
 
 def beside(path: str, suffix: str) -> str:
@@ -212,8 +213,11 @@ def hf_attention(techniques: Techniques) -> str:
 
 
 # Hugging Face hub ids of the model presets that are released models (their config.json is the preset's).
-HF_MODEL_IDS = {"llama3-8b": "meta-llama/Meta-Llama-3-8B", "llama3-70b": "meta-llama/Meta-Llama-3-70B",
-                "qwen3-32b": "Qwen/Qwen3-32B"}
+HF_MODEL_IDS = {
+    "llama3-8b": "meta-llama/Meta-Llama-3-8B",
+    "llama3-70b": "meta-llama/Meta-Llama-3-70B",
+    "qwen3-32b": "Qwen/Qwen3-32B",
+}
 MODEL_PLACEHOLDER = "REPLACE-WITH-YOUR-MODEL"
 
 

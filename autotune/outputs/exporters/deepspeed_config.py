@@ -39,8 +39,9 @@ def deepspeed_json(techniques: Techniques, with_optimizer: bool = True) -> dict:
     t = techniques
     zero: dict = {"stage": 3 if t.fsdp else 0}
     if t.fsdp:
-        zero.update({"overlap_comm": True, "contiguous_gradients": True,
-                     "stage3_gather_16bit_weights_on_model_save": True})
+        zero.update(
+            {"overlap_comm": True, "contiguous_gradients": True, "stage3_gather_16bit_weights_on_model_save": True}
+        )
     if t.optimizer_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
@@ -66,12 +67,12 @@ class DeepSpeedConfigExporter(Exporter):
     expresses = {
         "fsdp": exactly("zero_optimization.stage: 3 (0 without)"),
         "optimizer_offload": exactly("zero_optimization.offload_optimizer and offload_param on the cpu"),
-        "ulysses_degree": exactly("sequence_parallel_size; UlyssesSPAttentionHF and UlyssesSPDataLoaderAdapter "
-                                  "in .alst.py"),
+        "ulysses_degree": exactly(
+            "sequence_parallel_size; UlyssesSPAttentionHF and UlyssesSPDataLoaderAdapter in .alst.py"
+        ),
         "head_chunk": not_expressed("DeepSpeed's Ulysses attention runs all local heads at once"),
         "activation_checkpointing": exactly("model.gradient_checkpointing_enable() in .alst.py"),
-        "activation_offload_layers": exactly("CheckpointHiddenStatesOffload(keep_last_count = layers - N) in "
-                                             ".alst.py"),
+        "activation_offload_layers": exactly("CheckpointHiddenStatesOffload(keep_last_count = layers - N) in .alst.py"),
         "mlp_tile_tokens": exactly("TiledMLP over ceil(tokens per rank / tile) tiles in .alst.py"),
         "loss_tile_tokens": exactly("TiledFusedLogitsLoss over ceil(tokens per rank / tile) tiles in .alst.py"),
         "norm_tile_tokens": not_expressed("DeepSpeed has no tiled RMSNorm"),
@@ -83,8 +84,9 @@ class DeepSpeedConfigExporter(Exporter):
         return Rendered(json_text, {".alst.py": alst_python(config, notes, json_name=path)})
 
     def launch(self, path: str, config: TrialConfig) -> str:
-        return (f"deepspeed --num_gpus {config.gpus} your_train.py  (your_train.py uses {path} and the .alst.py "
-                "beside it)")
+        return (
+            f"deepspeed --num_gpus {config.gpus} your_train.py  (your_train.py uses {path} and the .alst.py beside it)"
+        )
 
 
 def alst_python(config: TrialConfig, notes: list[str], json_name: str) -> str:

@@ -35,8 +35,16 @@ def entry_config(front_doc: dict, entry: dict) -> TrialConfig:
     """A front entry as a config file. Entries carry ``predicted`` / ``measured`` (both sides, e.g. after
     ``autotune verify``); older ones only ``record``, which goes on its own side."""
     record = entry["record"]
-    sides = {side: entry[side] if side in entry else (record if record["source"] == side else None)
-             for side in ("predicted", "measured")}
-    return TrialConfig(model=front_doc["model"], hardware=front_doc["hardware"], gpus=front_doc["gpus"],
-                       nodes=front_doc.get("nodes", 1), seq_len=entry["seq_len"], techniques=entry_techniques(entry),
-                       **sides)
+    sides = {
+        side: entry[side] if side in entry else (record if record["source"] == side else None)
+        for side in ("predicted", "measured")
+    }
+    return TrialConfig(
+        model=front_doc["model"],
+        hardware=front_doc["hardware"],
+        gpus=front_doc["gpus"],
+        nodes=front_doc.get("nodes", 1),
+        seq_len=entry["seq_len"],
+        techniques=entry_techniques(entry),
+        **sides,
+    )

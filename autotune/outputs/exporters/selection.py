@@ -36,9 +36,9 @@ class Export:
     """What ``autotune export`` writes: the rendered format and what it says about the config."""
 
     exporter: Exporter
-    entry: dict                       # the front entry exported
-    config: TrialConfig               # as the trainer runs it (its length: where that fits)
-    gaps: list[Gap]                   # where the trainer runs differently from the front config
+    entry: dict  # the front entry exported
+    config: TrialConfig  # as the trainer runs it (its length: where that fits)
+    gaps: list[Gap]  # where the trainer runs differently from the front config
     re_estimate: ResultRecord | None  # the plan backend's record of what the trainer runs (None: no gaps)
     notes: list[str]
     rendered: Rendered
@@ -49,8 +49,14 @@ class Export:
 
 
 def export_job(front_doc: dict, entry: dict, model_config: dict) -> ExportJob:
-    return ExportJob(model=front_doc["model"], model_config=model_config, gpus=front_doc["gpus"],
-                     seq_len=entry["seq_len"], techniques=entry_techniques(entry), nodes=front_doc.get("nodes", 1))
+    return ExportJob(
+        model=front_doc["model"],
+        model_config=model_config,
+        gpus=front_doc["gpus"],
+        seq_len=entry["seq_len"],
+        techniques=entry_techniques(entry),
+        nodes=front_doc.get("nodes", 1),
+    )
 
 
 def _fastest(entries: list[dict]) -> dict:
@@ -70,14 +76,24 @@ def choose(front_doc: dict, exporter: Exporter, target: int, allow_partial: bool
     if allow_partial:
         return _fastest(reaching)
     expressible = [f["seq_len"] for f in front if exporter.expresses_in_full(export_job(front_doc, f, model_config))]
-    blocking = sorted({gap.knob.name for f in reaching for gap in exporter.gaps(export_job(front_doc, f, model_config))
-                       if gap.needs_more_memory})
-    reach = (f"the longest its expressible configs reach is {max(expressible):,}" if expressible
-             else "none of the front's configs is expressible")
+    blocking = sorted(
+        {
+            gap.knob.name
+            for f in reaching
+            for gap in exporter.gaps(export_job(front_doc, f, model_config))
+            if gap.needs_more_memory
+        }
+    )
+    reach = (
+        f"the longest its expressible configs reach is {max(expressible):,}"
+        if expressible
+        else "none of the front's configs is expressible"
+    )
     raise NotExpressible(
         f"no front config that --format {exporter.name} expresses in full reaches {target:,} tokens "
         f"({exporter.trainer} cannot do {', '.join(blocking)} as searched); {reach}; "
-        f"--allow-partial exports the fastest at {target:,} anyway, with what it will not do and a re-estimate")
+        f"--allow-partial exports the fastest at {target:,} anyway, with what it will not do and a re-estimate"
+    )
 
 
 def search_hardware(front_doc: dict):
@@ -106,8 +122,9 @@ class _TrainerAtEachLength:
         return self.plan.evaluate(dataclasses.replace(evaluation, techniques=self.techniques_at(evaluation.seq_len)))
 
 
-def re_estimate(exporter: Exporter, job: ExportJob, hardware,
-                progress: Callable[[str], None] | None = None) -> tuple[ExportJob, ResultRecord]:
+def re_estimate(
+    exporter: Exporter, job: ExportJob, hardware, progress: Callable[[str], None] | None = None
+) -> tuple[ExportJob, ResultRecord]:
     """What the trainer runs for ``job`` (its techniques, at ``job``'s length or, where that does not fit, at the
     longest length it fits) and the plan backend's record of it; the record is a failure where it fits nowhere.
     Lengths tried are multiples of 1024 and of what the length must divide (the Ulysses degree), not of the
@@ -125,23 +142,32 @@ def re_estimate(exporter: Exporter, job: ExportJob, hardware,
         return trainer_job, record
     say(f"{exporter.trainer}'s version does not fit at {job.seq_len:,} tokens: finding the longest length it fits")
     untiled = {k.name: 0 for k in knobs() if k.length_unit == "grid"}  # the grid find_max_seq steps on
-    longest = find_max_seq(dataclasses.replace(evaluation, techniques=dataclasses.replace(trainer_job.techniques,
-                                                                                          **untiled)),
-                           backend=trainer, progress=lambda r: say(f"  {r.seq_len:,} tokens: {r.status}"))
-    return dataclasses.replace(job, seq_len=longest.seq_len, techniques=trainer.techniques_at(longest.seq_len)), \
-        longest
+    longest = find_max_seq(
+        dataclasses.replace(evaluation, techniques=dataclasses.replace(trainer_job.techniques, **untiled)),
+        backend=trainer,
+        progress=lambda r: say(f"  {r.seq_len:,} tokens: {r.status}"),
+    )
+    return dataclasses.replace(job, seq_len=longest.seq_len, techniques=trainer.techniques_at(longest.seq_len)), longest
 
 
 def _record_line(record: dict | ResultRecord, capacity: int) -> str:
     r = record if isinstance(record, dict) else record.to_dict()
     peak = (r.get("peak_device_bytes") or 0) / GIB
     rate = f", {r['tokens_per_s']:,.0f} tokens/s" if r.get("tokens_per_s") else ""
-    return (f"{r['status']} at {r['seq_len']:,} tokens, peak {peak:.2f} GiB of {capacity / GIB:.2f} GiB per rank"
-            f"{rate} ({r['source']})")
+    return (
+        f"{r['status']} at {r['seq_len']:,} tokens, peak {peak:.2f} GiB of {capacity / GIB:.2f} GiB per rank"
+        f"{rate} ({r['source']})"
+    )
 
 
-def export(directory: Path, target: int | None, exporter: Exporter, allow_partial: bool, path: str,
-           progress: Callable[[str], None] | None = None) -> Export:
+def export(
+    directory: Path,
+    target: int | None,
+    exporter: Exporter,
+    allow_partial: bool,
+    path: str,
+    progress: Callable[[str], None] | None = None,
+) -> Export:
     """``autotune export``: the chosen front config (``choose``) in ``exporter``'s format, for ``path``."""
     front_doc = load_front(directory)
     model_config = load_model_config(front_doc["model"])
@@ -150,8 +176,14 @@ def export(directory: Path, target: int | None, exporter: Exporter, allow_partia
     return export_entry(front_doc, entry, exporter, path, model_config, progress)
 
 
-def export_entry(front_doc: dict, entry: dict, exporter: Exporter, path: str, model_config: dict,
-                 progress: Callable[[str], None] | None = None) -> Export:
+def export_entry(
+    front_doc: dict,
+    entry: dict,
+    exporter: Exporter,
+    path: str,
+    model_config: dict,
+    progress: Callable[[str], None] | None = None,
+) -> Export:
     """One front entry in ``exporter``'s format, as its trainer runs it (re-estimated where that differs;
     ``progress`` gets a line per oracle run: at millions of tokens each takes a while)."""
     searched = entry_config(front_doc, entry)
@@ -161,32 +193,45 @@ def export_entry(front_doc: dict, entry: dict, exporter: Exporter, path: str, mo
     hardware = search_hardware(front_doc)
     record = entry["record"]
     where = f"{searched.nodes} nodes x " if searched.nodes > 1 else ""
-    notes = [f"autotune: {searched.model}, {searched.seq_len:,} tokens on {where}{searched.gpus}x {searched.hardware}, "
-             f"front trial {entry['trial']}: {_record_line(record, hardware.device_memory_bytes)}"]
+    notes = [
+        f"autotune: {searched.model}, {searched.seq_len:,} tokens on {where}{searched.gpus}x {searched.hardware}, "
+        f"front trial {entry['trial']}: {_record_line(record, hardware.device_memory_bytes)}"
+    ]
     estimate = None
     seq_len = searched.seq_len
     if gaps:
         trainer_job, estimate = re_estimate(exporter, job, hardware, progress)
         partial = any(gap.needs_more_memory for gap in gaps)
-        notes.append(f"PARTIAL EXPORT (--allow-partial): {exporter.trainer} will not do all that trial "
-                     f"{entry['trial']} does:" if partial else
-                     f"{exporter.trainer} does some of it its own way, never with more device memory:")
+        notes.append(
+            f"PARTIAL EXPORT (--allow-partial): {exporter.trainer} will not do all that trial {entry['trial']} does:"
+            if partial
+            else f"{exporter.trainer} does some of it its own way, never with more device memory:"
+        )
         notes += [f"  {gap.line(exporter.trainer)}" for gap in gaps]
-        notes.append(f"re-estimate of what {exporter.trainer} runs: "
-                     f"{_record_line(estimate, hardware.device_memory_bytes)}")
+        notes.append(
+            f"re-estimate of what {exporter.trainer} runs: {_record_line(estimate, hardware.device_memory_bytes)}"
+        )
         if estimate.status != "ok":
             raise NotExpressible(
                 f"{exporter.trainer}'s version of front trial {entry['trial']} runs at no length: "
-                f"{_record_line(estimate, hardware.device_memory_bytes)}")
+                f"{_record_line(estimate, hardware.device_memory_bytes)}"
+            )
         if estimate.seq_len != searched.seq_len:
             seq_len = estimate.seq_len
-            notes.append(f"so this export is for {seq_len:,} tokens, the longest {exporter.trainer}'s version fits "
-                         f"(the searched config reached {searched.seq_len:,})")
-    config = TrialConfig(model=searched.model, hardware=searched.hardware, gpus=searched.gpus, nodes=searched.nodes,
-                         seq_len=seq_len,
-                         techniques=trainer_job.techniques,
-                         predicted=estimate.to_dict() if estimate else searched.predicted,
-                         measured=None if estimate else searched.measured)
+            notes.append(
+                f"so this export is for {seq_len:,} tokens, the longest {exporter.trainer}'s version fits "
+                f"(the searched config reached {searched.seq_len:,})"
+            )
+    config = TrialConfig(
+        model=searched.model,
+        hardware=searched.hardware,
+        gpus=searched.gpus,
+        nodes=searched.nodes,
+        seq_len=seq_len,
+        techniques=trainer_job.techniques,
+        predicted=estimate.to_dict() if estimate else searched.predicted,
+        measured=None if estimate else searched.measured,
+    )
     notes.append(f"launch: {exporter.launch(path, config)}")
     rendered = exporter.render(config, notes, path)
     return Export(exporter, entry, config, gaps, estimate, notes, rendered)

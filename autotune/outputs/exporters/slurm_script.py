@@ -19,11 +19,20 @@ from trials.techniques import knobs
 CONFIG_ENV = "AUTOTUNE_CONFIG_JSON"  # the config, handed to every node's task through srun's environment
 
 
-def multi_node_command(config_path: str, gpus: int, nodes: str, endpoint: str, rdzv_id: str,
-                       steps: str = "${STEPS:-10}", python: str = "python") -> str:
+def multi_node_command(
+    config_path: str,
+    gpus: int,
+    nodes: str,
+    endpoint: str,
+    rdzv_id: str,
+    steps: str = "${STEPS:-10}",
+    python: str = "python",
+) -> str:
     """``torchrun`` on one node of a multi-node job: the c10d rendezvous at ``endpoint`` under ``rdzv_id``."""
-    return (f"{python} -m torch.distributed.run --nnodes={nodes} --nproc-per-node={gpus} --rdzv-backend=c10d "
-            f"--rdzv-endpoint={endpoint} --rdzv-id={rdzv_id} -m trials.train --config {config_path} --steps {steps}")
+    return (
+        f"{python} -m torch.distributed.run --nnodes={nodes} --nproc-per-node={gpus} --rdzv-backend=c10d "
+        f"--rdzv-endpoint={endpoint} --rdzv-id={rdzv_id} -m trials.train --config {config_path} --steps {steps}"
+    )
 
 
 class SlurmScriptExporter(Exporter):
@@ -34,39 +43,54 @@ class SlurmScriptExporter(Exporter):
 
     def render(self, config: TrialConfig, notes: list[str], path: str) -> Rendered:
         gpu_line = [] if config.hardware == "cpu" else [f"#SBATCH --gpus-per-node={config.gpus}"]
-        node_command = multi_node_command(
-            '"$config"', config.gpus, '"$SLURM_NNODES"', '"$head_node:$port"', '"autotune-$SLURM_JOB_ID"',
-            steps='"${STEPS:-10}"', python='"${PYTHON:-python}"') + ' ${DATA:+--data "$DATA"}'
-        per_node = "\n".join([
-            'config="${TMPDIR:-/tmp}/autotune-config-$SLURM_JOB_ID.json"',
-            f'printf "%s\\n" "${CONFIG_ENV}" > "$config"',
-            f"exec {node_command}",
-        ])
-        return Rendered("\n".join([
-            "#!/usr/bin/env bash",
-            f"#SBATCH --job-name=autotune-{Path(config.model).stem}",
-            f"#SBATCH --nodes={config.nodes}",
-            "#SBATCH --ntasks-per-node=1",
-            *gpu_line,
-            "#SBATCH --exclusive",
-            comment_block(notes),
-            "# usage: STEPS=100 DATA=/shared/tokens.parquet sbatch this-file",
-            "#   (PYTHON: the interpreter with autotune installed on every node, default python; RDZV_PORT: a free",
-            "#   port on the first node, default 29500; DATA must be a path every node can read)",
-            "set -euo pipefail",
-            f"export {CONFIG_ENV}=$(cat <<'JSON'",
-            json.dumps(config.to_dict(), indent=2),
-            "JSON",
-            ")",
-            "# the first host without a pipe into head: under pipefail, scontrol killed by SIGPIPE once head has its",
-            "# line would fail the job",
-            'nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST")',
-            "head_node=${nodes%%$'\\n'*}",
-            "port=${RDZV_PORT:-29500}",
-            "export head_node port",
-            "# one task per node: write the config there, then one torchrun agent joining the rendezvous",
-            f"srun --nodes={config.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c {shlex.quote(per_node)}",
-        ]))
+        node_command = (
+            multi_node_command(
+                '"$config"',
+                config.gpus,
+                '"$SLURM_NNODES"',
+                '"$head_node:$port"',
+                '"autotune-$SLURM_JOB_ID"',
+                steps='"${STEPS:-10}"',
+                python='"${PYTHON:-python}"',
+            )
+            + ' ${DATA:+--data "$DATA"}'
+        )
+        per_node = "\n".join(
+            [
+                'config="${TMPDIR:-/tmp}/autotune-config-$SLURM_JOB_ID.json"',
+                f'printf "%s\\n" "${CONFIG_ENV}" > "$config"',
+                f"exec {node_command}",
+            ]
+        )
+        return Rendered(
+            "\n".join(
+                [
+                    "#!/usr/bin/env bash",
+                    f"#SBATCH --job-name=autotune-{Path(config.model).stem}",
+                    f"#SBATCH --nodes={config.nodes}",
+                    "#SBATCH --ntasks-per-node=1",
+                    *gpu_line,
+                    "#SBATCH --exclusive",
+                    comment_block(notes),
+                    "# usage: STEPS=100 DATA=/shared/tokens.parquet sbatch this-file",
+                    "#   (PYTHON: the interpreter with autotune installed on every node, default python; RDZV_PORT: a free",
+                    "#   port on the first node, default 29500; DATA must be a path every node can read)",
+                    "set -euo pipefail",
+                    f"export {CONFIG_ENV}=$(cat <<'JSON'",
+                    json.dumps(config.to_dict(), indent=2),
+                    "JSON",
+                    ")",
+                    "# the first host without a pipe into head: under pipefail, scontrol killed by SIGPIPE once head has its",
+                    "# line would fail the job",
+                    'nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+                    "head_node=${nodes%%$'\\n'*}",
+                    "port=${RDZV_PORT:-29500}",
+                    "export head_node port",
+                    "# one task per node: write the config there, then one torchrun agent joining the rendezvous",
+                    f"srun --nodes={config.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c {shlex.quote(per_node)}",
+                ]
+            )
+        )
 
     def launch(self, path: str, config: TrialConfig) -> str:
         return f"STEPS=100 sbatch {path}"

@@ -27,22 +27,32 @@ class TorchrunScriptExporter(Exporter):
         command = torchrun_command('"$config"', config.gpus)
         usage = "# usage: STEPS=100 DATA=tokens.parquet bash this-file"
         if config.nodes > 1:  # the same script on every node, all joining one c10d rendezvous
-            command = multi_node_command('"$config"', config.gpus, str(config.nodes),
-                                         '"${RDZV_ENDPOINT:?set RDZV_ENDPOINT=HOST:PORT, the same on every node}"',
-                                         '"${RDZV_ID:-autotune}"')
-            usage = (f"# usage, on each of the {config.nodes} nodes: RDZV_ENDPOINT=first-node:29500 STEPS=100 "
-                     f"DATA=tokens.parquet bash this-file")
-        return Rendered("\n".join([
-            "#!/usr/bin/env bash",
-            comment_block(notes),
-            usage,
-            "set -euo pipefail",
-            "config=\"${CONFIG:-autotune-config.json}\"",
-            "cat > \"$config\" <<'JSON'",
-            json.dumps(config.to_dict(), indent=2),
-            "JSON",
-            command + ' ${DATA:+--data "$DATA"}',
-        ]))
+            command = multi_node_command(
+                '"$config"',
+                config.gpus,
+                str(config.nodes),
+                '"${RDZV_ENDPOINT:?set RDZV_ENDPOINT=HOST:PORT, the same on every node}"',
+                '"${RDZV_ID:-autotune}"',
+            )
+            usage = (
+                f"# usage, on each of the {config.nodes} nodes: RDZV_ENDPOINT=first-node:29500 STEPS=100 "
+                f"DATA=tokens.parquet bash this-file"
+            )
+        return Rendered(
+            "\n".join(
+                [
+                    "#!/usr/bin/env bash",
+                    comment_block(notes),
+                    usage,
+                    "set -euo pipefail",
+                    'config="${CONFIG:-autotune-config.json}"',
+                    "cat > \"$config\" <<'JSON'",
+                    json.dumps(config.to_dict(), indent=2),
+                    "JSON",
+                    command + ' ${DATA:+--data "$DATA"}',
+                ]
+            )
+        )
 
     def launch(self, path: str, config: TrialConfig) -> str:
         return f"STEPS=100 bash {path}"

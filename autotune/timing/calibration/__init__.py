@@ -69,7 +69,11 @@ def calibrate(quiet: bool = True, repeats: int = 1, max_world: int | None = None
     every repeat's self-check under ``repeats`` and the spread of each rate under ``spread``. Each timing already
     discards samples taken while other processes were busy (see ``_sample``); benchmarks that never got a quiet
     sample are listed under ``contended``."""
-    result = {"machine": calibration_store.machine_key(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "worlds": {}}
+    result = {
+        "machine": calibration_store.machine_key(),
+        "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "worlds": {},
+    }
     cpus = os.cpu_count() or 1
     for world in [w for w in world_sizes() if max_world is None or w <= max_world]:
         threads = max(1, cpus // world)
@@ -77,19 +81,30 @@ def calibrate(quiet: bool = True, repeats: int = 1, max_world: int | None = None
         for index in range(repeats):
             busy = wait_for_idle(timeout_s=20.0)
             if not quiet:
-                print(f"calibrating {world} rank(s) x {threads} thread(s), run {index + 1}/{repeats} "
-                      f"(others busy {busy:.0%}) ...", file=sys.stderr, flush=True)
+                print(
+                    f"calibrating {world} rank(s) x {threads} thread(s), run {index + 1}/{repeats} "
+                    f"(others busy {busy:.0%}) ...",
+                    file=sys.stderr,
+                    flush=True,
+                )
             runs.append(_run_workers(world, threads))
         kept = _pick_repeat(runs)
         result["worlds"][str(world)] = runs[kept]
         if len(runs) > 1:
             checks = [self_check(run) for run in runs]
             result.setdefault("spread", {})[str(world)] = _spread_of(runs)
-            result.setdefault("repeats", {})[str(world)] = {"kept": kept + 1,
-                                                            "self_checks": [round(c, 4) for c in checks]}
+            result.setdefault("repeats", {})[str(world)] = {
+                "kept": kept + 1,
+                "self_checks": [round(c, 4) for c in checks],
+            }
             if not quiet:
-                print(f"  {world} rank(s): kept run {kept + 1} of {len(runs)} (in-step predicted / measured "
-                      + ", ".join(f"{c:.2f}" for c in checks) + ")", file=sys.stderr, flush=True)
+                print(
+                    f"  {world} rank(s): kept run {kept + 1} of {len(runs)} (in-step predicted / measured "
+                    + ", ".join(f"{c:.2f}" for c in checks)
+                    + ")",
+                    file=sys.stderr,
+                    flush=True,
+                )
     return result
 
 
@@ -109,8 +124,7 @@ def _pick_repeat(runs: list[dict]) -> int:
     step of several ranks too short. The self-check nearest 1 is the
     repeat whose microbenchmarks best explain its own real step -- one where gloo or a kernel came out several
     times slow, or rank 0 ran beside a slow peer, is far from 1."""
-    return min(range(len(runs)), key=lambda i: (len(runs[i].get("contended", ())),
-                                                abs(math.log(self_check(runs[i])))))
+    return min(range(len(runs)), key=lambda i: (len(runs[i].get("contended", ())), abs(math.log(self_check(runs[i])))))
 
 
 def _spread_of(runs: list[dict]) -> dict:
@@ -127,13 +141,31 @@ def _run_workers(world: int, threads: int) -> dict:
     """``world`` concurrent worker processes (gloo group when world > 1); rank 0's measurements."""
     with tempfile.TemporaryDirectory(prefix="autotune-calibrate-") as tmp:
         # the workers run as a CPU trial's ranks do: same threads, same malloc settings (trials.allocator)
-        env = dict(allocator.trial_environment(dict(os.environ), cpu=True), OMP_NUM_THREADS=str(threads),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
+        env = dict(
+            allocator.trial_environment(dict(os.environ), cpu=True),
+            OMP_NUM_THREADS=str(threads),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+            WORLD_SIZE=str(world),
+        )
         procs = []
         for rank in range(world):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "autotune.timing.calibration.worker", str(rank), str(world), str(threads), tmp],
-                env=dict(env, RANK=str(rank)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "autotune.timing.calibration.worker",
+                        str(rank),
+                        str(world),
+                        str(threads),
+                        tmp,
+                    ],
+                    env=dict(env, RANK=str(rank)),
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                )
+            )
         errors = []
         for proc in procs:
             _, err = proc.communicate(timeout=1800)

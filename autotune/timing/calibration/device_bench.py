@@ -67,11 +67,13 @@ def gemm_shapes(model_config: dict, tokens: int = GEMM_TOKENS) -> list[tuple[int
     GEMMs (input gradient, weight gradient)."""
     hidden = model_config["hidden_size"]
     head_dim = model_config.get("head_dim") or hidden // model_config["num_attention_heads"]
-    projections = [(hidden, model_config["num_attention_heads"] * head_dim),       # q
-                   (hidden, model_config["num_key_value_heads"] * head_dim),       # k, v
-                   (model_config["num_attention_heads"] * head_dim, hidden),       # o
-                   (hidden, model_config["intermediate_size"]),                    # gate, up
-                   (model_config["intermediate_size"], hidden)]                    # down
+    projections = [
+        (hidden, model_config["num_attention_heads"] * head_dim),  # q
+        (hidden, model_config["num_key_value_heads"] * head_dim),  # k, v
+        (model_config["num_attention_heads"] * head_dim, hidden),  # o
+        (hidden, model_config["intermediate_size"]),  # gate, up
+        (model_config["intermediate_size"], hidden),
+    ]  # down
     shapes = []
     for k, n in projections:
         shapes += [(tokens, k, n), (tokens, n, k), (k, tokens, n)]
@@ -87,14 +89,16 @@ def measure_gemms(device: torch.device, dtype: torch.dtype, shapes) -> dict:
         points.append({"m": m, "k": k, "n": n, "flops_per_s": 2.0 * m * k * n / t["s"], "spread": t["spread"]})
         flops += 2.0 * m * k * n
         seconds += t["s"]
-    return {"flops_per_s": flops / seconds, "points": points,
-            "spread": max(p["spread"] for p in points)}
+    return {"flops_per_s": flops / seconds, "points": points, "spread": max(p["spread"] for p in points)}
 
 
 def _attention_kernels(device: torch.device):
     """{name: fn(q, k, v) -> out} of the fused causal kernels available; q/k/v are (batch, seq, heads, dim)."""
-    kernels = {"sdpa": lambda q, k, v: F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)}
+    kernels = {
+        "sdpa": lambda q, k, v: F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        ).transpose(1, 2)
+    }
     if device.type == "cuda":
         try:
             from flash_attn import flash_attn_func
@@ -105,8 +109,16 @@ def _attention_kernels(device: torch.device):
     return kernels
 
 
-def measure_attention(device: torch.device, dtype: torch.dtype, head_dim: int, tile_q: int, tile_kv: int,
-                      lengths=ATTENTION_LENGTHS, heads=ATTENTION_HEADS, max_elements: int = 1 << 30) -> dict:
+def measure_attention(
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    tile_q: int,
+    tile_kv: int,
+    lengths=ATTENTION_LENGTHS,
+    heads=ATTENTION_HEADS,
+    max_elements: int = 1 << 30,
+) -> dict:
     """Computed-FLOP rates of each fused causal kernel, forward and backward, per (length, heads)."""
     result = {}
     for name, kernel in _attention_kernels(device).items():
@@ -115,17 +127,24 @@ def measure_attention(device: torch.device, dtype: torch.dtype, head_dim: int, t
             for h in heads:
                 if seq * h * head_dim > max_elements:
                     continue
-                q, k, v = (torch.randn(1, seq, h, head_dim, device=device, dtype=dtype, requires_grad=True)
-                           for _ in range(3))
+                q, k, v = (
+                    torch.randn(1, seq, h, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3)
+                )
                 out = kernel(q, k, v)
                 grad = torch.randn_like(out)
                 forward = timed(lambda: kernel(q, k, v), device, samples=3)
                 both = timed(lambda: torch.autograd.grad(kernel(q, k, v), (q, k, v), grad), device, samples=3)
                 backward_s = max(both["s"] - forward["s"], 1e-9)
                 pairs = h * tiled_pairs(seq, seq, True, tile_q, tile_kv)
-                points.append({"seq": seq, "heads": h, "fwd_flops_per_s": pairs * 4 * head_dim / forward["s"],
-                               "bwd_flops_per_s": pairs * 10 * head_dim / backward_s,
-                               "spread": max(forward["spread"], both["spread"])})
+                points.append(
+                    {
+                        "seq": seq,
+                        "heads": h,
+                        "fwd_flops_per_s": pairs * 4 * head_dim / forward["s"],
+                        "bwd_flops_per_s": pairs * 10 * head_dim / backward_s,
+                        "spread": max(forward["spread"], both["spread"]),
+                    }
+                )
         result[name] = points
     return result
 
@@ -149,8 +168,11 @@ def measure_host_copies(device: torch.device, numel: int = 1 << 28) -> dict:
     h2d = timed(lambda: dev.copy_(host, non_blocking=True), device)
     d2h = timed(lambda: host.copy_(dev, non_blocking=True), device)
     nbytes = numel * 2
-    return {"h2d_bytes_per_s": nbytes / h2d["s"], "d2h_bytes_per_s": nbytes / d2h["s"],
-            "spread": max(h2d["spread"], d2h["spread"])}
+    return {
+        "h2d_bytes_per_s": nbytes / h2d["s"],
+        "d2h_bytes_per_s": nbytes / d2h["s"],
+        "spread": max(h2d["spread"], d2h["spread"]),
+    }
 
 
 def measure_host_optimizer(threads: int, numel: int = 1 << 24) -> dict:
@@ -169,8 +191,9 @@ def measure_host_optimizer(threads: int, numel: int = 1 << 24) -> dict:
     return {"bytes_per_s": 3 * 4 * numel / t["s"], "spread": t["spread"]}
 
 
-def measure_collectives(device: torch.device, dtype: torch.dtype = torch.float32,
-                        sizes=(1 << 10, 1 << 22, 1 << 24)) -> dict:
+def measure_collectives(
+    device: torch.device, dtype: torch.dtype = torch.float32, sizes=(1 << 10, 1 << 22, 1 << 24)
+) -> dict:
     """Per collective kind over the default process group: ``latency + wire_bytes / bandwidth`` -- latency from
     the smallest message, bandwidth from the large ones (wire bytes as ``StepCounter`` counts them)."""
     import torch.distributed as dist
@@ -218,10 +241,12 @@ def device_rates(measured: dict, base) -> dict:
         longest = max(p["seq"] for p in attention[kernel])
         at_longest = [p for p in attention[kernel] if p["seq"] == longest]
         values["attention_efficiency"] = statistics.median(p["fwd_flops_per_s"] for p in at_longest) / rates.bf16_flops
-        values["attention_backward_efficiency"] = (statistics.median(p["bwd_flops_per_s"] for p in at_longest)
-                                                   / rates.bf16_flops)
-    values["elementwise_efficiency"] = (measured["elementwise"]["bytes_per_s"] * rates.elementwise_traffic_factor
-                                        / rates.hbm_bytes_per_s)
+        values["attention_backward_efficiency"] = (
+            statistics.median(p["bwd_flops_per_s"] for p in at_longest) / rates.bf16_flops
+        )
+    values["elementwise_efficiency"] = (
+        measured["elementwise"]["bytes_per_s"] * rates.elementwise_traffic_factor / rates.hbm_bytes_per_s
+    )
     copies = measured["host_copies"]
     values["host_bytes_per_s"] = min(copies["h2d_bytes_per_s"], copies["d2h_bytes_per_s"])
     values["host_copy_efficiency"] = 1.0

@@ -31,16 +31,21 @@ def main(argv: list[str] | None = None) -> int:
     else:
         device, dtype = torch.device("cpu"), torch.float32
     small = settings.get("small", False)
-    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "world_size": world, "dtype": str(dtype).replace("torch.", ""), "torch": str(torch.__version__)}
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "world_size": world,
+        "dtype": str(dtype).replace("torch.", ""),
+        "torch": str(torch.__version__),
+    }
     if rank == 0:
         tokens = 256 if small else bench.GEMM_TOKENS
         _say(rank, f"GEMMs at {settings['model_name']}'s shapes ({tokens} tokens)")
         result["gemm"] = bench.measure_gemms(device, dtype, bench.gemm_shapes(settings["model_config"], tokens))
         lengths, heads = ((256, 1024), (1, 2)) if small else (bench.ATTENTION_LENGTHS, bench.ATTENTION_HEADS)
         _say(rank, f"attention forward/backward at {', '.join(map(str, lengths))} tokens x {heads} heads")
-        result["attention"] = bench.measure_attention(device, dtype, settings["head_dim"], settings["tile_q"],
-                                                      settings["tile_kv"], lengths, heads)
+        result["attention"] = bench.measure_attention(
+            device, dtype, settings["head_dim"], settings["tile_q"], settings["tile_kv"], lengths, heads
+        )
         _say(rank, "elementwise ops, host copies, host AdamW")
         result["elementwise"] = bench.measure_elementwise(device, dtype, 1 << 16 if small else 1 << 26)
         result["host_copies"] = bench.measure_host_copies(device, 1 << 16 if small else 1 << 28)

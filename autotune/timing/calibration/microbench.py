@@ -23,8 +23,14 @@ from trials.step import build_training, train_step
 from trials.techniques import Techniques
 
 HEAD_DIMS = (16, 64, 128)
-MATMUL_SHAPES = ((4096, 128, 352), (4096, 352, 128), (128, 4096, 352), (4096, 256, 1024), (1024, 4096, 256),
-                 (4096, 128, 1024))
+MATMUL_SHAPES = (
+    (4096, 128, 352),
+    (4096, 352, 128),
+    (128, 4096, 352),
+    (4096, 256, 1024),
+    (1024, 4096, 256),
+    (4096, 128, 1024),
+)
 
 
 def measure_matmul() -> float:
@@ -39,7 +45,6 @@ def measure_matmul() -> float:
 
 def measure_attention(head_dim: int, seq: int = 2048, heads: int = 8) -> tuple[float, float]:
     """(forward, backward) computed FLOP/s of the CPU flash-attention kernel, causal, fp32."""
-
 
     q, k, v = (torch.randn(1, heads, seq, head_dim) for _ in range(3))
     fwd_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -81,10 +86,21 @@ def measure_memcpy() -> float:
 
 
 CALIBRATION_MODEL = {  # a small Llama that is none of the presets: compute is negligible at 16 tokens
-    "model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu",
-    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
-    "attention_bias": False, "mlp_bias": False,
+    "model_type": "llama",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "hidden_act": "silu",
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
 }
 
 
@@ -112,8 +128,10 @@ def measure_dispatch_overhead(partial_rates: dict) -> tuple[float, float]:
 
     def steps():  # one sample: the median of 8 (kernel seconds, wall) pairs
         pairs = [_wall_and_kernels(model, optimizer, batch, mesh, tracker, timer) for _ in range(8)]
-        return (statistics.median(sum(kernels.values()) for kernels, _ in pairs),
-                statistics.median(wall for _, wall in pairs))
+        return (
+            statistics.median(sum(kernels.values()) for kernels, _ in pairs),
+            statistics.median(wall for _, wall in pairs),
+        )
 
     samples = sample(steps, "step overhead", samples=5, returns_times=True)
     kernel_s = statistics.median(s[0] for s in samples)
@@ -131,8 +149,14 @@ def measure_dispatch_overhead(partial_rates: dict) -> tuple[float, float]:
     return per_dispatch, per_dispatch
 
 
-IN_STEP_MODEL = dict(CALIBRATION_MODEL, hidden_size=96, intermediate_size=256, num_attention_heads=6,
-                     num_key_value_heads=2, vocab_size=2048)  # also none of the presets
+IN_STEP_MODEL = dict(
+    CALIBRATION_MODEL,
+    hidden_size=96,
+    intermediate_size=256,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    vocab_size=2048,
+)  # also none of the presets
 IN_STEP_TOKENS = 2048
 _KINDS = [(p, k) for p in ("forward", "backward", "optimizer") for k in ("matmul", "attention", "elementwise")]
 
@@ -193,8 +217,12 @@ def in_step_training() -> tuple:
     tracker = DeviceMemoryTracker(None)
     with _disable_current_modes(), tracker:
         model, optimizer = build_training(IN_STEP_MODEL, Techniques(ulysses_degree=degree), mesh, 0, tracker)
-        batch = make_batch(synthetic_sample(mesh.dp_rank, IN_STEP_TOKENS, IN_STEP_MODEL["vocab_size"]), mesh.sp_rank,
-                           mesh.sp_degree, "cpu")
+        batch = make_batch(
+            synthetic_sample(mesh.dp_rank, IN_STEP_TOKENS, IN_STEP_MODEL["vocab_size"]),
+            mesh.sp_rank,
+            mesh.sp_degree,
+            "cpu",
+        )
         train_step(model, optimizer, batch, mesh, tracker)
     return model, optimizer, batch, mesh, tracker
 
@@ -255,7 +283,6 @@ def measure_in_step(partial_rates: dict) -> dict:
 
 def measure_optimizer(op_overhead_s: float, view_overhead_s: float) -> float:
     """AdamW(foreach=False) output bytes per second on the host, per-op overhead (as counted) taken out."""
-
 
     params = [torch.nn.Parameter(torch.randn(n)) for n in [1 << 20] * 6 + [1 << 16] * 8]
     for p in params:

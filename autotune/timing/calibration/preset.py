@@ -32,8 +32,10 @@ CPU_HOW = {
     "hbm_bytes_per_s": "output bytes/s of the elementwise ops inside one training step",
     "host_bytes_per_s": "memcpy of 1-16 MiB tensors into fresh buffers",
     "host_optimizer_bytes_per_s": "torch AdamW(foreach=False) inside one training step",
-    "op_overhead_s": ("host seconds per dispatched op of a 16-token training step under the memory tracker, "
-                      "outside its kernels (wall time minus the timed kernels and the collectives)"),
+    "op_overhead_s": (
+        "host seconds per dispatched op of a 16-token training step under the memory tracker, "
+        "outside its kernels (wall time minus the timed kernels and the collectives)"
+    ),
     "gloo": "all-to-all/all-gather/reduce-scatter/all-reduce over 2 ranks, latency + bytes/bandwidth",
 }
 DEVICE_HOW = {
@@ -57,12 +59,15 @@ def default_base() -> str:
     for key, preset in (("h200", "h200"), ("h100", "h100-sxm"), ("a100", "a100-80g")):
         if key in name:
             return preset
-    raise UserError(f"no shipped preset matches {torch.cuda.get_device_name(0)!r}: pass --hardware BASE "
-                    f"(the preset whose memory facts to keep)")
+    raise UserError(
+        f"no shipped preset matches {torch.cuda.get_device_name(0)!r}: pass --hardware BASE "
+        f"(the preset whose memory facts to keep)"
+    )
 
 
-def calibrate_preset(base_name: str, name: str, gpus: int, model_config: dict, model_name: str, repeats: int = 2,
-                     small: bool = False) -> dict:
+def calibrate_preset(
+    base_name: str, name: str, gpus: int, model_config: dict, model_name: str, repeats: int = 2, small: bool = False
+) -> dict:
     """The preset mapping for ``name``: ``base_name``'s facts with this node's measured rates."""
     base = load_hardware(base_name)
     path, _ = preset_path(base_name)
@@ -78,8 +83,14 @@ def calibrate_preset(base_name: str, name: str, gpus: int, model_config: dict, m
         device = f"{machine['cpu']} ({machine['cpus']} cores, torch {machine['torch']})"
         data["description"] = f"{device}, calibrated {when} (base: {base_name})"
         data["calibration"] = measured
-        data["calibrated"] = {"device": device, "measured_at": when, "base": base_name, "command": command,
-                              "how": CPU_HOW, "spread": measured.get("spread", {})}
+        data["calibrated"] = {
+            "device": device,
+            "measured_at": when,
+            "base": base_name,
+            "command": command,
+            "how": CPU_HOW,
+            "spread": measured.get("spread", {}),
+        }
         return data
     measured = measure_device(gpus, model_config, model_name, base, small=small)
     from autotune.timing.calibration.device_bench import device_rates
@@ -88,31 +99,47 @@ def calibrate_preset(base_name: str, name: str, gpus: int, model_config: dict, m
     data.update(rates)
     device = f"{measured['device']} x{measured['world_size']}"
     data["description"] = f"{device}, calibrated {when} (base: {base_name})"
-    data["calibrated"] = {"device": device, "measured_at": when, "base": base_name, "command": command,
-                          "model_shapes": model_name, "how": DEVICE_HOW,
-                          "assumed": ["op_overhead_s", "view_overhead_s", "side_stream_overlap"],
-                          "spread": _spreads(measured), "measurements": measured}
+    data["calibrated"] = {
+        "device": device,
+        "measured_at": when,
+        "base": base_name,
+        "command": command,
+        "model_shapes": model_name,
+        "how": DEVICE_HOW,
+        "assumed": ["op_overhead_s", "view_overhead_s", "side_stream_overlap"],
+        "spread": _spreads(measured),
+        "measurements": measured,
+    }
     return data
 
 
 def measure_device(gpus: int, model_config: dict, model_name: str, base: Hardware, small: bool = False) -> dict:
     """Run ``device_worker`` on ``gpus`` ranks (torchrun when several) and return rank 0's measurements."""
     head_dim = model_config.get("head_dim") or model_config["hidden_size"] // model_config["num_attention_heads"]
-    settings = {"model_config": model_config, "model_name": model_name, "head_dim": head_dim,
-                "tile_q": base.rates.attention_tile_q, "tile_kv": base.rates.attention_tile_kv,
-                "host_threads": max(1, (os.cpu_count() or 1) // max(1, gpus)), "small": small}
+    settings = {
+        "model_config": model_config,
+        "model_name": model_name,
+        "head_dim": head_dim,
+        "tile_q": base.rates.attention_tile_q,
+        "tile_kv": base.rates.attention_tile_kv,
+        "host_threads": max(1, (os.cpu_count() or 1) // max(1, gpus)),
+        "small": small,
+    }
     with tempfile.TemporaryDirectory(prefix="autotune-calibrate-") as tmp:
         settings_path = Path(tmp) / "settings.json"
         settings_path.write_text(json.dumps(settings))
         module = ["-m", "autotune.timing.calibration.device_worker", str(settings_path), tmp]
-        command = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}", *module]
-                   if gpus > 1 else [sys.executable, *module])
+        command = (
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}", *module]
+            if gpus > 1
+            else [sys.executable, *module]
+        )
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         lines = []
         for line in proc.stdout:
             lines.append(line)
             if line.startswith("progress: "):
-                print(f"calibrating: {line[len('progress: '):].strip()}", file=sys.stderr, flush=True)
+                print(f"calibrating: {line[len('progress: ') :].strip()}", file=sys.stderr, flush=True)
         if proc.wait():
             raise RuntimeError("device calibration failed:\n" + "".join(lines[-30:]))
         return json.loads((Path(tmp) / "device.json").read_text())
@@ -146,12 +173,13 @@ def output_path(name: str | None, output: Path | None) -> tuple[str, Path]:
 def write_preset(data: dict, path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    header = (f"# Hardware preset written by `autotune calibrate` ({data['calibrated']['measured_at']}).\n"
-              f"# Memory facts from the base preset {data['calibrated']['base']!r}; rates measured on this node\n"
-              f"# (calibrated.how says how each was measured). Use: --hardware {data['name']} (or this file).\n")
+    header = (
+        f"# Hardware preset written by `autotune calibrate` ({data['calibrated']['measured_at']}).\n"
+        f"# Memory facts from the base preset {data['calibrated']['base']!r}; rates measured on this node\n"
+        f"# (calibrated.how says how each was measured). Use: --hardware {data['name']} (or this file).\n"
+    )
     tmp = path.with_suffix(".tmp")
     tmp.write_text(header + yaml.safe_dump(data, sort_keys=False, width=120))
     tmp.replace(path)
     load_hardware(str(path))  # what was written must load
     return path
-

@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 def cpu_busy_fraction(interval: float = 0.5) -> float:
     """Fraction of this machine's CPU time used (by anyone) over ``interval`` seconds, from /proc/stat."""
+
     def read():
         with open("/proc/stat") as f:
             parts = [float(x) for x in f.readline().split()[1:]]
@@ -49,7 +50,7 @@ def wait_for_idle(threshold: float = 0.12, timeout_s: float = 60.0) -> float:
 # All workers take the same number of samples (rank 0 decides), so they keep loading the machine together.
 
 CONTENDED = 0.10
-WORKER_PIDS: list[int] = []          # the calibration workers' process ids (set by the worker)
+WORKER_PIDS: list[int] = []  # the calibration workers' process ids (set by the worker)
 CONTENDED_BENCHMARKS: list[str] = []
 
 
@@ -101,8 +102,9 @@ def _agree(value: int) -> int:
     return int(flag.item())
 
 
-def sample(fn, name: str, samples: int = 5, min_seconds: float = 0.15, budget_s: float = 20.0,
-            returns_times: bool = False):
+def sample(
+    fn, name: str, samples: int = 5, min_seconds: float = 0.15, budget_s: float = 20.0, returns_times: bool = False
+):
     """Clean timings of ``fn`` (its wall time, or with ``returns_times`` the tuple of seconds it returns), at
     least ``samples`` of them or whatever the time budget allowed; all samples if none was clean."""
     fn()  # warm-up

@@ -42,12 +42,10 @@ def _worker(rank: int, world: int, threads: int, out_dir: str) -> None:
 
     torch.set_num_threads(threads)
     if world > 1:
-
         dist.init_process_group("gloo", rank=rank, world_size=world)
     result = {"threads": threads, "world_size": world}
     sampling.WORKER_PIDS[:] = [os.getpid()]
     if world > 1:
-
         pids = [None] * world
         dist.all_gather_object(pids, os.getpid())
         sampling.WORKER_PIDS[:] = pids
@@ -71,7 +69,9 @@ def _worker(rank: int, world: int, threads: int, out_dir: str) -> None:
         result["gloo"] = bench.measure_gloo()
         sampling.barrier()
     # everything but the per-op overhead, as the time model will use it, then the overhead on top
-    result.update(op_overhead_s=0.0, view_overhead_s=0.0, optimizer_bytes_per_s=result["in_step"]["optimizer_bytes_per_s"])
+    result.update(
+        op_overhead_s=0.0, view_overhead_s=0.0, optimizer_bytes_per_s=result["in_step"]["optimizer_bytes_per_s"]
+    )
 
     partial = _model_rates(result, world)
     op, view = bench.measure_dispatch_overhead(partial)
@@ -85,8 +85,12 @@ def _worker(rank: int, world: int, threads: int, out_dir: str) -> None:
     # collective call (its residual over the step's collective calls; see autotune.timing.model)
     in_step = result["in_step"]
     counts = StepCounts.from_dict(in_step.pop("counts"))
-    timing = predict_step_time(counts, Rates(name="cpu", **dict(partial, op_overhead_s=op, view_overhead_s=view)),
-                               world, Techniques(ulysses_degree=in_step["ulysses_degree"]))
+    timing = predict_step_time(
+        counts,
+        Rates(name="cpu", **dict(partial, op_overhead_s=op, view_overhead_s=view)),
+        world,
+        Techniques(ulysses_degree=in_step["ulysses_degree"]),
+    )
     in_step["predicted_s"] = timing.step_time_s
     in_step["collective_calls"] = counts.collective_calls()
     residual_s = max(0.0, in_step["wall_s"] - timing.step_time_s)
@@ -94,7 +98,6 @@ def _worker(rank: int, world: int, threads: int, out_dir: str) -> None:
     result["optimizer_microbench_bytes_per_s"] = bench.measure_optimizer(op, view)
     result["contended"] = sorted(set(sampling.CONTENDED_BENCHMARKS))
     if world > 1:
-
         dist.barrier()
         dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
