@@ -18,6 +18,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from trials.patches import deepspeed_shm_comm_op_skipped
+
 
 @dataclass
 class Mesh:
@@ -109,8 +111,10 @@ def build_mesh(sp_degree: int, device: torch.device) -> Mesh:
         import deepspeed.comm
 
         if not deepspeed.comm.is_initialized():
-            # the already-initialised default group is reused; DeepSpeed wants the device backend's plain name
-            deepspeed.comm.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
+            # the already-initialised default group is reused; DeepSpeed wants the device backend's plain name.
+            # Its shared-memory comm op (a g++ build on a CPU accelerator) serves no collective a trial runs
+            with deepspeed_shm_comm_op_skipped():
+                deepspeed.comm.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
     return Mesh(
         rank=rank, world_size=world_size, sp_degree=sp_degree, device=device, sp_group=sp_group, device_mesh=device_mesh
     )

@@ -27,6 +27,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 from autotune.backends.base import Backend, Evaluation
 from autotune.backends.plan import PlanBackend, record_key
+from autotune.core import quiet
 from autotune.core.record import ResultRecord
 
 WORKERS_ENV = "AUTOTUNE_WORKERS"  # processes evaluating plan trials; default: one per core this process may use
@@ -48,6 +49,7 @@ def default_workers() -> int:
 def _start_worker(options: dict) -> None:
     global _backend
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the search's to handle; it ends the workers
+    quiet.configure()  # as the command that started the pool says (``autotune -v``: $AUTOTUNE_VERBOSE)
     _backend = PlanBackend(**options)
 
 

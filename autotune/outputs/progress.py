@@ -1,4 +1,8 @@
-"""Live progress for a search: trials done / answered without running / failed, and the best so far."""
+"""Live progress for a search: trials done / answered without running / failed, and the best so far.
+
+On a terminal, a rich progress bar. Anywhere else (a pipe, a log file, CI) whole lines instead: one per trial and
+a summary at the end, each written as is -- a bar rendered to a console that is not a terminal is cut to its width
+(``t… ok 6 … best >= target: 5,242,…``), and a long line wrapped by rich breaks mid-word or mid-path."""
 
 from __future__ import annotations
 
@@ -9,11 +13,13 @@ from autotune.core.sizes import format_tokens
 
 
 class SearchProgress:
-    """A rich progress bar fed by the search's per-trial callback."""
+    """Fed by the search's per-trial callback: a rich progress bar on a terminal, whole lines elsewhere."""
 
     def __init__(self, job, console: Console, enabled: bool = True):
         self.job, self.console, self.enabled = job, console, enabled
+        self.live = enabled and console.is_terminal  # the bar; otherwise (enabled) plain lines
         self.counts = {"ok": 0, "oom": 0, "error": 0, "timeout": 0, "skipped": 0}
+        self.done = 0
         self.best: tuple[int, float] | None = None
         self._progress = Progress(
             TextColumn("[bold]trials"),
@@ -22,7 +28,7 @@ class SearchProgress:
             TextColumn("{task.description}"),
             TimeElapsedColumn(),
             console=console,
-            disable=not enabled,
+            disable=not self.live,
             transient=False,
         )
         self._task = None
@@ -33,7 +39,14 @@ class SearchProgress:
         return self
 
     def __exit__(self, *exc):
-        return self._progress.__exit__(*exc)
+        result = self._progress.__exit__(*exc)
+        if self.enabled and not self.live:
+            self._line(f"trials {self.done} of {self.job.trials}: {self._describe()}")
+        return result
+
+    def _line(self, text: str) -> None:
+        """One line, as written: no markup, no highlighting, never wrapped or cut to the console's width."""
+        self.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
     def _describe(self) -> str:
         c = self.counts
@@ -48,6 +61,7 @@ class SearchProgress:
         )
 
     def on_record(self, number: int, techniques, record, answered_by) -> None:
+        self.done += 1
         self.counts[record.status] = self.counts.get(record.status, 0) + 1
         if answered_by is not None:
             self.counts["skipped"] += 1
@@ -56,13 +70,11 @@ class SearchProgress:
                 self.best = (record.seq_len, record.tokens_per_s)
         if self._task is not None:
             self._progress.update(self._task, advance=1, description=self._describe())
-        if self.enabled and not self.console.is_terminal:  # logs get one line per trial instead of a bar
+        if self.enabled and not self.live:  # logs get one line per trial instead of a bar
             # an OOM plan record may carry the rate it would have had: only a config that fits has a rate
             rate = f"{record.tokens_per_s:,.0f} tok/s" if record.status == "ok" and record.tokens_per_s else "-"
             peak = f"{record.peak_device_bytes / 2**30:.1f} GiB" if record.peak_device_bytes else "-"
-            self.console.print(
+            self._line(
                 f"trial {number}: {record.seq_len:,} tokens {record.status} {rate} peak {peak} "
-                f"({answered_by or record.source})",
-                markup=False,
-                highlight=False,
+                f"({answered_by or record.source})"
             )
