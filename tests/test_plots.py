@@ -90,6 +90,18 @@ def _markers(ax) -> list[tuple[float, float, str]]:
     )
 
 
+def _pareto_axes(fig):
+    """(the tokens/s axes, the failure strip below it) of a Pareto figure."""
+    ax, strip = fig.axes
+    assert strip.get_xlabel() == "sequence length (tokens)" and ax.get_ylabel() == "tokens / s"
+    return ax, strip
+
+
+def _strip_rows(strip) -> dict[str, float]:
+    """The strip's rows: name (its count cut off) -> height."""
+    return {label.get_text().rsplit(" (", 1)[0]: y for y, label in zip(strip.get_yticks(), strip.get_yticklabels())}
+
+
 def test_the_pareto_plot_draws_every_trial_once_where_it_belongs(figures, tmp_path):
     from autotune.outputs.plots import plot_pareto
 
@@ -110,23 +122,197 @@ def test_the_pareto_plot_draws_every_trial_once_where_it_belongs(figures, tmp_pa
     assert plot_pareto(rows, front, 4096, tmp_path / "pareto.png") == {"points": 9, "front": 3}
     _png(tmp_path / "pareto.png")
     (fig,) = figures
-    (ax,) = fig.axes
-    # the four that fit at their rates; the five without one on the floor, half the slowest rate (2000 / 2)
+    ax, strip = _pareto_axes(fig)
+    # the four that fit at their rates, on an axis from 0 to 15 % above the fastest (5000 * 1.15)
     assert _markers(ax) == sorted(
+        [(1024, 5000, "tab:blue"), (2048, 4000, "tab:blue"), (4096, 2000, "tab:blue"), (2048, 3800, "tab:blue")]
+    )
+    assert ax.get_ylim() == pytest.approx((0, 5750))
+    # the five without a rate in the strip: out of memory on the top row (1), failed on the bottom one (0); the
+    # two OOMs at 8192 (predicted first, as in rows) 0.15 apart around their row, the rest on it
+    assert [t.get_text() for t in strip.get_yticklabels()] == ["out of memory (3)", "failed (2)"]
+    assert _strip_rows(strip) == {"out of memory": 1, "failed": 0}
+    assert _markers(strip) == sorted(
         [
-            (1024, 5000, "tab:blue"),
-            (2048, 4000, "tab:blue"),
-            (4096, 2000, "tab:blue"),
-            (2048, 3800, "tab:blue"),
-            (8192, 1000, "tab:red"),
-            (8192, 1000, "tab:red"),
-            (16384, 1000, "tab:red"),
-            (4096, 1000, "grey"),
-            (8192, 1000, "grey"),
+            (8192, 0.925, "tab:red"),
+            (8192, 1.075, "tab:red"),
+            (16384, 1, "tab:red"),
+            (4096, 0, "grey"),
+            (8192, 0, "grey"),
         ]
     )
+    assert strip.get_ylim() == (-0.5, 1.5)
     (line,) = [line for line in ax.lines if line.get_label() == "Pareto front"]
     assert list(line.get_xdata()) == [1024, 2048, 4096] and list(line.get_ydata()) == [5000, 4000, 2000]
+    # the length axis spans every trial and the target, with 1.4x room on each side
+    assert ax.get_xlim() == pytest.approx((1024 / 1.4, 16384 * 1.4))
+
+
+def test_out_of_memory_markers_sit_in_the_strip_row_named_so(figures, tmp_path):
+    from autotune.outputs.plots import plot_pareto
+
+    rows = [_row(4096, "ok", "predicted", 900.0)] + [_row(8192, "oom", "predicted") for _ in range(3)]
+    rows.append(_row(16384, "oom", "measured"))
+    plot_pareto(rows, [{"seq_len": 4096, "tokens_per_s": 900.0, "techniques": {}}], 8192, tmp_path / "p.png")
+    ax, strip = _pareto_axes(figures[0])
+    assert _markers(ax) == [(4096, 900, "tab:blue")]  # none of them on the rate axis
+    height = _strip_rows(strip)["out of memory"]
+    # three at one length spread 0.15 apart around the row, the measured one (a triangle) on it
+    assert _markers(strip) == [
+        (8192, height - 0.15, "tab:red"),
+        (8192, height, "tab:red"),
+        (8192, height + 0.15, "tab:red"),
+        (16384, height, "tab:red"),
+    ]
+    markers = sorted(c.get_paths()[0].vertices.shape[0] for c in strip.collections)
+    assert len(markers) == 2  # one collection per source: x for predicted, triangle for measured
+
+
+@pytest.mark.parametrize(
+    "statuses, counts",
+    [
+        (["oom"] * 4, "4 trials: 4 out of memory, 0 failed"),
+        (["oom", "error", "timeout"], "3 trials: 1 out of memory, 2 failed"),
+    ],
+)
+def test_an_all_failed_search_has_no_rate_scale_and_says_nothing_fits(figures, tmp_path, statuses, counts):
+    from autotune.outputs.plots import plot_pareto
+
+    lengths = [1024, 4096, 16384, 11264]
+    rows = [_row(n, s, "predicted") for n, s in zip(lengths, statuses)]
+    assert plot_pareto(rows, [], 4096, tmp_path / "p.png")["points"] == len(rows)
+    _png(tmp_path / "p.png")
+    ax, strip = _pareto_axes(figures[0])
+    # no rate anywhere: no markers, no ticks or tick labels on the tokens/s axis, the note instead
+    assert len(ax.collections) == 0 and list(ax.get_yticks()) == []
+    fig = figures[0]
+    fig.canvas.draw()
+    assert [t.get_text() for t in ax.get_yticklabels()] == []
+    (note,) = ax.texts
+    assert note.get_text() == f"no config fits\n{counts} (below)"
+    frame, box = ax.get_window_extent(), note.get_window_extent()
+    assert frame.x0 < box.x0 and box.x1 < frame.x1 and frame.y0 < box.y0 and box.y1 < frame.y1
+    # the trials in the strip; a length axis around them and the target
+    assert len(_markers(strip)) == len(rows)
+    lo = min(lengths[: len(rows)] + [4096])
+    hi = max(lengths[: len(rows)] + [4096])
+    assert ax.get_xlim() == pytest.approx((lo / 1.4, hi * 1.4))
+    low, high = strip.get_xlim()
+    shown = [t.get_text() for t in strip.get_xticklabels() if low <= t.get_position()[0] <= high]
+    assert shown == ["1K", "2K", "4K", "8K", "16K"]  # lengths as a user types them
+
+
+# The llama3-8b 5M search's front (docs/gallery/llama3-8b-5M-pareto.png): three points within 6 pixels of one
+# another near 5M, two apart at 0.5-0.6M.
+_MAIN = {
+    "fsdp": True,
+    "optimizer_offload": True,
+    "activation_checkpointing": True,
+    "activation_offload_layers": 32,
+    "mlp_tile_tokens": 65536,
+    "loss_tile_tokens": 8192,
+    "norm_tile_tokens": 65536,
+}
+MAIN_FRONT = [
+    (5505024, 355.2, {**_MAIN, "ulysses_degree": 8}),
+    (5439488, 359.5, {**_MAIN, "ulysses_degree": 8}),
+    (5242880, 372.9, {**_MAIN, "ulysses_degree": 8}),
+    (655360, 2837.8, _MAIN),
+    (463872, 3916.5, _MAIN),
+]
+
+
+def _drawn_labels(fig, ax):
+    """The front's labels as (text, pixel box, the point it points at in pixels)."""
+    fig.canvas.draw()
+    return [(t.get_text(), t.get_window_extent(), tuple(ax.transData.transform(t.xy))) for t in ax.texts]
+
+
+def _assert_clear(fig, ax, front):
+    """Every label inside the axes, apart from every other label and from every front marker (7-pixel
+    markers: 3.5 pixels around the point)."""
+    labels = _drawn_labels(fig, ax)
+    frame = ax.get_window_extent()
+    markers = [ax.transData.transform((f["seq_len"], f["tokens_per_s"])) for f in front]
+    for i, (text, box, _) in enumerate(labels):
+        assert frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1, text
+        for other, other_box, _ in labels[i + 1 :]:
+            assert not box.overlaps(other_box), (text, other)
+        for x, y in markers:
+            assert not (box.x0 - 3.5 < x < box.x1 + 3.5 and box.y0 - 3.5 < y < box.y1 + 3.5), (text, x, y)
+    return labels
+
+
+def _front(points):
+    return [{"seq_len": s, "tokens_per_s": t, "techniques": tech} for s, t, tech in points]
+
+
+def _fits(front):
+    """The trials of a front: each point a predicted trial that fits."""
+    return [_row(f["seq_len"], "ok", "predicted", f["tokens_per_s"]) for f in front]
+
+
+def test_the_main_jobs_front_labels_do_not_overlap(figures, tmp_path):
+    from autotune.outputs.plots import plot_pareto
+
+    front = _front(MAIN_FRONT)
+    plot_pareto(_fits(front) + [_row(7414784, "oom", "predicted")], front, 5242880, tmp_path / "p.png")
+    fig = figures[0]
+    ax, _ = _pareto_axes(fig)
+    labels = _assert_clear(fig, ax, front)
+    # the three near 5M share a config: one label for them, pointing at the fastest of them; one each for the rest
+    at = {text: point for text, _, point in labels}
+    assert sorted(at) == ["fsdp+optoff ac+off32 tiled", "fsdp+optoff sp8 ac+off32 tiled (3 points)"]
+    assert at["fsdp+optoff sp8 ac+off32 tiled (3 points)"] == pytest.approx(
+        tuple(ax.transData.transform((5242880, 372.9)))
+    )
+    points = sorted(point for text, _, point in labels if text == "fsdp+optoff ac+off32 tiled")
+    expected = sorted(tuple(ax.transData.transform((s, t))) for s, t, _ in MAIN_FRONT[3:])
+    assert [c for p in points for c in p] == pytest.approx([c for p in expected for c in p])
+
+
+def test_near_points_with_different_configs_share_one_label_listing_each(figures, tmp_path):
+    from autotune.outputs.plots import plot_pareto
+
+    configs = [{"fsdp": True}, {"fsdp": True, "optimizer_offload": True}, {"ulysses_degree": 8}, {}]
+    front = _front([(5_000_000 + 100_000 * i, 420.0 - 10 * i, c) for i, c in enumerate(configs)])
+    front.append({"seq_len": 400_000, "tokens_per_s": 4000.0, "techniques": {"fsdp": True}})
+    plot_pareto(_fits(front), front, 5242880, tmp_path / "p.png")
+    ax, _ = _pareto_axes(figures[0])
+    labels = _assert_clear(figures[0], ax, front)
+    assert sorted(text for text, _, _ in labels) == [
+        "5,000,000: fsdp\n5,100,000: fsdp+optoff\n5,200,000: sp8\n5,300,000: baseline",
+        "fsdp",
+    ]
+
+
+def test_labels_that_would_collide_stack_with_leader_lines(figures, tmp_path):
+    from autotune.outputs.plots import plot_pareto
+
+    # four points at one rate, 2^0.625 apart on a length axis of 16 doublings (two more trials widen it):
+    # apart enough for labels of their own (over 30 pixels), closer than a label is long
+    configs = [
+        {"fsdp": True, "optimizer_offload": True, "activation_checkpointing": True},
+        {"fsdp": True, "ulysses_degree": 8, "activation_checkpointing": True},
+        {"fsdp": True, "ulysses_degree": 4, "loss_tile_tokens": 8192},
+        {"fsdp": True, "ulysses_degree": 2, "mlp_tile_tokens": 65536},
+    ]
+    front = _front([(round(2**20 * 2 ** (0.625 * i)), 1000.0 - i, c) for i, c in enumerate(configs)])
+    wide = [_row(2**13, "ok", "predicted", 10.0), _row(2**28, "ok", "predicted", 10.0)]
+    plot_pareto(_fits(front) + wide, front, 2**20, tmp_path / "p.png")
+    ax, _ = _pareto_axes(figures[0])
+    labels = _assert_clear(figures[0], ax, front)
+    assert len(labels) == 4
+    xs = [ax.transData.transform((f["seq_len"], f["tokens_per_s"]))[0] for f in front]
+    assert all(30 < b - a < min(box.width for _, box, _ in labels) for a, b in zip(xs, xs[1:]))
+    # each label points at its own point; the ones moved off their point's side carry a leader line to it
+    for (_, _, point), f in zip(sorted(labels, key=lambda t: t[2]), front):
+        assert point == pytest.approx(tuple(ax.transData.transform((f["seq_len"], f["tokens_per_s"]))))
+    moved = [t for t in ax.texts if t.arrow_patch is not None]
+    assert moved, "no label needed to move: the case does not test stacking"
+    for t in moved:
+        box, y = t.get_window_extent(), ax.transData.transform(t.xy)[1]
+        assert box.y0 > y + 5 or box.y1 < y - 5  # a text height or more above or below
 
 
 def test_the_memory_plot_stacks_each_front_points_breakdown(figures, tmp_path):
@@ -194,3 +380,52 @@ def test_plot_command_redraws_and_writes_the_interactive_html(search_dir):
         _png(search_dir / name)
     html = (search_dir / "pareto.html").read_text()
     assert "Plotly.newPlot" in html and "seq_len (tokens)" in html
+
+
+@pytest.mark.parametrize(
+    "tops, capacity, notes",
+    [
+        # the llama3-8b 5M front (docs/gallery/llama3-8b-5M-memory.png): four bars just under the 80 GiB line
+        (
+            [79.43, 78.57, 75.99, 75.92, 55.83],
+            80,
+            ["79.4 GiB\nhost 158.9", "78.6 GiB\nhost 157.1", "76.0 GiB\nhost 152.0", "75.9 GiB\nhost 151.8"]
+            + ["55.8 GiB\nhost 111.7"],
+        ),
+        # one bar over the line, one just under it, one far under it; below 1 GiB two significant digits
+        ([0.6, 0.48, 0.1], 0.5, ["0.6 GiB\nhost 1.2", "0.48 GiB\nhost 0.96", "0.1 GiB\nhost 0.2"]),
+    ],
+)
+def test_the_capacity_line_crosses_no_bar_note(figures, tmp_path, tops, capacity, notes):
+    from autotune.outputs.plots import plot_memory
+
+    gib = 2**30
+    records = [
+        {
+            "seq_len": 2**20 * (i + 1),
+            "status": "ok",
+            "breakdown": {"params": top * 0.1 * gib, "temporaries": top * 0.9 * gib},
+            "peak_device_bytes": top * gib,
+            "host_bytes": 2 * top * gib,
+        }
+        for i, top in enumerate(tops)
+    ]
+    assert plot_memory(records, capacity * gib, tmp_path / "memory.png") == len(tops)
+    _png(tmp_path / "memory.png")
+    (fig,) = figures
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    (line,) = [line for line in ax.lines if line.get_label() == f"capacity {capacity} GiB"]
+    assert list(line.get_ydata()) == [capacity, capacity]
+    line_y = ax.transData.transform((0, capacity))[1]
+    half_width = line.get_linewidth() * fig.dpi / 72 / 2
+    frame = ax.get_window_extent()
+    drawn = sorted(ax.texts, key=lambda t: t.get_window_extent().x0)
+    assert [t.get_text() for t in drawn] == notes
+    for i, (note, top) in enumerate(zip(drawn, tops)):
+        box = note.get_window_extent()
+        assert box.y1 < line_y - half_width or box.y0 > line_y + half_width, note.get_text()
+        # inside the axes, centred over its bar, not below its top
+        assert frame.y0 < box.y0 and box.y1 < frame.y1
+        assert (box.x0 + box.x1) / 2 == pytest.approx(ax.transData.transform((i, 0))[0], abs=1)
+        assert box.y0 >= ax.transData.transform((0, top))[1]

@@ -27,9 +27,23 @@ def parse_tokens(text: "str | int", what: str = "length") -> int:
     return value
 
 
-def format_tokens(tokens: int) -> str:
-    """Exact count with a readable suffix: ``5,242,880 (5M)``."""
+def short_tokens(tokens: int) -> str:
+    """The count as ``parse_tokens`` reads it, as short as exact: ``5M``, ``128K``, ``1000``."""
     for suffix, unit in (("M", 1024**2), ("K", 1024)):
         if tokens >= unit and tokens % unit == 0:
-            return f"{tokens:,} ({tokens // unit}{suffix})"
-    return f"{tokens:,}"
+            return f"{tokens // unit}{suffix}"
+    return str(tokens)
+
+
+def format_tokens(tokens: int) -> str:
+    """Exact count with its short form when that differs: ``5,242,880 (5M)``; ``1,000``."""
+    short = short_tokens(tokens)
+    return f"{tokens:,}" if short == str(tokens) else f"{tokens:,} ({short})"
+
+
+def format_count(count: int) -> str:
+    """A count (of parameters) in the decimal unit that fits: ``1.75 M``, ``8.03 B``, ``512``."""
+    for suffix, unit in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if round(count / unit, 2) >= 1:  # 999,999 is 1.00 M, not 1000.00 K
+            return f"{count / unit:.2f} {suffix}"
+    return str(count)

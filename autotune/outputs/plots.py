@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from autotune.core.record import BREAKDOWN_CATEGORIES
-from autotune.core.sizes import format_tokens
+from autotune.core.sizes import format_tokens, short_tokens
 from trials.techniques import knobs
 
 
@@ -31,14 +31,48 @@ def knob_label(techniques: dict) -> str:
     return " ".join(parts.values()) or "baseline"
 
 
+# The failure strip below the rate axis, one row per kind of trial without a rate, top to bottom:
+# (statuses, colour, the row's name, its name in the legend).
+FAILURE_ROWS = (
+    (("oom",), "tab:red", "out of memory", "out of memory"),
+    (("error", "timeout"), "grey", "failed", "failed (error / timeout)"),
+)
+STRIP_SPREAD = 0.35  # trials at one length in one strip row spread over row +- this (the row is 1 high)
+NO_FIT_NOTE = "no config fits"
+LABEL_FONT = 7  # points
+
+
+def _strip_offsets(count: int) -> list[float]:
+    """Vertical offsets of ``count`` markers that share one length in one strip row: centred, at most 0.15
+    apart, within +-``STRIP_SPREAD``, so each stays visible."""
+    if count == 1:
+        return [0.0]
+    step = min(0.15, 2 * STRIP_SPREAD / (count - 1))
+    return [(j - (count - 1) / 2) * step for j in range(count)]
+
+
+def _length_ticks(value: float, _position=None) -> str:
+    return short_tokens(round(value)) if value >= 1 else ""
+
+
 def plot_pareto(rows: list[dict], front: list[dict], target: int, path: Path, title: str = "") -> dict:
-    """Every trial (measured = circles, predicted = squares; OOM red and failed grey on the floor: measured =
-    triangles, predicted = x), the front highlighted and labelled with its key knobs, and the target as a
-    vertical line. Returns what the figure holds, counted from its artists: ``{"points": trial markers,
-    "front": front points}``."""
-    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
+    """Every trial at its length: those that fit at their tokens/s (measured = circles, predicted = squares),
+    the rest in a labelled strip below, one row for out of memory (red) and one for failed (grey), measured =
+    triangles, predicted = x. The front is a line whose points carry their key knobs (labels placed clear of
+    one another, see ``_place_front_labels``), the target a vertical line. When nothing fits, the rate axis
+    has no scale and says so. Returns what the figure holds, counted from its artists: ``{"points": trial
+    markers, "front": front points}``."""
     ok = [r for r in rows if r["status"] == "ok" and r.get("tokens_per_s")]
-    floor = min((r["tokens_per_s"] for r in ok), default=1.0) * 0.5  # where points without a rate are drawn
+    rates = [r["tokens_per_s"] for r in ok] + [f["tokens_per_s"] for f in front]
+    fig, (ax, strip) = plt.subplots(
+        2,
+        1,
+        sharex=True,
+        figsize=(11, 6),
+        dpi=110,
+        layout="constrained",
+        gridspec_kw={"height_ratios": (4, 1) if rates else (3, 2)},  # nothing fits: the strip is the content
+    )
     for source, marker in (("measured", "o"), ("predicted", "s")):
         pts = [r for r in ok if r["source"] == source]
         if pts:
@@ -50,48 +84,174 @@ def plot_pareto(rows: list[dict], front: list[dict], target: int, path: Path, ti
                 color="tab:blue",
                 label=f"{source} (fits)",
             )
-    for statuses, color, label in (
-        (("oom",), "tab:red", "out of memory"),
-        (("error", "timeout"), "grey", "failed (error / timeout)"),
-    ):
+    row_names, counts = [], []
+    for height, (statuses, color, name, label) in zip(range(len(FAILURE_ROWS) - 1, -1, -1), FAILURE_ROWS):
+        failed = [r for r in rows if r["status"] in statuses]
+        row_names.append((height, f"{name} ({len(failed)})"))
+        counts.append(f"{len(failed)} {name}")
+        by_length: dict[int, list[dict]] = {}
+        for r in failed:
+            by_length.setdefault(r["seq_len"], []).append(r)
+        heights = {id(r): height + o for same in by_length.values() for r, o in zip(same, _strip_offsets(len(same)))}
         for source, marker in (("measured", "v"), ("predicted", "x")):  # a real OOM vs one never launched
-            pts = [r for r in rows if r["status"] in statuses and r.get("source", "predicted") == source]
+            pts = [r for r in failed if r.get("source", "predicted") == source]
             if pts:
-                ax.scatter(
+                strip.scatter(
                     [r["seq_len"] for r in pts],
-                    [floor] * len(pts),
+                    [heights[id(r)] for r in pts],
                     marker=marker,
                     color=color,
-                    alpha=0.5,
+                    alpha=0.6,
                     label=f"{label}, {source}",
                 )
     if front:
-        xs = [f["seq_len"] for f in front]
-        ys = [f["tokens_per_s"] for f in front]
-        ax.plot(xs, ys, "-o", color="tab:red", label="Pareto front", zorder=3)
-        for f in front:
-            ax.annotate(
-                knob_label(f["techniques"]),
-                (f["seq_len"], f["tokens_per_s"]),
-                fontsize=7,
-                textcoords="offset points",
-                xytext=(4, 4),
-            )
-    ax.axvline(target, color="tab:green", linestyle="--", label=f"target {target:,}")
+        ax.plot(
+            [f["seq_len"] for f in front],
+            [f["tokens_per_s"] for f in front],
+            "-o",
+            color="tab:red",
+            label="Pareto front",
+            zorder=3,
+        )
+    for axes in (ax, strip):
+        axes.axvline(target, color="tab:green", linestyle="--", label=f"target {target:,}")
+        axes.grid(True, which="both", axis="x", alpha=0.3)
+    lengths = [r["seq_len"] for r in rows] + [f["seq_len"] for f in front] + [target]
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("sequence length (tokens)")
+    ax.set_xlim(min(lengths) / 1.4, max(lengths) * 1.4)
+    strip.xaxis.set_major_formatter(_length_ticks)
+    strip.set_xlabel("sequence length (tokens)")
+    strip.set_ylim(-0.5, len(FAILURE_ROWS) - 0.5)
+    strip.set_yticks([h for h, _ in row_names], [name for _, name in row_names], fontsize=8)
+    strip.tick_params(axis="y", length=0)
     ax.set_ylabel("tokens / s")
+    if rates:
+        ax.set_ylim(0, max(rates) * 1.15)
+        ax.grid(True, axis="y", alpha=0.3)
+    else:  # no rate to draw: no scale to read one from
+        ax.set_ylim(0, 1)
+        ax.set_yticks([])
+        note = (
+            f"{NO_FIT_NOTE}\n{len(rows)} trials: {', '.join(counts)} (below)" if rows else f"{NO_FIT_NOTE} (no trials)"
+        )
+        ax.text(
+            0.5,
+            0.5,
+            note,
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+            fontsize=13,
+            color="0.25",
+            zorder=5,
+            bbox={"facecolor": "white", "edgecolor": "0.7", "boxstyle": "round,pad=0.6"},
+        )
     ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
-    fig.tight_layout()
+    handles, labels = ax.get_legend_handles_labels()
+    more = [(h, t) for h, t in zip(*strip.get_legend_handles_labels()) if t not in labels]
+    fig.legend(handles + [h for h, _ in more], labels + [t for _, t in more], fontsize=8, loc="outside right upper")
+    fig.canvas.draw()  # lays the figure out; frozen, so the labels placed in its pixels stay where they are put
+    fig.set_layout_engine("none")
+    if front:
+        _place_front_labels(fig, ax, front)
     fig.savefig(path)
     drawn = {
-        "points": sum(len(c.get_offsets()) for c in ax.collections),
+        "points": sum(len(c.get_offsets()) for a in (ax, strip) for c in a.collections),
         "front": sum(len(line.get_xdata()) for line in ax.lines if line.get_label() == "Pareto front"),
     }
     plt.close(fig)
     return drawn
+
+
+def _front_groups(front: list[dict], pixels: list[tuple[float, float]], near: float) -> list[tuple[str, list[int]]]:
+    """The front's labels: (text, indices of the points it labels). Points closer than ``near`` pixels to a
+    neighbour (by length) share one label, since their markers cannot be told apart: "config (n points)" when
+    they share a config, else one line per point, "length: config", shortest first."""
+    order = sorted(range(len(front)), key=lambda i: front[i]["seq_len"])
+    clusters: list[list[int]] = []
+    for i in order:
+        if clusters:
+            (x0, y0), (x1, y1) = pixels[clusters[-1][-1]], pixels[i]
+            if (x1 - x0) ** 2 + (y1 - y0) ** 2 < near**2:
+                clusters[-1].append(i)
+                continue
+        clusters.append([i])
+    groups = []
+    for members in clusters:
+        texts = [knob_label(front[i]["techniques"]) for i in members]
+        if len(members) == 1:
+            text = texts[0]
+        elif len(set(texts)) == 1:
+            text = f"{texts[0]} ({len(members)} points)"
+        else:
+            text = "\n".join(f"{front[i]['seq_len']:,}: {t}" for i, t in zip(members, texts))
+        groups.append((text, members))
+    return groups
+
+
+def _overlaps(a: tuple, b: tuple, pad: float = 1.0) -> bool:
+    """Whether boxes (x0, y0, x1, y1) overlap, or come closer than ``pad`` pixels."""
+    return a[0] < b[2] + pad and b[0] < a[2] + pad and a[1] < b[3] + pad and b[1] < a[3] + pad
+
+
+def _free_box(points: tuple, width: float, height: float, bounds: tuple, taken: list[tuple]):
+    """The first free place for a ``width`` x ``height`` pixel text beside the ``points`` (the box (x0, y0, x1,
+    y1) around the points it labels): right, then left of them, above, then below, level with them or ``k``
+    text heights further up or down (k = 0, 1, ...); inside ``bounds`` and clear of every ``taken`` box.
+    Returns (box, k); right and above (k = 0) when none is free."""
+    rows = int((bounds[3] - bounds[1]) / (height + 2)) + 1
+    for k in range(rows):
+        for x0 in (points[2] + 6, points[0] - 6 - width):
+            for y0 in (points[3] + 3 + k * (height + 2), points[1] - 3 - height - k * (height + 2)):
+                box = (x0, y0, x0 + width, y0 + height)
+                inside = bounds[0] <= box[0] and box[2] <= bounds[2] and bounds[1] <= box[1] and box[3] <= bounds[3]
+                if inside and not any(_overlaps(box, b) for b in taken):
+                    return box, k
+    return (points[2] + 6, points[3] + 3, points[2] + 6 + width, points[3] + 3 + height), 0
+
+
+def _place_front_labels(fig, ax, front: list[dict]) -> None:
+    """Label each front point (or each group of near points with one config) where its text overlaps no other
+    label, no front marker, no part of the front line, and stays inside the axes: beside its point, right (or
+    left) and above (or below), else stacked further up or down with a leader line to the point. Works in the
+    figure's pixels, so it runs once the layout is final."""
+    renderer = fig.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    bounds = (frame.x0 + 2, frame.y0 + 2, frame.x1 - 2, frame.y1 - 2)
+    pixels = [tuple(ax.transData.transform((f["seq_len"], f["tokens_per_s"]))) for f in front]
+    obstacles = [(x - 5, y - 5, x + 5, y + 5) for x, y in pixels]  # the front's markers
+    for (xa, ya), (xb, yb) in zip(pixels, pixels[1:]):  # the front line, as small boxes every 4 pixels
+        steps = max(1, int(((xb - xa) ** 2 + (yb - ya) ** 2) ** 0.5 / 4))
+        for s in range(steps + 1):
+            x, y = xa + (xb - xa) * s / steps, ya + (yb - ya) * s / steps
+            obstacles.append((x - 1.5, y - 1.5, x + 1.5, y + 1.5))
+    placed: list[tuple] = []
+    for text, members in _front_groups(front, pixels, near=30.0):
+        anchor = max(members, key=lambda i: pixels[i][1])  # the group's highest point, where a leader goes
+        px, py = pixels[anchor]
+        xs, ys = [pixels[i][0] for i in members], [pixels[i][1] for i in members]
+        probe = ax.text(0, 0, text, fontsize=LABEL_FONT, transform=None)  # its size in pixels
+        extent = probe.get_window_extent(renderer)
+        probe.remove()
+        width, height = extent.width, extent.height
+        box, k = _free_box((min(xs), min(ys), max(xs), max(ys)), width, height, bounds, placed + obstacles)
+        scale = 72.0 / fig.dpi  # pixels -> points
+        leader = None
+        if k > 0:  # moved away from its point: a leader line from the text's nearest corner
+            relpos = (0.0 if box[0] > px else 1.0, 0.0 if box[1] > py else 1.0)
+            leader = dict(arrowstyle="-", color="0.45", lw=0.6, shrinkA=0, shrinkB=4, relpos=relpos)
+        ax.annotate(
+            text,
+            (front[anchor]["seq_len"], front[anchor]["tokens_per_s"]),
+            textcoords="offset points",
+            xytext=((box[0] - px) * scale, (box[1] - py) * scale),
+            ha="left",
+            va="bottom",
+            fontsize=LABEL_FONT,
+            zorder=4,
+            arrowprops=leader,
+        )
+        placed.append(box)
 
 
 def write_pareto_html(study, path: Path) -> bool:
@@ -119,6 +279,11 @@ _COLORS = {
 }
 
 
+def _gib(value: float, decimals: int = 1) -> str:
+    """GiB with ``decimals`` from 1 GiB up, two significant digits below (a CPU test's 0.5 GiB is not "0")."""
+    return f"{value:.{decimals}f}" if value >= 1 or value == 0 else f"{value:.2g}"
+
+
 def plot_memory(records, capacity: int, path, labels: list[str] | None = None, title: str = "") -> int:
     """Stacked bars of peak device memory per rank by category (one bar per record; ``ResultRecord`` or
     dict), the device capacity as a line; host bytes noted above each bar. Matplotlib, Agg backend.
@@ -132,21 +297,15 @@ def plot_memory(records, capacity: int, path, labels: list[str] | None = None, t
         values = [(r.get("breakdown") or {}).get(category, 0) / gib for r in rows]
         ax.bar(range(len(rows)), values, bottom=bottoms, color=_COLORS[category], label=category, width=0.6)
         bottoms = [b + v for b, v in zip(bottoms, values)]
+    notes = []
     for index, row in enumerate(rows):
         total = (row.get("peak_device_bytes") or 0) / gib
-        note = f"{total:.1f} GiB"
+        note = f"{_gib(total)} GiB"
         if row.get("host_bytes"):
-            note += f"\nhost {row['host_bytes'] / gib:.1f}"
-        ax.annotate(
-            note,
-            (index, max(total, bottoms[index])),
-            ha="center",
-            va="bottom",
-            fontsize=7,
-            textcoords="offset points",
-            xytext=(0, 3),
-        )
-    ax.axhline(capacity / gib, color="black", linestyle="--", label=f"capacity {capacity / gib:.0f} GiB")
+            note += f"\nhost {_gib(row['host_bytes'] / gib)}"
+        notes.append((max(total, bottoms[index]), note))
+    line = capacity / gib
+    ax.axhline(line, color="black", linestyle="--", label=f"capacity {_gib(line, 0)} GiB")
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels(
         names, rotation=20 if len(rows) > 3 else 0, ha="right" if len(rows) > 3 else "center", fontsize=8
@@ -154,9 +313,36 @@ def plot_memory(records, capacity: int, path, labels: list[str] | None = None, t
     ax.set_ylabel("peak device memory per rank (GiB)")
     ax.set_title(title or "predicted peak device memory by category")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.set_ylim(0, max(max(bottoms, default=0), capacity / gib) * 1.18)
+    ax.set_ylim(0, max(max(bottoms, default=0), line) * 1.18)
     fig.tight_layout()
+    _place_memory_notes(fig, ax, notes, line)
     fig.savefig(path)
     stacks = len({round(bar.get_x(), 6) for container in ax.containers for bar in container})
     plt.close(fig)
     return stacks
+
+
+def _place_memory_notes(fig, ax, notes: list[tuple[float, str]], line: float) -> None:
+    """Each bar's note (``(top of the bar in GiB, text)``, bar i at x = i) just above its bar, or, where it
+    would cross the capacity line at ``line`` GiB, just above the line; the y axis grows until every note fits
+    inside it. Works in pixels, so it runs once the layout is final."""
+    renderer = fig.canvas.get_renderer()
+    lifted: set[int] = set()
+    texts = [
+        ax.annotate(text, (i, top), ha="center", va="bottom", fontsize=7, textcoords="offset points", xytext=(0, 3))
+        for i, (top, text) in enumerate(notes)
+    ]
+    for _ in range(10):  # a taller axis moves the line closer to the notes below it: repeat until none changes
+        frame = ax.get_window_extent(renderer)
+        line_y = ax.transData.transform((0, line))[1]
+        for i, text in enumerate(texts):
+            box = text.get_window_extent(renderer)
+            if i not in lifted and box.y0 - 2 <= line_y <= box.y1 + 2:
+                lifted.add(i)
+                text.xy = (i, line)
+        highest = max((t.get_window_extent(renderer).y1 for t in texts), default=frame.y0)
+        if highest <= frame.y1 - 4:
+            break
+        bottom, top = ax.get_ylim()
+        per_pixel = (top - bottom) / frame.height
+        ax.set_ylim(bottom, top + (highest - frame.y1 + 8) * per_pixel * 1.2)
