@@ -2,7 +2,7 @@
 
 Shared by tests/test_bad_input.py (asserts) and bench/bad_inputs.py (prints README's troubleshooting
 table from real runs). ``make_files(dir)`` writes the broken files the cases point at. ``range_cases()`` adds,
-for every numeric option of every command, values just outside its range (``autotune.cli_options.RANGES``).
+for every numeric option of every command, values just outside its range (``autotune.cli.options.RANGES``).
 """
 
 from __future__ import annotations
@@ -310,7 +310,7 @@ def numeric_options() -> list[tuple[str, str, type]]:
 
 
 def _outside(allowed, kind: type) -> list[str]:
-    """Values just outside ``allowed`` (an ``autotune.cli_options.Range``) as a user would type them."""
+    """Values just outside ``allowed`` (an ``autotune.cli.options.Range``) as a user would type them."""
 
     def typed(value: float) -> str:
         return str(int(value)) if kind is int else str(float(value))
@@ -328,7 +328,7 @@ def _outside(allowed, kind: type) -> list[str]:
 def range_cases() -> list[tuple[str, list[str], str]]:
     """For every numeric option of every command in ``COMMAND_ARGV``, each value just outside its range: (what,
     argv, fragment). (tests/test_bad_input.py checks that every command with numeric options is there.)"""
-    from autotune.cli_options import RANGES
+    from autotune.cli.options import RANGES
 
     cases = []
     for command, flag, kind in numeric_options():

@@ -5,7 +5,7 @@ import pytest
 from bad_inputs import CASES, COMMAND_ARGV, argv_for, make_files, numeric_options, range_cases
 
 from autotune.cli import main
-from autotune.cli_options import RANGES
+from autotune.cli.options import RANGES
 
 RANGE_CASES = range_cases()
 

@@ -317,7 +317,7 @@ def test_check_re_times_the_calibrations_step_and_says_how_far_this_machine_move
     assert f"{check.slowdown:.2f}x too short" in verdict and "autotune calibrate --name" in verdict
     # the verdict's arithmetic on recorded seconds either side of the band
     for now_s, holds, words in ((1.05, True, "holds here"), (0.5, False, "2.00x too long"), (1.2, False, "too short")):
-        other = replace(check, now_s=now_s, calibrated_s=1.0)
+        other = replace(check, now_s=now_s, calibrated_s=1.0, contended=False)
         assert other.holds == holds and words in other.lines("p")[1]
     # seconds taken while other processes were busy are no verdict at all
     assert "says nothing about the machine's speed" in replace(check, contended=True).lines("p")[1]

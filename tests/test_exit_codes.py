@@ -470,7 +470,7 @@ def test_verify_exits_1_when_a_trial_failed(reached, tmp_path):
     assert done.returncode == 1, done.stderr[-3000:]
     # the cause is printed: the failed trial's error, which carries the trial's own traceback (not autotune's)
     assert any("failed (error): rank 0: RuntimeError: injected crash" in line for line in stderr_lines(done))
-    assert "autotune/cli.py" not in done.stderr
+    assert "autotune/cli/" not in done.stderr
 
 
 def test_verify_bad_input_exits_2(reached):
@@ -603,7 +603,7 @@ def test_run_stopped_by_sigterm_exits_130(tmp_path):
 
 
 def test_the_root_cause_is_the_first_exception_a_rank_raised():
-    from autotune.cli_run import root_cause
+    from autotune.cli.run import root_cause
 
     torchrun = [
         "[rank1]: Traceback (most recent call last):",
@@ -625,7 +625,7 @@ def test_the_root_cause_is_the_first_exception_a_rank_raised():
 def test_an_interrupt_inside_storage_code_waits_until_that_code_returns():
     """Ctrl-C inside SQLAlchemy / Optuna's storage would leave the study's database locked or a trial half told:
     the interrupt is held there and raised as soon as the main thread is back in other code."""
-    from autotune.cli_interrupts import interrupts_at_safe_points
+    from autotune.cli.interrupts import interrupts_at_safe_points
 
     namespace = {}
     source = (

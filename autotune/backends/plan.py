@@ -11,7 +11,9 @@ count, a model error) makes the record ``error`` with the reason: a config never
 
 Records are cached per (model, techniques, seq_len, gpus, hardware), so the search and ``--max-seq`` never
 trace the same point twice in one process; with a ``store`` (``autotune.backends.plan_store``) never twice on
-this machine, across studies and runs, as long as the code is the same.
+this machine, across studies and runs, as long as the code is the same. The store also keeps the records of the
+3- and 4-layer copies a deep model's prediction traced to their end (``shallow_copies``): the evaluations a
+reduced-depth trial predicts before it runs, so ``trial`` / ``verify`` after a search read them back too.
 """
 
 from __future__ import annotations
@@ -19,15 +21,18 @@ from __future__ import annotations
 import json
 import traceback
 from collections import OrderedDict
+from dataclasses import replace
 
 from autotune.backends.base import Backend, Evaluation
 from autotune.backends.plan_store import Entry, PlanStore, evaluation_key
 from autotune.core.record import ResultRecord
-from autotune.oracle import Prediction, extend_value, predict, stop_tensor_bytes
+from autotune.oracle import Prediction, extend_value, layer_runs, predict, stop_tensor_bytes
+from autotune.oracle.extrapolation import plan_traces
 from autotune.timing.counting import StepCounter
 from autotune.timing.counts import StepCounts
 from autotune.timing.model import TimeBreakdown, predict_step_time
 from trials.errors import ConfigError
+from trials.segments import techniques_for_runs
 
 
 def record_key(evaluation: Evaluation) -> str:
@@ -147,18 +152,24 @@ class PlanBackend(Backend):
             self._store_key(evaluation),
             Entry(record, prediction.peak_segment, reached, self._limits(evaluation) if prediction.stopped else None),
         )
+        for copy, alone in shallow_copies(evaluation, prediction):
+            self.store.put(
+                self._store_key(copy),
+                Entry(
+                    self._record(copy, alone),
+                    alone.peak_segment,
+                    {"device": alone.reached_tensor_bytes, "host": alone.host_bytes},
+                    None,
+                ),
+            )
 
     def _evaluate(self, evaluation: Evaluation) -> ResultRecord:
+        self.last_prediction = None  # first: an invalid config leaves no trace to keep (``_to_store``)
         hw = evaluation.hardware
-        nodes = str(evaluation.nodes) if evaluation.nodes > 1 else ""  # "h100-sxm 2x8": 2 nodes of 8
-        base = dict(
-            source="predicted", seq_len=evaluation.seq_len, device=f"{hw.name} {nodes}x{evaluation.gpus} (predicted)"
-        )
         try:
             evaluation.techniques.validate(evaluation.model_config, evaluation.world_size, evaluation.seq_len)
         except ConfigError as exc:
-            return ResultRecord(status="error", error=str(exc), **base)
-        self.last_prediction = None
+            return ResultRecord(status="error", error=str(exc), **_record_base(evaluation))
         modes = counter_modes(evaluation) if self.throughput else None
         try:
             stop = None if self.stop_above is None else int(hw.device_memory_bytes * self.stop_above)
@@ -166,9 +177,19 @@ class PlanBackend(Backend):
             prediction = predict(evaluation, modes=modes, stop_above_bytes=stop, stop_host_bytes=host_stop)
         except Exception as exc:  # a config the trial code cannot run is an error record, not a crash
             return ResultRecord(
-                status="error", error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}", **base
+                status="error",
+                error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}",
+                **_record_base(evaluation),
             )
         self.last_prediction = prediction
+        return self._record(evaluation, prediction)
+
+    def _record(self, evaluation: Evaluation, prediction: Prediction) -> ResultRecord:
+        """The record of ``evaluation`` from the oracle's ``prediction`` of it: the memory verdict, and the step
+        time where the trace ran to its end."""
+        hw = evaluation.hardware
+        base = _record_base(evaluation)
+        host_stop = (self._limits(evaluation) or {}).get("host")
         capacity = hw.device_memory_bytes
         fits = prediction.peak_device_bytes <= capacity and not prediction.stopped
         where = "/".join(str(p) for p in prediction.peak_segment or ())
@@ -223,6 +244,54 @@ class PlanBackend(Backend):
             record.step_time_s = float(timing.step_time_s)
             record.tokens_per_s = float(timing.tokens_per_s) if timing.tokens_per_s else None
         return record
+
+
+def _record_base(evaluation: Evaluation) -> dict:
+    """The fields every predicted record of ``evaluation`` has."""
+    hw, nodes = evaluation.hardware, str(evaluation.nodes) if evaluation.nodes > 1 else ""  # "2x8": 2 nodes of 8
+    return dict(
+        source="predicted", seq_len=evaluation.seq_len, device=f"{hw.name} {nodes}x{evaluation.gpus} (predicted)"
+    )
+
+
+def shallow_copies(evaluation: Evaluation, prediction: Prediction) -> list[tuple[Evaluation, Prediction]]:
+    """The shallow copies of the model that ``prediction`` traced to their end, each as an evaluation of its own
+    with the prediction the oracle gives it: one trace of the same layer runs (``predict`` traces a model of at
+    most 4 layers, or of runs shorter than 3, whole). A reduced-depth trial asks the plan backend for exactly
+    these evaluations before it runs (``LocalBackend.deadlines``), so the store keeps their records too. A copy
+    whose own prediction would trace other copies, or whose techniques do not validate at its depth, is left
+    out (its evaluation traces it)."""
+    layers = evaluation.model_config["num_hidden_layers"]
+    found = []
+    for trace in prediction.traces:
+        runs = [(kind, int(count)) for kind, count in trace.runs]
+        depth = sum(count for _, count in runs)
+        if trace.stopped or depth >= layers or plan_traces(runs)[1]:
+            continue
+        techniques = techniques_for_runs(evaluation.techniques, runs)
+        config = dict(evaluation.model_config, num_hidden_layers=depth)
+        if layer_runs(techniques, depth) != runs:
+            continue
+        try:
+            techniques.validate(config, evaluation.world_size, evaluation.seq_len)
+        except ConfigError:
+            continue
+        extra = evaluation.hardware.overhead_bytes(trace.peak_device_bytes)  # as ``predict`` adds them
+        breakdown = dict(trace.breakdown)
+        breakdown["other"] = breakdown.get("other", 0) + extra
+        alone = Prediction(
+            tensor_peak_bytes=trace.peak_device_bytes,
+            peak_device_bytes=trace.peak_device_bytes + extra,
+            breakdown=breakdown,
+            host_bytes=trace.peak_host_bytes,
+            overhead_bytes=extra,
+            peak_segment=trace.peak_segment,
+            traces=[trace],
+            elapsed_s=trace.elapsed_s,
+            reached_tensor_bytes=trace.peak_device_bytes,
+        )
+        found.append((replace(evaluation, model_config=config, techniques=techniques), alone))
+    return found
 
 
 def counter_modes(evaluation: Evaluation):

@@ -12,6 +12,10 @@ fit) two kinds of entries are kept:
     request whose limits lie at or above what the trace reached (the traced copies' and the extension's tensor
     peaks and host bytes): such a request would have run the same trace, unstopped;
   - a *stopped* entry: the trace was cut short at its limits; it answers only requests with those limits.
+So a search's record of a config that fits (its trace never stopped) answers ``estimate`` of that config exactly,
+and an out-of-memory record the search cut short never does (its breakdown stops at the crossing). The 3- and
+4-layer copies a deep model's trace ran to their end are kept as whole entries of their own evaluations
+(``autotune.backends.plan.shallow_copies``): a reduced-depth trial's deadline asks for those.
 
 Layout: ``<cache>/plan/<code digest>/<key>.json`` under the cache directory of ``autotune.core.calibration_store``
 (``$AUTOTUNE_CACHE_DIR``, ``$XDG_CACHE_HOME/autotune`` or ``~/.cache/autotune``); ``AUTOTUNE_PLAN_CACHE=off``

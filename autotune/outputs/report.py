@@ -1,5 +1,8 @@
 """The search's output folder: trials.parquet, pareto.json, pareto.png, memory.png, pareto.html, best.json.
 
+``best.json`` is the latest search's best; the best of another target searched in the same folder is kept
+beside it as ``best-<target>.json`` (the target's short form: ``best-4M.json``), so no target's best is lost.
+
 ``trials.parquet`` schema — one row per finished trial, one column per knob and per record field:
     trial (int), answered_by (str: local | plan | cache | monotone | oracle),
     one column per knob of ``trials.techniques.Techniques`` (bool, int -- head_chunk null = plain Ulysses -- or
@@ -36,9 +39,10 @@ import pyarrow.parquet as pq
 from autotune import search
 from autotune.core.hardware import Hardware, Rates
 from autotune.core.record import BREAKDOWN_CATEGORIES
+from autotune.core.sizes import short_tokens
 from autotune.outputs.exporters import FRONT_SCHEMA
 from autotune.outputs.plots import knob_label, plot_memory, plot_pareto, write_pareto_html
-from autotune.search.front import Point, best_point, front_points, points
+from autotune.search.front import Point, best_point, front_points, points, what_failed
 from trials.config_file import TrialConfig
 from trials.techniques import BASELINE, Techniques, knob_names, knobs
 
@@ -196,9 +200,11 @@ def hardware_from_attr(data: dict) -> Hardware:
 
 
 def write_outputs(job: search.SearchJob, study) -> dict:
-    """Write every output file; returns a summary (best trial or why there is none). Stores the job itself in
-    the study (``job_attr``) for ``autotune verify``."""
+    """Write every output file; returns a summary (best trial or why there is none; ``kept``: where the best of
+    the folder's previous target went, else None). Stores the job itself in the study (``job_attr``) for
+    ``autotune verify``."""
     out = job.out
+    previous_target = _outputs_target(out)  # the target best.json is for, read before pareto.json is rewritten
     study.set_user_attr(JOB_ATTR, job_attr(job))
     rows = trial_rows(study)
     pq.write_table(pa.Table.from_pylist(rows, schema=_SCHEMA), out / "trials.parquet")
@@ -228,16 +234,20 @@ def write_outputs(job: search.SearchJob, study) -> dict:
         title=f"memory per rank of the front, {job.model} on {_where(job)}",
     )
     best = best_point(study, job.target)
-    summary = {"rows": len(rows), "front": front, "best": None, "message": None}
     best_path = out / "best.json"
+    kept = _keep_best_of(previous_target, job.target, out)
+    summary = {"rows": len(rows), "front": front, "best": None, "message": None, "kept": kept}
     if best is None:
         longest = max((f["seq_len"] for f in front), default=0)
+        failed, everyone = what_failed(study) or ("", False)  # its last line ends with the most common cause
         summary["message"] = (
-            f"no config reached the target {job.target:,} tokens; the longest that fits is "
-            f"{longest:,} tokens; {search.what_bound(study)}"
+            failed
+            if everyone  # no trial says anything about memory: the failure is the answer
+            else f"no config reached the target {job.target:,} tokens; the longest that fits is "
+            f"{longest:,} tokens; {search.what_bound(study)}" + (f"; {failed}" if failed else "")
         )
-        if best_path.exists():  # a stale best from another target must not survive
-            best_path.unlink()
+        for stale in (best_path, target_best_path(out, job.target)):  # an earlier best of this target
+            stale.unlink(missing_ok=True)
         return summary
     predicted, measured = _sides(best)
     config = TrialConfig(
@@ -251,8 +261,33 @@ def write_outputs(job: search.SearchJob, study) -> dict:
         measured=measured,
     )
     config.write(best_path)
+    target_best_path(out, job.target).unlink(missing_ok=True)  # best.json holds this target's best now
     summary["best"] = config.to_dict()
     return summary
+
+
+def target_best_path(out: Path, target: int) -> Path:
+    """Where the best for ``target`` is kept once a search for another target wrote best.json."""
+    return out / f"best-{short_tokens(target)}.json"
+
+
+def _outputs_target(out: Path) -> int | None:
+    """The target of the outputs in ``out`` (pareto.json's, which best.json is written with), else None."""
+    try:
+        target = json.loads((out / "pareto.json").read_text()).get("target")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return target if isinstance(target, int) else None
+
+
+def _keep_best_of(previous_target: int | None, target: int, out: Path) -> Path | None:
+    """Move best.json aside as ``best-<previous target>.json`` when it is another target's; returns where."""
+    best_path = out / "best.json"
+    if previous_target is None or previous_target == target or not best_path.is_file():
+        return None
+    kept = target_best_path(out, previous_target)
+    best_path.replace(kept)
+    return kept
 
 
 def _where(job) -> str:

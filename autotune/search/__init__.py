@@ -21,6 +21,7 @@ The study lives in storage (SQLite in the out dir by default), so re-running the
 and several workers may share one study.
 
     job.py        SearchJob: what to search, on what, into which folder
+    request.py    from the user's options to the job: backend, hardware, nodes, prefilter, space, study
     space.py      the search space (knob choices, length grid) derived from the knob table
     study.py      storages, creating / resuming the study, reaping dead workers' trials
     policy.py     seeds, answers from the study, follow-ups

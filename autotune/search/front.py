@@ -6,11 +6,15 @@ finished trial, so each measurement is a user attribute of the *study*, ``measur
 ``{"trial", "techniques", "seq_len", "depth", "record", "at"}`` (``measured_attr``). A measurement describes a
 config at a length, so it applies to every finished trial of that config and length (the search's cache answers
 repeat them). The front, the best config and what bound it read each trial's *current* record: its measurement
-where there is one (a measured ``oom`` or ``error`` drops it from the front), else its own record."""
+where there is one (a measured ``oom`` or ``error`` drops it from the front), else its own record. Where no config
+reaches the target, ``what_bound`` says which memory stopped the longest and ``what_failed`` why trials failed
+(``root_cause``: the line of an error text that says why)."""
 
 from __future__ import annotations
 
 import json
+import re
+from collections import Counter
 from dataclasses import dataclass
 
 import optuna
@@ -127,3 +131,76 @@ def what_bound(study: optuna.Study) -> str:
         f"the shortest OOM ({shortest.record['seq_len']:,} tokens, trial {shortest.number}) was dominated by "
         f"{category} ({breakdown[category] / 2**30:.1f} GiB)"
     )
+
+
+FAILED = ("error", "timeout")  # a trial that says nothing about memory: no answer, a failure
+_FRAME = re.compile(r'^\s*File "')
+_PYDANTIC = re.compile(r"\d+ validation errors? for \S+$")
+# where a real trial's error text goes on with the trial's own output (``autotune.backends.local``)
+_OUTPUT_MARKERS = ("\n--- last lines of the trial's output ---", "; last output:\n")
+
+
+def root_cause(error: str | None) -> str:
+    """The one line of an error text that says why: a failed record's ``error`` (``Type: message``, then the
+    tail of its traceback, then maybe the trial's output) as one line that ends with the cause.
+
+    Where the first line is the exception that ended the traceback, its message is read there, where it is
+    whole (above, the traceback's tail follows the message's first lines, cut anywhere): a header ending in ':'
+    is joined with the line that explains it (``Validation error for field 'x': TypeError: ...``), pydantic's
+    three-line errors into one. What precedes the exception on the first line (``rank 0: ``, ``the prediction
+    failed: ``) stays in front; a first line that is not the traceback's exception is the record's own summary
+    of it (``trial exceeded its 60 s deadline``), and the trial's output after it is left out."""
+    if not error or not error.strip():
+        return "no cause recorded"
+    text = error
+    for marker in _OUTPUT_MARKERS:
+        text = text.split(marker)[0]
+    lines = [line.rstrip() for line in text.strip().splitlines() if line.strip()]
+    message = lines
+    frames = [i for i, line in enumerate(lines) if _FRAME.match(line)]
+    if frames:
+        after = lines[frames[-1] + 1 :]
+        start = next((i for i, line in enumerate(after) if not line[:1].isspace()), None)
+        if start is not None:
+            name, colon, rest = after[start].partition(": ")
+            said = f"{name.rsplit('.', 1)[-1]}{colon}{rest}"  # huggingface_hub.errors.X: as the first line says it
+            if lines[0].endswith(said):
+                message = [lines[0]] + after[start + 1 :]
+    return _one_line(message)
+
+
+def _one_line(message: list[str]) -> str:
+    first = message[0].strip()
+    if _PYDANTIC.search(first) and len(message) >= 3:  # "N validation errors for X" / field / what is wrong
+        detail = re.sub(r"\s*\[type=.*$", "", message[2].strip())
+        return f"{first}: {message[1].strip()}: {detail}"
+    line = first
+    for more in message[1:]:
+        if not line.endswith(":"):
+            break
+        line = f"{line} {more.strip()}"
+    return line
+
+
+def what_failed(study: optuna.Study) -> tuple[str, bool] | None:
+    """Why trials failed (``FAILED``), for a search without an answer: (text, every trial failed), or None when
+    none did. When every finished trial failed: the first full error text of the most common cause
+    (``root_cause``), then a last line with how many failed and that cause with its count. When some did: one
+    clause, to follow ``what_bound``; it ends with the most common cause too."""
+    found = points(study)
+    failed = [p for p in found if p.record["status"] in FAILED]
+    if not failed:
+        return None
+    causes = Counter(root_cause(p.record.get("error")) for p in failed)
+    cause, count = causes.most_common(1)[0]
+    if len(failed) < len(found):
+        return f"{len(failed)} of {len(found)} trials failed, {count} with: {cause}", False
+    first = min((p for p in failed if root_cause(p.record.get("error")) == cause), key=lambda p: p.number)
+    others = len(failed) - count
+    elsewhere = f" ({others} with other causes: the error column of trials.parquet)" if others else ""
+    full = (first.record.get("error") or "no cause recorded").strip()
+    text = (
+        f"trial {first.number} ended {first.record['status']}: {full}\n"
+        f"autotune: all {len(failed)} trials failed{elsewhere}; {count} with: {cause}"
+    )
+    return text, True

@@ -3,7 +3,7 @@
 ``RANGES`` is the table (a flag means the same thing, with the same range, in every command that takes it);
 ``ranged_option`` builds a command's typer option from it: the range is appended to the option's help, and a
 callback refuses a value outside it while the command line is parsed, before the command does anything. A
-refusal is click's ``BadParameter``, which ``autotune.cli.main`` prints as one line and exits 2 for, e.g.
+refusal is typer's ``BadParameter``, which ``autotune.cli.main`` prints as one line and exits 2 for, e.g.
 ``autotune: error: Invalid value for '--trials': must be at least 1, got 0``.
 
 Lengths (``--target``, ``--seq``) are not here: they take K/M suffixes and ``autotune.core.sizes.parse_tokens``

@@ -1,20 +1,26 @@
-"""``autotune run``: what it checks before it launches training, and how it reports the way training ended.
+"""``autotune run``: train with a tuned config through the same runner as trials; what it checks before it
+launches training, and how it reports the way training ended.
 
-Bad input it can find before launching is a ``UserError`` (exit 2, one line): a ``--data`` file that cannot be read
-as Parquet/Arrow, has no token column of integers, holds ids outside the model's vocabulary, or fewer tokens than
-one sequence.
-The data file is read with ``trials.train.read_token_file``, exactly as the training reads it. Training that fails
-exits 1 with its root cause (the first exception a rank raised) on the last line of stderr."""
+Bad input it can find before launching is a ``UserError`` (exit 2, one line): a config it cannot train (no
+seq_len, several nodes), a ``--data`` file that cannot be read as Parquet/Arrow, has no token column of integers,
+holds ids outside the model's vocabulary, or fewer tokens than one sequence. The data file is read with
+``trials.train.read_token_file``, exactly as the training reads it. Training that fails exits 1 with its root
+cause (the first exception a rank raised) on the last line of stderr."""
 
 from __future__ import annotations
 
 import collections
 import re
+import shlex
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import typer
+
+from autotune.cli.common import OUT, app, console, fail
+from autotune.cli.options import ranged_option
 from autotune.core.errors import UserError
 
 # the last line of a Python traceback ("ValueError: ...", "torch.OutOfMemoryError: ..."), as a rank prints it
@@ -23,6 +29,47 @@ _EXCEPTION_LINE = re.compile(r"^(?:\[rank(\d+)\]:\s*)?((?:[A-Za-z_]\w*\.)*[A-Za-
 # torchrun's own summary of a failed rank: a symptom, the rank's own exception is the cause
 _SYMPTOMS = ("ChildFailedError",)
 _STDERR_KEPT = 2000  # lines of the training's stderr searched for the root cause
+
+
+@app.command()
+def run(
+    config: Path = typer.Option(..., help="config-v1 JSON (best.json) to train with"),
+    steps: int = ranged_option("--steps", 10, "training steps"),
+    data: Path | None = typer.Option(None, help="Parquet/Arrow file of token ids (column input_ids or tokens)"),
+    seed: int = ranged_option("--seed", 0, "seed of the weights and the synthetic tokens"),
+):
+    """Train with a tuned config through the same runner as trials (synthetic tokens or --data). Exit 1 when
+    training fails, its root cause on the last line of stderr."""
+    from autotune.backends.setup import check_local_node
+    from autotune.outputs.exporters import torchrun_command
+    from trials.config_file import load_config_file
+    from trials.model_config import load_model_config
+
+    loaded = load_config_file(config)
+    if loaded.seq_len is None:
+        fail(f"config {str(config)!r} has no seq_len to train at")
+    if loaded.gpus < 1:
+        fail(f"config {str(config)!r} has gpus {loaded.gpus}: it must be at least 1")
+    if loaded.nodes > 1:
+        fail(
+            f"config {str(config)!r} is for {loaded.nodes} nodes: `autotune export --format slurm` (or --format "
+            f"torchrun, run on every node) trains it there"
+        )
+    model_config = load_model_config(loaded.model)
+    loaded.techniques.validate(model_config, loaded.gpus, loaded.seq_len)
+    check_local_node(loaded.gpus, loaded.techniques.attention == "flash")
+    if data is not None:
+        check_token_file(data, model_config["vocab_size"], loaded.seq_len)
+    command = torchrun_command(str(config), loaded.gpus, str(steps)).split()
+    if data is not None:
+        command += ["--data", str(data)]
+    command += ["--seed", str(seed)]
+    if command[0] == "python":
+        command[0] = sys.executable
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", *command[1:]]
+    console.print(shlex.join(command), markup=False, highlight=False, soft_wrap=True)  # one line, pasteable
+    raise typer.Exit(train(command, stdout=OUT.file))
 
 
 def check_token_file(path: Path, vocab_size: int, seq_len: int) -> int:

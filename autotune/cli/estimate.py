@@ -1,0 +1,174 @@
+"""``autotune estimate`` (a prediction by the plan backend) and ``autotune trial`` (one real trial on this node):
+one config each, resolved by ``autotune.core.overrides`` (the config file's values, the options over them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from autotune.cli.common import (
+    NODES_HELP,
+    RDZV_HELP,
+    TARGET_HELP,
+    app,
+    console,
+    fail,
+    fail_outcome,
+    follow,
+    note_rates,
+    print_record,
+    say,
+)
+from autotune.cli.options import ranged_option
+
+CONFIG_HELP = (
+    "config file (config-v1 JSON: its model, gpus, nodes, hardware and seq_len are the defaults of the options "
+    "here) or 'baseline'"
+)
+MODEL_HELP = "preset name or path to a Hugging Face config.json (default: the config file's model)"
+OTHER_MODEL_HELP = "run the config file's techniques on a --model of another architecture than the file's model"
+SEQ_HELP = f"{TARGET_HELP} (default: the config file's seq_len)"
+
+
+def _say_overrides(notices: list[str]) -> None:
+    """The options that overrode the config file, one line each (after the input checks: bad input stays one
+    line)."""
+    for notice in notices:
+        say(f"autotune: {notice}")
+
+
+@app.command()
+def estimate(
+    model: str | None = typer.Option(None, help=MODEL_HELP),
+    seq: str | None = typer.Option(None, help=SEQ_HELP),
+    config: str = typer.Option(..., help=CONFIG_HELP),
+    gpus: int | None = ranged_option("--gpus", None, "devices per node (default: the config file's; 8 with baseline)"),
+    nodes: int | None = ranged_option("--nodes", None, NODES_HELP + " (default: the config file's)"),
+    hardware: str | None = typer.Option(
+        None, help="hardware preset (default: the config file's; h100-sxm with baseline)"
+    ),
+    other_model: bool = typer.Option(False, "--other-model", help=OTHER_MODEL_HELP),
+    max_seq: bool = typer.Option(False, "--max-seq", help="bisect for the longest sequence that fits"),
+    plot: Path | None = typer.Option(None, help="write the memory (and time) breakdown as a PNG"),
+    memory_gib: float | None = ranged_option("--memory-gib", None, "per-rank capacity in GiB (overrides preset)"),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Predict peak memory per rank and step time for one config (plan backend, no GPU needed). Exit 1 when the
+    prediction itself failed (status error); an OOM prediction is an answer (exit 0)."""
+    from autotune.backends import Evaluation, make_backend
+    from autotune.backends.plan_store import default_store
+    from autotune.backends.setup import check_node_size
+    from autotune.core.hardware import load_hardware
+    from autotune.core.overrides import Defaults, resolve_config
+
+    run = resolve_config(
+        config,
+        Defaults(gpus=8),  # --config baseline: a node of 8 h100-sxm
+        model=model,
+        seq=seq,
+        gpus=gpus,
+        nodes=nodes,
+        hardware=hardware,
+        other_model=other_model,
+    )
+    hw = load_hardware(run.hardware).with_memory_gib(memory_gib).for_nodes(run.nodes)
+    check_node_size(hw, run.gpus, run.nodes)
+    if run.seq_len is None and not max_seq:
+        fail("--seq is required (or --max-seq, or a config file with seq_len)")
+    run.techniques.validate(run.model_config, run.gpus * run.nodes, run.seq_len if not max_seq else None)
+    _say_overrides(run.notices)
+    note_rates(hw)
+    evaluation = Evaluation(run.model_config, run.techniques, run.seq_len or 0, run.gpus, hw, run.nodes)
+    if max_seq:
+        from autotune.search.max_seq import find_max_seq
+
+        record = find_max_seq(evaluation)
+    else:
+        record = make_backend("plan", store=default_store()).evaluate(evaluation)
+    if plot is not None:
+        from autotune.outputs.plots import plot_memory
+
+        plot_memory([record], hw.device_memory_bytes, plot)
+    where = f"{run.nodes} nodes x " if run.nodes > 1 else ""
+    print_record(record.to_dict(), as_json, f"{run.model} on {where}{run.gpus}x {hw.name} (predicted)")
+    if record.status == "error":
+        fail_outcome(f"the prediction failed: {record.error}")
+
+
+@app.command()
+def trial(
+    model: str | None = typer.Option(None, help=MODEL_HELP),
+    seq: str | None = typer.Option(None, help=SEQ_HELP),
+    config: str = typer.Option(..., help=CONFIG_HELP),
+    gpus: int | None = ranged_option("--gpus", None, "ranks per node (default: the config file's; 1 with baseline)"),
+    nodes: int | None = ranged_option("--nodes", None, NODES_HELP + " (default: the config file's)"),
+    other_model: bool = typer.Option(False, "--other-model", help=OTHER_MODEL_HELP),
+    steps: int = ranged_option("--steps", 2, "measured steps after one warm-up"),
+    depth: str = typer.Option("full", help="full | reduced (run the 3/4-layer copies, extend to full depth)"),
+    memory_gib: float | None = ranged_option("--memory-gib", None, "per-rank capacity on CPU (GiB)"),
+    timeout: float | None = ranged_option(
+        "--timeout", None, "seconds before the trial is killed as hung (default: from its predicted step time)"
+    ),
+    rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help=RDZV_HELP),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Run one real training trial on this node (or, with --nodes, on every node) and print its measured record
+    (exit 1 when its status is not ok: oom, error or timeout, the cause on the last line of stderr). The
+    hardware is this node's: the config file's preset with this card's memory, the cpu preset without CUDA."""
+    from autotune.backends import Evaluation, make_backend
+    from autotune.backends.plan_store import default_store
+    from autotune.backends.setup import check_depth, check_local_node, open_node_group, trial_hardware
+    from autotune.core.overrides import Defaults, resolve_config
+    from autotune.core.record import ResultRecord
+
+    run = resolve_config(
+        config,
+        Defaults(gpus=1),  # --config baseline: one rank
+        model=model,
+        seq=seq,
+        gpus=gpus,
+        nodes=nodes,
+        other_model=other_model,
+    )
+    if run.seq_len is None:
+        fail(f"--seq is required: {'--config baseline' if config == 'baseline' else 'the config file'} has no seq_len")
+    run.techniques.validate(run.model_config, run.gpus * run.nodes, run.seq_len)
+    check_local_node(run.gpus, run.techniques.attention == "flash")
+    hw = trial_hardware("local", run.hardware, memory_gib).for_nodes(run.nodes)
+    check_depth(depth)
+    group = open_node_group(run.nodes, rdzv_endpoint)
+    _say_overrides(run.notices)
+    backend = make_backend(
+        "local",
+        steps=steps,
+        memory_gib=memory_gib,
+        timeout_s=timeout,
+        predictor=make_backend("plan", store=default_store()),
+        depth=depth,
+        progress=_show_progress,
+        group=group,
+    )
+    if group is not None and not group.driver:
+        final = follow(backend, "trial")
+        if final is None:
+            fail_outcome(f"the driver at {group.endpoint} stopped without a record")
+        record = ResultRecord.from_dict(final)
+    else:
+        record = None
+        try:
+            record = backend.evaluate(
+                Evaluation(run.model_config, run.techniques, run.seq_len, run.gpus, hw, run.nodes)
+            )
+        finally:
+            if group is not None:
+                group.finish(record.to_dict() if record is not None else None)
+    where = f"{run.nodes} nodes x {run.gpus}" if run.nodes > 1 else f"x{run.gpus}"
+    print_record(record.to_dict(), as_json, f"{run.model} {where} (measured)")
+    if record.status != "ok":
+        fail_outcome(f"the trial ended {record.status}: {record.error or 'no cause recorded'}")
+
+
+def _show_progress(line: str, elapsed_s: float, deadline_s: float) -> None:
+    """A long real trial's latest progress line, elapsed vs its deadline (stderr)."""
+    console.print(f"  trial: {line} ({elapsed_s:,.0f} s of at most {deadline_s:,.0f} s)", highlight=False)

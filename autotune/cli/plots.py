@@ -1,0 +1,66 @@
+"""``autotune plot`` (redraw a search folder's figures) and ``autotune show`` (its front as a table)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from autotune.cli.common import app, console, print_front
+
+
+@app.command()
+def plot(directory: Path = typer.Argument(...), output: Path | None = typer.Option(None, "-o", "--output")):
+    """Redraw pareto.png and memory.png (trials.parquet, pareto.json) and pareto.html (study.db, plotly)."""
+    import pyarrow.parquet as pq
+
+    from autotune.outputs.exporters import load_front
+    from autotune.outputs.plots import plot_pareto
+
+    front_doc = load_front(directory)
+    rows = pq.read_table(directory / "trials.parquet").to_pylist()
+    path = output or directory / "pareto.png"
+    plot_pareto(rows, front_doc["front"], front_doc["target"], path, title=f"{front_doc['model']}")
+    console.print(f"wrote {path}")
+    if output is None and front_doc["front"] and "capacity_bytes" in front_doc:
+        from autotune.outputs.report import plot_front_memory
+
+        plot_front_memory(
+            front_doc["front"],
+            front_doc["capacity_bytes"],
+            directory / "memory.png",
+            title=f"memory per rank of the front, {front_doc['model']}",
+        )
+        console.print(f"wrote {directory / 'memory.png'}")
+    if output is None:
+        _plot_html(directory)
+
+
+def _plot_html(directory: Path) -> None:
+    """pareto.html from the study in ``directory/study.db`` (a search with --storage elsewhere has none here)."""
+    import optuna
+
+    from autotune.outputs.plots import write_pareto_html
+
+    db = directory / "study.db"
+    if not db.exists():
+        console.print(f"pareto.html skipped: no study.db in {directory} (the study lives in its --storage)")
+        return
+    storage = f"sqlite:///{db.resolve()}"
+    names = optuna.get_all_study_names(storage)
+    if len(names) != 1:
+        console.print(f"pareto.html skipped: {len(names)} studies in {db}")
+        return
+    if write_pareto_html(optuna.load_study(study_name=names[0], storage=storage), directory / "pareto.html"):
+        console.print(f"wrote {directory / 'pareto.html'}")
+    else:
+        console.print("pareto.html skipped: plotly is not installed (pip install 'autotune[plots]')")
+
+
+@app.command()
+def show(directory: Path = typer.Argument(...)):
+    """Print a search folder's Pareto front as a table."""
+    from autotune.outputs.exporters import load_front
+
+    front_doc = load_front(directory)
+    print_front(front_doc["front"], front_doc["target"])

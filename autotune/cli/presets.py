@@ -1,0 +1,176 @@
+"""The presets: ``autotune models`` and ``autotune hardware`` list them, ``autotune calibrate`` measures this
+node's rates into a hardware preset (``autotune.timing.calibration``) or re-checks one."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from autotune.cli.common import OUT, app, fail, fail_outcome
+from autotune.cli.options import ranged_option
+
+
+@app.command()
+def models():
+    """List model presets."""
+    from autotune.core.sizes import format_count
+    from trials.model_config import load_model_config, model_names, parameter_count
+
+    table = Table(title="model presets (or pass a path to a Hugging Face config.json)")
+    for column in ("name", "type", "layers", "hidden", "heads", "kv heads", "vocab", "params"):
+        table.add_column(column)
+    for name in model_names():
+        c = load_model_config(name)
+        table.add_row(
+            name,
+            c["model_type"],
+            str(c["num_hidden_layers"]),
+            str(c["hidden_size"]),
+            str(c["num_attention_heads"]),
+            str(c["num_key_value_heads"]),
+            str(c["vocab_size"]),
+            format_count(parameter_count(c)),
+        )
+    OUT.rich(table)
+
+
+@app.command()
+def hardware():
+    """List hardware presets: the shipped ones and yours (``autotune calibrate --name NAME``)."""
+    from autotune.core.hardware import hardware_names, load_hardware, user_preset_dir
+
+    table = Table(title="hardware presets")
+    for column in ("name", "from", "GiB", "TFLOP/s", "HBM TB/s", "link GB/s", "host GB/s", "rates"):
+        table.add_column(column, no_wrap=column in ("name", "rates"))
+    for name in hardware_names():
+        hw = load_hardware(name)
+        rates = hw.rates_for(1)  # what the time model uses (a calibrated preset's measured rates)
+        table.add_row(
+            name,
+            hw.source,
+            f"{hw.device_memory_bytes / 2**30:.0f}",
+            f"{rates.bf16_flops / 1e12:.3g}",
+            f"{rates.hbm_bytes_per_s / 1e12:.2f}",
+            f"{rates.intra_node_bytes_per_s / 1e9:.0f}",
+            f"{rates.host_bytes_per_s / 1e9:.0f}",
+            _rates_origin(hw),
+        )
+    OUT.rich(table)
+    OUT.print(
+        f"user presets: {user_preset_dir()} (autotune calibrate --name NAME writes one; "
+        f"autotune calibrate --check --hardware NAME says whether it still holds)"
+    )
+
+
+def _rates_origin(hw) -> str:
+    if hw.calibrated:
+        return f"measured {hw.calibrated.get('measured_at', '')[:10]}"
+    if hw.calibration:
+        return "typical CPU's"
+    return "assumed"
+
+
+@app.command()
+def calibrate(
+    hardware: str | None = typer.Option(
+        None,
+        help="base preset whose memory facts the new preset keeps "
+        "(default: the one matching this node's devices; cpu without CUDA)",
+    ),
+    gpus: int | None = ranged_option(
+        "--gpus",
+        None,
+        "devices to measure the collectives over (default: all visible; cpu: trial world sizes 1, 2, 4 up to this)",
+    ),
+    name: str | None = typer.Option(None, help="save as a user preset, usable as --hardware NAME everywhere"),
+    output: Path | None = typer.Option(None, "-o", "--output", help="write the preset YAML to this file instead"),
+    model: str = typer.Option("llama3-8b", help="model whose GEMM shapes and head dim to measure (GPU presets)"),
+    repeats: int = ranged_option(
+        "--repeats",
+        2,
+        "CPU: calibration runs per world; the whole run whose own training "
+        "step its rates predict best is kept, spread recorded",
+    ),
+    check: bool = typer.Option(
+        False,
+        "--check",
+        help="measure nothing new: re-time the reference workload of the "
+        "preset --hardware names and say how far this machine moved "
+        "since it was calibrated (seconds)",
+    ),
+):
+    """Measure this node's rates (GEMMs, attention, elementwise, host copies, host AdamW, collectives, per-op
+    overheads) and write a hardware preset with them; a few minutes, with progress. With --check, only say
+    whether an existing preset still describes this machine."""
+    import torch
+
+    from autotune.backends.local import visible_devices
+    from autotune.core.hardware import load_hardware
+    from autotune.timing.calibration import preset as preset_mod
+    from trials.model_config import load_model_config
+
+    if check:
+        _check_preset(hardware, name, output)
+        return
+    preset_name, path = preset_mod.output_path(name, output)
+    base = hardware or preset_mod.default_base()
+    base_hw = load_hardware(base)
+    visible = visible_devices()
+    if not base_hw.device_is_host and not visible:
+        fail(
+            f"--hardware {base} is a GPU preset, but this machine shows no CUDA device: calibrate it on the node "
+            f"(here: --hardware cpu)"
+        )
+    world = gpus or (visible if visible else 4)  # CPU: world sizes 1, 2 and 4 up to --gpus
+    if visible and world > visible:
+        fail(f"--gpus {world} but this node shows {visible} CUDA device(s)")
+    model_config = load_model_config(model)
+    print(
+        f"calibrating {preset_name} on {torch.cuda.get_device_name(0) + f' x{world}' if visible else 'this CPU'} "
+        f"(base preset {base}); a few minutes",
+        file=sys.stderr,
+        flush=True,
+    )
+    data = preset_mod.calibrate_preset(base, preset_name, world, model_config, model, repeats=repeats)
+    written = preset_mod.write_preset(data, path)
+    hw = load_hardware(str(written))
+    rates = hw.rates_for(world)
+    OUT.print(f"wrote {written}")
+    OUT.print(
+        f"  matmul {rates.matmul_flops_per_s / 1e12:.4g} TFLOP/s, attention fwd/bwd efficiency "
+        f"{rates.attention_eff(128, False):.3f}/{rates.attention_eff(128, True):.3f}, elementwise "
+        f"{rates.hbm_bytes_per_s * rates.elementwise_efficiency / 1e9:.4g} GB/s, host link "
+        f"{rates.host_bytes_per_s / 1e9:.3g} GB/s, host AdamW {rates.host_optimizer_bytes_per_s / 1e9:.3g} GB/s"
+    )
+    spread = data["calibrated"].get("spread")
+    if spread:
+        OUT.print(f"  spread (max-min)/max between runs or samples: {json.dumps(spread)}")
+    use = preset_name if name else written
+    OUT.print(
+        f"use it: --hardware {use}; later, `autotune calibrate --check --hardware {use}` says in seconds "
+        f"whether it still describes this node"
+    )
+
+
+def _check_preset(hardware: str | None, name: str | None, output: Path | None) -> None:
+    """``calibrate --check``: re-time --hardware's reference workload here (autotune.timing.calibration.check)."""
+    from autotune.core.hardware import load_hardware
+    from autotune.timing.calibration import preset as preset_mod
+    from autotune.timing.calibration.check import check_preset
+
+    if name is not None or output is not None:
+        fail("--check writes nothing: give the preset to check as --hardware NAME|FILE, without --name / -o")
+    hw = load_hardware(hardware or preset_mod.default_base())
+    result = check_preset(
+        hw,
+        announce=lambda workload: print(f"checking {hw.name}: re-timing {workload} ...", file=sys.stderr, flush=True),
+    )
+    measured, verdict = result.lines(hw.name)
+    OUT.print(measured)
+    if result.contended:  # a check that could not measure: a failed run, not a verdict
+        fail_outcome(verdict)
+    OUT.print(verdict)
