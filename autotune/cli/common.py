@@ -8,6 +8,7 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from autotune.core.errors import UserError
@@ -55,7 +56,13 @@ class _Output:
         print(text, file=self.file, flush=True)
 
     def rich(self, renderable) -> None:
-        Console(file=self.file, soft_wrap=True).print(renderable)
+        """A table or line, whole: on a terminal as wide as the terminal; piped or redirected (no width to
+        fit) as wide as the renderable needs, so no column is cut to a console's default 80."""
+        console = Console(file=self.file, soft_wrap=True)
+        if not console.is_terminal:
+            needed = Measurement.get(console, console.options.update_width(10_000), renderable).maximum
+            console = Console(file=self.file, soft_wrap=True, width=max(console.width, needed))
+        console.print(renderable)
 
 
 OUT = _Output()

@@ -1,0 +1,81 @@
+"""What a new user sees in their first hour, with output piped (not a terminal): whole tables, an explained
+front, a pasteable training command, and a CLI kept thin."""
+
+from __future__ import annotations
+
+import io
+import json
+import shlex
+
+from conftest import ROOT, run_cli
+
+
+def test_tables_are_whole_when_piped():
+    done = run_cli("hardware")
+    assert done.returncode == 0, done.stderr
+    header = next(line for line in done.stdout.splitlines() if "name" in line)
+    for column in ("from", "GiB", "TFLOP/s", "HBM TB/s", "link GB/s", "host GB/s", "rates"):
+        assert column in header, header
+    assert "…" not in done.stdout, done.stdout
+
+
+def test_the_fronts_star_is_explained(monkeypatch):
+    from autotune.cli import common
+
+    buffer = io.StringIO()
+    monkeypatch.setattr(common.OUT, "file", buffer)
+    record = {"peak_device_bytes": 3 * 2**30, "source": "predicted"}
+    front = [
+        {"trial": 4, "seq_len": 8192, "tokens_per_s": 900.0, "record": record, "techniques": {"fsdp": True}},
+        {"trial": 2, "seq_len": 2048, "tokens_per_s": 3000.0, "record": record, "techniques": {}},
+    ]
+    common.print_front(front, target=4096)
+    lines = buffer.getvalue().splitlines()
+    starred = [line for line in lines if "8,192 *" in line]
+    assert len(starred) == 1 and not any("2,048 *" in line for line in lines), lines
+    assert lines[-1].strip() == "* reaches the target", lines
+
+
+def test_run_prints_its_training_command_on_one_line(tmp_path):
+    folder = tmp_path / ("long-folder-name-" * 6)  # the command is far wider than a piped console's 80 columns
+    folder.mkdir()
+    config = folder / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "schema": "autotune/config-v1",
+                "model": "tiny-llama",
+                "hardware": "cpu",
+                "gpus": 2,
+                "seq_len": 256,
+                "techniques": {"ulysses_degree": 2},
+            }
+        )
+    )
+    done = run_cli("run", "--config", str(config), "--steps", "1", timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    command = next(line for line in done.stderr.splitlines() if "torch.distributed.run" in line)
+    words = shlex.split(command)
+    assert words[1:3] == ["-m", "torch.distributed.run"] and words[-6:] == [
+        "--config",
+        str(config),
+        "--steps",
+        "1",
+        "--seed",
+        "0",
+    ], command
+    assert "step 1/1" in done.stdout
+
+
+def test_the_cli_is_thin():
+    modules = sorted((ROOT / "autotune" / "cli").glob("*.py"))
+    assert modules and all(len(path.read_text().splitlines()) <= 300 for path in modules), [
+        (path.name, len(path.read_text().splitlines())) for path in modules
+    ]
+    private = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in sorted((ROOT / "autotune").rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "typer._" in line
+    ]
+    assert not private, private
