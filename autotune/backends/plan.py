@@ -26,7 +26,7 @@ from dataclasses import replace
 from autotune.backends.base import Backend, Evaluation
 from autotune.backends.plan_store import Entry, PlanStore, evaluation_key
 from autotune.core.record import ResultRecord
-from autotune.oracle import Prediction, extend_value, layer_runs, predict, stop_tensor_bytes
+from autotune.oracle import Prediction, extend_value, layer_runs, predict, stop_tensor_bytes, with_overheads
 from autotune.oracle.extrapolation import plan_traces
 from autotune.timing.counting import StepCounter
 from autotune.timing.counts import StepCounts
@@ -276,20 +276,7 @@ def shallow_copies(evaluation: Evaluation, prediction: Prediction) -> list[tuple
             techniques.validate(config, evaluation.world_size, evaluation.seq_len)
         except ConfigError:
             continue
-        extra = evaluation.hardware.overhead_bytes(trace.peak_device_bytes)  # as ``predict`` adds them
-        breakdown = dict(trace.breakdown)
-        breakdown["other"] = breakdown.get("other", 0) + extra
-        alone = Prediction(
-            tensor_peak_bytes=trace.peak_device_bytes,
-            peak_device_bytes=trace.peak_device_bytes + extra,
-            breakdown=breakdown,
-            host_bytes=trace.peak_host_bytes,
-            overhead_bytes=extra,
-            peak_segment=trace.peak_segment,
-            traces=[trace],
-            elapsed_s=trace.elapsed_s,
-            reached_tensor_bytes=trace.peak_device_bytes,
-        )
+        alone = with_overheads(trace, evaluation.hardware, traces=[trace], elapsed_s=trace.elapsed_s)  # as ``predict``
         found.append((replace(evaluation, model_config=config, techniques=techniques), alone))
     return found
 

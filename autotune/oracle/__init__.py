@@ -157,6 +157,20 @@ def predict(
         kwargs["stop_above_bytes"] = stop_tensor_bytes(hardware, stop_above_bytes)
         kwargs["stop_host_bytes"] = stop_host_bytes
     result, traces, extension = _trace_to_full_depth(evaluation, full_depth, **kwargs)
+    return with_overheads(
+        result,
+        hardware,
+        traces=traces,
+        elapsed_s=time.perf_counter() - started,
+        extension=extension,
+        stopped=result.stopped,
+        stop_reason=result.stop_reason,
+    )
+
+
+def with_overheads(result, hardware, traces: list, elapsed_s: float, **fields) -> Prediction:
+    """The prediction of a traced (or extended) ``result``: its tensor peak plus the hardware's runtime
+    overheads, which join the breakdown's ``other``; ``fields``: the rest of ``Prediction``'s."""
     extra = hardware.overhead_bytes(result.peak_device_bytes)
     breakdown = dict(result.breakdown)
     breakdown["other"] = breakdown.get("other", 0) + extra
@@ -168,11 +182,9 @@ def predict(
         overhead_bytes=extra,
         peak_segment=result.peak_segment,
         traces=traces,
-        elapsed_s=time.perf_counter() - started,
-        extension=extension,
-        stopped=result.stopped,
-        stop_reason=result.stop_reason,
+        elapsed_s=elapsed_s,
         reached_tensor_bytes=max([result.peak_device_bytes] + [t.peak_device_bytes for t in traces]),
+        **fields,
     )
 
 
