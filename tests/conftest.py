@@ -12,6 +12,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def tiny_plan_search(target: str = "4K") -> list[str]:
+    """``autotune search``'s options for a small plan search: tiny-llama on 2 CPU ranks of 0.5 GiB."""
+    return f"--model tiny-llama --target {target} --gpus 2 --backend plan --hardware cpu --memory-gib 0.5".split()
+
+
 def run_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """``autotune ARGS`` as a user runs it (a fresh process), capturing stdout and stderr."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}

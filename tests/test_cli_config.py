@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, tiny_plan_search
 
 from autotune.core.sizes import format_count
 
@@ -164,18 +164,7 @@ def test_a_search_for_another_target_keeps_each_targets_best(tmp_path):
     def search(target: str) -> dict:
         done = autotune(
             "search",
-            "--model",
-            "tiny-llama",
-            "--target",
-            target,
-            "--gpus",
-            "2",
-            "--hardware",
-            "cpu",
-            "--memory-gib",
-            "0.5",
-            "--backend",
-            "plan",
+            *tiny_plan_search(target),
             "--trials",
             "6",
             "--out",

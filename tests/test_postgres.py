@@ -28,24 +28,11 @@ from urllib.parse import quote
 import optuna
 import pyarrow.parquet as pq
 import pytest
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, tiny_plan_search
 
 PASSWORD = "s3cr3t-p@ss:w0rd"  # characters a URL must escape: the message must hide it either way
 USER = "autotune"
-TINY = [
-    "--model",
-    "tiny-llama",
-    "--target",
-    "4K",
-    "--gpus",
-    "2",
-    "--backend",
-    "plan",
-    "--hardware",
-    "cpu",
-    "--memory-gib",
-    "0.5",
-]
+TINY = tiny_plan_search()
 
 
 def _postgres_bin() -> Path | None:

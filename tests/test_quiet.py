@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, tiny_plan_search
 
 AUTOTUNE = Path(sys.executable).parent / "autotune"  # the installed CLI of the environment running the tests
 TRIALS = 6
@@ -78,8 +78,7 @@ def search(tmp_path_factory):
     out = folder / "out"
     result, extensions = _autotune(
         folder,
-        *("search", "--model", "tiny-llama", "--target", "4K", "--gpus", "2", "--hardware", "cpu"),
-        *("--memory-gib", "0.5", "--backend", "plan", "--trials", str(TRIALS), "--out", str(out)),
+        *("search", *tiny_plan_search(), "--trials", str(TRIALS), "--out", str(out)),
     )
     assert result.returncode == 0, result.stderr
     return result, extensions, out

@@ -11,7 +11,7 @@ import time
 import optuna
 import pyarrow.parquet as pq
 import pytest
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, tiny_plan_search
 
 from autotune import search
 from autotune.backends import Backend
@@ -24,20 +24,7 @@ from autotune.search.space import load_space
 from trials.model_config import load_model_config
 from trials.techniques import knob_names
 
-TINY = [
-    "--model",
-    "tiny-llama",
-    "--target",
-    "4K",
-    "--gpus",
-    "2",
-    "--backend",
-    "plan",
-    "--hardware",
-    "cpu",
-    "--memory-gib",
-    "0.5",
-]
+TINY = tiny_plan_search()
 
 
 def load_study(out, storage=None, name=None):

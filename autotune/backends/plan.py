@@ -144,24 +144,9 @@ class PlanBackend(Backend):
         prediction = self.last_prediction
         if self.store is None or prediction is None:  # an invalid config: no trace to keep
             return
-        reached = {
-            "device": prediction.reached_tensor_bytes,
-            "host": max([prediction.host_bytes] + [t.peak_host_bytes for t in prediction.traces]),
-        }
-        self.store.put(
-            self._store_key(evaluation),
-            Entry(record, prediction.peak_segment, reached, self._limits(evaluation) if prediction.stopped else None),
-        )
-        for copy, alone in shallow_copies(evaluation, prediction):
-            self.store.put(
-                self._store_key(copy),
-                Entry(
-                    self._record(copy, alone),
-                    alone.peak_segment,
-                    {"device": alone.reached_tensor_bytes, "host": alone.host_bytes},
-                    None,
-                ),
-            )
+        self.store.put(self._store_key(evaluation), _entry(record, prediction, self._limits(evaluation)))
+        for copy, alone in shallow_copies(evaluation, prediction):  # traced to their end: no limits
+            self.store.put(self._store_key(copy), _entry(self._record(copy, alone), alone, None))
 
     def _evaluate(self, evaluation: Evaluation) -> ResultRecord:
         self.last_prediction = None  # first: an invalid config leaves no trace to keep (``_to_store``)
@@ -244,6 +229,16 @@ class PlanBackend(Backend):
             record.step_time_s = float(timing.step_time_s)
             record.tokens_per_s = float(timing.tokens_per_s) if timing.tokens_per_s else None
         return record
+
+
+def _entry(record: ResultRecord, prediction: Prediction, limits: dict | None) -> Entry:
+    """The store's entry of ``record``: the most bytes its traces reached, and the limits they stopped at (a
+    stopped trace answers only under the same limits)."""
+    reached = {
+        "device": prediction.reached_tensor_bytes,
+        "host": max([prediction.host_bytes] + [t.peak_host_bytes for t in prediction.traces]),
+    }
+    return Entry(record, prediction.peak_segment, reached, limits if prediction.stopped else None)
 
 
 def _record_base(evaluation: Evaluation) -> dict:

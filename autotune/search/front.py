@@ -191,11 +191,11 @@ def what_failed(study: optuna.Study) -> tuple[str, bool] | None:
     failed = [p for p in found if p.record["status"] in FAILED]
     if not failed:
         return None
-    causes = Counter(root_cause(p.record.get("error")) for p in failed)
-    cause, count = causes.most_common(1)[0]
+    cause_of = {p.number: root_cause(p.record.get("error")) for p in failed}
+    cause, count = Counter(cause_of.values()).most_common(1)[0]
     if len(failed) < len(found):
         return f"{len(failed)} of {len(found)} trials failed, {count} with: {cause}", False
-    first = min((p for p in failed if root_cause(p.record.get("error")) == cause), key=lambda p: p.number)
+    first = min((p for p in failed if cause_of[p.number] == cause), key=lambda p: p.number)
     others = len(failed) - count
     elsewhere = f" ({others} with other causes: the error column of trials.parquet)" if others else ""
     full = (first.record.get("error") or "no cause recorded").strip()
