@@ -140,13 +140,6 @@ def plot_rows(rows: list[dict]) -> list[dict]:
     return drawn
 
 
-def write_parquet(study, path: Path) -> int:
-    rows = trial_rows(study)
-    table = pa.Table.from_pylist(rows, schema=_SCHEMA)
-    pq.write_table(table, path)
-    return table.num_rows
-
-
 def _sides(point: Point) -> tuple[dict | None, dict | None]:
     """(predicted, measured) records of a point: its own record on its side, a verify measurement on the
     measured side."""
