@@ -6,7 +6,7 @@
 A reduced trial (``LocalBackend(depth="reduced")``) runs the model's 3- and 4-layer copies in one launch and
 extends each segment's measured peak and the step time to the model's depth; the full trial runs the model.
 Both go through the local backend exactly as a search does (torchrun for 2 ranks; CUDA when visible). Per config:
-peak (reduced / full), host bytes, tokens/s, wall time. Done-when (issue 16): peak within +-2%, tokens/s within
+peak (reduced / full), host bytes, tokens/s, wall time. Goal: peak within +-2%, tokens/s within
 +-10%, and the reduced trial's wall time <= 0.5x the full one's where compute dominates start-up. The worst
 ratios are printed last.
 """

@@ -1,4 +1,4 @@
-"""How good is the search with a tenth of the evaluations? (issue 6)
+"""How good is the search with a tenth of the evaluations?
 
 1. Exhaustive: every (config, seq_len) of search_spaces/reduced-tiny.yaml through the plan backend
    (tiny-llama, 2 ranks, the cpu preset at 0.5 GiB per rank), no inference: the true Pareto front. The grid

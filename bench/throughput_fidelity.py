@@ -24,7 +24,7 @@ For each config (tiny models, 1-4 ranks, 1K-16K tokens, technique stacks):
   moment moves) and the scatter (standard deviation of the log ratios: the model's error between configs).
 
 Prints one row per config with the ratio predicted / measured, the worst ratio last, and writes the same text
-to bench/results/throughput_fidelity.txt. Goal (issue 17): every ratio within [0.8, 1.25], from one fresh
+to bench/results/throughput_fidelity.txt. Goal: every ratio within [0.8, 1.25], from one fresh
 `autotune calibrate` (written to bench/results/calibrated-cpu.yaml). The stored pair is the calibration the shipped
 ``cpu`` preset carries and its fidelity run: a default run replaces both, so either ship the new calibration
 (bench/ship_cpu_calibration.py) or restore the pair from git.
@@ -53,7 +53,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 # (model, seq_len, ranks, techniques). The first 13 are the configs the time model was developed against; the
-# rest (issue 17) are deliberately unlike them and unlike the calibration's shapes (its in-step model runs 2,048
+# rest are deliberately unlike them and unlike the calibration's shapes (its in-step model runs 2,048
 # tokens, its attention kernels 2,048 tokens at 8 heads): other lengths (1.5K-16K, not powers of two), head
 # chunks, tile sizes from 512 to 4K, 4 ranks (two per core), optimizer and activation offload.
 CONFIGS = [
@@ -86,7 +86,7 @@ CONFIGS = [
     ),
     ("tiny-llama", 1024, 2, {"fsdp": True, "activation_checkpointing": True}),
     ("tiny-qwen3", 4096, 1, {"activation_checkpointing": True, "norm_tile_tokens": 1024}),
-    # -- new (issue 17) --
+    # -- unlike the calibration's shapes --
     ("tiny-llama", 3072, 1, {"activation_checkpointing": True, "mlp_tile_tokens": 512, "loss_tile_tokens": 512}),
     ("tiny-qwen3", 6144, 1, {"activation_checkpointing": True, "activation_offload_layers": 2}),
     ("tiny-llama", 12288, 1, {"activation_checkpointing": True, "norm_tile_tokens": 2048, "loss_tile_tokens": 4096}),
@@ -135,7 +135,7 @@ CONFIGS = [
     ("tiny-llama", 3072, 4, {"fsdp": True, "activation_checkpointing": True}),
 ]
 NEW_FROM = 13  # CONFIGS[NEW_FROM:] are the ones no calibration or model change was tuned on
-RANGE = (0.8, 1.25)  # issue 17's done-when: predicted / measured step time
+RANGE = (0.8, 1.25)  # the goal: predicted / measured step time
 QUICK = [CONFIGS[0], CONFIGS[3], CONFIGS[6], CONFIGS[8]]
 CONTENDED = 0.10  # others' share of the machine's CPUs above which a step does not count
 
@@ -348,7 +348,7 @@ class Row(NamedTuple):
 
     ratio: float  # predicted / measured step time
     label: str
-    new: bool  # one of the issue-17 configs, unlike the calibration's shapes
+    new: bool  # one of the configs unlike the calibration's shapes
     x_drift: float | None  # ratio with the drift divided out (None: a table from before the drift gauge)
     measured_s: float
     ranks: int
