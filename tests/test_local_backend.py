@@ -60,6 +60,20 @@ def test_hang_becomes_timeout_and_leaves_no_process(tiny_llama, monkeypatch):
     assert after <= before
 
 
+def test_a_trial_stuck_after_every_rank_reported_keeps_its_records(tiny_llama, monkeypatch):
+    """A rank that hangs in its teardown (a process group's destroy, torchrun's exit barrier) after writing its
+    record: the trial is ok with its measurement, stopped after the grace, not a timeout at the deadline."""
+    import autotune.backends.local as local
+
+    monkeypatch.setenv("AUTOTUNE_TEST_FAULT", "teardown-hang:0")
+    monkeypatch.setattr(local, "TEARDOWN_GRACE_S", 2.0)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    record = LocalBackend(steps=1, timeout_s=120).evaluate(evaluation(tiny_llama))
+    assert record.status == "ok", record.error
+    assert record.loss is not None and record.tokens_per_s
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
 @pytest.mark.slow
 def test_a_hung_two_rank_trial_leaves_no_rank_behind(tiny_llama, monkeypatch):
     """torchrun starts each rank in a session of its own: killing torchrun's group alone would orphan them."""

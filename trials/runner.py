@@ -204,15 +204,18 @@ def _compute_dtype(name: str | None) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}[name]
 
 
-def _inject_fault(rank: int) -> None:
-    """Test hook: ``AUTOTUNE_TEST_FAULT=kind:rank`` makes that rank crash, hang or die by a signal, so the
-    launcher's failure classification can be tested with trials built to fail each way."""
+def _inject_fault(rank: int, at: str = "step") -> None:
+    """Test hook: ``AUTOTUNE_TEST_FAULT=kind:rank`` makes that rank crash, hang or die by a signal in a step, or
+    (``teardown-hang``) hang after writing its record, so the launcher's failure classification can be tested
+    with trials built to fail each way."""
     fault = os.environ.get("AUTOTUNE_TEST_FAULT")
     if not fault:
         return
     kind, _, fault_rank = fault.partition(":")
-    if int(fault_rank or 0) != rank:
+    if int(fault_rank or 0) != rank or (kind == "teardown-hang") != (at == "teardown"):
         return
+    if kind == "teardown-hang":
+        time.sleep(10**6)
     if kind == "crash":
         print(f"injected failure on rank {rank}", file=sys.stderr, flush=True)
         raise RuntimeError(f"injected crash on rank {rank}")
@@ -249,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     record.write(out_dir)
     sys.stdout.flush()
     sys.stderr.flush()
+    _inject_fault(rank, at="teardown")
     if record.status != "ok":
         os._exit(1)  # let torchrun stop the peers now
     import torch.distributed as dist

@@ -8,6 +8,7 @@ classes, so a field added on one side is known to the other.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -87,7 +88,11 @@ class RankRecord:
         return cls(**{k: v for k, v in data.items() if k in known})
 
     def write(self, out_dir: Path) -> None:
-        (Path(out_dir) / f"rank{self.rank}.json").write_text(json.dumps(self.to_dict()))
+        """Written whole or not at all (the launcher reads the records while the trial still runs)."""
+        path = Path(out_dir) / f"rank{self.rank}.json"
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text(json.dumps(self.to_dict()))
+        os.replace(partial, path)
 
     @classmethod
     def read_all(cls, out_dir: Path) -> list[RankRecord]:

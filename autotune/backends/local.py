@@ -40,6 +40,9 @@ STARTUP_S = 600.0  # starting the ranks, imports, DeepSpeed's JIT op build, buil
 STEP_TIME_MARGIN = 3.0  # the time model's predictions are not exact (docs/predictions.md): allow 3x per step
 FOLLOWER_GRACE_S = 60.0  # how long after its deadline the driver still waits for another node's report
 MIN_COLLECTIVE_TIMEOUT_S = 600.0
+POLL_S = 1.0  # how often a running trial's exit and records are checked
+PROGRESS_EVERY_S = 5.0  # how often its latest progress line is passed on
+TEARDOWN_GRACE_S = 30.0  # how long a trial whose every rank wrote its record may take to exit
 
 
 def trial_deadlines(predicted_step_s: float | None, steps: int, warmup: int) -> tuple[float, float]:
@@ -261,7 +264,7 @@ class LocalBackend(Backend):
                 start_new_session=True,
             )
             try:
-                returncode = self._wait(proc, deadline_s, log_path)
+                returncode = self._wait(proc, deadline_s, log_path, work, gpus)
                 timed_out = False
             except subprocess.TimeoutExpired:
                 timed_out = True
@@ -270,22 +273,33 @@ class LocalBackend(Backend):
                 _kill_group(proc)
         return RankRecord.read_all(work), returncode, timed_out, _tail(log_path)
 
-    def _wait(self, proc: subprocess.Popen, deadline_s: float, log_path: Path):
-        """Wait for the trial, passing its latest progress line to ``progress`` every few seconds."""
-        if self.progress is None:
-            return proc.wait(timeout=deadline_s)
+    def _wait(self, proc: subprocess.Popen, deadline_s: float, log_path: Path, work: Path, ranks: int):
+        """Wait for the trial's exit code, passing its latest progress line to ``progress`` every few seconds.
+
+        Once every one of this node's ``ranks`` has written its record the trial is over: a launcher still
+        running ``TEARDOWN_GRACE_S`` later is stuck in its teardown (a process group's destroy, torchrun's exit
+        barrier or rendezvous shutdown) and is stopped, its records kept (None: no exit code)."""
         started = time.monotonic()
+        reported_at = None
+        last_progress = started
         while True:
-            left = deadline_s - (time.monotonic() - started)
+            now = time.monotonic()
+            left = deadline_s - (now - started)
             if left <= 0:
                 raise subprocess.TimeoutExpired(proc.args, deadline_s)
             try:
-                return proc.wait(timeout=min(5.0, left))
+                return proc.wait(timeout=min(POLL_S, left))
             except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            if reported_at is None and len(list(work.glob("rank*.json"))) >= ranks:
+                reported_at = now
+            if reported_at is not None and now - reported_at > TEARDOWN_GRACE_S:
+                return None
+            if self.progress is not None and now - last_progress >= PROGRESS_EVERY_S:
+                last_progress = now
                 lines = [line for line in _tail(log_path, 200).splitlines() if line.startswith("progress: ")]
-                self.progress(
-                    lines[-1][len("progress: ") :] if lines else "starting", time.monotonic() - started, deadline_s
-                )
+                self.progress(lines[-1][len("progress: ") :] if lines else "starting", now - started, deadline_s)
 
 
 def _copy_evaluation(evaluation: Evaluation, copy: dict) -> Evaluation:
