@@ -21,8 +21,8 @@ import yaml
 from conftest import ROOT, run_cli
 
 from autotune.cli import main
+from autotune.core.trainers import TRAINERS, ExportJob, Trainer, exactly
 from autotune.outputs.exporters import EXPORTERS, make_exporter
-from autotune.outputs.exporters.base import Exporter, ExportJob, exactly
 from autotune.outputs.exporters.selection import export_entry
 from trials.config_file import load_config_file
 from trials.model_config import load_model_config
@@ -173,15 +173,13 @@ def knobs_of(label: str) -> dict:
 
 def test_every_format_declares_every_knob_once():
     for cls in EXPORTERS.values():
-        assert set(cls.expresses) == set(knob_names()), cls.name
+        assert set(cls().expresses) == set(knob_names()), cls.name
+        assert cls.trainer is TRAINERS[cls.trainer.name], cls.name  # the one declaration the search reads
 
 
-def test_a_format_that_forgets_a_knob_is_refused():
+def test_a_trainer_that_forgets_a_knob_is_refused():
     with pytest.raises(TypeError, match="norm_tile_tokens"):
-
-        class Forgetful(Exporter):  # noqa: F841 -- defining it is the test
-            name, trainer, default_file = "forgetful", "nothing", "x"
-            expresses = {k: exactly(k) for k in knob_names() if k != "norm_tile_tokens"}
+        Trainer("forgetful", "nothing", {k: exactly(k) for k in knob_names() if k != "norm_tile_tokens"})
 
 
 def test_what_each_trainer_runs_follows_its_declaration():

@@ -17,16 +17,14 @@ import json
 
 import yaml
 
+from autotune.core.trainers import TRAINERS
 from autotune.outputs.exporters.base import (
     Exporter,
     Rendered,
     beside,
     comment_block,
-    exactly,
     hf_attention,
     hf_model_name,
-    not_expressed,
-    runs_as,
 )
 from autotune.outputs.exporters.deepspeed_config import deepspeed_json
 from trials.config_file import TrialConfig
@@ -34,28 +32,8 @@ from trials.config_file import TrialConfig
 
 class AccelerateConfigExporter(Exporter):
     name = "accelerate"
-    trainer = "Accelerate/Trainer"
+    trainer = TRAINERS["accelerate"]
     default_file = "accelerate-config.yaml"
-    expresses = {
-        "fsdp": exactly("zero_optimization.stage: 3 (0 without) in the DeepSpeed JSON"),
-        "optimizer_offload": exactly(
-            "zero_optimization.offload_optimizer and offload_param on the cpu in the DeepSpeed JSON"
-        ),
-        "ulysses_degree": exactly("parallelism_config_sp_size with sp_backend deepspeed"),
-        "head_chunk": not_expressed("DeepSpeed's Ulysses attention runs all local heads at once"),
-        "activation_checkpointing": exactly(
-            "TrainingArguments(activation_checkpointing=True) or model.activation_checkpointing_enable()"
-        ),
-        "activation_offload_layers": runs_as(
-            "activation_checkpointing_kwargs={'offload': True}: every checkpointed layer input or none, copied "
-            "synchronously (slower than autotune's overlapped offload)",
-            lambda layers, job: job.layers if layers else 0,
-        ),
-        "mlp_tile_tokens": not_expressed("Accelerate and the Trainer have no tiled MLP"),
-        "loss_tile_tokens": not_expressed("the Trainer computes the model's own untiled loss"),
-        "norm_tile_tokens": not_expressed("no tiled RMSNorm outside autotune"),
-        "attention": exactly("parallelism_config_sp_attn_implementation and the model's attn_implementation"),
-    }
 
     def accelerate_yaml(self, config: TrialConfig, deepspeed_path: str) -> dict:
         t = config.techniques

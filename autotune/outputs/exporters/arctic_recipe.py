@@ -14,64 +14,26 @@ the oracle does not model, so a recipe using them could not claim the length it 
 
 from __future__ import annotations
 
-import math
-
 import yaml
 
+from autotune.core.trainers import TRAINERS
 from autotune.outputs.exporters.base import (
     MODEL_PLACEHOLDER,
     Exporter,
-    ExportJob,
     Rendered,
     comment_block,
-    exactly,
     hf_attention,
     hf_model_name,
-    not_expressed,
-    runs_as,
 )
 from trials.config_file import TrialConfig
 
 DATA_PLACEHOLDER = "REPLACE-WITH-YOUR-DATASET"
-_LOSS_TILE_LOGIT_BYTES = 2**30  # ArcticTraining sizes a loss tile to about 1 GiB of fp32 logits
-
-
-def arctic_loss_tile_tokens(asked: int, job: ExportJob) -> int:
-    """The loss tile ArcticTraining runs: with Ulysses, ``ceil(tokens per rank x vocab x 4 B / 1 GiB)`` tiles
-    (as many tokens each as autotune's tiled loss then takes); without it, the model's own untiled loss."""
-    if job.techniques.ulysses_degree == 1:
-        return 0
-    tiles = math.ceil(job.local_tokens * job.vocab_size * 4 / _LOSS_TILE_LOGIT_BYTES)
-    return math.ceil(job.local_tokens / tiles)
 
 
 class ArcticRecipeExporter(Exporter):
     name = "arctic"
     default_file = "arctic-recipe.yaml"
-    trainer = "ArcticTraining"
-    expresses = {
-        "fsdp": exactly("deepspeed.zero_optimization.stage: 3 (0 without)"),
-        "optimizer_offload": exactly(
-            "deepspeed.zero_optimization.offload_optimizer and offload_param on the cpu, optimizer.type: cpu_adam"
-        ),
-        "ulysses_degree": exactly("sequence_parallel_size"),
-        "head_chunk": not_expressed("ArcticTraining runs plain Ulysses attention (no head chunking)"),
-        "activation_checkpointing": exactly("on by default; model.disable_activation_checkpoint: true turns it off"),
-        "activation_offload_layers": runs_as(
-            "activation_checkpoint_cpu_offload: every checkpointed layer input or none",
-            lambda layers, job: job.layers if layers else 0,
-        ),
-        "mlp_tile_tokens": runs_as(
-            "tiled_mlp_compute: true tiles at the model's hidden size", lambda tile, job: job.hidden_size if tile else 0
-        ),
-        "loss_tile_tokens": runs_as(
-            "tiled logits + loss are automatic with sequence_parallel_size > 1 (~1 GiB of fp32 logits per tile), "
-            "absent without",
-            arctic_loss_tile_tokens,
-        ),
-        "norm_tile_tokens": not_expressed("ArcticTraining has no tiled RMSNorm"),
-        "attention": exactly("model.attn_implementation: flash_attention_2 | sdpa"),
-    }
+    trainer = TRAINERS["arctic"]
 
     def recipe(self, config: TrialConfig) -> dict:
         t = config.techniques

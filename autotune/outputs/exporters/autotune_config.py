@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import json
 
-from autotune.outputs.exporters.base import Exporter, Rendered, exactly
+from autotune.core.trainers import AUTOTUNE
+from autotune.outputs.exporters.base import Exporter, Rendered
 from trials.config_file import TrialConfig
-from trials.techniques import knobs
 
 
 class AutotuneConfigExporter(Exporter):
     name = "autotune"
     default_file = "autotune-config.json"
-    trainer = "autotune's own runner (trials)"
-    expresses = {k.name: exactly(f"techniques.{k.name}") for k in knobs()}
+    trainer = AUTOTUNE
 
     def render(self, config: TrialConfig, notes: list[str], path: str) -> Rendered:
         return Rendered(json.dumps(config.to_dict(), indent=2))  # JSON carries no comments: notes go to stderr

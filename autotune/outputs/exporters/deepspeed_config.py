@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import json
 
+from autotune.core.trainers import TRAINERS
 from autotune.outputs.exporters.base import (
     Exporter,
     Rendered,
     comment_block,
-    exactly,
     hf_attention,
     hf_model_name,
-    not_expressed,
 )
 from trials.config_file import TrialConfig
 from trials.model_config import load_model_config
@@ -63,21 +62,7 @@ def deepspeed_json(techniques: Techniques, with_optimizer: bool = True) -> dict:
 class DeepSpeedConfigExporter(Exporter):
     name = "deepspeed"
     default_file = "ds.json"
-    trainer = "DeepSpeed"
-    expresses = {
-        "fsdp": exactly("zero_optimization.stage: 3 (0 without)"),
-        "optimizer_offload": exactly("zero_optimization.offload_optimizer and offload_param on the cpu"),
-        "ulysses_degree": exactly(
-            "sequence_parallel_size; UlyssesSPAttentionHF and UlyssesSPDataLoaderAdapter in .alst.py"
-        ),
-        "head_chunk": not_expressed("DeepSpeed's Ulysses attention runs all local heads at once"),
-        "activation_checkpointing": exactly("model.gradient_checkpointing_enable() in .alst.py"),
-        "activation_offload_layers": exactly("CheckpointHiddenStatesOffload(keep_last_count = layers - N) in .alst.py"),
-        "mlp_tile_tokens": exactly("TiledMLP over ceil(tokens per rank / tile) tiles in .alst.py"),
-        "loss_tile_tokens": exactly("TiledFusedLogitsLoss over ceil(tokens per rank / tile) tiles in .alst.py"),
-        "norm_tile_tokens": not_expressed("DeepSpeed has no tiled RMSNorm"),
-        "attention": exactly("core_attn_implementation / attn_implementation in .alst.py"),
-    }
+    trainer = TRAINERS["deepspeed"]
 
     def render(self, config: TrialConfig, notes: list[str], path: str) -> Rendered:
         json_text = json.dumps(deepspeed_json(config.techniques), indent=2)

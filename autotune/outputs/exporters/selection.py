@@ -91,7 +91,7 @@ def choose(front_doc: dict, exporter: Exporter, target: int, allow_partial: bool
     )
     raise NotExpressible(
         f"no front config that --format {exporter.name} expresses in full reaches {target:,} tokens "
-        f"({exporter.trainer} cannot do {', '.join(blocking)} as searched); {reach}; "
+        f"({exporter.trainer.words} cannot do {', '.join(blocking)} as searched); {reach}; "
         f"--allow-partial exports the fastest at {target:,} anyway, with what it will not do and a re-estimate"
     )
 
@@ -136,11 +136,13 @@ def re_estimate(
     trainer = _TrainerAtEachLength(exporter, job, make_backend("plan"))
     trainer_job = dataclasses.replace(job, techniques=trainer.techniques_at(job.seq_len))
     evaluation = Evaluation(job.model_config, trainer_job.techniques, job.seq_len, job.gpus, hardware, job.nodes)
-    say(f"re-estimating what {exporter.trainer} runs at {job.seq_len:,} tokens (plan backend)")
+    say(f"re-estimating what {exporter.trainer.words} runs at {job.seq_len:,} tokens (plan backend)")
     record = trainer.evaluate(evaluation)
     if record.status != "oom":
         return trainer_job, record
-    say(f"{exporter.trainer}'s version does not fit at {job.seq_len:,} tokens: finding the longest length it fits")
+    say(
+        f"{exporter.trainer.words}'s version does not fit at {job.seq_len:,} tokens: finding the longest length it fits"
+    )
     untiled = {k.name: 0 for k in knobs() if k.length_unit == "grid"}  # the grid find_max_seq steps on
     longest = find_max_seq(
         dataclasses.replace(evaluation, techniques=dataclasses.replace(trainer_job.techniques, **untiled)),
@@ -203,23 +205,23 @@ def export_entry(
         trainer_job, estimate = re_estimate(exporter, job, hardware, progress)
         partial = any(gap.needs_more_memory for gap in gaps)
         notes.append(
-            f"PARTIAL EXPORT (--allow-partial): {exporter.trainer} will not do all that trial {entry['trial']} does:"
+            f"PARTIAL EXPORT (--allow-partial): {exporter.trainer.words} will not do all that trial {entry['trial']} does:"
             if partial
-            else f"{exporter.trainer} does some of it its own way, never with more device memory:"
+            else f"{exporter.trainer.words} does some of it its own way, never with more device memory:"
         )
-        notes += [f"  {gap.line(exporter.trainer)}" for gap in gaps]
+        notes += [f"  {gap.line(exporter.trainer.words)}" for gap in gaps]
         notes.append(
-            f"re-estimate of what {exporter.trainer} runs: {_record_line(estimate, hardware.device_memory_bytes)}"
+            f"re-estimate of what {exporter.trainer.words} runs: {_record_line(estimate, hardware.device_memory_bytes)}"
         )
         if estimate.status != "ok":
             raise NotExpressible(
-                f"{exporter.trainer}'s version of front trial {entry['trial']} runs at no length: "
+                f"{exporter.trainer.words}'s version of front trial {entry['trial']} runs at no length: "
                 f"{_record_line(estimate, hardware.device_memory_bytes)}"
             )
         if estimate.seq_len != searched.seq_len:
             seq_len = estimate.seq_len
             notes.append(
-                f"so this export is for {seq_len:,} tokens, the longest {exporter.trainer}'s version fits "
+                f"so this export is for {seq_len:,} tokens, the longest {exporter.trainer.words}'s version fits "
                 f"(the searched config reached {searched.seq_len:,})"
             )
     config = TrialConfig(

@@ -12,9 +12,9 @@ import json
 import shlex
 from pathlib import Path
 
-from autotune.outputs.exporters.base import Exporter, Rendered, comment_block, exactly
+from autotune.core.trainers import AUTOTUNE
+from autotune.outputs.exporters.base import Exporter, Rendered, comment_block
 from trials.config_file import TrialConfig
-from trials.techniques import knobs
 
 CONFIG_ENV = "AUTOTUNE_CONFIG_JSON"  # the config, handed to every node's task through srun's environment
 
@@ -38,8 +38,7 @@ def multi_node_command(
 class SlurmScriptExporter(Exporter):
     name = "slurm"
     default_file = "train.sbatch"
-    trainer = "autotune's own runner under torchrun, one agent per Slurm node"
-    expresses = {k.name: exactly(f"techniques.{k.name} of the inline config") for k in knobs()}
+    trainer = AUTOTUNE
 
     def render(self, config: TrialConfig, notes: list[str], path: str) -> Rendered:
         gpu_line = [] if config.hardware == "cpu" else [f"#SBATCH --gpus-per-node={config.gpus}"]

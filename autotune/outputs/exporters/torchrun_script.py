@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 
-from autotune.outputs.exporters.base import Exporter, Rendered, comment_block, exactly
+from autotune.core.trainers import AUTOTUNE
+from autotune.outputs.exporters.base import Exporter, Rendered, comment_block
 from autotune.outputs.exporters.slurm_script import multi_node_command
 from trials.config_file import TrialConfig
-from trials.techniques import knobs
 
 
 def torchrun_command(config_path: str, gpus: int, steps: str = "${STEPS:-10}") -> str:
@@ -20,8 +20,7 @@ def torchrun_command(config_path: str, gpus: int, steps: str = "${STEPS:-10}") -
 class TorchrunScriptExporter(Exporter):
     name = "torchrun"
     default_file = "train.sh"
-    trainer = "autotune's own runner under torchrun"
-    expresses = {k.name: exactly(f"techniques.{k.name} of the inline config") for k in knobs()}
+    trainer = AUTOTUNE
 
     def render(self, config: TrialConfig, notes: list[str], path: str) -> Rendered:
         command = torchrun_command('"$config"', config.gpus)

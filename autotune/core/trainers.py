@@ -1,0 +1,266 @@
+"""What each trainer runs, declared once per trainer (``Trainer.expresses``): the search space of ``autotune search
+--trainer T`` (``autotune.search.space``), the export to that trainer and the re-estimate of what it runs
+(``autotune.outputs.exporters``) all read this one declaration.
+
+A ``Trainer`` says, for every knob of ``trials.techniques.Techniques`` (each exactly once, checked when it is
+declared), how the trainer is told (``Expression.how``) and which value it then runs for the value asked
+(``Expression.runs``; ``not_expressed``: it has no such technique and runs the knob's default). Everything else
+derives from that: the techniques the trainer runs (``Trainer.runs``), where they differ from a config
+(``Trainer.gaps``) and whether a config is expressed in full (``Trainer.expresses_in_full``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from trials.knobs import Knob
+from trials.techniques import Techniques, knobs
+
+
+@dataclass(frozen=True)
+class ExportJob:
+    """One front config as a trainer would run it: the model, the node's GPU count, the length, the techniques."""
+
+    model: str
+    model_config: dict
+    gpus: int
+    seq_len: int
+    techniques: Techniques
+    nodes: int = 1  # nodes of ``gpus`` each
+
+    @property
+    def layers(self) -> int:
+        return self.model_config["num_hidden_layers"]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model_config["hidden_size"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config["vocab_size"]
+
+    @property
+    def local_tokens(self) -> int:
+        """Tokens per rank: Ulysses splits the sequence over its degree."""
+        return self.seq_len // self.techniques.ulysses_degree
+
+
+def _as_asked(value, job: ExportJob):
+    return value
+
+
+@dataclass(frozen=True)
+class Expression:
+    """How a format writes one knob (``how``: the trainer's keys or calls, in its words) and which value the
+    trainer runs when the config asks for ``value`` (``runs(value, job)``; default: the value itself)."""
+
+    how: str
+    runs: Callable[[Any, ExportJob], Any] = _as_asked
+    off: bool = False  # the trainer has no such technique: it runs the knob's default, whatever is asked
+
+
+def exactly(how: str) -> Expression:
+    """The trainer runs the value asked."""
+    return Expression(how)
+
+
+def runs_as(how: str, runs: Callable[[Any, ExportJob], Any]) -> Expression:
+    """The trainer runs its own value (``runs``) for the value asked."""
+    return Expression(how, runs)
+
+
+def not_expressed(why: str) -> Expression:
+    """The trainer has no such technique: it runs the knob off (its default), whatever the config asks."""
+    return Expression(f"not expressible: {why}", off=True)
+
+
+def _memory_rank(knob: Knob, value) -> float:
+    """Orders a knob's values by the memory they save (larger = saves more), from the knob's ``less_memory``."""
+    if knob.less_memory == "on":
+        return 1.0 if value else 0.0
+    if knob.less_memory == "larger":
+        return float(value or 0)
+    if knob.less_memory == "smaller":  # a tile or a chunk: off counts as the largest
+        return -math.inf if knob.is_off(value) else -float(value)
+    raise ValueError(f"{knob.name} has no memory order")
+
+
+@dataclass(frozen=True)
+class Gap:
+    """A knob whose value the trainer runs differs from the one the config asks for."""
+
+    knob: Knob
+    asked: Any
+    runs: Any
+    how: str
+
+    @property
+    def needs_more_memory(self) -> bool:
+        """The trainer does less of a memory-saving technique than asked (or the knob has no memory order, so
+        it cannot be told): the config's length is no longer guaranteed, only a re-estimate can say."""
+        if self.knob.less_memory is None:
+            return True
+        return _memory_rank(self.knob, self.runs) < _memory_rank(self.knob, self.asked)
+
+    def line(self, trainer: str) -> str:
+        kind = "will not do" if self.needs_more_memory else "does its own way (never more device memory)"
+        return f"{self.knob.name}: asked {_word(self.asked)}, {trainer} runs {_word(self.runs)} -- {kind}; {self.how}"
+
+
+def _word(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+@dataclass(frozen=True)
+class Trainer:
+    """One trainer a search can be for and an export can go to (see the module docstring)."""
+
+    name: str  # the ``--trainer`` word
+    words: str  # the trainer, in words ("ArcticTraining 0.8")
+    expresses: Mapping[str, Expression]
+
+    def __post_init__(self):
+        declared, every = set(self.expresses), {k.name for k in knobs()}
+        if declared != every:
+            missing, unknown = sorted(every - declared), sorted(declared - every)
+            raise TypeError(
+                f"trainer {self.name!r} must declare every knob exactly once (missing {missing}, unknown {unknown})"
+            )
+
+    def runs(self, job: ExportJob) -> Techniques:
+        """The techniques the trainer runs when handed ``job``'s config."""
+        values = {}
+        for knob in knobs():
+            expression = self.expresses[knob.name]
+            asked = getattr(job.techniques, knob.name)
+            values[knob.name] = knob.default if expression.off else expression.runs(asked, job)
+        return Techniques(**values)
+
+    def gaps(self, job: ExportJob) -> list[Gap]:
+        """Every knob the trainer runs differently from ``job``'s config."""
+        runs = self.runs(job)
+        return [
+            Gap(knob, getattr(job.techniques, knob.name), getattr(runs, knob.name), self.expresses[knob.name].how)
+            for knob in knobs()
+            if getattr(runs, knob.name) != getattr(job.techniques, knob.name)
+        ]
+
+    def expresses_in_full(self, job: ExportJob) -> bool:
+        """The trainer runs everything the config asks for, or differs only where that never needs more device
+        memory (the re-estimate still checks the host memory, which offloading more layers takes)."""
+        return not any(gap.needs_more_memory for gap in self.gaps(job))
+
+    def cannot_run(self) -> list[str]:
+        """The knobs this trainer has no technique for (it runs them at their default)."""
+        return [k.name for k in knobs() if self.expresses[k.name].off]
+
+
+def _as_all_or_none(layers, job: ExportJob) -> int:
+    """Every checkpointed layer's input offloaded, or none."""
+    return job.layers if layers else 0
+
+
+def _hidden_size_if_on(tile, job: ExportJob) -> int:
+    """MLP tiles of the model's hidden size, or no tiling."""
+    return job.hidden_size if tile else 0
+
+
+_LOSS_TILE_LOGIT_BYTES = 2**30  # ArcticTraining sizes a loss tile to about 1 GiB of fp32 logits
+
+
+def arctic_loss_tile_tokens(asked: int, job: ExportJob) -> int:
+    """The loss tile ArcticTraining runs: with Ulysses, ``ceil(tokens per rank x vocab x 4 B / 1 GiB)`` tiles
+    (as many tokens each as autotune's tiled loss then takes); without it, the model's own untiled loss."""
+    if job.techniques.ulysses_degree == 1:
+        return 0
+    tiles = math.ceil(job.local_tokens * job.vocab_size * 4 / _LOSS_TILE_LOGIT_BYTES)
+    return math.ceil(job.local_tokens / tiles)
+
+
+AUTOTUNE = Trainer(
+    "autotune",
+    "autotune's own runner (trials)",
+    {k.name: exactly(f"techniques.{k.name} of the config") for k in knobs()},
+)
+
+DEEPSPEED = Trainer(
+    "deepspeed",
+    "DeepSpeed",
+    {
+        "fsdp": exactly("zero_optimization.stage: 3 (0 without)"),
+        "optimizer_offload": exactly("zero_optimization.offload_optimizer and offload_param on the cpu"),
+        "ulysses_degree": exactly(
+            "sequence_parallel_size; UlyssesSPAttentionHF and UlyssesSPDataLoaderAdapter in .alst.py"
+        ),
+        "head_chunk": not_expressed("DeepSpeed's Ulysses attention runs all local heads at once"),
+        "activation_checkpointing": exactly("model.gradient_checkpointing_enable() in .alst.py"),
+        "activation_offload_layers": exactly("CheckpointHiddenStatesOffload(keep_last_count = layers - N) in .alst.py"),
+        "mlp_tile_tokens": exactly("TiledMLP over ceil(tokens per rank / tile) tiles in .alst.py"),
+        "loss_tile_tokens": exactly("TiledFusedLogitsLoss over ceil(tokens per rank / tile) tiles in .alst.py"),
+        "norm_tile_tokens": not_expressed("DeepSpeed has no tiled RMSNorm"),
+        "attention": exactly("core_attn_implementation / attn_implementation in .alst.py"),
+    },
+)
+
+ARCTIC = Trainer(
+    "arctic",
+    "ArcticTraining",
+    {
+        "fsdp": exactly("deepspeed.zero_optimization.stage: 3 (0 without)"),
+        "optimizer_offload": exactly(
+            "deepspeed.zero_optimization.offload_optimizer and offload_param on the cpu, optimizer.type: cpu_adam"
+        ),
+        "ulysses_degree": exactly("sequence_parallel_size"),
+        "head_chunk": not_expressed("ArcticTraining runs plain Ulysses attention (no head chunking)"),
+        "activation_checkpointing": exactly("on by default; model.disable_activation_checkpoint: true turns it off"),
+        "activation_offload_layers": runs_as(
+            "activation_checkpoint_cpu_offload: every checkpointed layer input or none",
+            _as_all_or_none,
+        ),
+        "mlp_tile_tokens": runs_as("tiled_mlp_compute: true tiles at the model's hidden size", _hidden_size_if_on),
+        "loss_tile_tokens": runs_as(
+            "tiled logits + loss are automatic with sequence_parallel_size > 1 (~1 GiB of fp32 logits per tile), "
+            "absent without",
+            arctic_loss_tile_tokens,
+        ),
+        "norm_tile_tokens": not_expressed("ArcticTraining has no tiled RMSNorm"),
+        "attention": exactly("model.attn_implementation: flash_attention_2 | sdpa"),
+    },
+)
+
+ACCELERATE = Trainer(
+    "accelerate",
+    "Accelerate/Trainer",
+    {
+        "fsdp": exactly("zero_optimization.stage: 3 (0 without) in the DeepSpeed JSON"),
+        "optimizer_offload": exactly(
+            "zero_optimization.offload_optimizer and offload_param on the cpu in the DeepSpeed JSON"
+        ),
+        "ulysses_degree": exactly("parallelism_config_sp_size with sp_backend deepspeed"),
+        "head_chunk": not_expressed("DeepSpeed's Ulysses attention runs all local heads at once"),
+        "activation_checkpointing": exactly(
+            "TrainingArguments(activation_checkpointing=True) or model.activation_checkpointing_enable()"
+        ),
+        "activation_offload_layers": runs_as(
+            "activation_checkpointing_kwargs={'offload': True}: every checkpointed layer input or none, copied "
+            "synchronously (slower than autotune's overlapped offload)",
+            _as_all_or_none,
+        ),
+        "mlp_tile_tokens": not_expressed("Accelerate and the Trainer have no tiled MLP"),
+        "loss_tile_tokens": not_expressed("the Trainer computes the model's own untiled loss"),
+        "norm_tile_tokens": not_expressed("no tiled RMSNorm outside autotune"),
+        "attention": exactly("parallelism_config_sp_attn_implementation and the model's attn_implementation"),
+    },
+)
+
+TRAINERS: dict[str, Trainer] = {t.name: t for t in (AUTOTUNE, DEEPSPEED, ARCTIC, ACCELERATE)}
