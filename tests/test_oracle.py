@@ -356,3 +356,33 @@ def test_plot_memory_writes_a_png(tmp_path):
 
 
 # -- speed -------------------------------------------------------------------------------------------------
+
+
+def test_a_trace_stopped_inside_a_custom_function_ends_in_oom_not_an_abort():
+    """C++ asks queries (``prim.device``) of the tracker's mode inside ``autograd.Function.apply`` (tiled MLP,
+    RMSNorm and loss are custom Functions), where an exception aborts the whole process: the capacity is checked
+    only after ops that make tensors. Here the capacity is crossed by the Function's own multiply, and the queries
+    C++ asks around it (fake tensors, as the oracle traces) must not be where the OOM is raised."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from trials.memory import DeviceMemoryTracker
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x)
+            return x * w
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, grad
+
+    checked = []
+    with FakeTensorMode():
+        x, w = torch.ones(8, 4, requires_grad=True), torch.ones(4, requires_grad=True)
+        with DeviceMemoryTracker(capacity_bytes=0) as tracker:
+            check = tracker._check
+            tracker._check = lambda: (checked.append(str(tracker.op)), check())
+            with pytest.raises(torch.OutOfMemoryError):
+                Scale.apply(x, w)
+    assert checked == ["aten.mul.Tensor"]

@@ -65,6 +65,18 @@ def test_pooled_records_are_the_direct_records():
     assert pooled.stats["asked"] == 4
 
 
+def test_an_evaluation_that_kills_its_worker_twice_is_an_error_record_and_the_pool_goes_on(monkeypatch):
+    from autotune.backends.pool import DIE_AT_ENV
+
+    config = model()
+    monkeypatch.setenv(DIE_AT_ENV, str(4 * K))
+    killer, fine = evaluation(config, seq=4 * K), evaluation(config, seq=2 * K)
+    with PooledBackend(PlanBackend(stop_above=1.0).options(), workers=1) as pooled:
+        record = pooled.evaluate(killer)
+        assert record.status == "error" and "died twice" in record.error
+        assert pooled.evaluate(fine).status == "ok"  # a new worker answers the next question
+
+
 def test_stored_records_are_the_direct_records(tmp_path):
     """Whole records answer any stop they stay below; a stopped record answers only its own stop."""
     config = model(layers=6)

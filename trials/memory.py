@@ -201,8 +201,12 @@ class DeviceMemoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.op = func
         out = func(*args, **(kwargs or {}))
-        tree_map_only(torch.Tensor, self.track, out)
-        self._check()
+        tensors = []
+        tree_map_only(torch.Tensor, tensors.append, out)
+        for tensor in tensors:
+            self.track(tensor)
+        if tensors:  # not after a query (``prim.device``): C++ asks those where an exception aborts the process
+            self._check()
         return out
 
     def _resized(self, storage) -> None:

@@ -10,7 +10,8 @@ a pure function of the evaluation (``tests/test_plan_parallel.py``), and nothing
 
 At most ``workers`` evaluations run at once, and of those at most ``workers - 1`` are guesses (``likely``), so
 a worker is always free for what the search asks for next. A worker that dies (killed, out of host memory)
-is replaced and the evaluation it held is asked again; an exception inside an evaluation (a bug: the plan
+is replaced and the evaluation it held is asked again; when that evaluation kills a worker a second time, its
+record is an ``error`` (the search records a failed trial and goes on); an exception inside an evaluation (a bug: the plan
 backend turns every failing config into an ``error`` record) is raised in the search when it asks for that
 record, never swallowed.
 """
@@ -31,6 +32,7 @@ from autotune.core import quiet
 from autotune.core.record import ResultRecord
 
 WORKERS_ENV = "AUTOTUNE_WORKERS"  # processes evaluating plan trials; default: one per core this process may use
+DIE_AT_ENV = "AUTOTUNE_TEST_PLAN_WORKER_DIES_AT"  # tests: a worker asked for this seq_len exits
 
 _backend: PlanBackend | None = None  # each worker's own
 
@@ -54,6 +56,8 @@ def _start_worker(options: dict) -> None:
 
 
 def _evaluate_in_worker(evaluation: Evaluation) -> dict:
+    if os.environ.get(DIE_AT_ENV) == str(evaluation.seq_len):  # test hook: this evaluation kills its worker
+        os._exit(1)
     return _backend.evaluate(evaluation).to_dict()
 
 
@@ -105,10 +109,14 @@ class PooledBackend(Backend):
                     future = self._done.pop(key)
                 elif key not in self._running:  # its worker died: ask again, once
                     self._deaths[key] = self._deaths.get(key, 0) + 1
-                    if self._deaths[key] > 1:
-                        raise RuntimeError(
-                            f"a plan worker died twice evaluating {evaluation.techniques} at "
-                            f"{evaluation.seq_len:,} tokens (out of host memory?)"
+                    if self._deaths[key] > 1:  # a failed trial: recorded, and the search goes on
+                        self._fill()
+                        return ResultRecord(
+                            status="error",
+                            source="predicted",
+                            seq_len=evaluation.seq_len,
+                            error=f"RuntimeError: a plan worker died twice evaluating this config at "
+                            f"{evaluation.seq_len:,} tokens (out of host memory?)",
                         )
                     future = self._submit(evaluation, guess=False)
                 self._fill()
