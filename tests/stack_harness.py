@@ -4,12 +4,18 @@
     python tests/stack_harness.py CASES.json OUT.json                            (one rank)
 
 CASES.json: {"seq_len": int, "cases": [{"name", "model", "techniques": {...}, "step": bool,
-"batch_exchanges": bool}]}. Every rank builds,
-for each (model, data-parallel size), the plain single-process reference itself (cheap at these sizes): the loss
-and parameter gradients of ``dp`` replicas (sample r for replica r, DESIGN.md's data rule) averaged, plus the loss
-after one AdamW step. Then, per case: a fresh model with the techniques applied on the real mesh, one forward +
-backward (``trials.step.forward_backward``), full gradients gathered (``DTensor.full_tensor()`` under FSDP) and
-compared with the reference; with ``"step": true`` also one optimizer step and the loss after it.
+"batch_exchanges": bool, "pretrained": {"dir", "via"}}]}. Every rank builds,
+for each (model, data-parallel size, pretrained folder), the plain single-process reference itself (cheap at these
+sizes): the loss and parameter gradients of ``dp`` replicas (sample r for replica r, DESIGN.md's data rule)
+averaged, plus the loss after one AdamW step. Then, per case: a fresh model with the techniques applied on the real
+mesh, one forward + backward (``trials.step.forward_backward``), full gradients gathered (``DTensor.full_tensor()``
+under FSDP) and compared with the reference; with ``"step": true`` also one optimizer step and the loss after it.
+
+The model is ``trials.model.build_model``'s (seeded random weights), or with ``"pretrained"`` a Hugging Face model
+folder (``dir``, saved by ``transformers``) through the plugin ``trials.hf``: ``via`` ``"from_pretrained"``
+(``trials.hf.from_pretrained``: built on meta, each rank reads its shards) or ``"apply"`` (``trials.hf.apply`` on
+``AutoModelForCausalLM.from_pretrained``); its reference is then the plain ``transformers`` model of that folder
+(``attn_implementation="sdpa"``), wrapped in ``TrainingModel`` for the same loss sum.
 
 Rank 0 writes OUT.json: {"world_size", "results": [{"name", "loss_rel", "grad_rel", "grad_rel_param",
 "grad_maxabs_rel", "step_loss_rel"?, "seconds"}]}, where
@@ -70,7 +76,29 @@ def counted_grad_norm(model, mesh) -> tuple[float, list[str]]:
         dist.all_reduce = real
 
 
-def reference(model_config: dict, seq_len: int, dp: int) -> dict:
+def plain_pretrained(folder: str):
+    """The plain ``transformers`` model of ``folder`` (fp32, torch SDPA), wrapped for the same loss sum."""
+    from transformers import AutoModelForCausalLM
+
+    from trials.model import TrainingModel
+
+    return TrainingModel(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa"))
+
+
+def stacked_pretrained(pretrained: dict, techniques, mesh):
+    """The plugin's model of ``pretrained["dir"]``, loaded the way ``pretrained["via"]`` says."""
+    from transformers import AutoModelForCausalLM
+
+    from trials import hf
+
+    if pretrained["via"] == "from_pretrained":
+        return hf.from_pretrained(pretrained["dir"], techniques, mesh)
+    if pretrained["via"] == "apply":
+        return hf.apply(AutoModelForCausalLM.from_pretrained(pretrained["dir"], dtype=torch.float32), techniques, mesh)
+    raise ValueError(f"unknown pretrained via {pretrained['via']!r}")
+
+
+def reference(model_config: dict, seq_len: int, dp: int, pretrained_dir: str | None = None) -> dict:
     """Plain model, one process: dp replicas' mean gradients, mean loss, and mean loss after one AdamW step."""
     from trials.data import make_batch, synthetic_sample
     from trials.dist import Mesh
@@ -78,7 +106,7 @@ def reference(model_config: dict, seq_len: int, dp: int) -> dict:
     from trials.step import forward_backward
 
     mesh = Mesh.single()
-    model = build_model(model_config)
+    model = plain_pretrained(pretrained_dir) if pretrained_dir else build_model(model_config)
     batches = [make_batch(synthetic_sample(r, seq_len, model.config.vocab_size, 0), 0, 1, "cpu") for r in range(dp)]
     loss = sum(float(forward_backward(model, batch, mesh)) for batch in batches) / dp
     for param in model.parameters():
@@ -115,13 +143,17 @@ def run_case(case: dict, seq_len: int, refs: dict, meshes: dict) -> dict:
 
         meshes[sp] = build_mesh(sp, torch.device("cpu")) if dist.is_initialized() else init_mesh(sp)
     mesh = meshes[sp]
-    key = (case["model"], mesh.dp_size)
+    pretrained = case.get("pretrained")
+    key = (case["model"], mesh.dp_size, pretrained["dir"] if pretrained else None)
     if key not in refs:
-        refs[key] = reference(model_config, seq_len, mesh.dp_size)
+        refs[key] = reference(model_config, seq_len, mesh.dp_size, key[2])
     ref = refs[key]
 
-    model = build_model(model_config)
-    apply(model, techniques, mesh)
+    if pretrained:
+        model = stacked_pretrained(pretrained, techniques, mesh)
+    else:
+        model = build_model(model_config)
+        apply(model, techniques, mesh)
     if case.get("batch_exchanges"):  # untied Ulysses with one all-to-all per step instead of one per tensor
         for layer in model.lm.model.layers:
             layer.self_attn.forward.batch_exchanges = True

@@ -2,11 +2,13 @@
 
 Three front configs (short, middle, target: tiny-llama on 2 ranks, predicted by the plan backend at 0.25 GiB per
 rank) are exported in every format, and each trainer's own code judges each export: ArcticTraining's config
-loader, Accelerate's config loader + launch-argument validation + ``ParallelismConfig`` (and the Trainer
-snippet's ``TrainingArguments``), DeepSpeed's ``DeepSpeedConfig`` (and the ``.alst.py`` trains one step).
-Then the choice: the fastest config a format expresses in full, exit 1 naming the longest it can reach where
-none reaches the target, ``--allow-partial`` with what it will not do and the re-estimate, and never a length
-the trainer cannot reach. The autotune and torchrun formats run autotune's own runner.
+loader, Accelerate's config loader + launch-argument validation (and for ``accelerate-deepspeed``
+``ParallelismConfig`` and the Trainer snippet's ``TrainingArguments``), DeepSpeed's ``DeepSpeedConfig`` (and the
+``.alst.py`` trains one step). Then the choice: the fastest config a format expresses in full, exit 1 naming the
+longest it can reach where none reaches the target, ``--allow-partial`` with what it will not do and the
+re-estimate, and never a length the trainer cannot reach. The autotune and torchrun formats run autotune's own
+runner; ``accelerate launch`` runs the ``accelerate`` export's script (the plugin ``trials.hf``) on 2 processes to
+the plain model's loss and the estimated peak.
 """
 
 import json
@@ -77,7 +79,7 @@ FRONT_CONFIGS = [
     ),
 ]
 LABELS = [label for label, _, _ in FRONT_CONFIGS]
-TRAINER_FORMATS = ("arctic", "accelerate", "deepspeed")
+TRAINER_FORMATS = ("arctic", "accelerate", "accelerate-deepspeed", "deepspeed")
 
 
 @pytest.fixture(scope="module")
@@ -191,12 +193,12 @@ def test_what_each_trainer_runs_follows_its_declaration():
     assert arctic.activation_offload_layers == model_config["num_hidden_layers"]
     # ~1 GiB of fp32 logits per tile: 4,096 tokens per rank x 4,096 vocab is 64 MiB, one tile
     assert arctic.loss_tile_tokens == 4096
-    accelerate = make_exporter("accelerate").trainer_techniques(job)
+    accelerate = make_exporter("accelerate-deepspeed").trainer_techniques(job)
     assert (accelerate.mlp_tile_tokens, accelerate.loss_tile_tokens, accelerate.norm_tile_tokens) == (0, 0, 0)
     assert accelerate.ulysses_degree == 2 and accelerate.fsdp and accelerate.optimizer_offload
     deepspeed = make_exporter("deepspeed").trainer_techniques(job)
     assert deepspeed == Techniques(**{**knobs_of("target"), "head_chunk": None, "norm_tile_tokens": 0})
-    for fmt in ("autotune", "torchrun"):
+    for fmt in ("autotune", "torchrun", "accelerate"):  # accelerate: every knob through the plugin trials.hf
         assert make_exporter(fmt).trainer_techniques(job) == job.techniques
 
 
@@ -223,12 +225,132 @@ def test_arctic_training_loads_each_recipe(exports, model_dir):
     assert judged[2]["zero"]["offload_optimizer"]["device"] == "cpu"
 
 
-def test_accelerate_launches_each_config(exports):
+def test_accelerate_launches_the_plugin_script_with_each_config(exports):
     paths = [str(exports["accelerate", label][1]) for label in LABELS]
     judged = judge("accelerate", *paths)
     assert [j["path"] for j in judged] == paths
     for label, verdict in zip(LABELS, judged):
         result, path = exports["accelerate", label]
+        assert not result.gaps and result.config.techniques.to_dict() == knobs_of(label)
+        assert verdict["distributed_type"] == "DistributedType.MULTI_GPU" and verdict["num_processes"] == 2
+        assert verdict["launcher"] == "torch.distributed.run" and verdict["processes"] == 2
+        assert verdict["mixed_precision"] == "no"  # the plugin's own: fp32 master weights, bf16 compute on CUDA
+        assert verdict["script_techniques"] == knobs_of(label)
+        assert verdict["script_seq_len"] == result.config.seq_len
+        assert load_config_file(path.with_suffix(".autotune.json")).techniques == result.config.techniques
+        assert "sharding: trials.hf's FSDP2" in path.read_text()
+
+
+# (knobs, length) of the end-to-end run: every kind of knob at once on 2 processes
+PLUGIN_RUN = (
+    dict(
+        fsdp=True,
+        ulysses_degree=2,
+        head_chunk=1,
+        activation_checkpointing=True,
+        activation_offload_layers=2,
+        mlp_tile_tokens=256,
+        loss_tile_tokens=256,
+        norm_tile_tokens=256,
+    ),
+    2048,
+)
+
+
+def test_accelerate_launch_trains_the_export_like_the_plain_model_in_the_estimated_memory(tmp_path, capsys):
+    """``accelerate launch`` (the real CLI) runs the ``accelerate`` export of a front config on 2 processes for 3
+    steps with a tiny Llama saved by ``transformers``: the first loss is the plain one-process model's on the same
+    tokens, and each rank's measured peak (from before the model is built to the last step, as trials measure it)
+    is the one ``autotune estimate`` predicts for the exported config."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from autotune.backends import Evaluation, make_backend
+    from autotune.core.hardware import load_hardware
+    from trials.data import synthetic_sample
+
+    knobs, seq_len = PLUGIN_RUN
+    values = {k: v for k, v in load_model_config("tiny-llama").items() if not k.startswith("_")}
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**values)).save_pretrained(tmp_path / "model")
+    model_json = str(tmp_path / "model" / "config.json")
+    hardware = load_hardware("cpu")
+    techniques = Techniques(**knobs)
+    record = make_backend("plan").evaluate(Evaluation(load_model_config(model_json), techniques, seq_len, 2, hardware))
+    assert record.status == "ok"
+    entry = {"trial": 0, "seq_len": seq_len, "tokens_per_s": record.tokens_per_s, "techniques": techniques.to_dict()}
+    front = {"model": model_json, "hardware": "cpu", "gpus": 2, "target": seq_len, "front": [entry]}
+    (tmp_path / "search").mkdir()
+    (tmp_path / "search" / "pareto.json").write_text(
+        json.dumps({**front, "front": [{**entry, "record": record.to_dict()}]})
+    )
+    exported = tmp_path / "sp.yaml"
+    assert main(["export", str(tmp_path / "search"), "--format", "accelerate", "-o", str(exported)]) == 0
+    capsys.readouterr()
+
+    launched = subprocess.run(
+        [
+            os.path.join(os.path.dirname(sys.executable), "accelerate"),
+            "launch",
+            "--config_file",
+            str(exported),
+            str(tmp_path / "sp.train.py"),
+            "--model",
+            str(tmp_path / "model"),
+            "--steps",
+            "3",
+            "--summary",
+            str(tmp_path / "summary.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert [line.split()[1] for line in launched.stdout.splitlines() if line.startswith("step ")] == [
+        "1/3",
+        "2/3",
+        "3/3",
+    ]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
+    tokens = synthetic_sample(0, seq_len, plain.config.vocab_size, 0)  # replica 0's window, the script's default
+    with torch.no_grad():
+        plain_loss = float(plain(input_ids=tokens[None], labels=tokens[None]).loss)
+    estimate = run_cli(
+        "estimate",
+        "--model",
+        model_json,
+        "--seq",
+        str(seq_len),
+        "--config",
+        str(tmp_path / "sp.autotune.json"),
+        "--gpus",
+        "2",
+        "--hardware",
+        "cpu",
+        "--json",
+    )
+    assert estimate.returncode == 0, estimate.stderr
+    predicted = json.loads(estimate.stdout)["peak_device_bytes"]
+
+    assert summary["world_size"] == 2 and len(summary["losses"]) == 3
+    assert summary["first_loss"] == pytest.approx(plain_loss, rel=1e-5)
+    measured = [rank["peak_device_bytes"] for rank in summary["ranks"]]
+    assert len(measured) == 2
+    for peak in measured:
+        assert abs(peak - predicted) <= 0.02 * predicted, (measured, predicted)
+
+
+def test_accelerate_deepspeed_launches_each_config(exports):
+    paths = [str(exports["accelerate-deepspeed", label][1]) for label in LABELS]
+    judged = judge("accelerate-deepspeed", *paths)
+    assert [j["path"] for j in judged] == paths
+    for label, verdict in zip(LABELS, judged):
+        result, path = exports["accelerate-deepspeed", label]
         t = result.config.techniques
         assert verdict["distributed_type"] == "DistributedType.DEEPSPEED" and verdict["num_processes"] == 2
         assert verdict["deepspeed_config_file"] == str(path.with_suffix(".ds.json"))
@@ -246,7 +368,7 @@ def test_accelerate_launches_each_config(exports):
 def test_deepspeed_parses_each_config(exports):
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    for fmt, suffix in (("deepspeed", ".json"), ("accelerate", ".ds.json")):
+    for fmt, suffix in (("deepspeed", ".json"), ("accelerate-deepspeed", ".ds.json")):
         for label in LABELS:
             result, path = exports[fmt, label]
             t = result.config.techniques
@@ -304,13 +426,13 @@ def test_an_export_never_claims_a_length_its_trainer_cannot_reach(exports, plan_
 
 
 def test_a_partial_export_lists_what_its_trainer_will_not_do(exports):
-    result, path = exports["accelerate", "target"]
+    result, path = exports["accelerate-deepspeed", "target"]
     text = path.read_text()
     assert result.partial
-    assert "# PARTIAL EXPORT (--allow-partial): Accelerate/Trainer will not do all" in text
+    assert "# PARTIAL EXPORT (--allow-partial): Accelerate/Trainer with DeepSpeed will not do all" in text
     for knob in ("head_chunk", "mlp_tile_tokens", "loss_tile_tokens", "norm_tile_tokens"):
         assert f"#   {knob}: asked" in text, knob
-    assert "# re-estimate of what Accelerate/Trainer runs: ok at 8,192 tokens" in text
+    assert "# re-estimate of what Accelerate/Trainer with DeepSpeed runs: ok at 8,192 tokens" in text
     assert "# launch: accelerate launch --config_file" in text
     # JSON carries no comments: the DeepSpeed export's notes are in its .alst.py
     deepspeed, ds_path = exports["deepspeed", "target"]
@@ -346,12 +468,12 @@ def test_no_expressible_config_at_the_target_exits_1_with_the_longest_it_reaches
     assert captured.out == "" and len(lines) == 1
     assert "no front config that --format arctic expresses in full reaches 8,192 tokens" in lines[0]
     assert "the longest its expressible configs reach is 4,096" in lines[0]
-    assert main(["export", str(plan_front), "--format", "accelerate", "--target", "2K"]) == 1
+    assert main(["export", str(plan_front), "--format", "accelerate-deepspeed", "--target", "2K"]) == 1
     assert "none of the front's configs is expressible" in capsys.readouterr().err
 
 
 def test_allow_partial_exports_the_fastest_at_the_target(plan_front, capsys):
-    assert main(["export", str(plan_front), "--format", "accelerate", "--allow-partial"]) == 0
+    assert main(["export", str(plan_front), "--format", "accelerate-deepspeed", "--allow-partial"]) == 0
     captured = capsys.readouterr()
     assert yaml.safe_load(captured.out)["parallelism_config"]["parallelism_config_sp_size"] == 2
     assert "PARTIAL EXPORT" in captured.out

@@ -2,7 +2,9 @@
 the trainers set up process groups, loggers and environment variables that must not leak into the tests).
 
     python tests/trainer_judges.py arctic MODEL_DIR WORLD RECIPE...   ArcticTraining's config loader
-    python tests/trainer_judges.py accelerate CONFIG...               Accelerate's loader, launcher,
+    python tests/trainer_judges.py accelerate CONFIG...               Accelerate's loader and launcher, and the
+                                                                      config the .train.py it launches carries
+    python tests/trainer_judges.py accelerate-deepspeed CONFIG...     Accelerate's loader, launcher,
                                                                       ParallelismConfig, DeepSpeedPlugin, and the
                                                                       Trainer snippet's TrainingArguments
     python tests/trainer_judges.py alst ALST_PY MODEL_DIR             a DeepSpeed .alst.py run on a tiny model
@@ -64,6 +66,56 @@ def judge_arctic(model_dir: str, world: int, recipes: list[str]) -> None:
 
 
 def judge_accelerate(configs: list[str]) -> None:
+    """``accelerate launch --config_file CONFIG CONFIG.train.py`` up to the launcher Accelerate picks (recorded,
+    not run: ``torch.distributed.run``'s for several processes, the plain one for one) with the arguments and
+    environment it would start them with; then the ``.train.py`` imported (not run) for the config it carries."""
+    import importlib.util
+
+    import accelerate.commands.launch as launch
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+
+    from trials.config_file import parse_config
+
+    for path in configs:
+        loaded = load_config_from_file(path)
+        script = str(Path(path).with_suffix(".train.py"))
+        seen: dict = {}
+
+        def multi_gpu(args):
+            seen.update(launcher="torch.distributed.run", env=prepare_multi_gpu_env(args))
+            seen["processes"] = int(args.nproc_per_node) * int(getattr(args, "nnodes", None) or 1)
+
+        def simple(args):
+            seen.update(launcher="simple", env=prepare_simple_launcher_cmd_env(args)[1], processes=1)
+
+        def refuse(*args):
+            raise AssertionError("accelerate chose a launcher that starts no torch.distributed job")
+
+        launch.multi_gpu_launcher, launch.simple_launcher, launch.deepspeed_launcher = multi_gpu, simple, refuse
+        launch.launch_command(launch.launch_command_parser().parse_args(["--config_file", path, script]))
+        spec = importlib.util.spec_from_file_location("exported_train", script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)  # defines CONFIG and main; main runs only as a script
+        carried = parse_config(module.CONFIG, script)
+        print(
+            json.dumps(
+                {
+                    "path": path,
+                    "distributed_type": str(loaded.distributed_type),
+                    "num_processes": loaded.num_processes,
+                    "launcher": seen["launcher"],
+                    "processes": seen["processes"],
+                    "mixed_precision": seen["env"].get("ACCELERATE_MIXED_PRECISION"),
+                    "script_seq_len": carried.seq_len,
+                    "script_techniques": carried.techniques.to_dict(),
+                }
+            ),
+            flush=True,
+        )
+
+
+def judge_accelerate_deepspeed(configs: list[str]) -> None:
     """``accelerate launch --config_file CONFIG train.py`` up to the DeepSpeed launcher (recorded, not run):
     the config loader, the launch-argument validation, the environment it hands the processes; then what those
     processes build from it (``ParallelismConfig``, ``DeepSpeedPlugin`` reading the DeepSpeed JSON) and the
@@ -179,6 +231,8 @@ if __name__ == "__main__":
         judge_arctic(rest[0], int(rest[1]), rest[2:])
     elif trainer == "accelerate":
         judge_accelerate(rest)
+    elif trainer == "accelerate-deepspeed":
+        judge_accelerate_deepspeed(rest)
     elif trainer == "alst":
         run_alst(rest[0], rest[1])
     else:

@@ -1,5 +1,5 @@
 """The config file ``autotune/config-v1``: which techniques, for which model, nodes and sequence length
-(``gpus`` per node, ``nodes`` of them: 1 when absent).
+(``gpus`` per node, ``nodes`` of them: 1 when absent), and (``trainer``, optional) the trainer it was searched for.
 
 The hand-off from the tuner to training: ``best.json`` of a search, the input of ``autotune estimate/trial``
 and of ``python -m trials.train``. Unknown keys and values of the wrong type are refused (``ConfigError``) with
@@ -18,7 +18,7 @@ from trials.model_config import load_model_config
 from trials.techniques import Techniques
 
 SCHEMA = "autotune/config-v1"
-_KEYS = {"schema", "model", "hardware", "gpus", "nodes", "seq_len", "techniques", "predicted", "measured"}
+_KEYS = {"schema", "model", "hardware", "gpus", "nodes", "seq_len", "techniques", "predicted", "measured", "trainer"}
 
 
 @dataclass
@@ -34,6 +34,7 @@ class TrialConfig:
     measured: dict | None = None
     schema: str = SCHEMA
     nodes: int = 1  # the world is nodes x gpus
+    trainer: str | None = None  # the trainer the config was searched for (absent: autotune's own, every knob)
 
     def to_dict(self) -> dict[str, Any]:
         nodes = {"nodes": self.nodes} if self.nodes != 1 else {}  # one node: no ``nodes`` key (absent means 1)
@@ -47,6 +48,7 @@ class TrialConfig:
             "techniques": self.techniques.to_dict(),
             "predicted": self.predicted,
             "measured": self.measured,
+            **({"trainer": self.trainer} if self.trainer else {}),
         }
 
     def write(self, path: str | Path) -> None:
@@ -74,6 +76,9 @@ def parse_config(data: Any, source: str = "config") -> TrialConfig:
     seq_len = data.get("seq_len")
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int)):
         raise ConfigError(f"{source}: seq_len must be an integer, got {seq_len!r}")
+    trainer = data.get("trainer")
+    if trainer is not None and not isinstance(trainer, str):
+        raise ConfigError(f"{source}: trainer must be a trainer's name, got {trainer!r}")
     return TrialConfig(
         model=model,
         techniques=Techniques.from_dict(data.get("techniques", {}), layers),
@@ -83,6 +88,7 @@ def parse_config(data: Any, source: str = "config") -> TrialConfig:
         seq_len=seq_len,
         predicted=data.get("predicted"),
         measured=data.get("measured"),
+        trainer=trainer,
     )
 
 

@@ -57,11 +57,12 @@ INIT_BLOCK_ROWS = 4096  # rows of a parameter drawn from one seeded generator (a
 _WRAPPER_NAMES = {"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod"}
 
 
-def materialize(model: TrainingModel, device, seed: int = 0, params_device=None) -> None:
+def materialize(model: TrainingModel, device, seed: int = 0, params_device=None, init: bool = True) -> None:
     """Give a meta-built model (plain, or with the technique stack applied) real storage and its weights.
 
     Parameters go to ``params_device`` (default ``device``; the host for FSDP2's CPU offload), buffers (the
-    rotary frequencies) are rebuilt on ``device``. Each rank draws only the rows of its own shards.
+    rotary frequencies) are rebuilt on ``device``. Each rank draws only the rows of its own shards. ``init=False``
+    leaves the parameters' storage unset, for a checkpoint's values (``trials.hf.from_pretrained``).
     """
 
     tracker = active_tracker()
@@ -69,7 +70,8 @@ def materialize(model: TrainingModel, device, seed: int = 0, params_device=None)
     with tracker.on_host() if tracker is not None and params_device is not None else contextlib.nullcontext():
         _allocate_parameters(model, params_device or device)
     _rebuild_buffers(model, device)
-    init_weights(model, seed)
+    if init:
+        init_weights(model, seed)
 
 
 def _allocate_parameters(model, device) -> None:

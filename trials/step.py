@@ -40,9 +40,7 @@ def build_training(
 
     ``compute_dtype``: None = bf16 on CUDA, fp32 on CPU; fp32 master weights either way (see
     ``trials.model.set_compute_dtype``). ``tracker``: a ``DeviceMemoryTracker`` (default: the active one, if any),
-    as for ``forward_backward`` and ``train_step``. ``fused_optimizer``: AdamW's fused kernel (one launch per
-    parameter group, no temporaries) -- None = where the optimizer steps on a GPU (not offloaded); elsewhere the
-    per-parameter loop, whose temporaries are one parameter's size (the memory oracle says which it models)."""
+    as for ``forward_backward`` and ``train_step``. ``fused_optimizer``: AdamW's fused kernel (``make_optimizer``)."""
     tracker = tracker if tracker is not None else active_tracker()
     compute_dtype = compute_dtype or default_compute_dtype(mesh.device)
     # sharded: built on meta, so each rank only ever allocates its shards (the host's, with optimizer offload)
@@ -53,12 +51,16 @@ def build_training(
     set_compute_dtype(model, compute_dtype)
     if tracker is not None:
         tracker.retag(model.parameters(), "params")
-    if fused_optimizer is None:
-        fused_optimizer = mesh.device.type == "cuda" and not techniques.optimizer_offload
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=lr, **({"fused": True} if fused_optimizer else {"foreach": False})
-    )
-    return model, optimizer
+    return model, make_optimizer(model, techniques, mesh, lr, fused_optimizer)
+
+
+def make_optimizer(model, techniques, mesh, lr: float = 1e-5, fused: bool | None = None) -> torch.optim.AdamW:
+    """The trials' AdamW: the fused kernel (one launch per parameter group, no temporaries) where ``fused`` -- None
+    = where the optimizer steps on a GPU (not offloaded); elsewhere the per-parameter loop, whose temporaries are
+    one parameter's size (the memory oracle says which it models)."""
+    if fused is None:
+        fused = mesh.device.type == "cuda" and not techniques.optimizer_offload
+    return torch.optim.AdamW(model.parameters(), lr=lr, **({"fused": True} if fused else {"foreach": False}))
 
 
 def loss_scale(batch: Batch, mesh) -> float:

@@ -92,6 +92,7 @@ def estimate(
         plot_memory([record], hw.device_memory_bytes, plot)
     where = f"{run.nodes} nodes x " if run.nodes > 1 else ""
     print_record(record.to_dict(), as_json, f"{run.model} on {where}{run.gpus}x {hw.name} (predicted)")
+    _say_trainer(run)
     if record.status == "error":
         fail_outcome(f"the prediction failed: {record.error}")
 
@@ -167,6 +168,19 @@ def trial(
     print_record(record.to_dict(), as_json, f"{run.model} {where} (measured)")
     if record.status != "ok":
         fail_outcome(f"the trial ended {record.status}: {record.error or 'no cause recorded'}")
+
+
+def _say_trainer(run) -> None:
+    """For a config searched for another trainer: what the prediction does not describe when that trainer runs it."""
+    from autotune.core.trainers import TRAINERS
+
+    trainer = TRAINERS.get(run.trainer or "autotune")
+    if trainer is None:
+        say(f"autotune: the config names trainer {run.trainer!r}, which this autotune does not know")
+        return
+    note = trainer.prediction_note(run.techniques)
+    if note:
+        say(f"autotune: for {trainer.words}: {note}")
 
 
 def _show_progress(line: str, elapsed_s: float, deadline_s: float) -> None:

@@ -14,7 +14,9 @@ from autotune.cli.common import OUT, app, console, fail, say
 def export(
     directory: Path = typer.Argument(..., help="a search output folder"),
     target: str | None = typer.Option(None, help="export the fastest front config reaching this length"),
-    format: str = typer.Option("autotune", help="autotune | deepspeed | arctic | accelerate | torchrun | slurm"),
+    format: str = typer.Option(
+        "autotune", help="autotune | deepspeed | arctic | accelerate | accelerate-deepspeed | torchrun | slurm"
+    ),
     output: Path | None = typer.Option(None, "-o", "--output", help="write here instead of stdout"),
     allow_partial: bool = typer.Option(
         False,

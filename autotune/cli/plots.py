@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from autotune.cli.common import app, console, print_front
+from autotune.cli.common import app, console, print_front, say
 
 
 @app.command()
@@ -63,4 +63,9 @@ def show(directory: Path = typer.Argument(...)):
     from autotune.outputs.exporters import load_front
 
     front_doc = load_front(directory)
+    trainer = front_doc.get("trainer", "autotune")
+    if trainer != "autotune":
+        say(f"autotune: a search for --trainer {trainer}: every config is what {trainer} runs")
     print_front(front_doc["front"], front_doc["target"])
+    if front_doc.get("best_choice"):
+        say(f"autotune: {front_doc['best_choice']}")

@@ -32,6 +32,11 @@ def search(
     nodes: int = ranged_option("--nodes", 1, NODES_HELP),
     hardware: str = typer.Option("h100-sxm", help="hardware preset (autotune hardware)"),
     backend: str = typer.Option("auto", help="auto | plan | local"),
+    trainer: str = typer.Option(
+        "autotune",
+        help="the trainer the config is for: autotune or accelerate (every knob) | deepspeed | arctic | "
+        "accelerate-deepspeed; the search holds only what it runs (docs/trainers.md)",
+    ),
     space: Path | None = typer.Option(
         None,
         help="search space YAML (default: search_spaces/default.yaml, shipped "
@@ -84,6 +89,7 @@ def search(
         prefilter=prefilter,
         depth=depth,
         rdzv_endpoint=rdzv_endpoint,
+        trainer=trainer,
     )
     prepared = prepare_search(request)
     if prepared.follower is not None:
@@ -95,8 +101,13 @@ def search(
     note_rates(hw)  # after every input check (storage, space, study): bad input stays one line
     console.print(
         f"autotune: {model} on {f'{nodes} nodes x ' if nodes > 1 else ''}{gpus}x {hw.name}, target "
-        f"{format_tokens(job.target)}, backend {prepared.backend_name}, out {job.out}"
+        f"{format_tokens(job.target)}, backend {prepared.backend_name}"
+        + (f", for {job.trainer.words}" if job.trainer.name != "autotune" else "")
+        + f", out {job.out}"
     )
+    note = job.trainer.prediction_note(job.space.frugal(job.model_config["num_hidden_layers"]))
+    if note:
+        say(f"autotune: {note}")
     interrupted = False
     with interrupts_deferred() as deferral:  # once the search stops, its outputs are written whatever comes
         with SearchProgress(job, console=console, enabled=not as_json) as progress:
@@ -121,6 +132,8 @@ def search(
                     f"{(best['predicted'] or best['measured'])['tokens_per_s']:,.0f} tokens/s -> "
                     f"{job.out / 'best.json'}"
                 )
+                if summary["best_choice"]:
+                    say(f"autotune: {summary['best_choice']}")
         if summary["kept"] is not None:
             say(f"autotune: the best for the folder's previous target is kept as {summary['kept']}")
     if interrupted or deferral.arrived:

@@ -45,6 +45,7 @@ class ConfigRun:
     hardware: str
     seq_len: int | None  # None: neither --seq nor the file's seq_len
     notices: list[str] = field(default_factory=list)
+    trainer: str | None = None  # the config file's: the trainer it was searched for
 
 
 def resolve_config(
@@ -86,6 +87,7 @@ def resolve_config(
         hardware=_override("--hardware", hardware, loaded.hardware, notices),
         seq_len=_override("--seq", seq_len, loaded.seq_len, notices, short_tokens),
         notices=notices,
+        trainer=loaded.trainer,
     )
 
 

@@ -62,6 +62,11 @@ class Expression:
     runs: Callable[[Any, ExportJob], Any] = _as_asked
     off: bool = False  # the trainer has no such technique: it runs the knob's default, whatever is asked
 
+    @property
+    def as_asked(self) -> bool:
+        """The trainer runs exactly the value asked."""
+        return not self.off and self.runs is _as_asked
+
 
 def exactly(how: str) -> Expression:
     """The trainer runs the value asked."""
@@ -78,7 +83,7 @@ def not_expressed(why: str) -> Expression:
     return Expression(f"not expressible: {why}", off=True)
 
 
-def _memory_rank(knob: Knob, value) -> float:
+def memory_rank(knob: Knob, value) -> float:
     """Orders a knob's values by the memory they save (larger = saves more), from the knob's ``less_memory``."""
     if knob.less_memory == "on":
         return 1.0 if value else 0.0
@@ -104,7 +109,7 @@ class Gap:
         it cannot be told): the config's length is no longer guaranteed, only a re-estimate can say."""
         if self.knob.less_memory is None:
             return True
-        return _memory_rank(self.knob, self.runs) < _memory_rank(self.knob, self.asked)
+        return memory_rank(self.knob, self.runs) < memory_rank(self.knob, self.asked)
 
     def line(self, trainer: str) -> str:
         kind = "will not do" if self.needs_more_memory else "does its own way (never more device memory)"
@@ -121,6 +126,14 @@ def _word(value) -> str:
     return str(value)
 
 
+# DeepSpeed ZeRO-3's buffers beside the shards, at its documented defaults (the exported JSON leaves them so)
+ZERO3_BUFFER_ELEMENTS = {
+    "reduce_bucket_size": 5e8,
+    "stage3_prefetch_bucket_size": 5e7,
+    "stage3_max_live_parameters": 1e9,
+}
+
+
 @dataclass(frozen=True)
 class Trainer:
     """One trainer a search can be for and an export can go to (see the module docstring)."""
@@ -128,6 +141,7 @@ class Trainer:
     name: str  # the ``--trainer`` word
     words: str  # the trainer, in words ("ArcticTraining 0.8")
     expresses: Mapping[str, Expression]
+    sharding: str = "fsdp2"  # how ``fsdp`` shards: ``fsdp2`` (what the oracle traces) or ``zero3`` (DeepSpeed)
 
     def __post_init__(self):
         declared, every = set(self.expresses), {k.name for k in knobs()}
@@ -159,6 +173,19 @@ class Trainer:
         """The trainer runs everything the config asks for, or differs only where that never needs more device
         memory (the re-estimate still checks the host memory, which offloading more layers takes)."""
         return not any(gap.needs_more_memory for gap in self.gaps(job))
+
+    def prediction_note(self, techniques: Techniques) -> str | None:
+        """What a prediction for ``techniques`` does not describe when this trainer runs them (one line), or None:
+        DeepSpeed's ZeRO-3 keeps buffers of its own beside the shards that FSDP2, which the oracle traces, does
+        not; their sizes are the exported JSON's (DeepSpeed's defaults)."""
+        if self.sharding != "zero3" or not techniques.fsdp:
+            return None
+        sizes = ", ".join(f"{key} {elements:.0e}" for key, elements in ZERO3_BUFFER_ELEMENTS.items())
+        gib = sum(ZERO3_BUFFER_ELEMENTS.values()) * 2 / 2**30
+        return (
+            f"the prediction shards as FSDP2 does; {self.words}'s ZeRO-3 also keeps its own buffers ({sizes} "
+            f"elements): up to {gib:.1f} GiB more per rank in bf16, not in the predicted peak"
+        )
 
     def cannot_run(self) -> list[str]:
         """The knobs this trainer has no technique for (it runs them at their default)."""
@@ -210,6 +237,7 @@ DEEPSPEED = Trainer(
         "norm_tile_tokens": not_expressed("DeepSpeed has no tiled RMSNorm"),
         "attention": exactly("core_attn_implementation / attn_implementation in .alst.py"),
     },
+    sharding="zero3",
 )
 
 ARCTIC = Trainer(
@@ -236,11 +264,23 @@ ARCTIC = Trainer(
         "norm_tile_tokens": not_expressed("ArcticTraining has no tiled RMSNorm"),
         "attention": exactly("model.attn_implementation: flash_attention_2 | sdpa"),
     },
+    sharding="zero3",
 )
 
 ACCELERATE = Trainer(
     "accelerate",
-    "Accelerate/Trainer",
+    "Accelerate + trials.hf",
+    {
+        k.name: exactly(
+            f"techniques.{k.name}, applied by the plugin trials.hf (from_pretrained) in the export's .train.py"
+        )
+        for k in knobs()
+    },
+)
+
+ACCELERATE_DEEPSPEED = Trainer(
+    "accelerate-deepspeed",
+    "Accelerate/Trainer with DeepSpeed",
     {
         "fsdp": exactly("zero_optimization.stage: 3 (0 without) in the DeepSpeed JSON"),
         "optimizer_offload": exactly(
@@ -261,6 +301,16 @@ ACCELERATE = Trainer(
         "norm_tile_tokens": not_expressed("no tiled RMSNorm outside autotune"),
         "attention": exactly("parallelism_config_sp_attn_implementation and the model's attn_implementation"),
     },
+    sharding="zero3",
 )
 
-TRAINERS: dict[str, Trainer] = {t.name: t for t in (AUTOTUNE, DEEPSPEED, ARCTIC, ACCELERATE)}
+TRAINERS: dict[str, Trainer] = {t.name: t for t in (AUTOTUNE, DEEPSPEED, ARCTIC, ACCELERATE, ACCELERATE_DEEPSPEED)}
+
+
+def trainer_named(name: str) -> Trainer:
+    """The trainer ``--trainer NAME`` means; an unknown name is bad input (one line)."""
+    from autotune.core.errors import UserError
+
+    if name not in TRAINERS:
+        raise UserError(f"--trainer {name!r} must be one of {', '.join(TRAINERS)}")
+    return TRAINERS[name]

@@ -42,7 +42,7 @@ from autotune.core.record import BREAKDOWN_CATEGORIES
 from autotune.core.sizes import short_tokens
 from autotune.outputs.exporters import FRONT_SCHEMA
 from autotune.outputs.plots import knob_label, plot_memory, plot_pareto, write_pareto_html
-from autotune.search.front import Point, best_point, front_points, points, what_failed
+from autotune.search.front import Point, best_choice, best_point, front_points, points, what_failed
 from trials.config_file import TrialConfig
 from trials.techniques import BASELINE, Techniques, knob_names, knobs
 
@@ -212,6 +212,8 @@ def write_outputs(job: search.SearchJob, study) -> dict:
                 "nodes": job.nodes,
                 "target": job.target,
                 "capacity_bytes": job.hardware.device_memory_bytes,
+                "trainer": job.trainer.name,  # what every front config is: what that trainer runs
+                "best_choice": best_choice(study, job.target),
                 "front": front,
             },
             indent=2,
@@ -229,7 +231,7 @@ def write_outputs(job: search.SearchJob, study) -> dict:
     best = best_point(study, job.target)
     best_path = out / "best.json"
     kept = _keep_best_of(previous_target, job.target, out)
-    summary = {"rows": len(rows), "front": front, "best": None, "message": None, "kept": kept}
+    summary = {"rows": len(rows), "front": front, "best": None, "message": None, "kept": kept, "best_choice": None}
     if best is None:
         longest = max((f["seq_len"] for f in front), default=0)
         failed, everyone = what_failed(study) or ("", False)  # its last line ends with the most common cause
@@ -252,10 +254,12 @@ def write_outputs(job: search.SearchJob, study) -> dict:
         techniques=_techniques(best.techniques),
         predicted=predicted,
         measured=measured,
+        trainer=None if job.trainer.name == "autotune" else job.trainer.name,
     )
     config.write(best_path)
     target_best_path(out, job.target).unlink(missing_ok=True)  # best.json holds this target's best now
     summary["best"] = config.to_dict()
+    summary["best_choice"] = best_choice(study, job.target)
     return summary
 
 

@@ -107,10 +107,42 @@ def _dominates(a: tuple[float, float], b: tuple[float, float]) -> bool:
     return a[0] >= b[0] and a[1] >= b[1] and a != b
 
 
+BEST_SPEED_TOLERANCE = 0.02  # configs this close to the fastest at the target count as equally fast
+
+
 def best_point(study: optuna.Study, target: int) -> Point | None:
-    """The fastest feasible front point whose seq_len reaches the target, or None."""
-    reaching = [p for p in front_points(study) if p.values[0] >= target]
-    return max(reaching, key=lambda p: (p.values[1], -p.values[0]), default=None)
+    """The config ``best.json`` holds: among the feasible points that reach the target and run within
+    ``BEST_SPEED_TOLERANCE`` of the fastest of them, the one with the most device headroom (the lowest peak;
+    then the faster). On rates that are partly assumed, a fraction of a percent of speed is not worth GiB of
+    margin. None when no point reaches the target."""
+    reaching = [p for p in points(study) if p.record["status"] == "ok" and p.values[0] >= target]
+    if not reaching:
+        return None
+    fastest = _fastest(reaching)
+    near = [p for p in reaching if p.values[1] >= fastest.values[1] * (1 - BEST_SPEED_TOLERANCE)]
+    return min(near, key=lambda p: (p.record.get("peak_device_bytes") or 0, -p.values[1], p.values[0], p.number))
+
+
+def _fastest(candidates: list[Point]) -> Point:
+    return max(candidates, key=lambda p: (p.values[1], -p.values[0], -p.number))
+
+
+def best_choice(study: optuna.Study, target: int) -> str | None:
+    """Why ``best_point`` is not the fastest config at the target (one line), or None when it is."""
+    best = best_point(study, target)
+    if best is None:
+        return None
+    fastest = _fastest([p for p in points(study) if p.record["status"] == "ok" and p.values[0] >= target])
+    if fastest.number == best.number:
+        return None
+    gib = 2**30
+    saved = ((fastest.record.get("peak_device_bytes") or 0) - (best.record.get("peak_device_bytes") or 0)) / gib
+    return (
+        f"best is trial {best.number} ({best.values[1]:,.0f} tokens/s at "
+        f"{(best.record.get('peak_device_bytes') or 0) / gib:.1f} GiB), not the fastest, trial {fastest.number} "
+        f"({fastest.values[1]:,.0f} tokens/s at {(fastest.record.get('peak_device_bytes') or 0) / gib:.1f} GiB): "
+        f"within {BEST_SPEED_TOLERANCE:.0%} of its speed with {saved:.1f} GiB more headroom"
+    )
 
 
 def best_for_target(study: optuna.Study, target: int):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from autotune.backends import Backend
 from autotune.core.hardware import Hardware
+from autotune.core.trainers import AUTOTUNE, Trainer
 from autotune.search.space import SearchSpace
 
 
@@ -35,3 +36,8 @@ class SearchJob:
     @property
     def world_size(self) -> int:
         return self.gpus * self.nodes
+
+    @property
+    def trainer(self) -> Trainer:
+        """The trainer the search is for (its space's)."""
+        return self.space.trainer if self.space is not None else AUTOTUNE

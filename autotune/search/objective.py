@@ -55,9 +55,12 @@ def make_objective(job: SearchJob, study: optuna.Study, on_record: Callable | No
             study.stop()
             requeue_surplus(study, trial)  # a seed or follow-up it was handed stays queued, not lost
             raise SurplusTrial(f"trial {trial.number}: the study already holds {job.trials} trials")
-        techniques, seq_len = job.space.sample(trial, layers)
+        asked, seq_len = job.space.sample(trial, layers)
+        techniques = job.space.runs(asked, seq_len)  # what the search's trainer runs: evaluated, on the front
         techniques.validate(job.model_config, job.world_size, seq_len)
         trial.set_user_attr("techniques", techniques.to_dict())
+        if asked != techniques:
+            trial.set_user_attr("asked", asked.to_dict())  # the sampled config, the same at every length
         evaluation = Evaluation(job.model_config, techniques, seq_len, job.gpus, job.hardware, job.nodes)
         answered = claim_or_answer(study, trial, techniques, seq_len)  # None: claimed, no other worker runs it
         how = None
@@ -77,7 +80,7 @@ def make_objective(job: SearchJob, study: optuna.Study, on_record: Callable | No
         trial.set_user_attr("answered_by", how or job.backend.name)
         set_constraints(trial, [constraint_value(record, capacity)])  # where Optuna and optuna-dashboard read them
         if job.follow_ups:
-            enqueue_follow_ups(job, study, techniques, record, trial.number)
+            enqueue_follow_ups(job, study, asked, record, trial.number)
         if on_record is not None:
             on_record(trial.number, techniques, record, how)
         return float(seq_len), float(record.tokens_per_s or 0.0) if record.status == "ok" else 0.0

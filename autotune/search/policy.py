@@ -18,8 +18,9 @@ from trials.techniques import Techniques, knobs
 
 def seed_params(job: SearchJob) -> list[dict]:
     """Known-good starting points (Optuna params): the plain model at the shortest length and at the longest (where
-    its wall is), and ALST's stack at the target (each knob at its declared ``alst`` value), plus, for each knob
-    split by the Ulysses degree (``head_chunk``), UPipe's: ALST with its smallest chunk."""
+    its wall is), ALST's stack at the target (each knob at its declared ``alst`` value), plus, for each knob
+    split by the Ulysses degree (``head_chunk``), UPipe's: ALST with its smallest chunk; and the space's most
+    memory-frugal config at the target (``SearchSpace.frugal``), which ``follow_ups`` climb to its wall."""
     space, choices = job.space, job.space.choices
     degree = max(choices["ulysses_degree"])
     target_len = min((s for s in space.seq_lens if s >= job.target and s % degree == 0), default=space.seq_lens[-1])
@@ -50,6 +51,10 @@ def seed_params(job: SearchJob) -> list[dict]:
             if knob.alst in split:
                 seeds[1][name] = knob.alst  # ALST: plain Ulysses
             seeds.insert(2, {**seeds[1], name: min(c for c in split if not knob.is_off(c))})
+    layers = job.model_config["num_hidden_layers"]
+    frugal = space.params_for(space.frugal(layers), target_len, layers)
+    if frugal is not None and frugal not in seeds:
+        seeds.insert(2, frugal)
     return seeds
 
 
@@ -82,12 +87,13 @@ def infer_record(study: optuna.Study, techniques: Techniques, seq_len: int) -> t
 
 
 def _known_points(study: optuna.Study) -> list[tuple[dict, int, ResultRecord]]:
-    """(techniques, seq_len, record) of every trial that has a record, finished or still running."""
+    """(techniques, seq_len, record) of every trial that has a record, finished or still running; the techniques
+    as sampled (``asked``, where the search's trainer runs something else), which are the same at every length."""
     known = []
     for past in study.get_trials(deepcopy=False, states=(*FINISHED, TrialState.RUNNING)):
         if "record" in past.user_attrs and "techniques" in past.user_attrs:
             record = ResultRecord.from_dict(past.user_attrs["record"])
-            known.append((past.user_attrs["techniques"], record.seq_len, record))
+            known.append((past.user_attrs.get("asked", past.user_attrs["techniques"]), record.seq_len, record))
     return known
 
 
@@ -117,7 +123,7 @@ def wall_step(job: SearchJob, known: list[tuple[dict, int, ResultRecord]], techn
         return None
     lo, lo_record = fits[-1]
     above = [(s, r) for s, r in mine if r.status == "oom" and s > lo]
-    if not above or not _on_front(known, lo, lo_record.tokens_per_s or 0.0):
+    if not above or not (_on_front(known, lo, lo_record.tokens_per_s or 0.0) or _is_frugal(job, techniques)):
         return None
     hi = above[0][0]
     if any(lo < s < hi and s % techniques.ulysses_degree == 0 for s in job.space.seq_lens):
@@ -148,13 +154,20 @@ def _crossing(a: tuple[int, ResultRecord], b: tuple[int, ResultRecord], hardware
     return int(min(found)) if found else None
 
 
+def _is_frugal(job: SearchJob, techniques: Techniques) -> bool:
+    """The space's most memory-frugal config: it climbs to its wall even off the front, as that wall is the
+    node's for the search's trainer (the front's longest point)."""
+    return techniques == job.space.frugal(job.model_config["num_hidden_layers"])
+
+
 def follow_ups(
     job: SearchJob, known: list[tuple[dict, int, ResultRecord]], techniques: Techniques, record: ResultRecord
 ) -> list[tuple[Techniques, int]]:
     """Points worth evaluating next, given a new record (already in ``known``) -- the structure TPE cannot see:
 
-    - climb: a config that fits at L and is on the current front (nothing known is both as long and as fast) is
-      tried at the next longer length of the grid: each front config is followed up to its own memory wall;
+    - climb: a config that fits at L and is on the current front (nothing known is both as long and as fast), or
+      is the space's most frugal one (``_is_frugal``), is tried at the next longer length of the grid: each front
+      config is followed up to its own memory wall;
     - reach the wall: a front config that fits at L and is out of memory at the next length it was tried at
       is tried in between (``wall_step``, a length off the grid), until its longest fitting length is its wall;
     - step down in memory: a config that is out of memory at a grid length L, having fit on the front at the
@@ -173,7 +186,7 @@ def follow_ups(
     wall = wall_step(job, known, techniques) if record.status in ("ok", "oom") else None
     if wall is not None:
         candidates.append((techniques, wall))
-    if record.status == "ok" and on_front(seq_len, record.tokens_per_s or 0.0):
+    if record.status == "ok" and (on_front(seq_len, record.tokens_per_s or 0.0) or _is_frugal(job, techniques)):
         longer = [s for s in lens if s > seq_len and s % techniques.ulysses_degree == 0]
         if longer:
             candidates.append((techniques, longer[0]))

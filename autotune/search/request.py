@@ -20,6 +20,7 @@ from autotune.backends.setup import (
 )
 from autotune.core.errors import UserError
 from autotune.core.hardware import Hardware
+from autotune.core.trainers import trainer_named
 from autotune.search.job import SearchJob
 from autotune.search.objective import open_study
 from autotune.search.space import load_space
@@ -48,6 +49,7 @@ class SearchRequest:
     prefilter: bool = True  # local backend: skip real trials the plan backend predicts to OOM
     depth: str = "reduced"
     rdzv_endpoint: str | None = None
+    trainer: str = "autotune"  # search what that trainer runs (``autotune.core.trainers``)
 
 
 @dataclass
@@ -68,6 +70,7 @@ def prepare_search(request: SearchRequest) -> PreparedSearch:
     from trials.model_config import load_model_config
 
     model_config = load_model_config(request.model)
+    trainer = trainer_named(request.trainer)
     backend_name = resolve_backend(request.backend, request.gpus)
     if request.backend == "auto" and request.nodes > 1 and request.rdzv_endpoint is None:
         backend_name = "plan"  # real trials over several nodes need the rendezvous
@@ -89,7 +92,9 @@ def prepare_search(request: SearchRequest) -> PreparedSearch:
     if backend_name == "local":
         check_local_node(request.gpus, False)
         warnings = [w for w in [broken_flash_warning()] if w]
-    space = load_space(request.space, model_config, request.gpus * request.nodes, request.target, flash_ok=flash_ok)
+    space = load_space(
+        request.space, model_config, request.gpus * request.nodes, request.target, flash_ok=flash_ok, trainer=trainer
+    )
     if backend_name == "local":
         prefilter = make_backend("plan", stop_above=1 + hw.oracle_margin) if request.prefilter else None
         # the trial deadlines follow the predicted step time: the prefilter's cached records, else a plan backend

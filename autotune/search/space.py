@@ -15,7 +15,7 @@ knobs (define-by-run, so Optuna's TPE learns each branch) are those with a ``sam
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from optuna.trial import TrialState
 
 from autotune.core.errors import UserError
 from autotune.core.sizes import parse_tokens
+from autotune.core.trainers import AUTOTUNE, ExportJob, Trainer, memory_rank
 from trials.rules import ulysses_degree_problem
 from trials.techniques import ALL_LAYERS, Knob, Techniques, knob_names, knobs
 
@@ -67,6 +68,33 @@ class SearchSpace:
     seq_lens: list[int]
     # each ``split_by`` knob: the value of the knob it is split by -> its choices there (its rule's survivors)
     split_choices: dict[str, dict[Any, list]]
+    trainer: Trainer = AUTOTUNE  # the trainer the search is for: its choices only, evaluated as it runs them
+    model_config: dict = field(default_factory=dict)
+    gpus: int = 1  # the world: every node's GPUs
+
+    def runs(self, asked: Techniques, seq_len: int) -> Techniques:
+        """What the trainer runs for a sampled config at ``seq_len`` (``Trainer.runs``): the config a trial
+        evaluates, the front shows and the export writes. The search's own bookkeeping (climbing, walls, steps
+        down in memory) follows the sampled config, which stays the same at every length."""
+        if all(e.as_asked for e in self.trainer.expresses.values()):
+            return asked
+        return self.trainer.runs(ExportJob("", self.model_config, self.gpus, seq_len, asked))
+
+    def frugal(self, num_layers: int) -> Techniques:
+        """The config of this space that needs the least memory: every knob at its most memory-saving choice
+        (``memory_rank``), the attention kernel ALST's where the space has it. The search climbs it to its wall,
+        which is the node's wall for the trainer."""
+        values: dict[str, Any] = {}
+        for knob in knobs():
+            if not _active(knob, values):
+                values[knob.name] = knob.default
+                continue
+            choices = [num_layers if c == ALL_LAYERS else c for c in self.knob_choices(knob, values)]
+            if knob.less_memory is None:
+                values[knob.name] = knob.alst if knob.alst in choices else choices[0]
+            else:
+                values[knob.name] = max(choices, key=lambda c: memory_rank(knob, c))
+        return Techniques(**values)
 
     def knob_choices(self, knob: Knob, values: dict) -> list:
         """The choices of ``knob`` given the knobs before it (a ``split_by`` knob's depend on that knob's value;
@@ -189,9 +217,16 @@ def queued_params(trial) -> dict:
 
 
 def load_space(
-    path: str | Path | None, model_config: dict, gpus: int, target: int, flash_ok: bool = True
+    path: str | Path | None,
+    model_config: dict,
+    gpus: int,
+    target: int,
+    flash_ok: bool = True,
+    trainer: Trainer = AUTOTUNE,
 ) -> SearchSpace:
-    """Read and validate a space file, then drop choices this model and node cannot run."""
+    """Read and validate a space file, then drop choices this model and node cannot run, and those ``trainer``
+    does not run (``restrict_to_trainer``; a choice the trainer cannot run in the user's own file is bad input)."""
+    user_file = path is not None
     path = Path(path) if path else DEFAULT_SPACE
     if not path.is_file():
         raise UserError(f"search space {str(path)!r} does not exist")
@@ -226,6 +261,7 @@ def load_space(
             raise UserError(f"search space {str(path)!r}: knob {name!r} has an empty choice list")
         choices[name] = [_coerce(path, name, value, model_config) for value in raw]
     choices = _filter(choices, model_config, gpus, flash_ok, path)
+    choices = restrict_to_trainer(choices, trainer, model_config, gpus, target, path if user_file else None)
     return SearchSpace(
         choices=choices,
         seq_lens=_seq_grid(path, data.get("seq_len") or {}, target, choices),
@@ -234,6 +270,50 @@ def load_space(
             for k in knobs()
             if k.split_by
         },
+        trainer=trainer,
+        model_config=model_config,
+        gpus=gpus,
+    )
+
+
+def restrict_to_trainer(
+    choices: dict, trainer: Trainer, model_config: dict, gpus: int, target: int, user_file: Path | None
+) -> dict:
+    """The choices ``trainer`` runs (its ``expresses``): a knob it has no technique for keeps only its default
+    (in the user's own space file, offering another value is bad input: one line naming the knob and the
+    trainer); a knob it runs its own way keeps one choice per value it runs (ArcticTraining's MLP tiles are the
+    hidden size whatever is asked: off and one tile remain)."""
+    layers = model_config["num_hidden_layers"]
+    probes = [
+        ExportJob("", model_config, gpus, target, Techniques(ulysses_degree=d, activation_checkpointing=True))
+        for d in choices["ulysses_degree"]
+    ]
+    kept = dict(choices)
+    for knob in knobs():
+        expression, values = trainer.expresses[knob.name], choices[knob.name]
+        if expression.off:
+            others = [v for v in values if v != knob.default]
+            if others and user_file is not None:
+                why = expression.how.removeprefix("not expressible: ")
+                raise UserError(
+                    f"search space {str(user_file)!r}: --trainer {trainer.name} cannot run {knob.name} "
+                    f"{_choice_words(others)} ({why}); offer only {_choice_words([knob.default])} or drop --trainer"
+                )
+            kept[knob.name] = [knob.default]
+        elif not expression.as_asked:
+            runs: dict[tuple, Any] = {}
+            for value in values:
+                asked = layers if value == ALL_LAYERS else value
+                runs.setdefault(tuple(expression.runs(asked, probe) for probe in probes), value)
+            kept[knob.name] = list(runs.values())
+    return kept
+
+
+def _choice_words(values: list) -> str:
+    return (
+        "["
+        + ", ".join("null" if v is None else str(v).lower() if isinstance(v, bool) else str(v) for v in values)
+        + "]"
     )
 
 

@@ -28,7 +28,10 @@ class SurplusTrial(Exception):
 
 def study_name_for(job: SearchJob) -> str:
     nodes = f"{job.nodes}x" if job.nodes > 1 else ""  # 2x8xh100-sxm: 2 nodes of 8
-    return job.study_name or f"autotune-{Path(job.model).stem}-{nodes}{job.gpus}x{job.hardware.name}-{job.target}"
+    trainer = "" if job.trainer.name == "autotune" else f"-{job.trainer.name}"  # another space
+    return job.study_name or (
+        f"autotune-{Path(job.model).stem}-{nodes}{job.gpus}x{job.hardware.name}-{job.target}{trainer}"
+    )
 
 
 def create_study(job: SearchJob, storage=None, seeds: list[dict] = ()) -> optuna.Study:

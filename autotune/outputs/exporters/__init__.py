@@ -9,7 +9,10 @@ what the trainer runs derive from that declaration (``selection``).
     torchrun     ``torchrun_script``   a shell script training with autotune's own runner
     deepspeed    ``deepspeed_config``  a DeepSpeed JSON and the ALST Python it cannot carry
     arctic       ``arctic_recipe``     an ArcticTraining recipe
-    accelerate   ``accelerate_config`` an Accelerate config, its DeepSpeed JSON and a Trainer snippet
+    accelerate   ``accelerate_config`` an Accelerate config and the training script it launches, every knob
+                                       through the plugin ``trials.hf`` (and the autotune config beside them)
+    accelerate-deepspeed  ``accelerate_deepspeed``  an Accelerate config backed by DeepSpeed, its DeepSpeed JSON
+                                       and a Trainer snippet
     slurm        ``slurm_script``      an sbatch script: srun + torchrun's c10d rendezvous on the config's nodes
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 from autotune.core.errors import UserError
 from autotune.outputs.exporters.accelerate_config import AccelerateConfigExporter
+from autotune.outputs.exporters.accelerate_deepspeed import AccelerateDeepSpeedExporter
 from autotune.outputs.exporters.arctic_recipe import ArcticRecipeExporter
 from autotune.outputs.exporters.autotune_config import AutotuneConfigExporter
 from autotune.outputs.exporters.base import Exporter
@@ -47,6 +51,7 @@ EXPORTERS: dict[str, type[Exporter]] = {
         DeepSpeedConfigExporter,
         ArcticRecipeExporter,
         AccelerateConfigExporter,
+        AccelerateDeepSpeedExporter,
         TorchrunScriptExporter,
         SlurmScriptExporter,
     )

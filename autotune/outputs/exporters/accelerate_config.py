@@ -1,14 +1,17 @@
-"""``--format accelerate``: a Hugging Face Accelerate config (YAML for ``accelerate launch --config_file``), the
-DeepSpeed JSON it points at (``.ds.json``), and a Python snippet for Trainer users (``.trainer.py``).
+"""``--format accelerate``: a Hugging Face Accelerate config (YAML for ``accelerate launch --config_file``) and the
+training script it launches (``.train.py``), which applies every knob through the plugin ``trials.hf``; beside
+them the autotune config itself (``.autotune.json``, for ``autotune estimate --config``).
 
-Accelerate >= 1.12 runs DeepSpeed-Ulysses (ALST's sequence parallelism) with ``distributed_type: DEEPSPEED`` and
-a ``parallelism_config`` section (``sp_backend: deepspeed``); the Trainer (transformers >= 5.0) takes the same as
-``TrainingArguments(parallelism_config=..., deepspeed=...)``. ZeRO-3, its CPU offload and activation
-checkpointing are expressed, and (transformers 5.23's ``activation_checkpointing_kwargs={"offload": True}``)
-offloading every checkpointed layer's input to pinned host memory -- synchronously, where autotune overlaps the
-copies with compute, so slower than predicted. Neither has tiled MLP or tiled loss (the Trainer computes the
-model's own loss over each rank's shard); DeepSpeed's Ulysses has no head chunking; tiled RMSNorm is autotune's
-own.
+Accelerate only starts the processes: ``distributed_type: MULTI_GPU`` (``NO`` for one process) is
+``torch.distributed.run`` underneath, on CUDA and on CPU alike (Accelerate's ``MULTI_CPU`` starts one process
+unless it is given an MPI host file). The script joins that job with ``trials.dist.init_mesh`` (NCCL + gloo on
+CUDA, gloo on CPU), builds the Hugging Face model of ``--model`` with ``trials.hf.from_pretrained`` (on meta, the
+techniques applied, each rank reading only its shards of the safetensors weights) and trains it with
+``trials.step.train_step``. Sharding is the plugin's own FSDP2 (``fully_shard`` per decoder layer + root), not
+Accelerate's ``FSDP`` plugin: that is the code autotune's memory oracle traced. Precision is trials' too (fp32
+master weights, bf16 compute on CUDA), so the YAML says ``mixed_precision: 'no'``.
+
+``--format accelerate-deepspeed`` (``accelerate_deepspeed``) is the DeepSpeed-backed flavour for the Trainer.
 """
 
 from __future__ import annotations
@@ -17,17 +20,12 @@ import json
 
 import yaml
 
+from autotune.core.hardware import load_hardware
 from autotune.core.trainers import TRAINERS
-from autotune.outputs.exporters.base import (
-    Exporter,
-    Rendered,
-    beside,
-    comment_block,
-    hf_attention,
-    hf_model_name,
-)
-from autotune.outputs.exporters.deepspeed_config import deepspeed_json
+from autotune.outputs.exporters.base import Exporter, Rendered, beside, comment_block, hf_model_name
 from trials.config_file import TrialConfig
+
+FIRST_NODE_PLACEHOLDER = "REPLACE-WITH-THE-FIRST-NODE"
 
 
 class AccelerateConfigExporter(Exporter):
@@ -35,93 +33,164 @@ class AccelerateConfigExporter(Exporter):
     trainer = TRAINERS["accelerate"]
     default_file = "accelerate-config.yaml"
 
-    def accelerate_yaml(self, config: TrialConfig, deepspeed_path: str) -> dict:
-        t = config.techniques
+    def accelerate_yaml(self, config: TrialConfig) -> dict:
+        processes = config.gpus * config.nodes
         doc: dict = {
             "compute_environment": "LOCAL_MACHINE",
-            "distributed_type": "DEEPSPEED",
-            "deepspeed_config": {"deepspeed_config_file": deepspeed_path},
+            # torch.distributed.run starts the processes; trials.dist picks NCCL on CUDA, gloo on CPU
+            "distributed_type": "MULTI_GPU" if processes > 1 else "NO",
+            "downcast_bf16": "no",
+            "gpu_ids": "all",
             "machine_rank": 0,
             "main_training_function": "main",
-            "num_machines": 1,
-            "num_processes": config.gpus,
+            "mixed_precision": "no",  # trials' own: fp32 master weights, bf16 compute on CUDA
+            "num_machines": config.nodes,
+            "num_processes": processes,
             "rdzv_backend": "static",
             "same_network": True,
-            "use_cpu": False,
+            "use_cpu": load_hardware(config.hardware).device_is_host,
         }
-        if t.ulysses_degree > 1:
-            # dp_replicate x dp_shard x sp = processes; with DeepSpeed, ZeRO shards over the data-parallel ranks
-            doc["parallelism_config"] = {
-                "parallelism_config_dp_replicate_size": 1,
-                "parallelism_config_dp_shard_size": config.gpus // t.ulysses_degree,
-                "parallelism_config_sp_size": t.ulysses_degree,
-                "parallelism_config_sp_backend": "deepspeed",
-                "parallelism_config_sp_seq_length_is_variable": True,
-                "parallelism_config_sp_attn_implementation": hf_attention(t),
-            }
+        if config.nodes > 1:
+            doc.update(main_process_ip=FIRST_NODE_PLACEHOLDER, main_process_port=29500)
         return doc
 
     def render(self, config: TrialConfig, notes: list[str], path: str) -> Rendered:
-        deepspeed_path = beside(path, ".ds.json")
-        text = (
-            comment_block(notes)
-            + "\n"
-            + yaml.safe_dump(self.accelerate_yaml(config, deepspeed_path), sort_keys=False).rstrip()
+        lines = [*notes]
+        if config.nodes > 1:
+            lines.append(
+                f"on each of the {config.nodes} nodes: main_process_ip = the first node, machine_rank = this node's"
+            )
+        lines.append(
+            "sharding: trials.hf's FSDP2 (fully_shard per decoder layer + root, what the memory oracle traced); "
+            "Accelerate only starts the processes"
         )
+        text = comment_block(lines) + "\n" + yaml.safe_dump(self.accelerate_yaml(config), sort_keys=False).rstrip()
         companions = {
-            ".ds.json": json.dumps(deepspeed_json(config.techniques, with_optimizer=False), indent=2),
-            ".trainer.py": trainer_python(config, notes, path, deepspeed_path),
+            ".train.py": training_script(config, lines, path),
+            ".autotune.json": json.dumps(config.to_dict(), indent=2),
         }
         return Rendered(text, companions)
 
     def launch(self, path: str, config: TrialConfig) -> str:
-        return f"accelerate launch --config_file {path} your_train.py"
+        return (
+            f"accelerate launch --config_file {path} {beside(path, '.train.py')} "
+            f"--model {hf_model_name(config.model)} --steps 100"
+        )
 
 
-def trainer_python(config: TrialConfig, notes: list[str], accelerate_path: str, deepspeed_path: str) -> str:
-    """The Trainer's side of the same config (transformers >= 5.0, accelerate >= 1.12; checkpoint offload and the
-    ``activation_checkpointing`` names: transformers 5.23)."""
-    t = config.techniques
-    attention = hf_attention(t)
-    if t.ulysses_degree > 1:
-        parallelism = (
-            f'ParallelismConfig(\n    sp_backend="deepspeed", sp_size={t.ulysses_degree}, '
-            f"dp_shard_size={config.gpus // t.ulysses_degree},\n"
-            f"    sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, "
-            f"sp_attn_implementation={attention!r}),\n)"
-        )
-        batch = (
-            f"one sequence of {config.seq_len:,} tokens (input_ids, labels, position_ids; a multiple of "
-            f"{t.ulysses_degree}), which the Trainer shards over the {t.ulysses_degree} sequence-parallel ranks"
-        )
-    else:
-        parallelism = "None  # no sequence parallelism: each rank trains whole sequences"
-        batch = f"one sequence of {config.seq_len:,} tokens per rank (input_ids, labels)"
-    checkpointing = {"offload": True} if t.activation_offload_layers else None
+def training_script(config: TrialConfig, notes: list[str], accelerate_path: str) -> str:
+    """The ``.train.py`` the YAML launches: the config inline, ``trials.hf`` for the model, ``trials.step`` for the
+    step, a loss line per step and (``--summary``) a JSON summary with each rank's measured peak."""
+    script = beside(accelerate_path, ".train.py")
     return f'''{comment_block(notes)}
-"""Hugging Face Trainer with this config (transformers 5.23 for activation_checkpointing*, >= 5.0 otherwise;
-accelerate >= 1.12). Launch your script with accelerate launch --config_file {accelerate_path}
-Each batch: {batch}. An Accelerate loop without the Trainer: model.activation_checkpointing_enable(
-offload={bool(t.activation_offload_layers)}) when activation_checkpointing is on, and the same DeepSpeed JSON."""
-import torch
-from accelerate.parallelism_config import ParallelismConfig
-from accelerate.utils import DeepSpeedSequenceParallelConfig
-from transformers import AutoModelForCausalLM, TrainingArguments
+"""Train a Hugging Face causal LM with this autotune config, every knob applied by the plugin trials.hf.
 
-parallelism_config = {parallelism}
-training_args = TrainingArguments(
-    output_dir="out",
-    per_device_train_batch_size=1,  # the DeepSpeed JSON's micro batch
-    gradient_accumulation_steps=1,
-    bf16=True,
-    activation_checkpointing={t.activation_checkpointing},
-    activation_checkpointing_kwargs={checkpointing!r},
-    deepspeed={deepspeed_path!r},  # before the model is created: ZeRO-3 builds it sharded
-    parallelism_config=parallelism_config,
+    accelerate launch --config_file {accelerate_path} {script} --model HF_FOLDER [--steps N] \\
+        [--data tokens.parquet] [--summary summary.json]
+
+HF_FOLDER holds config.json and safetensors weights (model.safetensors or an index of several files). Each step
+trains one sequence of {config.seq_len:,} tokens per data-parallel replica: trials' seeded synthetic tokens, or
+--data, a Parquet/Arrow file of token ids (a column input_ids of lists, or tokens) read as one stream. Rank 0
+prints the loss of each step (the mean over the global batch) and a final "summary {{json}}" line, which --summary
+also writes: the losses and each rank's peak device bytes (on CPU the simulated device's, as trials measure it; on
+CUDA torch.cuda's max allocated and max reserved), from before the model is built to the last step.
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from trials import allocator, hf
+from trials.config_file import parse_config
+from trials.data import make_batch
+from trials.dist import init_mesh
+from trials.memory import DeviceMemoryTracker
+from trials.step import make_optimizer, train_step
+from trials.train import TokenSource
+
+CONFIG = json.loads(
+    r"""
+{json.dumps(config.to_dict(), indent=2)}
+"""
 )
 
 
-def load_model(name_or_path={hf_model_name(config.model)!r}):
-    return AutoModelForCausalLM.from_pretrained(name_or_path, attn_implementation={attention!r},
-                                                dtype=torch.bfloat16)
+def peak_bytes(mesh, tracker) -> dict:
+    if tracker is not None:
+        return {{"peak_device_bytes": int(tracker.peak_device_bytes), "peak_host_bytes": int(tracker.peak_host_bytes)}}
+    return {{
+        "peak_device_bytes": int(torch.cuda.max_memory_allocated(mesh.device)),
+        "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(mesh.device)),
+    }}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="Hugging Face model folder (config.json + safetensors)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--data", default=None, help="Parquet/Arrow file of token ids (default: synthetic tokens)")
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic tokens")
+    parser.add_argument("--config", default=None, help="another autotune config file (default: the one above)")
+    parser.add_argument("--summary", default=None, help="write the JSON summary here (rank 0)")
+    args = parser.parse_args(argv)
+    config = parse_config(json.load(open(args.config)) if args.config else CONFIG, args.config or "CONFIG")
+    techniques, seq_len = config.techniques, config.seq_len
+    allocator.configure()  # before CUDA starts: the allocator settings the trials measured under
+    mesh = init_mesh(techniques.ulysses_degree)
+    tracker = DeviceMemoryTracker() if mesh.device.type != "cuda" else None
+    if tracker is None:
+        torch.cuda.reset_peak_memory_stats(mesh.device)
+    losses = []
+    with tracker if tracker is not None else contextlib.nullcontext():
+        model = hf.from_pretrained(args.model, techniques, mesh)
+        optimizer = make_optimizer(model, techniques, mesh, lr=args.lr)
+        source = TokenSource(seq_len, model.config.vocab_size, args.seed, args.data)
+        for step in range(args.steps):
+            tokens = source.window(step * mesh.dp_size + mesh.dp_rank)
+            batch = make_batch(tokens, mesh.sp_rank, mesh.sp_degree, mesh.device)
+            start = time.perf_counter()
+            result = train_step(model, optimizer, batch, mesh)
+            losses.append(result.loss)
+            if mesh.rank == 0:
+                rate = seq_len * mesh.dp_size / (time.perf_counter() - start)
+                print(
+                    f"step {{step + 1}}/{{args.steps}}  loss {{result.loss:.6f}}  grad_norm {{result.grad_norm:.4f}}  "
+                    f"{{rate:,.0f}} tokens/s",
+                    flush=True,
+                )
+    peaks = [peak_bytes(mesh, tracker)]
+    if dist.is_initialized():
+        peaks = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, peak_bytes(mesh, tracker))
+    summary = {{
+        "steps": args.steps,
+        "seq_len": seq_len,
+        "world_size": mesh.world_size,
+        "first_loss": losses[0] if losses else None,
+        "losses": losses,
+        "ranks": peaks,
+    }}
+    if mesh.rank == 0:
+        print("summary " + json.dumps(summary), flush=True)
+        if args.summary:
+            with open(args.summary, "w") as out:
+                json.dump(summary, out, indent=2)
+    if dist.is_initialized():
+        dist.barrier()  # every rank done before any tears the group down
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no C++ static destructors: one can abort a finished rank (see trials.train)
 '''

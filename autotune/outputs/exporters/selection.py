@@ -234,6 +234,9 @@ def export_entry(
         predicted=estimate.to_dict() if estimate else searched.predicted,
         measured=None if estimate else searched.measured,
     )
+    unpredicted = exporter.trainer.prediction_note(config.techniques)
+    if unpredicted:
+        notes.append(unpredicted)
     notes.append(f"launch: {exporter.launch(path, config)}")
     rendered = exporter.render(config, notes, path)
     return Export(exporter, entry, config, gaps, estimate, notes, rendered)

@@ -1,0 +1,153 @@
+"""The technique stack as a plugin for Hugging Face training (``trials.hf``) trains the plain model exactly.
+
+Models are saved by ``transformers`` itself (``save_pretrained``; tiny-qwen3 in several safetensors files with an
+index), with weights of their own (not the seeded ones trials draw), so a tensor the plugin fails to load shows.
+
+- In this process, one rank: a plain ``transformers`` loop (the model's own ``labels=`` loss, AdamW) against the
+  plugin's model in ``trials.step.train_step``: the same loss, gradients and loss after two steps.
+- The stack tests' matrix (``tests/test_stack.py``'s cases: every knob alone, pairs, the full stack, data
+  parallel) through ``tests/stack_harness.py`` on 1 and 2 ranks, the model loaded by ``trials.hf.from_pretrained``
+  (and a few by ``trials.hf.apply``), against the plain ``transformers`` model of the same folder.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_stack import GRAD_RTOL, HARNESS, LOSS_RTOL, SEQ, _cases, _check_exact, _launch
+
+from trials.model_config import load_model_config
+
+MODELS = ("tiny-llama", "tiny-qwen3")
+APPLY_CASES = ("full", "fsdp", "head_chunk=1+checkpointing", "dp2+full")  # also run through ``trials.hf.apply``
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> dict[str, str]:
+    """{preset: folder}: each tiny preset as ``transformers`` saves a model of it, with its own random weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("pretrained")
+    folders = {}
+    for index, name in enumerate(MODELS):
+        values = {k: v for k, v in load_model_config(name).items() if not k.startswith("_")}
+        torch.manual_seed(1234 + index)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**values))
+        folder = root / name
+        # tiny-qwen3 in several files: the loader follows model.safetensors.index.json
+        model.save_pretrained(folder, max_shard_size="300KB" if name == "tiny-qwen3" else "1GB")
+        folders[name] = str(folder)
+    assert (root / "tiny-qwen3" / "model.safetensors.index.json").is_file()
+    return folders
+
+
+def _plugin_cases(degree: int, pretrained: dict[str, str]) -> list[dict]:
+    rows = []
+    for case in _cases(degree):
+        rows.append({**case, "pretrained": {"dir": pretrained[case["model"]], "via": "from_pretrained"}})
+        if case["name"].split("/", 1)[1] in APPLY_CASES:
+            rows.append(
+                {
+                    **case,
+                    "name": case["name"] + " (hf.apply)",
+                    "pretrained": {"dir": pretrained[case["model"]], "via": "apply"},
+                }
+            )
+    return rows
+
+
+def test_exact_one_rank(pretrained, tmp_path):
+    cases = _plugin_cases(1, pretrained)
+    _check_exact(_launch(HARNESS, 1, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=600), len(cases))
+
+
+def test_exact_two_ranks(pretrained, tmp_path):
+    cases = _plugin_cases(2, pretrained)
+    _check_exact(_launch(HARNESS, 2, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=900), len(cases))
+
+
+# -- a plain transformers loop, in this process ---------------------------------------------------------------------
+
+LOOP_TECHNIQUES = {  # every knob that needs no process group (fsdp starts one: the harness runs those)
+    "head_chunk": 2,
+    "activation_checkpointing": True,
+    "activation_offload_layers": 2,
+    "mlp_tile_tokens": 96,
+    "loss_tile_tokens": 80,
+    "norm_tile_tokens": 112,
+}
+
+
+@pytest.mark.parametrize("via", ["from_pretrained", "apply"])
+def test_the_plugin_trains_like_a_plain_transformers_loop(pretrained, via):
+    """Two AdamW steps on one window: the model's own ``labels=`` loss on ``tokens`` (seq + 1 ids: the last one only
+    a label) against ``trials.step.train_step`` on the plugin's model; first-step loss and gradients, second-step
+    loss (after the optimizer step)."""
+    from stack_harness import full_grads
+    from transformers import AutoModelForCausalLM
+
+    from trials import hf
+    from trials.data import make_batch, synthetic_sample
+    from trials.dist import Mesh
+    from trials.step import forward_backward, global_loss, make_optimizer, train_step
+    from trials.techniques import Techniques
+
+    folder, mesh = pretrained["tiny-qwen3"], Mesh.single()
+    techniques = Techniques(**LOOP_TECHNIQUES)
+    tokens = [synthetic_sample(0, SEQ, load_model_config("tiny-qwen3")["vocab_size"])] * 2  # the same window twice
+
+    plain = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2, foreach=False)
+    plain_losses = []
+    for step, ids in enumerate(tokens):
+        loss = plain(input_ids=ids[None], labels=ids[None]).loss
+        loss.backward()
+        if step == 0:
+            plain_grads = {f"lm.{n}": p.grad.clone() for n, p in plain.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+        plain_losses.append(float(loss))
+
+    if via == "from_pretrained":
+        model = hf.from_pretrained(folder, techniques, mesh)
+    else:
+        model = hf.apply(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), techniques, mesh)
+    assert model.mesh is mesh and model.lm.config._attn_implementation == "autotune"
+    batch = make_batch(tokens[0], mesh.sp_rank, mesh.sp_degree, mesh.device)
+    first = global_loss(forward_backward(model, batch, mesh), mesh)
+    grads = full_grads(model)
+    assert set(grads) == set(plain_grads)
+    worst = max(float((grads[n] - g).norm() / g.norm()) for n, g in plain_grads.items())
+    model.zero_grad(set_to_none=True)
+    optimizer = make_optimizer(model, techniques, mesh, lr=1e-2)
+    losses = [train_step(model, optimizer, make_batch(ids, 0, 1, "cpu"), mesh).loss for ids in tokens]
+
+    assert first == pytest.approx(plain_losses[0], rel=LOSS_RTOL)
+    assert worst < GRAD_RTOL
+    assert losses == pytest.approx(plain_losses, rel=LOSS_RTOL)
+    assert losses[1] < losses[0] - 0.1  # the first step trained the weights the second loss sees
+
+
+def test_a_checkpoint_that_does_not_fit_the_model_is_refused(pretrained, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from trials import hf
+    from trials.dist import Mesh
+    from trials.techniques import Techniques
+
+    source = pretrained["tiny-llama"]
+    tensors = load_file(f"{source}/model.safetensors")
+    config = json.loads(open(f"{source}/config.json").read())
+    for name, changed in (
+        ("missing", {k: v for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.weight"}),
+        ("extra", {**tensors, "model.layers.9.mlp.up_proj.weight": torch.zeros(2, 2)}),
+        ("reshaped", {**tensors, "lm_head.weight": tensors["lm_head.weight"][:-1]}),
+    ):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+        save_file(changed, str(folder / "model.safetensors"))
+        with pytest.raises((KeyError, ValueError), match="model.layers|lm_head"):
+            hf.from_pretrained(folder, Techniques(), Mesh.single())

@@ -1,0 +1,157 @@
+"""The technique stack as a plugin for Hugging Face training: any ``Techniques`` on a ``transformers`` causal LM, in
+your own loop.
+
+    import torch
+    from trials import hf
+    from trials.config_file import load_config_file
+    from trials.data import make_batch
+    from trials.step import make_optimizer, train_step
+
+    cfg = load_config_file("best.json")                            # what autotune found
+    model = hf.from_pretrained("path/to/hf-model", cfg.techniques)  # joins the torchrun / accelerate job
+    mesh = model.mesh
+    optimizer = make_optimizer(model, cfg.techniques, mesh, lr=3e-5)
+    for tokens in my_token_windows(cfg.seq_len + 1, replica=mesh.dp_rank):  # one [seq_len + 1] LongTensor
+        batch = make_batch(tokens, mesh.sp_rank, mesh.sp_degree, mesh.device)  # this rank's sequence shard
+        result = train_step(model, optimizer, batch, mesh)        # forward, backward, reduce, step
+        print(result.loss)
+
+Two entry points, both returning a ``trials.model.TrainingModel`` (its forward returns this rank's scaled loss;
+``trials.step`` scales, reduces and steps so that every rank trains the plain single-process model's loss and
+gradients) with ``.mesh`` set:
+
+- ``apply(model, techniques, mesh=None)``: a model you already hold (``AutoModelForCausalLM.from_pretrained``).
+  Its attention is switched to ``attn_implementation="autotune"`` (``trials.attention``), then
+  ``trials.stack.apply`` adds the techniques. With ``fsdp`` the whole model exists on every rank before it is
+  sharded.
+- ``from_pretrained(path, techniques, mesh=None)``: a model folder (``config.json`` + safetensors) built the way
+  trials build theirs, on ``meta``, stacked, materialised (each rank allocates only its own FSDP2 shards), and then
+  each rank reads only its shards' rows of each tensor from the safetensors files. No rank ever holds the whole
+  model; this is the path whose memory ``autotune estimate`` predicts.
+
+Precision is trials': fp32 master weights, compute in ``compute_dtype`` (None = bf16 on CUDA, fp32 on CPU;
+``trials.model.set_compute_dtype``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+
+from trials import attention, stack
+from trials.dist import Mesh, init_mesh
+from trials.memory import active_tracker
+from trials.model import (
+    TrainingModel,
+    _canonical,
+    _local_rows,
+    default_compute_dtype,
+    materialize,
+    set_compute_dtype,
+)
+from trials.techniques import Techniques
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_FILE = "model.safetensors"
+
+
+def apply(
+    model, techniques: Techniques, mesh: Mesh | None = None, compute_dtype: torch.dtype | None = None
+) -> TrainingModel:
+    """Apply ``techniques`` to a ``transformers`` causal LM (``PreTrainedModel``) in place; returns the
+    ``TrainingModel`` that wraps it, with ``.mesh``. ``mesh``: default ``trials.dist.init_mesh(ulysses_degree)``."""
+    mesh = mesh or init_mesh(techniques.ulysses_degree)
+    attention.register()
+    model.config.use_cache = False
+    model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
+    training = TrainingModel(model)
+    if not techniques.fsdp:  # FSDP2 moves the shards to the mesh's device itself
+        training.to(mesh.device)
+    return _stacked(training, techniques, mesh, compute_dtype, build=None)
+
+
+def from_pretrained(
+    path: str | Path, techniques: Techniques, mesh: Mesh | None = None, compute_dtype: torch.dtype | None = None
+) -> TrainingModel:
+    """Build the model of ``path`` (a folder with ``config.json`` and ``model.safetensors`` or a sharded
+    ``model.safetensors.index.json``) with ``techniques`` applied, each rank holding and reading only its shards."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    mesh = mesh or init_mesh(techniques.ulysses_degree)
+    attention.register()
+    config = AutoConfig.from_pretrained(path)
+    config.use_cache = False
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attention.ATTN_IMPLEMENTATION, dtype=torch.float32
+        )
+    return _stacked(TrainingModel(lm), techniques, mesh, compute_dtype, build=Path(path))
+
+
+def _stacked(model: TrainingModel, techniques, mesh, compute_dtype, build: Path | None) -> TrainingModel:
+    """``trials.stack.apply`` with trials' precision; a meta model (``build``: its folder) is then materialised
+    and loaded."""
+    compute_dtype = compute_dtype or default_compute_dtype(mesh.device)
+    stack.apply(model, techniques, mesh, param_dtype=None if compute_dtype == torch.float32 else compute_dtype)
+    if build is not None:
+        materialize(model, mesh.device, params_device="cpu" if techniques.optimizer_offload else None, init=False)
+        load_safetensors(model, build)
+    set_compute_dtype(model, compute_dtype)
+    tracker = active_tracker()
+    if tracker is not None:
+        tracker.retag(model.parameters(), "params")
+    model.mesh = mesh
+    return model
+
+
+def checkpoint_files(folder: Path) -> dict[str, Path]:
+    """Every tensor name of the folder's safetensors checkpoint -> the file holding it."""
+    index = folder / SAFETENSORS_INDEX
+    if index.is_file():
+        return {name: folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    single = folder / SAFETENSORS_FILE
+    if not single.is_file():
+        raise FileNotFoundError(f"{folder}: no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX} (safetensors weights)")
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt") as handle:
+        return dict.fromkeys(handle.keys(), single)
+
+
+@torch.no_grad()
+def load_safetensors(model: TrainingModel, folder: Path) -> None:
+    """Copy the checkpoint's values into the model's parameters: for an FSDP2 shard only its rows are read (a
+    safetensors slice), on the host, then copied into the shard. Every parameter must be in the checkpoint (tied
+    weights once); tensors the model has no parameter for are refused, except rotary buffers, which are computed."""
+    from safetensors import safe_open
+
+    files = checkpoint_files(Path(folder))
+    tracker = active_tracker()
+    handles: dict[Path, object] = {}
+    loaded, seen = set(), set()
+    with contextlib.ExitStack() as stack_of_files:
+        for name, param in model.named_parameters(remove_duplicate=False):
+            key = _canonical(name).removeprefix("lm.")
+            if id(param) in seen:  # a tied parameter's other name: loaded once, under its first name
+                loaded.add(key)
+                continue
+            seen.add(id(param))
+            if key not in files:
+                raise KeyError(f"{folder}: the checkpoint has no tensor {key!r}")
+            file = files[key]
+            if file not in handles:
+                handles[file] = stack_of_files.enter_context(safe_open(file, framework="pt"))
+            local, start = _local_rows(param)
+            stored = handles[file].get_slice(key)
+            if tuple(stored.get_shape()) != tuple(param.shape):
+                raise ValueError(f"{key}: the checkpoint holds {stored.get_shape()}, the model {tuple(param.shape)}")
+            with tracker.on_host() if tracker is not None else contextlib.nullcontext():
+                rows = stored[start : start + local.shape[0]]
+            local.copy_(rows)
+            loaded.add(key)
+    unused = sorted(k for k in set(files) - loaded if not k.endswith("rotary_emb.inv_freq"))
+    if unused:
+        raise KeyError(f"{folder}: tensors the model has no parameter for: {', '.join(unused[:4])}")
