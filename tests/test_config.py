@@ -1,6 +1,8 @@
 import json
+from pathlib import Path
 
 import pytest
+from conftest import run_cli
 
 from autotune.core.hardware import load_hardware
 from trials.config_file import SCHEMA, load_config_file, parse_config
@@ -145,3 +147,52 @@ def test_non_llama_config_refused(tmp_path):
     path.write_text(json.dumps({"model_type": "bert", "hidden_size": 256}))
     with pytest.raises(ConfigError, match="model_type 'bert'"):
         load_model_config(str(path))
+
+
+def _saved_by_transformers(tmp_path, config) -> str:
+    """``config.json`` as ``save_pretrained`` writes it (transformers 5: ``layer_types`` for Qwen2/3)."""
+    config.save_pretrained(tmp_path)
+    return str(tmp_path / "config.json")
+
+
+def test_a_qwen3_config_saved_by_transformers_is_estimated_at_reduced_depth(tmp_path):
+    """``layer_types`` lists every layer: the oracle's 3- and 4-layer copies cut it to their depth, so transformers
+    takes them (a 6-layer model is traced as reduced copies and extended)."""
+    from transformers import Qwen3Config
+
+    path = _saved_by_transformers(
+        tmp_path,
+        Qwen3Config(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=256,
+        ),
+    )
+    assert len(json.loads(Path(path).read_text())["layer_types"]) == 6
+    done = run_cli(
+        "estimate", "--model", path, "--seq", "1K", "--config", "baseline", "--gpus", "1", "--hardware", "cpu", "--json"
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["status"] == "ok"
+
+
+def test_a_sliding_window_is_refused_not_ignored(tmp_path):
+    from transformers import MistralConfig
+
+    path = _saved_by_transformers(
+        tmp_path,
+        MistralConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=4096,
+        ),
+    )
+    with pytest.raises(ConfigError, match="not supported: trials run full causal attention in every layer"):
+        load_model_config(path)

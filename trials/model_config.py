@@ -63,8 +63,43 @@ def load_model_config(name_or_path: str) -> dict:
             f"model config {str(path)!r}: num_key_value_heads {config['num_key_value_heads']} "
             f"does not divide num_attention_heads {config['num_attention_heads']}"
         )
+    problem = _attention_problem(config)
+    if problem:
+        raise ConfigError(f"model config {str(path)!r}: {problem}")
     config["_name"] = name_or_path if preset.exists() else str(path)
     return config
+
+
+PER_LAYER_KEYS = ("layer_types",)  # lists with one entry per decoder layer (``transformers`` 5 writes them)
+
+
+def with_layers(model_config: dict, layers: int) -> dict:
+    """The config of the same model ``layers`` decoder layers deep (a reduced-depth copy): per-layer lists cut to
+    that length, so ``transformers`` takes the copy as a model of the same family."""
+    config = dict(model_config, num_hidden_layers=layers)
+    for key in PER_LAYER_KEYS:
+        if isinstance(config.get(key), list):
+            config[key] = config[key][:layers]
+    return config
+
+
+def _attention_problem(config: dict) -> str | None:
+    """Why the model's attention is not what trials run (full causal attention in every layer), or None."""
+    layer_types = config.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != config["num_hidden_layers"]:
+            return f"layer_types must list one type per layer ({config['num_hidden_layers']})"
+        other = sorted(set(layer_types) - {"full_attention"})
+        if other:
+            return f"layer_types {other} are not supported: trials run full causal attention in every layer"
+    window = config.get("sliding_window")
+    windowed = window is not None and config.get("use_sliding_window") is not False
+    if windowed and layer_types is None:
+        return (
+            f"sliding_window {window} is not supported: trials run full causal attention in every layer "
+            "(set sliding_window to null to plan the model without its window)"
+        )
+    return None
 
 
 def parameter_count(config: dict) -> int:

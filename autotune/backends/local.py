@@ -31,6 +31,7 @@ from autotune.oracle import EXTRAPOLATE_FROM, Trace, extend_value
 from autotune.oracle.extrapolation import extrapolate, plan_traces
 from trials import allocator
 from trials.errors import ConfigError
+from trials.model_config import with_layers
 from trials.segments import Segment, layer_positions, layer_runs, techniques_for_runs
 from trials.spec import RankRecord, TrialSpec
 
@@ -307,7 +308,7 @@ def _copy_evaluation(evaluation: Evaluation, copy: dict) -> Evaluation:
 
     layers = sum(n for _, n in copy["runs"])
     return Evaluation(
-        dict(evaluation.model_config, num_hidden_layers=layers),
+        with_layers(evaluation.model_config, layers),
         Techniques.from_dict(copy["techniques"]),
         evaluation.seq_len,
         evaluation.gpus,

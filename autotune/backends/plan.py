@@ -32,6 +32,7 @@ from autotune.timing.counting import StepCounter
 from autotune.timing.counts import StepCounts
 from autotune.timing.model import TimeBreakdown, predict_step_time
 from trials.errors import ConfigError
+from trials.model_config import with_layers
 from trials.segments import techniques_for_runs
 
 
@@ -264,7 +265,7 @@ def shallow_copies(evaluation: Evaluation, prediction: Prediction) -> list[tuple
         if trace.stopped or depth >= layers or plan_traces(runs)[1]:
             continue
         techniques = techniques_for_runs(evaluation.techniques, runs)
-        config = dict(evaluation.model_config, num_hidden_layers=depth)
+        config = with_layers(evaluation.model_config, depth)
         if layer_runs(techniques, depth) != runs:
             continue
         try:

@@ -17,6 +17,7 @@ from trials import patches
 from trials.data import make_batch
 from trials.dist import Mesh, build_mesh, ensure_device_mesh
 from trials.memory import DeviceMemoryTracker, TrackerListener
+from trials.model_config import with_layers
 from trials.segments import SegmentPeaks, install_segment_hooks, layer_runs, techniques_for_runs
 from trials.step import build_training, train_step
 from trials.step import prime_optimizer as prime_optimizer_states
@@ -75,7 +76,7 @@ def trace(
         else:
             runs = [("layers", layers)]
     layers = sum(n for _, n in runs)
-    config = dict(model_config, num_hidden_layers=layers)
+    config = with_layers(model_config, layers)
     techniques = techniques_for_runs(techniques, runs)
     device = torch.device("cpu")
     tracker = DeviceMemoryTracker(stop_above_bytes)
