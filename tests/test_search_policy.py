@@ -192,24 +192,25 @@ def test_follow_ups_climb_and_step_down(tmp_path):
     for trial in follow:
         origin = by_number[trial.user_attrs["follow_up_of"]]
         record, before = trial.user_attrs["record"], origin.user_attrs["record"]
+        same = [  # what the study knew of this config when the follow-up was queued (its origin just ended)
+            t.user_attrs["record"]
+            for t in trials
+            if t.number <= origin.number and t.user_attrs["techniques"] == trial.user_attrs["techniques"]
+        ]
+        fits = max((r["seq_len"] for r in same if r["status"] == "ok"), default=0)
         if record["seq_len"] not in lens:
-            # a wall step: the same config between its longest fit and its shortest OOM, off the grid
             assert trial.user_attrs["techniques"] == origin.user_attrs["techniques"]
-            same = [
-                t.user_attrs["record"]
-                for t in trials
-                if t.number < trial.number and t.user_attrs["techniques"] == trial.user_attrs["techniques"]
-            ]
-            assert (
-                max(r["seq_len"] for r in same if r["status"] == "ok")
-                < record["seq_len"]
-                < min(r["seq_len"] for r in same if r["status"] == "oom")
-            )
-            walls += 1
+            ooms = [r["seq_len"] for r in same if r["status"] == "oom" and r["seq_len"] > fits]
+            if ooms:  # a wall step: the same config between its longest fit and its shortest OOM, off the grid
+                assert fits < record["seq_len"] < min(ooms)
+                walls += 1
+            else:  # past the grid's end: the most frugal config at twice its longest fit
+                assert Techniques.from_dict(trial.user_attrs["techniques"]) == job.space.frugal(4)
+                assert record["seq_len"] > lens[-1]
         elif trial.user_attrs["techniques"] == origin.user_attrs["techniques"]:
-            # a climb: the same config at the next longer length, after it fit there
+            # a climb: the same config at the next grid length past the longest it is known to fit
             assert before["status"] == "ok"
-            assert record["seq_len"] == min(s for s in lens if s > before["seq_len"])
+            assert record["seq_len"] == min(s for s in lens if s > fits)
             climbs += 1
         else:
             # a memory step: one knob more at the length where the origin ran out of memory

@@ -20,7 +20,8 @@ def seed_params(job: SearchJob) -> list[dict]:
     """Known-good starting points (Optuna params): the plain model at the shortest length and at the longest (where
     its wall is), ALST's stack at the target (each knob at its declared ``alst`` value), plus, for each knob
     split by the Ulysses degree (``head_chunk``), UPipe's: ALST with its smallest chunk; and the space's most
-    memory-frugal config at the target (``SearchSpace.frugal``), which ``follow_ups`` climb to its wall."""
+    memory-frugal config (``SearchSpace.frugal``) at the target and at the grid's end, between which (or past
+    which) ``follow_ups`` take it to its wall."""
     space, choices = job.space, job.space.choices
     degree = max(choices["ulysses_degree"])
     target_len = min((s for s in space.seq_lens if s >= job.target and s % degree == 0), default=space.seq_lens[-1])
@@ -52,9 +53,12 @@ def seed_params(job: SearchJob) -> list[dict]:
                 seeds[1][name] = knob.alst  # ALST: plain Ulysses
             seeds.insert(2, {**seeds[1], name: min(c for c in split if not knob.is_off(c))})
     layers = job.model_config["num_hidden_layers"]
-    frugal = space.params_for(space.frugal(layers), target_len, layers)
-    if frugal is not None and frugal not in seeds:
-        seeds.insert(2, frugal)
+    frugal = space.frugal(layers)
+    top = max((s for s in space.seq_lens if s % frugal.ulysses_degree == 0), default=target_len)
+    for at, length in ((2, target_len), (len(seeds), top)):  # at the target, and at the grid's end (its wall)
+        params = space.params_for(frugal, length, layers)
+        if params is not None and params not in seeds:
+            seeds.insert(at, params)
     return seeds
 
 
@@ -126,8 +130,10 @@ def wall_step(job: SearchJob, known: list[tuple[dict, int, ResultRecord]], techn
     if not above or not (_on_front(known, lo, lo_record.tokens_per_s or 0.0) or _is_frugal(job, techniques)):
         return None
     hi = above[0][0]
-    if any(lo < s < hi and s % techniques.ulysses_degree == 0 for s in job.space.seq_lens):
-        return None  # the climb goes on along the grid first
+    if not _is_frugal(job, techniques) and any(
+        lo < s < hi and s % techniques.ulysses_degree == 0 for s in job.space.seq_lens
+    ):
+        return None  # the climb goes on along the grid first (the frugal config goes straight for its wall)
     unit = math.lcm(length_unit(techniques), techniques.ulysses_degree)
     first, last = (lo // unit + 1) * unit, (hi - 1) // unit * unit  # the unit's multiples strictly inside
     if first > last or lo >= hi * (1 - WALL_TOLERANCE):
@@ -166,8 +172,8 @@ def follow_ups(
     """Points worth evaluating next, given a new record (already in ``known``) -- the structure TPE cannot see:
 
     - climb: a config that fits at L and is on the current front (nothing known is both as long and as fast), or
-      is the space's most frugal one (``_is_frugal``), is tried at the next longer length of the grid: each front
-      config is followed up to its own memory wall;
+      is the space's most frugal one (``_is_frugal``), is tried at the next longer length of the grid (the frugal
+      one past the grid's end too, at twice its length): each front config is followed up to its own memory wall;
     - reach the wall: a front config that fits at L and is out of memory at the next length it was tried at
       is tried in between (``wall_step``, a length off the grid), until its longest fitting length is its wall;
     - step down in memory: a config that is out of memory at a grid length L, having fit on the front at the
@@ -186,10 +192,15 @@ def follow_ups(
     wall = wall_step(job, known, techniques) if record.status in ("ok", "oom") else None
     if wall is not None:
         candidates.append((techniques, wall))
-    if record.status == "ok" and (on_front(seq_len, record.tokens_per_s or 0.0) or _is_frugal(job, techniques)):
-        longer = [s for s in lens if s > seq_len and s % techniques.ulysses_degree == 0]
+    frugal = _is_frugal(job, techniques)
+    if record.status == "ok" and (on_front(seq_len, record.tokens_per_s or 0.0) or frugal):
+        fits = max((s for t, s, r in known if t == wanted and r.status == "ok"), default=seq_len)
+        longer = [s for s in lens if s > fits and s % techniques.ulysses_degree == 0]  # beyond what it fits at
         if longer:
             candidates.append((techniques, longer[0]))
+        elif frugal:  # past the grid's end: the node's wall may lie beyond it, and the front should show it
+            unit = math.lcm(length_unit(techniques), techniques.ulysses_degree)
+            candidates.append((techniques, 2 * fits // unit * unit))
     elif record.status == "oom" and seq_len in lens:
         shorter = [(s, r) for t, s, r in known if t == wanted and s < seq_len and r.status == "ok"]
         if shorter:

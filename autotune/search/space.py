@@ -31,8 +31,8 @@ from trials.rules import ulysses_degree_problem
 from trials.techniques import ALL_LAYERS, Knob, Techniques, knob_names, knobs
 
 SPACE_SCHEMA = "autotune/space-v1"
-# a trial between two grid lengths (``policy.wall_step``: reaching a config's memory wall) keeps ``seq_len`` at the
-# grid length below it, a choice TPE knows, and evaluates the length this parameter holds
+# a trial between two grid lengths or above the grid (``policy``: reaching a config's memory wall) keeps ``seq_len``
+# at the grid length below it, a choice TPE knows, and evaluates the length this parameter holds
 WALL_PARAM = "wall_seq_len"
 _WALL_RANGE = (1, 2**40)
 SPACES_DIR = Path(str(resources.files("search_spaces")))  # the shipped spaces: package data of ``search_spaces``
@@ -157,8 +157,8 @@ class SearchSpace:
             params["seq_len"] = seq_len
             return params
         below = [s for s in lengths if s < seq_len]
-        if not below or seq_len > lengths[-1] or seq_len % techniques.ulysses_degree:
-            return None  # between two grid lengths only
+        if not below or seq_len % techniques.ulysses_degree:
+            return None  # between two grid lengths, or above the grid
         params["seq_len"] = below[-1]
         params[WALL_PARAM] = seq_len
         return params
