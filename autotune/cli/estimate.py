@@ -80,10 +80,11 @@ def estimate(
     _say_overrides(run.notices)
     note_rates(hw)
     evaluation = Evaluation(run.model_config, run.techniques, run.seq_len or 0, run.gpus, hw, run.nodes)
-    if max_seq:
-        from autotune.search.max_seq import find_max_seq
+    if max_seq:  # what the config's trainer runs at each length tried (autotune's: the config itself)
+        from autotune.core.trainers import TRAINERS
+        from autotune.search.max_seq import find_trainer_max_seq
 
-        record = find_max_seq(evaluation)
+        record = find_trainer_max_seq(evaluation, TRAINERS.get(run.trainer or "autotune", TRAINERS["autotune"]))
     else:
         record = make_backend("plan", store=default_store()).evaluate(evaluation)
     if plot is not None:

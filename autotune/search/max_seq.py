@@ -11,7 +11,9 @@ from autotune.backends import Backend, make_backend
 from autotune.backends.plan_store import default_store
 from autotune.core.evaluation import Evaluation
 from autotune.core.record import ResultRecord
+from autotune.core.trainers import ExportJob, Trainer
 from trials.rules import length_unit
+from trials.techniques import Techniques, knobs
 
 
 def find_max_seq(
@@ -110,3 +112,42 @@ def _crossing(seen: dict, points: list[int], capacity: int, default: int) -> int
     if slope <= 0:
         return default
     return int(math.floor(a + (capacity - pa) / slope))
+
+
+def trainer_techniques_at(trainer: Trainer, evaluation: Evaluation, seq_len: int) -> Techniques:
+    """What ``trainer`` runs for ``evaluation``'s config at ``seq_len`` (its own values can depend on the length:
+    ArcticTraining's loss tile)."""
+    job = ExportJob("", evaluation.model_config, evaluation.gpus, seq_len, evaluation.techniques, evaluation.nodes)
+    return trainer.runs(job)
+
+
+class _TrainerAtEachLength:
+    """``find_max_seq``'s backend for a trainer: at each length it is asked for, the plan backend evaluates what
+    the trainer runs there for the config."""
+
+    name = "plan"
+
+    def __init__(self, trainer: Trainer, asked: Evaluation, plan: Backend):
+        self.trainer, self.asked, self.plan = trainer, asked, plan
+
+    def evaluate(self, evaluation: Evaluation) -> ResultRecord:
+        techniques = trainer_techniques_at(self.trainer, self.asked, evaluation.seq_len)
+        return self.plan.evaluate(replace(evaluation, techniques=techniques))
+
+
+def find_trainer_max_seq(
+    evaluation: Evaluation, trainer: Trainer, backend: Backend | None = None, progress: Callable | None = None
+) -> ResultRecord:
+    """``find_max_seq`` of what ``trainer`` runs for ``evaluation``'s config, evaluated at each length as the trainer
+    runs it there. Lengths tried are multiples of 1024 and of what the length must divide (the Ulysses degree), not
+    of the trainer's tile sizes: tiles need not divide the sequence."""
+    if backend is None:
+        backend = make_backend("plan", store=default_store())
+    if all(expression.as_asked for expression in trainer.expresses.values()):
+        return find_max_seq(evaluation, backend, progress=progress)
+    untiled = {k.name: 0 for k in knobs() if k.length_unit == "grid"}  # the grid find_max_seq steps on
+    return find_max_seq(
+        replace(evaluation, techniques=replace(evaluation.techniques, **untiled)),
+        backend=_TrainerAtEachLength(trainer, evaluation, backend),
+        progress=progress,
+    )

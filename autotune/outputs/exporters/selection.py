@@ -22,7 +22,6 @@ from autotune.outputs.exporters.base import Exporter, ExportJob, Gap, Rendered
 from autotune.outputs.exporters.front import entry_config, entry_techniques, load_front
 from trials.config_file import TrialConfig
 from trials.model_config import load_model_config
-from trials.techniques import knobs
 
 GIB = 2**30
 
@@ -106,22 +105,6 @@ def search_hardware(front_doc: dict):
     return hardware
 
 
-class _TrainerAtEachLength:
-    """``find_max_seq``'s backend here: the plan backend evaluating, at each length it is asked for, what the
-    trainer runs there (a trainer's own values can depend on the length: ArcticTraining's loss tile)."""
-
-    name = "plan"
-
-    def __init__(self, exporter: Exporter, job: ExportJob, plan):
-        self.exporter, self.job, self.plan = exporter, job, plan
-
-    def techniques_at(self, seq_len: int):
-        return self.exporter.trainer_techniques(dataclasses.replace(self.job, seq_len=seq_len))
-
-    def evaluate(self, evaluation):
-        return self.plan.evaluate(dataclasses.replace(evaluation, techniques=self.techniques_at(evaluation.seq_len)))
-
-
 def re_estimate(
     exporter: Exporter, job: ExportJob, hardware, progress: Callable[[str], None] | None = None
 ) -> tuple[ExportJob, ResultRecord]:
@@ -130,26 +113,25 @@ def re_estimate(
     Lengths tried are multiples of 1024 and of what the length must divide (the Ulysses degree), not of the
     trainer's tile sizes: tiles need not divide the sequence."""
     from autotune.backends import Evaluation, make_backend
-    from autotune.search.max_seq import find_max_seq
+    from autotune.search.max_seq import find_trainer_max_seq, trainer_techniques_at
 
     say = progress or (lambda line: None)
-    trainer = _TrainerAtEachLength(exporter, job, make_backend("plan"))
-    trainer_job = dataclasses.replace(job, techniques=trainer.techniques_at(job.seq_len))
-    evaluation = Evaluation(job.model_config, trainer_job.techniques, job.seq_len, job.gpus, hardware, job.nodes)
+    asked = Evaluation(job.model_config, job.techniques, job.seq_len, job.gpus, hardware, job.nodes)
+    plan = make_backend("plan")
+    trainer_job = dataclasses.replace(job, techniques=trainer_techniques_at(exporter.trainer, asked, job.seq_len))
+    evaluation = dataclasses.replace(asked, techniques=trainer_job.techniques)
     say(f"re-estimating what {exporter.trainer.words} runs at {job.seq_len:,} tokens (plan backend)")
-    record = trainer.evaluate(evaluation)
+    record = plan.evaluate(evaluation)
     if record.status != "oom":
         return trainer_job, record
     say(
         f"{exporter.trainer.words}'s version does not fit at {job.seq_len:,} tokens: finding the longest length it fits"
     )
-    untiled = {k.name: 0 for k in knobs() if k.length_unit == "grid"}  # the grid find_max_seq steps on
-    longest = find_max_seq(
-        dataclasses.replace(evaluation, techniques=dataclasses.replace(trainer_job.techniques, **untiled)),
-        backend=trainer,
-        progress=lambda r: say(f"  {r.seq_len:,} tokens: {r.status}"),
+    longest = find_trainer_max_seq(
+        asked, exporter.trainer, backend=plan, progress=lambda r: say(f"  {r.seq_len:,} tokens: {r.status}")
     )
-    return dataclasses.replace(job, seq_len=longest.seq_len, techniques=trainer.techniques_at(longest.seq_len)), longest
+    techniques = trainer_techniques_at(exporter.trainer, asked, longest.seq_len)
+    return dataclasses.replace(job, seq_len=longest.seq_len, techniques=techniques), longest
 
 
 def _record_line(record: dict | ResultRecord, capacity: int) -> str:
