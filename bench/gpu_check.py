@@ -10,16 +10,29 @@ allocated peak (live tensors), reserved peak (the caching allocator's segments),
 loss / grad norm of the first step, which every config of one model must share (the same model, data and seed:
 every config runs with data-parallel size 1). The worst ratios are printed last.
 
-On CPU ``flash`` configs run with ``sdpa`` (flash-attn is CUDA-only; the rows say so), allocated = reserved
-(no allocator), compute is fp32 by default (the CPU's own precision, what the ``cpu`` preset's calibrated time
-model describes; bf16 matmuls are emulated there and run far slower: ``--dtype bf16`` checks the bf16 memory).
+First it runs the CUDA acceptance tests (``pytest -m cuda tests/test_cuda_*.py``: offload copies, the layer
+clock's events, the device calibration, flash-attn through Ulysses and head chunks, reduced-depth trials, an OOM on
+one rank of two) in a subprocess with a deadline (``--tests-deadline``), and prints their summary: passed, failed
+and skipped, each test by name. Without CUDA they are all skipped, and the summary says so.
+
+On CPU ``flash`` configs run with ``sdpa`` (flash-attn is CUDA-only; the rows say so), as they do on a GPU node
+where flash-attn cannot be imported (bin/setup-gpu's fallback); allocated = reserved (no allocator), compute is
+fp32 by default (the CPU's own precision, what the ``cpu`` preset's calibrated time model describes; bf16 matmuls
+are emulated there and run far slower: ``--dtype bf16`` checks the bf16 memory).
+
+Every launch has a deadline (``--trial-deadline`` per config, plus start-up); a launch past it is killed with all
+its ranks. One-rank configs share one process; each multi-rank config has a launch of its own, and a rank whose
+trial fails writes its record and exits at once (no collective after a failure: its peers may sit in one), so
+torchrun stops the launch and only that config is reported failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,6 +42,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from autotune.backends.local import PEER_LOST  # noqa: E402
 
 # (name, techniques); "{world}" = the world size as the Ulysses degree; "{tile}" = a quarter of the sequence
 STACK = {
@@ -83,8 +98,16 @@ DEFAULTS = {
 }
 
 
-def configs(world: int, device: str, seq: int, layers: int) -> list[dict]:
+STARTUP_S = 300.0  # one launch's start-up: imports, process group, DeepSpeed's op build
+CUDA_TESTS = "tests/test_cuda_*.py"
+
+
+def configs(world: int, device: str, seq: int, layers: int, flash: bool | None = None) -> list[dict]:
+    """The rows to run; ``flash``: whether flash-attn runs here (default: on CUDA only), else ``flash`` rows run
+    ``sdpa`` and say so."""
     from trials.techniques import Techniques
+
+    flash = device == "cuda" if flash is None else flash
 
     rows = [{"name": name, "world": 1, "techniques": t} for name, t in ONE_RANK]
     if world > 1:
@@ -92,7 +115,7 @@ def configs(world: int, device: str, seq: int, layers: int) -> list[dict]:
     for row in rows:
         values = {"{world}": row["world"], "{tile}": seq // 4}
         t = {k: values.get(v, v) if isinstance(v, str) else v for k, v in row["techniques"].items()}
-        if device == "cpu" and t.get("attention") == "flash":
+        if not flash and t.get("attention") == "flash":
             t["attention"] = "sdpa"
             row["name"] += " (flash->sdpa)"
         row["techniques"] = Techniques.from_dict(t, layers).to_dict()
@@ -125,10 +148,17 @@ def _worker(specs_path: str, out_dir: str) -> int:
     for index, spec in enumerate(specs):
         degree = spec["techniques"].get("ulysses_degree", 1)
         mesh = build_mesh(degree, device) if world > 1 else Mesh.single(device)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
         record = run_trial(TrialSpec.from_dict(spec), mesh).to_dict()
         Path(out_dir, f"{index}_rank{rank}.json").write_text(json.dumps(record))
+        if world > 1 and record["status"] != "ok":
+            # its peers may sit in a collective of the failed step: no barrier, no destroy; torchrun stops them
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        # the previous model's tensors are garbage only once collected (reference cycles): then the cache frees
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         if world > 1:
             dist.barrier()
     if world > 1:
@@ -136,15 +166,65 @@ def _worker(specs_path: str, out_dir: str) -> int:
     return 0
 
 
-def run_real(rows: list[dict], model_config: dict, seq: int, device: str, steps: int, dtype: str) -> list[dict]:
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """Kill a launch and every process under it: torchrun starts each rank in a session of its own, so its
+    process group alone would leave them running."""
+    try:
+        import psutil
+
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except Exception:  # psutil absent or the launcher gone: its group is what is left to kill
+        children = []
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for child in children:
+        try:
+            child.kill()
+        except Exception:
+            pass
+    proc.wait()
+
+
+def run_with_deadline(command: list[str], deadline_s: float, **kwargs) -> tuple[int | None, str]:
+    """(exit code, or None past ``deadline_s``; stdout and stderr together): ``command`` in a session of its own,
+    killed with its whole process tree at the deadline."""
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True, **kwargs
+        )
+        try:
+            returncode = proc.wait(timeout=deadline_s)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        finally:
+            _kill_tree(proc)
+        log.seek(0)
+        return returncode, log.read()
+
+
+def launches(rows: list[dict]) -> list[tuple[int, list[int]]]:
+    """(world size, row indices) of each launch: every one-rank row in one, each multi-rank row in its own."""
+    single = [index for index, row in enumerate(rows) if row["world"] == 1]
+    groups = [(1, single)] if single else []
+    return groups + [(row["world"], [index]) for index, row in enumerate(rows) if row["world"] > 1]
+
+
+def run_real(
+    rows: list[dict],
+    model_config: dict,
+    seq: int,
+    device: str,
+    steps: int,
+    dtype: str,
+    trial_deadline_s: float = 1800.0,
+) -> list[dict]:
     from trials import allocator
 
     results: list[dict] = [{}] * len(rows)
-    by_world: dict[int, list[int]] = {}
-    for index, row in enumerate(rows):
-        by_world.setdefault(row["world"], []).append(index)
     env = allocator.trial_environment(dict(os.environ, PYTHONPATH=str(ROOT)), cpu=device == "cpu")
-    for world, indices in sorted(by_world.items()):
+    for world, indices in launches(rows):
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
         with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
             specs = [
@@ -174,15 +254,24 @@ def run_real(rows: list[dict], model_config: dict, seq: int, device: str, steps:
                     *script,
                 ]
             )
-            proc = subprocess.run(command, env=env, capture_output=True, text=True)
+            deadline_s = STARTUP_S + trial_deadline_s * len(indices)
+            returncode, output = run_with_deadline(command, deadline_s, env=env)
             for local, index in enumerate(indices):
                 ranks = [json.loads(p.read_text()) for p in sorted(Path(work).glob(f"{local}_rank*.json"))]
-                if len(ranks) < world:
-                    tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-12:])
-                    results[index] = {"status": "error", "error": f"rank records missing; last output:\n{tail}"}
+                # a failing rank's record is the finding (a peer's "connection closed" is only its symptom);
+                # its peers, stopped by torchrun, wrote none
+                failed = [r for r in ranks if r["status"] != "ok"]
+                bad = min(
+                    failed,
+                    key=lambda r: (bool(PEER_LOST.search(r.get("error") or "")), r.get("finished_at") or 0),
+                    default=None,
+                )
+                if bad is None and len(ranks) < world:
+                    tail = "\n".join(output.splitlines()[-12:])
+                    why = f"past its deadline of {deadline_s:.0f} s" if returncode is None else f"exit {returncode}"
+                    results[index] = {"status": "error", "error": f"rank records missing ({why}); last output:\n{tail}"}
                     continue
-                bad = next((r for r in ranks if r["status"] != "ok"), None)
-                first = next(r for r in ranks if r["rank"] == 0)
+                first = next((r for r in ranks if r["rank"] == 0), ranks[0])
                 results[index] = dict(
                     first,
                     status=bad["status"] if bad else "ok",
@@ -193,6 +282,54 @@ def run_real(rows: list[dict], model_config: dict, seq: int, device: str, steps:
                     },
                 )
     return results
+
+
+# -- the CUDA acceptance tests ---------------------------------------------------------------------------------
+
+
+def run_cuda_tests(deadline_s: float) -> tuple[list[str], bool]:
+    """(the summary's lines, whether none failed): ``pytest -m cuda`` over ``tests/test_cuda_*.py`` in a
+    subprocess killed at ``deadline_s``, its outcomes read from pytest's JUnit XML."""
+    import glob
+    import xml.etree.ElementTree as ET
+
+    files = sorted(os.path.relpath(f, ROOT) for f in glob.glob(str(ROOT / CUDA_TESTS)))
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="gpu-check-tests-") as work:
+        report = Path(work, "junit.xml")
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", "-rs"]
+        command += [f"--junitxml={report}", *files]
+        returncode, output = run_with_deadline(
+            command, deadline_s, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT))
+        )
+        seconds = time.perf_counter() - started
+        if returncode is None or not report.exists():
+            tail = "\n".join(output.splitlines()[-20:])
+            why = f"past its deadline of {deadline_s:.0f} s" if returncode is None else f"exit {returncode}, no report"
+            return [f"cuda tests (pytest -m cuda {CUDA_TESTS}): FAILED to finish ({why}); last output:", tail], False
+        outcomes: dict[str, list[str]] = {"passed": [], "failed": [], "skipped": []}
+        for case in ET.parse(report).getroot().iter("testcase"):
+            name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+            failed = case.find("failure") if case.find("failure") is not None else case.find("error")
+            skipped = case.find("skipped")
+            if failed is not None:
+                message = ((failed.get("message") or "").strip().splitlines() or [failed.tag])[0]
+                outcomes["failed"].append(f"{name}: {message[:200]}")
+            elif skipped is not None:
+                outcomes["skipped"].append(f"{name} ({(skipped.get('message') or '').strip()[:200]})")
+            else:
+                outcomes["passed"].append(name)
+    # pytest exits 5 when the marker selects nothing: no acceptance tests is a failed check too
+    ok = returncode == 0 and not outcomes["failed"] and any(outcomes.values())
+    lines = [
+        f"cuda tests (pytest -m cuda {CUDA_TESTS}, {seconds:.0f} s): "
+        + ", ".join(f"{len(names)} {outcome}" for outcome, names in outcomes.items())
+    ]
+    for outcome, names in outcomes.items():
+        lines += [f"  {outcome}: {name}" for name in names]
+    if returncode != 0 and not outcomes["failed"]:
+        lines.append(f"  pytest exited {returncode}: " + " | ".join(output.strip().splitlines()[-3:]))
+    return lines, ok
 
 
 # -- predictions -------------------------------------------------------------------------------------------
@@ -243,6 +380,10 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--dtype", choices=("bf16", "fp32"), default=None, help="compute dtype (default: bf16 on cuda, fp32 on cpu)"
     )
+    parser.add_argument(
+        "--tests-deadline", type=float, default=3600.0, help="seconds the CUDA acceptance tests may take in all"
+    )
+    parser.add_argument("--trial-deadline", type=float, default=1800.0, help="seconds one config's trial may take")
     args = parser.parse_args(argv)
     if args.worker:
         return _worker(*args.worker)
@@ -274,15 +415,22 @@ def main(argv=None) -> int:
         world = args.gpus or 2
         hardware = load_hardware("cpu")
         where = f"cpu (gloo, simulated device) x{world}, preset cpu"
-    rows = configs(world, device, seq, layers)
+    from trials.attention import flash_available, flash_problem
+
+    flash = device == "cuda" and flash_available(torch.device("cuda"))
+    rows = configs(world, device, seq, layers, flash)
     dtype = args.dtype or ("bf16" if device == "cuda" else "fp32")
     print(
         f"gpu_check: {model_name} with {layers} layers, {seq:,} tokens, {dtype} compute; {where}; "
         f"torch {torch.__version__}",
         flush=True,
     )
+    if device == "cuda" and not flash:
+        print(f"gpu_check: flash configs run sdpa: {flash_problem()}", flush=True)
+    tests, tests_ok = run_cuda_tests(args.tests_deadline)
+    print("\n".join(tests), flush=True)
     started = time.perf_counter()
-    measured = run_real(rows, model_config, seq, device, args.steps, dtype)
+    measured = run_real(rows, model_config, seq, device, args.steps, dtype, args.trial_deadline)
     print(f"real trials: {time.perf_counter() - started:.0f} s", flush=True)
 
     gib = 2**30
@@ -338,8 +486,9 @@ def main(argv=None) -> int:
             print(f"worst {label}: {worst[key][0]:.4f} ({worst[key][1]})")
     if "failed" in worst:
         print(f"FAILED: {worst['failed'][0]} config(s), e.g. {worst['failed'][1]}")
-        return 1
-    return 0
+    if not tests_ok:
+        print("FAILED: the cuda tests (their summary is above the table)")
+    return 1 if "failed" in worst or not tests_ok else 0
 
 
 if __name__ == "__main__":

@@ -117,7 +117,9 @@ def test_allocator_settings_are_merged_into_the_trial_environment_and_known_to_t
 
     env = trial_environment({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128,expandable_segments:False", "X": "1"})
     assert "PYTORCH_CUDA_ALLOC_CONF" not in env and env["X"] == "1"
-    assert env["PYTORCH_ALLOC_CONF"] == "max_split_size_mb:128,expandable_segments:True,pinned_max_round_threshold_mb:1"
+    assert env["PYTORCH_ALLOC_CONF"] == (
+        "max_split_size_mb:128,expandable_segments:True,pinned_max_round_threshold_mb:1,pinned_max_cached_size_mb:1"
+    )
     # torch parses each of our keys (a bad value is refused), and takes ours
     for key in SETTINGS:
         try:
@@ -126,8 +128,9 @@ def test_allocator_settings_are_merged_into_the_trial_environment_and_known_to_t
             pass
         else:
             raise AssertionError(f"torch {torch.__version__} does not know the allocator setting {key!r}")
-    assert configure().endswith("expandable_segments:True,pinned_max_round_threshold_mb:1")
-    assert "pinned_max_round_threshold_mb:1" in torch._C._accelerator_getAllocatorSettings()
+    assert configure().endswith("expandable_segments:True,pinned_max_round_threshold_mb:1,pinned_max_cached_size_mb:1")
+    settings = torch._C._accelerator_getAllocatorSettings()
+    assert "pinned_max_round_threshold_mb:1" in settings and "pinned_max_cached_size_mb:1" in settings
 
 
 def test_trial_deadlines_follow_the_predicted_step_time():
@@ -182,3 +185,34 @@ def test_a_measured_record_has_the_predicted_quantities():
     # the simulated device has no allocator and no runtime: all three peaks are the tracker's
     assert record.peak_device_bytes == record.peak_allocated_bytes == record.peak_reserved_bytes > 0
     assert record.host_bytes > 0 and sum(record.breakdown.values()) == record.peak_allocated_bytes
+
+
+# -- bench/gpu_check.py's launches ---------------------------------------------------------------------------
+
+
+def _gpu_check():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_reports_a_rank_that_fails_beside_a_peer_in_a_collective(monkeypatch):
+    """Rank 1 fails in its step while rank 0 goes on into the step's all-to-all: the failing rank exits without
+    another collective, so the launch ends now with that rank's record, not at the deadline (or never)."""
+    import time
+
+    gpu_check = _gpu_check()
+    monkeypatch.setenv("AUTOTUNE_TEST_FAULT", "crash:1")
+    config = dict(load_model_config("tiny-llama"), num_hidden_layers=2)
+    rows = gpu_check.configs(2, "cpu", 256, 2)
+    rows = [row for row in rows if row["world"] == 2][:1]
+    started = time.monotonic()
+    [result] = gpu_check.run_real(rows, config, 256, "cpu", 1, "fp32", trial_deadline_s=120)
+    elapsed = time.monotonic() - started
+    assert result["status"] == "error" and "injected crash on rank 1" in result["error"], result
+    assert elapsed < gpu_check.STARTUP_S, f"{elapsed:.0f} s: the launch ran into its deadline"

@@ -74,6 +74,14 @@ def test_a_trial_stuck_after_every_rank_reported_keeps_its_records(tiny_llama, m
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
 
 
+def test_a_finished_trial_is_not_failed_by_an_abort_in_the_interpreters_exit(tiny_llama, monkeypatch):
+    """A C++ static destructor that aborts after the record is written (``exit-abort``: an abort in the exit's
+    handlers): the runner leaves with ``os._exit`` once its record is written, as ``trials.train`` does."""
+    monkeypatch.setenv("AUTOTUNE_TEST_FAULT", "exit-abort:0")
+    record = LocalBackend(steps=1, timeout_s=120).evaluate(evaluation(tiny_llama))
+    assert record.status == "ok", record.error
+
+
 @pytest.mark.slow
 def test_a_hung_two_rank_trial_leaves_no_rank_behind(tiny_llama, monkeypatch):
     """torchrun starts each rank in a session of its own: killing torchrun's group alone would orphan them."""

@@ -4,16 +4,21 @@ the process holds.
 - ``expandable_segments:True`` (device): the caching allocator maps more memory into one segment instead of
   cutting new fixed-size segments, which keeps fragmentation small at long sequences; the hardware presets'
   ``allocator_fragmentation`` (5%) assumes it.
-- ``pinned_max_round_threshold_mb:1`` (host): torch's pinned host allocator rounds each block up to a power of
-  two below this threshold, and the default threshold is unlimited (``ATen/core/CachingHostAllocator.h``): a
-  5 GiB offloaded layer input would take an 8 GiB pinned block, 32 layers 256 GiB instead of 160. Above 1 MiB
-  blocks are exact, so the oracle's host bytes (the tensors' own sizes) are what the node pins. This one setting
-  covers every pinned allocation in the process: activation offload's buffers and FSDP2's offloaded shards and
-  gradients alike, which a private pinned pool for activation offload alone would not. The caching host
-  allocator keeps freed blocks and hands them back for the next step's tensors of the same size, so after the
-  warm-up step no new ``cudaHostAlloc`` happens.
+- ``pinned_max_round_threshold_mb:1`` and ``pinned_max_cached_size_mb:1`` (host): torch's caching host allocator
+  (``ATen/core/CachingHostAllocator.h``, what ``pin_memory=True`` and a non-blocking copy to the host allocate from)
+  rounds a block up to a power of two when it is at most the round threshold (default: unlimited, so a 5 GiB block
+  takes 8 GiB), and files freed blocks in buckets by ``Log2_64_Ceil(size)``; ``get_free_block`` hands out the last
+  block of the request's bucket without comparing sizes. Rounded blocks are exactly their bucket's size, but an
+  exact one is not: a request can get a smaller block of its bucket and the copy into it overruns the heap (torch 2.13
+  does, with a round threshold below the cache size limit: pytorch#192722). With both limits at 1 MiB a block above 1 MiB is exact (the oracle's
+  host bytes are the tensors' sizes) and never cached, so it is never handed to another request: it is page-locked
+  when allocated and released when freed. What still pins through this allocator is FSDP2's CPU offload: its
+  shards, once, and its gradients, each step (their shard sizes differ, and can share a power-of-two bucket);
+  re-pinning those each step is a cost the trial measures. Activation offload does not use it: its host buffers
+  are an arena of their own, allocated once (``trials.offload.HostArena``). Blocks up to 1 MiB are rounded and
+  cached, each bucket then holding one size.
 
-A user's own value for a key wins over ours except for these two keys, which the oracle's numbers rest on.
+A user's own value for a key wins over ours except for these keys, which the oracle's numbers rest on.
 
 On the CPU path (no CUDA: tensors come from glibc's malloc) a trial's process is told to keep the memory it frees,
 as CUDA's caching allocator does: ``glibc.malloc.mmap_max=0`` (no block gets its own mapping, which glibc gives
@@ -29,7 +34,7 @@ from __future__ import annotations
 
 import os
 
-SETTINGS = {"expandable_segments": "True", "pinned_max_round_threshold_mb": "1"}
+SETTINGS = {"expandable_segments": "True", "pinned_max_round_threshold_mb": "1", "pinned_max_cached_size_mb": "1"}
 ENV_NAMES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # the current name first, then the older alias
 HOST_MALLOC_TUNABLES = {"glibc.malloc.mmap_max": "0", "glibc.malloc.trim_threshold": str(1 << 46)}  # CPU path
 

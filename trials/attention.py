@@ -200,7 +200,9 @@ def attention_forward(query, key, value, scaling: float, kernel: str = "sdpa"):
     if query.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, k, v, 0.0, True, scale=scaling)
         return out, (lse,)
-    # CUDA "sdpa": the memory-efficient kernel (any float dtype, returns logsumexp; the flash one is 16-bit only)
+    # CUDA "sdpa": the memory-efficient kernel (any float dtype, returns logsumexp; the flash one is 16-bit only).
+    # Not necessarily the backend F.scaled_dot_product_attention picks for a whole layer (cuDNN or flash in 16-bit
+    # on recent GPUs), so its speed is a kernel of its own.
     out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
         query, k, v, None, True, 0.0, True, scale=scaling
     )

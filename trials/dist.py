@@ -74,7 +74,7 @@ def init_mesh(sp_degree: int, device: torch.device | None = None, timeout_s: flo
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend=process_group_backend(device), timeout=timedelta(seconds=timeout_s))
-    return build_mesh(sp_degree, device)
+    return build_mesh(sp_degree, device, timeout_s)
 
 
 def ensure_device_mesh(mesh: Mesh) -> Mesh:
@@ -93,17 +93,24 @@ def ensure_device_mesh(mesh: Mesh) -> Mesh:
     return mesh
 
 
-def build_mesh(sp_degree: int, device: torch.device) -> Mesh:
-    """Groups over an initialised default process group (real or fake)."""
+def build_mesh(sp_degree: int, device: torch.device, timeout_s: float | None = None) -> Mesh:
+    """Groups over an initialised default process group (real or fake).
+
+    ``timeout_s``: the Ulysses groups' collective timeout (``init_mesh`` passes the trial's, as it gives the default
+    group). ``new_group`` without one gets torch's default for its backend (``_get_default_timeout``: 10 or 30
+    minutes), not the default group's, and NCCL's watchdog counts from when a collective is enqueued: in a long step
+    the CPU queues layers ahead of the GPU, so a healthy collective can wait longer than that. None: torch's default (fake and CPU worlds). The FSDP mesh spans every rank and reuses the
+    default group, with its timeout."""
     from torch.distributed.device_mesh import init_device_mesh
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if world_size % sp_degree:
         raise ValueError(f"ulysses_degree {sp_degree} does not divide world size {world_size}")
     sp_group = None
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     # every rank must create every group, in the same order
     for start in range(0, world_size, sp_degree):
-        group = dist.new_group(list(range(start, start + sp_degree)))
+        group = dist.new_group(list(range(start, start + sp_degree)), timeout=timeout)
         if start <= rank < start + sp_degree:
             sp_group = group
     device_mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",))

@@ -106,6 +106,10 @@ class LayerClock:
         if missing:
             raise RuntimeError(f"layer clock: no mark for {missing[:3]} (the layers' hooks did not fire)")
         if self.cuda:
+            # elapsed_time needs both events completed: "step end" is recorded here, after the caller's
+            # synchronize, and a gradient hook may record on another stream than the one synchronized
+            for event in self._marks.values():
+                event.synchronize()
             start = self._marks[("start",)]
             at = {key: start.elapsed_time(event) / 1e3 for key, event in self._marks.items()}
         else:

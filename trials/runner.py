@@ -5,10 +5,17 @@ Launched by the local backend as ``torchrun --nproc-per-node N -m trials.runner 
 ``trials.spec.RankRecord`` as ``OUT_DIR/rank{r}.json``: status, timings, its peak device bytes and breakdown,
 and the loss / grad norm of the first step. A rank that fails writes its record and exits non-zero at once, so
 torchrun tears the job down instead of leaving peers blocked in a collective.
+
+Memory: on the CPU (the simulated device) the tracker (``trials.memory``) watches every step and is the
+measurement. On CUDA the caching allocator is: the run's peaks, and with ``runs`` each segment's peak
+(``trials.segments.AllocatorPeaks``); the tracker watches only the steps that are not timed (the warm-up, or the
+first step) for the breakdown by category and the host bytes, so the timed steps run without its dispatch mode.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import sys
 import time
@@ -23,22 +30,27 @@ from trials.dist import init_mesh
 from trials.layer_clock import LayerClock, local_parameter_count, mean_step_times
 from trials.memory import DeviceMemoryTracker
 from trials.model_config import with_layers
-from trials.segments import SegmentPeaks, install_segment_hooks
+from trials.segments import AllocatorPeaks, SegmentPeaks, install_segment_hooks
 from trials.spec import RankRecord, TrialSpec
 from trials.step import build_training, prime_optimizer, train_step
 from trials.techniques import Techniques
 
 
-def _measured_memory(device: torch.device, tracker, record: RankRecord) -> None:
+def _allocator_peaks(device: torch.device) -> AllocatorPeaks | None:
+    """What measures device memory besides the tracker: CUDA's caching allocator; None on the simulated device."""
+    return AllocatorPeaks(device) if device.type == "cuda" else None
+
+
+def _measured_memory(device: torch.device, tracker, record: RankRecord, cuda_peaks=None) -> None:
     """Fill the record's memory fields, the same quantities the oracle predicts (``RankRecord``'s docs)."""
     record.peak_allocated_bytes = int(tracker.peak_device_bytes)
     record.breakdown, record.host_bytes = dict(tracker.peak_breakdown), int(tracker.peak_host_bytes)
-    if device.type != "cuda":  # the simulated device: no allocator, no runtime beside the tensors
+    if cuda_peaks is None:  # the simulated device: no allocator, no runtime beside the tensors
         record.peak_reserved_bytes = record.peak_device_bytes = record.peak_allocated_bytes
         return
-    record.peak_allocated_bytes = int(torch.cuda.max_memory_allocated(device))  # the allocator's own count
-    record.peak_reserved_bytes = int(torch.cuda.max_memory_reserved(device))
-    record.runtime_bytes = _runtime_bytes(device)
+    allocated, reserved = cuda_peaks.peaks()  # the allocator's own count
+    record.peak_allocated_bytes, record.peak_reserved_bytes = int(allocated), int(reserved)
+    record.runtime_bytes = _runtime_bytes(device) if device.type == "cuda" else 0
     record.peak_device_bytes = record.peak_reserved_bytes + record.runtime_bytes
 
 
@@ -49,12 +61,19 @@ def _runtime_bytes(device: torch.device) -> int:
     return max(0, total - free - torch.cuda.memory_reserved(device))
 
 
-def _limit_device_memory(device: torch.device, capacity_bytes: int | None) -> None:
+def _limit_device_memory(mesh, capacity_bytes: int | None) -> None:
     """``--memory-gib`` on a GPU: the caching allocator refuses to reserve beyond the capacity less what the
-    runtime already holds, so a trial OOMs where a card of that size would."""
+    runtime already holds, so a trial OOMs where a card of that size would.
+
+    NCCL makes a group's communicator, and its buffers outside the allocator, at the group's first collective:
+    each group the step uses runs one tiny collective first (``_warm_communicators``), so the runtime measured
+    holds them. What the runtime takes later still counts: ``_over_capacity`` after the run."""
+    device = mesh.device
     if capacity_bytes is None or device.type != "cuda":
         return
     torch.cuda.init()
+    _warm_communicators(mesh)
+    torch.cuda.synchronize(device)
     total = torch.cuda.get_device_properties(device).total_memory
     runtime = _runtime_bytes(device)
     usable = capacity_bytes - runtime
@@ -64,6 +83,63 @@ def _limit_device_memory(device: torch.device, capacity_bytes: int | None) -> No
             f"{runtime:,} of them held by the CUDA runtime"
         )
     torch.cuda.set_per_process_memory_fraction(usable / total, device)
+
+
+def _warm_communicators(mesh) -> None:
+    """One tiny collective on each process group the step uses: the FSDP mesh's (the default group's, with the
+    gradient norm's and the loss's all-reduce) and the Ulysses group's, whose all-to-alls connect its peers too.
+    With ``NCCL_RUNTIME_CONNECT=0`` (``main``) a communicator connects its collective channels when it is made."""
+    if not mesh.distributed:
+        return
+    import torch.distributed as dist
+
+    groups = [dist.group.WORLD]
+    if mesh.device_mesh is not None:
+        groups.append(mesh.device_mesh.get_group())
+    seen = []
+    for group in groups:
+        if not any(group is other for other in seen):
+            seen.append(group)
+            dist.all_reduce(torch.zeros(1, device=mesh.device), group=group)
+    if mesh.sp_group is not None and mesh.sp_degree > 1:
+        dist.all_reduce(torch.zeros(1, device=mesh.device), group=mesh.sp_group)
+        dist.all_to_all_single(
+            torch.empty(mesh.sp_degree, device=mesh.device),
+            torch.zeros(mesh.sp_degree, device=mesh.device),
+            group=mesh.sp_group,
+        )
+
+
+def _over_capacity(record: RankRecord, capacity_bytes: int | None) -> str | None:
+    """Why a CUDA run that fit the allocator's limit is still out of memory: the runtime grew after the limit was
+    set (NCCL connecting peers on first use, library handles), so reserved + runtime passed the capacity."""
+    if capacity_bytes is None or not record.runtime_bytes or record.peak_device_bytes <= capacity_bytes:
+        return None
+    return (
+        f"peak {record.peak_device_bytes:,} bytes (reserved {record.peak_reserved_bytes:,} + runtime "
+        f"{record.runtime_bytes:,}) > capacity {capacity_bytes:,} bytes"
+    )
+
+
+# A CUDA runtime call that failed for memory raises "CUDA error: out of memory" (``torch.AcceleratorError``, from
+# ``C10_CUDA_CHECK``). The caching allocator turns its own device failures into ``torch.OutOfMemoryError`` ("CUDA
+# out of memory. Tried to allocate ..."), so in a step the raw error is the pinned host allocator's
+# ``cudaHostAlloc`` / ``cudaHostRegister`` (offloaded activations, shards, states). Host malloc failing reads
+# "DefaultCPUAllocator: can't allocate memory".
+_HOST_OUT_OF_MEMORY = ("CUDA error: out of memory", "DefaultCPUAllocator: can't allocate memory")
+
+
+def _failure(exc: BaseException) -> tuple[str, str]:
+    """(status, error) of a run that raised ``exc``. Out of memory is ``oom`` whether the device or the host ran
+    out, as the memory oracle's verdict is (offloading past the node's RAM does not fit either); the error says
+    which memory ran out, so a host wall is not read as the device's."""
+    text = str(exc)
+    first = (text.splitlines() or [type(exc).__name__])[0][:500]
+    if not isinstance(exc, torch.OutOfMemoryError) and any(marker in text for marker in _HOST_OUT_OF_MEMORY):
+        return "oom", f"host out of memory (pinned or pageable host memory exhausted, not the device's): {first}"
+    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text.lower():
+        return "oom", first
+    return "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"
 
 
 def run_trial(spec: TrialSpec, mesh=None) -> RankRecord:
@@ -91,6 +167,9 @@ def run_trial(spec: TrialSpec, mesh=None) -> RankRecord:
         if result.status != "ok":  # a shallower copy that fails: so would the model
             record.status, record.error = result.status, result.error
             break
+        # the stack's patches leave reference cycles (bound methods and wrappers stored on modules, FSDP's hook
+        # state): the copy's model and optimizer are freed only by a collection, before the next copy is measured
+        gc.collect()
         if mesh.device.type == "cuda":
             torch.cuda.empty_cache()
     return record
@@ -109,6 +188,7 @@ def _run_model(
     # the tracker runs on CUDA too (no capacity there: the card raises OOM): the breakdown and the host bytes
     tracker = DeviceMemoryTracker(spec.capacity_bytes if device.type != "cuda" else None, device_type=device.type)
     peaks = None
+    cuda_peaks = None
     if runs is not None:
         peaks = SegmentPeaks()
         tracker.add_listener(peaks)
@@ -122,9 +202,10 @@ def _run_model(
     step_times = []
     say = _progress(mesh.rank, label)
     try:
-        _limit_device_memory(device, spec.capacity_bytes)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        _limit_device_memory(mesh, spec.capacity_bytes)
+        cuda_peaks = _allocator_peaks(device)
+        if peaks is not None and cuda_peaks is not None:
+            peaks.read_allocator(cuda_peaks, tracker)
         with tracker:
             model, optimizer = build_training(
                 model_config, techniques, mesh, seed, tracker, compute_dtype=_compute_dtype(spec.compute_dtype)
@@ -141,41 +222,49 @@ def _run_model(
                     warmup, steps = 0, 1
             tokens = synthetic_sample(mesh.dp_rank, seq_len, model.config.vocab_size, seed)
             batch = make_batch(tokens, mesh.sp_rank, mesh.sp_degree, device)
-            splits = []
-            for index in range(warmup + steps):
-                _inject_fault(mesh.rank)
-                if clock is not None and index >= warmup:
-                    clock.start_step()
-                start = time.perf_counter()
+        splits = []
+        for index in range(warmup + steps):
+            measured = timed and index >= warmup
+            # where the allocator measures memory, a timed step runs without the tracker's dispatch mode (it
+            # would slow the step it times); the steps before it (at least one) give the breakdown
+            bare = cuda_peaks is not None and measured and index > 0
+            if bare and peaks is not None:
+                peaks.stop_allocator()
+            _inject_fault(mesh.rank)
+            if clock is not None and measured:
+                clock.start_step()
+            start = time.perf_counter()
+            with contextlib.nullcontext() if bare else tracker:
                 result = train_step(model, optimizer, batch, mesh, tracker)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                elapsed = time.perf_counter() - start
-                if clock is not None and index >= warmup:
-                    splits.append(clock.finish_step())
-                say(
-                    f"step {index + 1}/{warmup + steps} took {elapsed:.2f} s"
-                    + (" (warm-up)" if index < warmup else "" if timed else " (memory only)")
-                )
-                if index == 0:
-                    record.loss, record.grad_norm = result.loss, result.grad_norm
-                if index >= warmup and timed:
-                    step_times.append(elapsed)
-            if splits:
-                split = mean_step_times(splits)
-                record.layer_times_s, record.tail_time_s = split.layer_s, split.tail_s
-    except torch.OutOfMemoryError as exc:
-        record.status, record.error = "oom", str(exc).splitlines()[0][:500]
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            elapsed = time.perf_counter() - start
+            if clock is not None and measured:
+                splits.append(clock.finish_step())
+            say(
+                f"step {index + 1}/{warmup + steps} took {elapsed:.2f} s"
+                + (" (warm-up)" if index < warmup else "" if timed else " (memory only)")
+            )
+            if index == 0:
+                record.loss, record.grad_norm = result.loss, result.grad_norm
+            if measured:
+                step_times.append(elapsed)
+        if splits:
+            split = mean_step_times(splits)
+            record.layer_times_s, record.tail_time_s = split.layer_s, split.tail_s
     except Exception as exc:  # recorded, classified by the launcher
-        if "out of memory" in str(exc).lower():
-            record.status, record.error = "oom", str(exc).splitlines()[0][:500]
-        else:
-            record.status, record.error = "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"
-    _measured_memory(device, tracker, record)
+        record.status, record.error = _failure(exc)
+    if peaks is not None:
+        peaks.stop_allocator()
+    _measured_memory(device, tracker, record, cuda_peaks)
+    if record.status == "ok":
+        over = _over_capacity(record, spec.capacity_bytes)
+        if over is not None:
+            record.status, record.error = "oom", over
     if peaks is not None:
         record.segments = [
             [phase, position, seg.device_bytes, dict(seg.breakdown), seg.host_bytes]
-            for (phase, position), seg in peaks.segments.items()
+            for (phase, position), seg in peaks.measured().items()
         ]
     if step_times:
         record.step_time_s = sum(step_times) / len(step_times)
@@ -205,18 +294,26 @@ def _compute_dtype(name: str | None) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}[name]
 
 
+_TEARDOWN_FAULTS = ("teardown-hang", "exit-abort")
+
+
 def _inject_fault(rank: int, at: str = "step") -> None:
-    """Test hook: ``AUTOTUNE_TEST_FAULT=kind:rank`` makes that rank crash, hang or die by a signal in a step, or
-    (``teardown-hang``) hang after writing its record, so the launcher's failure classification can be tested
-    with trials built to fail each way."""
+    """Test hook: ``AUTOTUNE_TEST_FAULT=kind:rank`` makes that rank crash, hang or die by a signal in a step, or,
+    after writing its record, hang (``teardown-hang``) or abort in the interpreter's exit (``exit-abort``: as a C++
+    static destructor can), so the launcher's failure classification can be tested with trials built to fail each
+    way."""
     fault = os.environ.get("AUTOTUNE_TEST_FAULT")
     if not fault:
         return
     kind, _, fault_rank = fault.partition(":")
-    if int(fault_rank or 0) != rank or (kind == "teardown-hang") != (at == "teardown"):
+    if int(fault_rank or 0) != rank or (kind in _TEARDOWN_FAULTS) != (at == "teardown"):
         return
     if kind == "teardown-hang":
         time.sleep(10**6)
+    if kind == "exit-abort":
+        import atexit
+
+        atexit.register(os.abort)
     if kind == "crash":
         print(f"injected failure on rank {rank}", file=sys.stderr, flush=True)
         raise RuntimeError(f"injected crash on rank {rank}")
@@ -236,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     spec_path, out_dir = Path(argv[0]), Path(argv[1])
     allocator.configure()
+    # NCCL connects a communicator's peers when it is made, not at their first use in a step: its buffers are then
+    # part of the runtime ``_limit_device_memory`` measures (a user's own setting stands)
+    os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
     rank = int(os.environ.get("RANK", 0))
     seq_len = None
     try:
@@ -258,11 +358,20 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(1)  # let torchrun stop the peers now
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    try:
+        if dist.is_initialized():
+            dist.barrier()  # every rank done before any tears its group down
+            dist.destroy_process_group()
+    except Exception as exc:  # the records are written: a failing teardown says nothing about the trial
+        print(f"teardown: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Leave without the interpreter's exit and C++ static destructors, as trials.train does: one of them can abort
+    # a finished rank ("terminate called without an active exception"), turning a trial whose every record is
+    # written into an error. An exception from main() still exits the usual way, with its traceback.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,6 +1,11 @@
 """Per-segment peaks of a step: a listener on the trials' memory tracker, and the hooks that move it along the
 decoder layers. The memory oracle's fake traces and reduced-depth real trials both use it (see
-``autotune.oracle`` for what the segments are and how their peaks extend to full depth)."""
+``autotune.oracle`` for what the segments are and how their peaks extend to full depth).
+
+On CUDA the tracker sees the tensors each op returns, not what the op allocates inside it (flash-attn backward's
+fp32 ``dq_accum`` and GQA-expanded dk/dv, SDPA's scratch, cuBLAS workspaces). There ``SegmentPeaks`` also reads
+the caching allocator at every segment boundary (``AllocatorPeaks``): each segment's device bytes are the
+allocator's peak between its boundaries, and what it held beyond the tracker's tensors is ``temporaries``."""
 
 from __future__ import annotations
 
@@ -42,18 +47,97 @@ def techniques_for_runs(techniques, runs: list[tuple[str, int]]):
     return techniques
 
 
+class AllocatorPeaks:
+    """The CUDA caching allocator's peak allocated bytes per segment: ``take`` returns the peak since the last
+    ``take`` (``torch.cuda.max_memory_allocated``) and starts the next segment (``reset_peak_memory_stats``).
+
+    The reset clears every peak statistic of the device, the reserved bytes' too, so the whole run's peaks are
+    kept here across the resets: ``peaks()``."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.max_allocated = 0
+        self.max_reserved = 0
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def take(self) -> int:
+        allocated = torch.cuda.max_memory_allocated(self.device)
+        self.max_allocated = max(self.max_allocated, allocated)
+        self.max_reserved = max(self.max_reserved, torch.cuda.max_memory_reserved(self.device))
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return allocated
+
+    def peaks(self) -> tuple[int, int]:
+        """(peak allocated, peak reserved) bytes since this object was made."""
+        return (
+            max(self.max_allocated, torch.cuda.max_memory_allocated(self.device)),
+            max(self.max_reserved, torch.cuda.max_memory_reserved(self.device)),
+        )
+
+
 class SegmentPeaks(TrackerListener):
     """Keeps, on a ``DeviceMemoryTracker``, the peak of each segment of the step (see ``autotune.oracle``).
 
     ``segment`` is the current (phase, position); ``install_segment_hooks`` moves it along the decoder layers and
     ``in_phase`` sets (phase, "pre") / (phase, "end"). With ``explain``, each segment also keeps the op at its peak
-    and the largest live storages then, each with the op, shape and dtype that made it."""
+    and the largest live storages then, each with the op, shape and dtype that made it.
+
+    ``read_allocator`` (CUDA): every change of ``segment`` also closes the segment it leaves with the allocator's
+    peak in it (``AllocatorPeaks.take``), until ``stop_allocator``; ``measured()`` puts both together."""
 
     def __init__(self, explain: bool = False):
-        self.segment: tuple = ("setup", None)
+        self._segment: tuple = ("setup", None)
         self.segments: dict[tuple, Segment] = {}
         self.explain = explain
         self._origin: dict[int, tuple] = {}  # explain: id(storage info) -> (op, shape, dtype, segment)
+        self.allocator = None  # an ``AllocatorPeaks`` (or anything with ``take()``) while it is read
+        self._tracker: DeviceMemoryTracker | None = None
+        self.allocated: dict[tuple, int] = {}  # segment -> the allocator's peak bytes in it
+
+    @property
+    def segment(self) -> tuple:
+        return self._segment
+
+    @segment.setter
+    def segment(self, key: tuple) -> None:
+        if self.allocator is not None:
+            self._close()
+        self._segment = key
+
+    def read_allocator(self, allocator, tracker: DeviceMemoryTracker) -> None:
+        """From now on each segment's device bytes are ``allocator``'s peak in it too (the current one's since the
+        allocator's last reset); ``tracker`` gives the categories of a segment in which it saw no op."""
+        self.allocator, self._tracker = allocator, tracker
+
+    def stop_allocator(self) -> None:
+        """Close the current segment with the allocator's peak and stop reading it."""
+        if self.allocator is not None:
+            self._close()
+        self.allocator = None
+
+    def _close(self) -> None:
+        peak = int(self.allocator.take())
+        key = self._segment
+        self.allocated[key] = max(self.allocated.get(key, 0), peak)
+        if key not in self.segments and self._tracker is not None:
+            tracker = self._tracker
+            self.segments[key] = Segment(tracker.device_bytes, dict(tracker.current), tracker.host_bytes)
+
+    def measured(self) -> dict[tuple, Segment]:
+        """Each segment's peak: the tracker's, or where the allocator was read, the allocator's (at least the
+        tracker's), with the bytes beyond the tracker's tensors (scratch inside ops, rounding) in ``temporaries``
+        -- where the memory oracle counts the GPU kernels' scratch it models."""
+        result = {}
+        for key, seg in self.segments.items():
+            allocated = self.allocated.get(key)
+            if allocated is None:
+                result[key] = seg
+                continue
+            device = max(allocated, seg.device_bytes)
+            breakdown = dict(seg.breakdown)
+            breakdown["temporaries"] = breakdown.get("temporaries", 0) + device - sum(breakdown.values())
+            result[key] = Segment(device, breakdown, seg.host_bytes)
+        return result
 
     def on_new_storage(self, tracker: DeviceMemoryTracker, info, tensor: torch.Tensor) -> None:
         if self.explain:

@@ -62,7 +62,7 @@ def visible_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-_PEER_LOST = re.compile(
+PEER_LOST = re.compile(  # a rank's error that is only the symptom of a peer's failure
     r"Connection closed by peer|Connection reset|Read error|pair\.cc|NCCL.*(remote|closed)", re.IGNORECASE
 )
 
@@ -422,7 +422,7 @@ def merge_rank_records(
     missing = sorted(set(range(evaluation.world_size)) - {r.rank for r in ranks})
     errors = sorted((r for r in ranks if r.status == "error"), key=lambda r: r.finished_at or 0)
     # a peer's broken connection is a symptom: report the rank that caused it
-    primary = [r for r in errors if not _PEER_LOST.search(r.error or "")]
+    primary = [r for r in errors if not PEER_LOST.search(r.error or "")]
     errors = primary if (primary or not missing) else []
     if ooms:
         cause = ooms[0]

@@ -6,17 +6,19 @@ preset's efficiency by one division (``device_rates``):
 
 - GEMMs at the model's shapes (a tile of tokens times each projection, forward and the two backward GEMMs):
   FLOP/s per shape and in total -> ``matmul_efficiency`` = total FLOPs / total time / ``bf16_flops``;
-- fused causal attention, forward and backward, across lengths and head counts (flash-attn when installed, and
-  torch's SDPA): the FLOPs of the tiles the kernel computes (``tiled_pairs``) per second ->
-  ``attention_efficiency`` / ``attention_backward_efficiency`` at the longest length (what millions of tokens
-  run at), the whole table kept beside them;
+- fused causal attention, forward and backward, across lengths and head counts, through the calls the trials
+  make (``trials.attention``): flash-attn when installed, torch's SDPA as a whole layer runs it, and the SDPA
+  kernel head-chunked attention runs: the FLOPs of the tiles the kernel computes (``tiled_pairs``) per second
+  -> ``attention_efficiency`` / ``attention_backward_efficiency`` at the longest length (what millions of
+  tokens run at), the whole table kept beside them;
 - elementwise ops on large tensors: output bytes/s -> ``elementwise_efficiency`` = rate * traffic factor / HBM;
 - pinned host<->device copies, each direction -> ``host_bytes_per_s`` (the slower direction);
 - torch AdamW on the host (what optimizer offload runs), with the threads one rank of the node gets ->
   ``host_optimizer_bytes_per_s`` (output bytes, as ``StepCounter`` counts them);
 - all-to-all / all-gather / reduce-scatter / all-reduce at the node's world size (``measure_collectives``,
   wire bytes as ``StepCounter`` counts them) -> each kind's efficiency against ``intra_node_bytes_per_s``, and
-  ``collective_latency_s``.
+  ``collective_latency_s``. Every rank issues the same collectives the same number of times (rank 0 decides
+  the repetitions): NCCL on GPUs, gloo on CPU tensors.
 
 Every timing is the median of several samples; ``spread`` is (max - min) / median of those samples.
 """
@@ -25,12 +27,17 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 from autotune.timing.attention_cost import tiled_pairs
 from autotune.timing.calibration.sampling import relative_spread
+from trials.attention import attention_backward, attention_forward, causal_attention, flash_available, head_layout
 
 ATTENTION_LENGTHS = (4096, 16384, 65536)
 ATTENTION_HEADS = (1, 4, 16)
@@ -42,15 +49,31 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn, device: torch.device, samples: int = 5, min_seconds: float = 0.05) -> dict:
+def agreed(value: int, device: torch.device) -> int:
+    """Rank 0's ``value`` on every rank of the default process group (broadcast as a tensor on ``device``, which
+    NCCL needs); ``value`` itself without a process group."""
+    if not dist.is_initialized():
+        return int(value)
+    flag = torch.tensor([int(value)], dtype=torch.int64, device=device)
+    dist.broadcast(flag, 0)
+    return int(flag.item())
+
+
+def timed(fn, device: torch.device, samples: int = 5, min_seconds: float = 0.05, collective: bool = False) -> dict:
     """{"s": median seconds per call, "spread": (max - min) / median} over ``samples`` samples, each repeating
-    ``fn`` enough to last ``min_seconds`` (the device synchronized around each sample)."""
+    ``fn`` enough to last ``min_seconds`` (the device synchronized around each sample).
+
+    ``collective``: ``fn`` is a collective every rank times together. Each rank's first call lasts differently (the
+    last rank to arrive waits least), so the repetitions are rank 0's on every rank: ranks that issued different
+    numbers of collectives would wait on each other until the process group's timeout."""
     fn()
     _sync(device)
     start = time.perf_counter()
     fn()
     _sync(device)
     reps = max(1, int(min_seconds / max(time.perf_counter() - start, 1e-7)))
+    if collective:
+        reps = agreed(reps, device)
     times = []
     for _ in range(samples):
         _sync(device)
@@ -92,20 +115,58 @@ def measure_gemms(device: torch.device, dtype: torch.dtype, shapes) -> dict:
     return {"flops_per_s": flops / seconds, "points": points, "spread": max(p["spread"] for p in points)}
 
 
-def _attention_kernels(device: torch.device):
-    """{name: fn(q, k, v) -> out} of the fused causal kernels available; q/k/v are (batch, seq, heads, dim)."""
-    kernels = {
-        "sdpa": lambda q, k, v: F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        ).transpose(1, 2)
-    }
-    if device.type == "cuda":
-        try:
-            from flash_attn import flash_attn_func
-        except ImportError:
-            pass
-        else:
-            kernels = {"flash": lambda q, k, v: flash_attn_func(q, k, v, causal=True), **kernels}
+def _sdpa_backend(q, k, v) -> str:
+    """The backend ``F.scaled_dot_product_attention`` picks for causal ``q``/``k``/``v`` ([b, h, s, d]): on CUDA it
+    depends on the device, dtype, head dim and the cuDNN version, so the table records it."""
+    choice = torch._fused_sdp_choice(q, k, v, None, 0.0, True)
+    return next((b.name for b in SDPBackend.__members__.values() if int(b.value) == choice), str(choice))
+
+
+class AttentionKernel(NamedTuple):
+    """One attention call the trials make. q/k/v are in ``layout`` ("bshd" [b, s, h, d] or "bhsd" [b, h, s, d]);
+    ``forward(q, k, v) -> (out, residuals)``; ``backward(q, k, v, out, residuals, grad_out)`` computes the q/k/v
+    gradients (through autograd when ``autograd``, q/k/v then requiring grad)."""
+
+    layout: str
+    op: str | None  # what it runs; None: the backend F.scaled_dot_product_attention picks for the inputs
+    autograd: bool
+    forward: Callable
+    backward: Callable
+
+
+def _attention_kernels(device: torch.device) -> dict[str, AttentionKernel]:
+    """The attention calls the trials make, by name:
+
+    - ``flash``: flash-attn (``causal_attention(kernel="flash")``; head-chunked attention calls the same kernel);
+    - ``sdpa``: ``F.scaled_dot_product_attention`` on the [b, h, s, d] transpose of [b, s, h, d] projections, as a
+      whole layer calls it (``causal_attention``), with autograd;
+    - ``sdpa_chunked``: the kernel head-chunked attention and UPipe call for ``attention="sdpa"``
+      (``attention_forward`` / ``attention_backward``: on CUDA the memory-efficient kernel, which need not be the
+      backend ``F.scaled_dot_product_attention`` picks; on CPU the CPU flash kernel, the one SDPA picks there)."""
+
+    def whole_layer(kernel: str, op: str | None) -> AttentionKernel:
+        def forward(q, k, v):
+            return causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), kernel=kernel), ()
+
+        def backward(q, k, v, out, residuals, grad):
+            torch.autograd.grad(out, (q, k, v), grad)
+
+        return AttentionKernel("bshd", op, True, forward, backward)
+
+    def chunked_forward(q, k, v):
+        return attention_forward(q, k, v, q.shape[-1] ** -0.5, "sdpa")
+
+    def chunked_backward(q, k, v, out, residuals, grad):
+        attention_backward(grad, q, k, v, out, residuals, q.shape[-1] ** -0.5, "sdpa")
+
+    kernels = {}
+    if device.type == "cuda" and flash_available(device):
+        kernels["flash"] = whole_layer("flash", "flash_attn")
+    kernels["sdpa"] = whole_layer("sdpa", None)
+    chunked_op = "flash_attention_for_cpu" if device.type == "cpu" else "efficient_attention"
+    kernels["sdpa_chunked"] = AttentionKernel(
+        head_layout("sdpa"), f"aten._scaled_dot_product_{chunked_op}", False, chunked_forward, chunked_backward
+    )
     return kernels
 
 
@@ -119,7 +180,8 @@ def measure_attention(
     heads=ATTENTION_HEADS,
     max_elements: int = 1 << 30,
 ) -> dict:
-    """Computed-FLOP rates of each fused causal kernel, forward and backward, per (length, heads)."""
+    """Computed-FLOP rates of each attention kernel the trials call, forward and backward, per (length, heads);
+    each point names the kernel it timed (for ``sdpa``, the backend SDPA picked for its inputs)."""
     result = {}
     for name, kernel in _attention_kernels(device).items():
         points = []
@@ -127,22 +189,28 @@ def measure_attention(
             for h in heads:
                 if seq * h * head_dim > max_elements:
                     continue
+                shape = (1, seq, h, head_dim) if kernel.layout == "bshd" else (1, h, seq, head_dim)
                 q, k, v = (
-                    torch.randn(1, seq, h, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3)
+                    torch.randn(*shape, device=device, dtype=dtype, requires_grad=kernel.autograd) for _ in range(3)
                 )
-                out = kernel(q, k, v)
-                grad = torch.randn_like(out)
-                forward = timed(lambda: kernel(q, k, v), device, samples=3)
-                both = timed(lambda: torch.autograd.grad(kernel(q, k, v), (q, k, v), grad), device, samples=3)
-                backward_s = max(both["s"] - forward["s"], 1e-9)
+                op = kernel.op or _sdpa_backend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+                grad = torch.randn_like(kernel.forward(q, k, v)[0])
+
+                def both():
+                    kernel.backward(q, k, v, *kernel.forward(q, k, v), grad)
+
+                forward = timed(lambda: kernel.forward(q, k, v), device, samples=3)
+                forward_backward = timed(both, device, samples=3)
+                backward_s = max(forward_backward["s"] - forward["s"], 1e-9)
                 pairs = h * tiled_pairs(seq, seq, True, tile_q, tile_kv)
                 points.append(
                     {
                         "seq": seq,
                         "heads": h,
+                        "kernel": op,
                         "fwd_flops_per_s": pairs * 4 * head_dim / forward["s"],
                         "bwd_flops_per_s": pairs * 10 * head_dim / backward_s,
-                        "spread": max(forward["spread"], both["spread"]),
+                        "spread": max(forward["spread"], forward_backward["spread"]),
                     }
                 )
         result[name] = points
@@ -195,14 +263,15 @@ def measure_collectives(
     device: torch.device, dtype: torch.dtype = torch.float32, sizes=(1 << 10, 1 << 22, 1 << 24)
 ) -> dict:
     """Per collective kind over the default process group: ``latency + wire_bytes / bandwidth`` -- latency from
-    the smallest message, bandwidth from the large ones (wire bytes as ``StepCounter`` counts them)."""
-    import torch.distributed as dist
-
+    the smallest message, bandwidth from the large ones (wire bytes as ``StepCounter`` counts them). Every rank
+    calls it with the same arguments; each size is rounded up to a multiple of the world size (an all-to-all
+    splits its tensor evenly across the ranks)."""
     world = dist.get_world_size()
     factor = (world - 1) / world
     size = torch.tensor([], dtype=dtype).element_size()
 
     def op(kind, numel):
+        numel = -(-numel // world) * world
         x = torch.randn(numel, device=device, dtype=dtype)
         if kind == "all_to_all":
             out = torch.empty_like(x)
@@ -221,7 +290,7 @@ def measure_collectives(
         for numel in sizes:
             fn, wire = op(kind, numel)
             dist.barrier()
-            t = timed(fn, device, samples=3, min_seconds=0.02)
+            t = timed(fn, device, samples=3, min_seconds=0.02, collective=True)
             points.append((wire, t["s"]))
         latency = max(points[0][1], 1e-7)
         big = points[1:]
