@@ -116,3 +116,62 @@ def test_the_attention_table_on_cpu_times_the_cpu_flash_kernel_both_ways():
     assert [p["kernel"] for p in table["sdpa"]] == ["FLASH_ATTENTION"]
     assert [p["kernel"] for p in table["sdpa_chunked"]] == ["aten._scaled_dot_product_flash_attention_for_cpu"]
     assert all(p["fwd_flops_per_s"] > 0 and p["bwd_flops_per_s"] > 0 for points in table.values() for p in points)
+
+
+def test_head_chunked_sdpa_is_priced_at_the_rate_of_the_kernel_it_calls():
+    """On CUDA, SDPA under head chunking calls another kernel than a whole layer's SDPA: calibration keeps its
+    rate apart, and the time model prices exactly the configs that run it (``attention="sdpa"`` with chunks)."""
+    from dataclasses import replace
+
+    from autotune.core.hardware import load_hardware
+    from autotune.timing.calibration.device_bench import device_rates
+
+    base = load_hardware("h100-sxm")
+    peak = base.rates.bf16_flops
+
+    def point(kernel, efficiency):
+        return {
+            "seq": 8192,
+            "kernel": kernel,
+            "fwd_flops_per_s": efficiency * peak,
+            "bwd_flops_per_s": efficiency * peak,
+        }
+
+    measured = {
+        "gemm": {"flops_per_s": 0.7 * peak},
+        "attention": {"sdpa": [point("cudnn", 0.5)], "sdpa_chunked": [point("efficient", 0.25)]},
+        "elementwise": {"bytes_per_s": base.rates.hbm_bytes_per_s},
+        "host_copies": {"h2d_bytes_per_s": 5e10, "d2h_bytes_per_s": 5e10},
+        "host_optimizer": {"bytes_per_s": 1e10},
+    }
+    values = device_rates(measured, base)
+    assert values["attention_efficiency"] == 0.5 and values["chunked_sdpa_efficiency"] == 0.25
+    rates = replace(base.rates, **values)
+    assert rates.for_kernel("sdpa", 1).attention_efficiency == 0.25
+    assert rates.for_kernel("sdpa", None).attention_efficiency == 0.5  # a whole layer's SDPA
+    assert rates.for_kernel("flash", 1).attention_efficiency == 0.5  # flash-attn chunks run flash-attn
+    # one kernel for both (the CPU's): no separate rate
+    measured["attention"]["sdpa_chunked"] = [point("cudnn", 0.25)]
+    assert "chunked_sdpa_efficiency" not in device_rates(measured, base)
+
+
+def test_the_time_model_uses_the_chunked_sdpa_rate_for_head_chunked_sdpa_only():
+    from dataclasses import replace
+
+    from autotune.backends import Evaluation
+    from autotune.backends.plan import PlanBackend
+    from autotune.core.hardware import load_hardware
+    from trials.model_config import load_model_config
+    from trials.techniques import Techniques
+
+    base = load_hardware("h100-sxm")
+    slow = replace(base, rates=replace(base.rates, chunked_sdpa_efficiency=0.01, chunked_sdpa_backward_efficiency=0.01))
+    config = load_model_config("tiny-llama")
+
+    def step_s(hardware, **techniques):
+        evaluation = Evaluation(config, Techniques(**techniques), 65536, 1, hardware)
+        return PlanBackend().evaluate(evaluation).step_time_s
+
+    chunked = {"attention": "sdpa", "head_chunk": 1}
+    assert step_s(slow, **chunked) > 1.5 * step_s(base, **chunked)
+    assert step_s(slow, attention="sdpa") == step_s(base, attention="sdpa")

@@ -41,6 +41,10 @@ class Rates:
     matmul_efficiency: float = 0.7  # achieved fraction of bf16_flops for the step's GEMMs
     attention_efficiency: float = 0.35  # achieved fraction of bf16_flops, attention forward (computed FLOPs)
     attention_backward_efficiency: float = 0.3
+    # SDPA under head chunking (UPipe) calls one CUDA kernel explicitly (``trials.attention``: memory-efficient),
+    # where a whole layer's SDPA picks its own (flash or cuDNN): its efficiencies when calibrated (0: as above)
+    chunked_sdpa_efficiency: float = 0.0
+    chunked_sdpa_backward_efficiency: float = 0.0
     attention_tile_q: int = 128  # the kernel's query / key tile: causal blocks on the diagonal are
     attention_tile_kv: int = 128  # computed whole, so computed pairs exceed s*(s+1)/2 by ~s*tile/2
     elementwise_efficiency: float = 0.7  # achieved fraction of hbm_bytes_per_s for memory-bound ops
@@ -67,6 +71,18 @@ class Rates:
     # (shards to the device, gradients to the host) are no-ops
     # measured attention efficiency per head dim (cpu calibration), {head_dim: (fwd, bwd)}; overrides the scalars
     attention_by_head_dim: tuple = ()
+
+    def for_kernel(self, attention: str, head_chunk: int | None) -> Rates:
+        """These rates for what a config's attention runs: SDPA under head chunking at its own calibrated
+        efficiencies, where they were measured; everything else as is."""
+        if attention != "sdpa" or head_chunk is None or not self.chunked_sdpa_efficiency:
+            return self
+        return replace(
+            self,
+            attention_efficiency=self.chunked_sdpa_efficiency,
+            attention_backward_efficiency=self.chunked_sdpa_backward_efficiency or self.attention_backward_efficiency,
+            attention_by_head_dim=(),
+        )
 
     @property
     def matmul_flops_per_s(self) -> float:

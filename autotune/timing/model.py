@@ -216,7 +216,7 @@ def predict_step_time(
     collectives whose group spans nodes are priced on the inter-node fabric. See the module docstring and
     docs/predictions.md for the model and its assumptions.
     """
-    r = rates
+    r = rates.for_kernel(techniques.attention, techniques.head_chunk)
     degree = techniques.ulysses_degree
     offload_optimizer = techniques.optimizer_offload
     seq_len = seq_len if seq_len is not None else counts.seq_len

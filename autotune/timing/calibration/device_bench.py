@@ -313,6 +313,17 @@ def device_rates(measured: dict, base) -> dict:
         values["attention_backward_efficiency"] = (
             statistics.median(p["bwd_flops_per_s"] for p in at_longest) / rates.bf16_flops
         )
+    chunked = [p for p in attention.get("sdpa_chunked") or [] if p.get("fwd_flops_per_s")]
+    whole = (attention.get("sdpa") or [{}])[0].get("kernel")
+    if chunked and chunked[0].get("kernel") != whole:  # another kernel than a whole layer's SDPA: its own rate
+        longest = max(p["seq"] for p in chunked)
+        at_longest = [p for p in chunked if p["seq"] == longest]
+        values["chunked_sdpa_efficiency"] = (
+            statistics.median(p["fwd_flops_per_s"] for p in at_longest) / rates.bf16_flops
+        )
+        values["chunked_sdpa_backward_efficiency"] = (
+            statistics.median(p["bwd_flops_per_s"] for p in at_longest) / rates.bf16_flops
+        )
     values["elementwise_efficiency"] = (
         measured["elementwise"]["bytes_per_s"] * rates.elementwise_traffic_factor / rates.hbm_bytes_per_s
     )
