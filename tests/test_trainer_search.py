@@ -100,6 +100,35 @@ def test_a_deepspeed_search_reaches_the_wall_of_its_most_frugal_config(tmp_path,
     assert longest >= 0.97 * wall.seq_len, (longest, wall.seq_len)
 
 
+@pytest.mark.slow
+def test_a_trainer_whose_wall_is_below_the_target_finds_that_wall(tmp_path, monkeypatch):
+    """accelerate-deepspeed (no tiles, no head chunks): out of memory at the target and the grid's end, the frugal
+    config steps down the grid until it fits, then closes in on its wall; the front shows how far it goes."""
+    monkeypatch.setenv("AUTOTUNE_PLAN_CACHE", "off")
+    model_config = load_model_config("tiny-llama")
+    hardware = load_hardware("cpu").with_memory_gib(0.5)
+    target = 128 * K  # the grid reaches down to 8K, past the wall
+    space = load_space(None, model_config, 2, target, flash_ok=False, trainer=TRAINERS["accelerate-deepspeed"])
+    job = SearchJob(
+        model="tiny-llama",
+        model_config=model_config,
+        target=target,
+        gpus=2,
+        hardware=hardware,
+        space=space,
+        backend=make_backend("plan", stop_above=1.0),
+        out=tmp_path,
+        trials=20,
+        workers=1,
+    )
+    study = search.run(job)
+    frugal = space.frugal(model_config["num_hidden_layers"])
+    wall = find_max_seq(Evaluation(model_config, frugal, target, 2, hardware))
+    assert wall.status == "ok" and wall.seq_len < target
+    longest = max(p.values[0] for p in search.front.front_points(study))
+    assert longest >= 0.97 * wall.seq_len, (longest, wall.seq_len)
+
+
 def _study_with(points: list[tuple[int, float, float]]) -> optuna.Study:
     """A study of finished trials (seq_len, tokens/s, peak GiB), each with the record a search stores."""
     study = optuna.create_study(directions=["maximize", "maximize"])

@@ -173,7 +173,8 @@ def follow_ups(
 
     - climb: a config that fits at L and is on the current front (nothing known is both as long and as fast), or
       is the space's most frugal one (``_is_frugal``), is tried at the next longer length of the grid (the frugal
-      one past the grid's end too, at twice its length): each front config is followed up to its own memory wall;
+      one past the grid's end too, at twice its length; out of memory wherever it was tried, at the middle of the
+      grid below): each front config is followed up to its own memory wall;
     - reach the wall: a front config that fits at L and is out of memory at the next length it was tried at
       is tried in between (``wall_step``, a length off the grid), until its longest fitting length is its wall;
     - step down in memory: a config that is out of memory at a grid length L, having fit on the front at the
@@ -201,6 +202,12 @@ def follow_ups(
         elif frugal:  # past the grid's end: the node's wall may lie beyond it, and the front should show it
             unit = math.lcm(length_unit(techniques), techniques.ulysses_degree)
             candidates.append((techniques, 2 * fits // unit * unit))
+    elif record.status == "oom" and frugal and not any(t == wanted and r.status == "ok" for t, s, r in known):
+        # the most frugal config out of memory wherever it was tried: its wall (the node's) lies below; halve the
+        # grid below in log space until it fits, then the wall steps close in
+        lower = [s for s in lens if s < seq_len and s % techniques.ulysses_degree == 0]
+        if lower:
+            candidates.append((techniques, lower[len(lower) // 2]))
     elif record.status == "oom" and seq_len in lens:
         shorter = [(s, r) for t, s, r in known if t == wanted and s < seq_len and r.status == "ok"]
         if shorter:
