@@ -247,6 +247,9 @@ def _run_model(
             )
             if index == 0:
                 record.loss, record.grad_norm = result.loss, result.grad_norm
+                if peaks is not None:  # segments are the first step's, the one the oracle traces (after priming):
+                    peaks.stop_allocator()  # later steps begin with state the first one left (the offload
+                    tracker.remove_listener(peaks)  # arena's host buffers), which the extension would count twice
             if measured:
                 step_times.append(elapsed)
         if splits:
