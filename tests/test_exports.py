@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, run_judge
 
 from autotune.cli import main
 from autotune.core.trainers import TRAINERS, ExportJob, Trainer, exactly
@@ -41,7 +41,6 @@ TECHNIQUES = {
     "loss_tile_tokens": 0,
     "attention": "sdpa",
 }
-JUDGES = str(ROOT / "tests" / "trainer_judges.py")
 CAPACITY_GIB = 0.25
 # (label, length, techniques): what the front of a long-context search looks like, in small
 FRONT_CONFIGS = [
@@ -152,20 +151,6 @@ def exports(plan_front, tmp_path_factory):
     return written
 
 
-def judge(*args: str) -> list[dict]:
-    """Run a trainer's judge (tests/trainer_judges.py) in a fresh process; its JSON lines."""
-    result = subprocess.run(
-        [sys.executable, JUDGES, *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-
-
 def knobs_of(label: str) -> dict:
     return {**Techniques().to_dict(), **dict((c[0], c[2]) for c in FRONT_CONFIGS)[label]}
 
@@ -207,7 +192,7 @@ def test_what_each_trainer_runs_follows_its_declaration():
 
 def test_arctic_training_loads_each_recipe(exports, model_dir):
     paths = [str(exports["arctic", label][1]) for label in LABELS]
-    judged = judge("arctic", str(model_dir), "2", *paths)
+    judged = run_judge("arctic", str(model_dir), "2", *paths)
     assert [j["path"] for j in judged] == paths
     for label, verdict in zip(LABELS, judged):
         result = exports["arctic", label][0]
@@ -227,7 +212,7 @@ def test_arctic_training_loads_each_recipe(exports, model_dir):
 
 def test_accelerate_launches_the_plugin_script_with_each_config(exports):
     paths = [str(exports["accelerate", label][1]) for label in LABELS]
-    judged = judge("accelerate", *paths)
+    judged = run_judge("accelerate", *paths)
     assert [j["path"] for j in judged] == paths
     for label, verdict in zip(LABELS, judged):
         result, path = exports["accelerate", label]
@@ -347,7 +332,7 @@ def test_accelerate_launch_trains_the_export_like_the_plain_model_in_the_estimat
 
 def test_accelerate_deepspeed_launches_each_config(exports):
     paths = [str(exports["accelerate-deepspeed", label][1]) for label in LABELS]
-    judged = judge("accelerate-deepspeed", *paths)
+    judged = run_judge("accelerate-deepspeed", *paths)
     assert [j["path"] for j in judged] == paths
     for label, verdict in zip(LABELS, judged):
         result, path = exports["accelerate-deepspeed", label]
@@ -388,7 +373,7 @@ def test_deepspeed_alst_python_trains_like_the_plain_model(exports, model_dir):
     assert not result.gaps  # DeepSpeed runs every knob of this config as searched
     for label in LABELS:
         compile(exports["deepspeed", label][1].with_suffix(".alst.py").read_text(), label, "exec")
-    (verdict,) = judge("alst", str(path.with_suffix(".alst.py")), str(model_dir))
+    (verdict,) = run_judge("alst", str(path.with_suffix(".alst.py")), str(model_dir))
     assert verdict["mlp_tiled"] and verdict["checkpointing"] and verdict["offloaded_layers"] == 2
     assert verdict["loss"] == pytest.approx(verdict["reference"], rel=1e-5)
     assert verdict["worst_relative_grad_error"] < 1e-4

@@ -5,13 +5,10 @@ when speed is a wash, and bad input names the knob and the trainer."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import optuna
 import pytest
-from conftest import ROOT, run_cli, tiny_plan_search
+from conftest import run_cli, run_judge, tiny_plan_search
 
 from autotune import search
 from autotune.backends import Evaluation, make_backend
@@ -48,17 +45,7 @@ def test_an_arctic_search_holds_only_what_arctic_runs_and_every_front_config_exp
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps({k: v for k, v in model_config.items() if k[0] != "_"}))
-    judged = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "trainer_judges.py"), "arctic", str(model_dir), "2"]
-        + [str(tmp_path / "recipe.yaml")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert judged.returncode == 0, judged.stderr[-3000:]
-    [verdict] = [json.loads(line) for line in judged.stdout.splitlines() if line.startswith("{")]
+    [verdict] = run_judge("arctic", str(model_dir), "2", str(tmp_path / "recipe.yaml"))
     assert verdict["type"] == "causal" and verdict["world_size"] == 2 and verdict["max_length"] >= 4 * K
 
 
