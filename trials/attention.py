@@ -4,12 +4,17 @@ Shapes (Hugging Face convention at the call site):
     query [batch, q_heads, seq, head_dim], key/value [batch, kv_heads, seq, head_dim]
     returns [batch, seq, q_heads, head_dim] (what HF attention interfaces return)
 
-Causal masking is implied (training on whole sequences; position ids are not packed), so no mask tensor
-is ever built. Kernels:
-- ``flash``: flash-attn's ``flash_attn_func`` (CUDA, handles GQA natively);
+Causal masking is implied (training on whole sequences; position ids are not packed), so no [seq, seq] mask
+is ever built. A layer may attend through a sliding window ``W`` (Hugging Face's ``sliding_window``: query ``i``
+sees keys ``i-W+1 .. i``) and may softcap its logits (Gemma 2). Kernels:
+- ``flash``: flash-attn's ``flash_attn_func`` (CUDA, handles GQA natively; a window is its ``window_size``, a
+  softcap its ``softcap``);
 - ``sdpa``: torch's fused SDPA. On CPU it runs the flash-style kernel, which saves (out, logsumexp) for
   backward; kv heads are repeated to the query heads first (the CPU kernel has no GQA), which costs
-  2 * seq * (q_heads - kv_heads) * head_dim elements per layer — part of the known footprint.
+  2 * seq * (q_heads - kv_heads) * head_dim elements per layer — part of the known footprint. A window runs as
+  blocks of ``WINDOW_BLOCK`` queries, each over its band of keys with a [block, block + W - 1] mask: memory
+  O(block * W), never O(seq^2). What SDPA cannot run (a window on CUDA, any softcap) is refused with the reason
+  (``trials.rules.attention_kernel_problem``).
 
 The model calls attention through the HF interface registered under the name ``autotune``; each
 attention module may carry ``module.autotune_attention`` (set by Ulysses / head chunking) that replaces
@@ -38,6 +43,7 @@ except Exception as exc:  # pragma: no cover - not installed (CPU machines), or 
     FLASH_INSTALLED = not (isinstance(exc, ModuleNotFoundError) and exc.name == "flash_attn")
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
+WINDOW_BLOCK = 256  # queries per block of the CPU kernel's windowed attention
 
 
 def flash_problem() -> str | None:
@@ -116,15 +122,44 @@ def flash_inputs(*tensors):
     return tuple(t if t.dtype == dtype else t.to(dtype) for t in tensors)
 
 
-def causal_attention(query, key, value, scaling: float | None = None, kernel: str = "sdpa"):
-    """[b, hq, s, d] x [b, hkv, s, d] -> [b, s, hq, d], causal."""
+def band(window: int | None, seq_len: int) -> int | None:
+    """The window a kernel runs for ``seq_len`` keys: None when it covers the whole sequence (plain causal)."""
+    return window if window is not None and window < seq_len else None
+
+
+def _refuse(kernel: str, device: torch.device, window, softcap) -> None:
+    from trials.rules import attention_kernel_problem
+
+    features = {"window": window} if window else {}
+    if softcap:
+        features["softcap"] = softcap
+    problem = attention_kernel_problem(kernel, features, device.type == "cuda")
+    if problem:
+        raise RuntimeError(problem)
+
+
+def causal_attention(
+    query, key, value, scaling: float | None = None, kernel: str = "sdpa", window: int | None = None, softcap=None
+):
+    """[b, hq, s, d] x [b, hkv, s, d] -> [b, s, hq, d], causal (within ``window`` keys when given)."""
+    window = band(window, key.shape[2])
     if kernel == "flash":
         if not flash_available(query.device):
             raise RuntimeError(_flash_unavailable(query.device))
         query, key, value = flash_inputs(query, key, value)
         return _flash.func(
-            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=True, softmax_scale=scaling
+            query.transpose(1, 2),
+            key.transpose(1, 2),
+            value.transpose(1, 2),
+            causal=True,
+            softmax_scale=scaling,
+            window_size=(window - 1, 0) if window else (-1, -1),
+            softcap=softcap or 0.0,
         )
+    _refuse(kernel, query.device, window, softcap)
+    if window:
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        return _WindowedAttention.apply(query, key, value, scale, window).transpose(1, 2)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
@@ -139,7 +174,10 @@ def hf_attention(module, query, key, value, attention_mask, scaling=None, dropou
     if override is not None:
         return override(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     kernel = getattr(module, "autotune_kernel", "sdpa")
-    return causal_attention(query, key, value, scaling=scaling, kernel=kernel), None
+    out = causal_attention(
+        query, key, value, scaling, kernel, window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap")
+    )
+    return out, None
 
 
 def _no_mask(*args, **kwargs):
@@ -185,18 +223,25 @@ def _sum_kv_groups(grad, groups: int):
     return grad.view(b, h // groups, groups, s, d).sum(dim=2)
 
 
-def attention_forward(query, key, value, scaling: float, kernel: str = "sdpa"):
-    """Causal attention without autograd, in ``head_layout(kernel)``; returns (out, residuals tuple)."""
+def attention_forward(query, key, value, scaling: float, kernel: str = "sdpa", window=None, softcap=None):
+    """Causal attention (within ``window`` keys) without autograd, in ``head_layout(kernel)``; returns (out,
+    residuals tuple)."""
     if kernel == "flash":
         if not flash_available(query.device):
             raise RuntimeError(_flash_unavailable(query.device))
+        window = band(window, key.shape[1])
         query, key, value = flash_inputs(query, key, value)
         out, lse, _, rng_state = _wrapped_flash("forward")(
-            query, key, value, 0.0, scaling, True, -1, -1, 0.0, None, False
+            query, key, value, 0.0, scaling, True, window - 1 if window else -1, -1 if not window else 0,
+            softcap or 0.0, None, False,
         )
         return out, (lse, rng_state)
+    window = band(window, key.shape[2])
+    _refuse(kernel, query.device, window, softcap)
     groups = query.shape[1] // key.shape[1]
     k, v = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    if window:
+        return _windowed_forward(query, k, v, scaling, window)
     if query.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, k, v, 0.0, True, scale=scaling)
         return out, (lse,)
@@ -209,18 +254,25 @@ def attention_forward(query, key, value, scaling: float, kernel: str = "sdpa"):
     return out, (lse, seed, offset)
 
 
-def attention_backward(grad_out, query, key, value, out, residuals, scaling: float, kernel: str = "sdpa"):
+def attention_backward(
+    grad_out, query, key, value, out, residuals, scaling: float, kernel: str = "sdpa", window=None, softcap=None
+):
     """Gradients (dq, dk, dv) of ``attention_forward``, same layout and shapes as (query, key, value)."""
     if kernel == "flash":
+        window = band(window, key.shape[1])
         lse, rng_state = residuals
         dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
         _wrapped_flash("backward")(
-            grad_out, query, key, value, out, lse, dq, dk, dv, 0.0, scaling, True, -1, -1, 0.0, None, False, rng_state
+            grad_out, query, key, value, out, lse, dq, dk, dv, 0.0, scaling, True,
+            window - 1 if window else -1, -1 if not window else 0, softcap or 0.0, None, False, rng_state,
         )
         return dq, dk, dv
+    window = band(window, key.shape[2])
     groups = query.shape[1] // key.shape[1]
     k, v = _repeat_kv(key, groups), _repeat_kv(value, groups)
-    if query.device.type == "cpu":
+    if window:
+        dq, dk, dv = _windowed_backward(grad_out, query, k, v, out, residuals, scaling, window)
+    elif query.device.type == "cpu":
         (lse,) = residuals
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, query, k, v, out, lse, 0.0, True, scale=scaling
@@ -231,3 +283,85 @@ def attention_backward(grad_out, query, key, value, out, residuals, scaling: flo
             grad_out, query, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], True, scale=scaling
         )
     return dq, _sum_kv_groups(dk, groups), _sum_kv_groups(dv, groups)
+
+
+# -- sliding windows on the CPU kernel -----------------------------------------------------------------------------
+# Query block [a, e) attends keys [max(0, a - W + 1), e): a [e - a, e - lo] additive mask holds the causal band. The
+# kernel computes whole blocks, so its work is about (WINDOW_BLOCK + W) keys per query, twice the band at most.
+
+
+def _blocks(seq_len: int, window: int):
+    step = min(window, WINDOW_BLOCK)
+    for start in range(0, seq_len, step):
+        end = min(start + step, seq_len)
+        yield start, end, max(0, start - window + 1)
+
+
+def _band_mask(start: int, end: int, low: int, window: int, like: torch.Tensor) -> torch.Tensor:
+    rows = torch.arange(start, end, device=like.device).unsqueeze(1)
+    cols = torch.arange(low, end, device=like.device).unsqueeze(0)
+    visible = (cols <= rows) & (cols > rows - window)
+    return torch.zeros(visible.shape, dtype=like.dtype, device=like.device).masked_fill_(~visible, float("-inf"))
+
+
+def _windowed_forward(query, key, value, scaling, window: int):
+    """[b, h, s, d] (kv heads already repeated) -> (out [b, h, s, d], (lse [b, h, s],)), block by block."""
+    out = torch.empty_like(query)
+    lse = query.new_empty(query.shape[:3], dtype=torch.float32)
+    for start, end, low in _blocks(query.shape[2], window):
+        mask = _band_mask(start, end, low, window, query)
+        block_out, block_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query[:, :, start:end], key[:, :, low:end], value[:, :, low:end], 0.0, False, attn_mask=mask, scale=scaling
+        )
+        out[:, :, start:end] = block_out
+        lse[:, :, start:end] = block_lse
+        del mask, block_out, block_lse
+    return out, (lse,)
+
+
+def _windowed_backward(grad_out, query, key, value, out, residuals, scaling, window: int):
+    """Gradients of ``_windowed_forward``: dq block by block, dk/dv summed over the blocks that see each key."""
+    (lse,) = residuals
+    dq, dk, dv = torch.empty_like(query), torch.zeros_like(key), torch.zeros_like(value)
+    for start, end, low in _blocks(query.shape[2], window):
+        mask = _band_mask(start, end, low, window, query)
+        rows = slice(start, end)
+        block_dq, block_dk, block_dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out[:, :, rows].contiguous(),
+            query[:, :, rows],
+            key[:, :, low:end],
+            value[:, :, low:end],
+            out[:, :, rows],
+            lse[:, :, rows],
+            0.0,
+            False,
+            attn_mask=mask,
+            scale=scaling,
+        )
+        dq[:, :, rows] = block_dq
+        dk[:, :, low:end] += block_dk
+        dv[:, :, low:end] += block_dv
+        del mask, block_dq, block_dk, block_dv
+    return dq, dk, dv
+
+
+class _WindowedAttention(torch.autograd.Function):
+    """Sliding-window attention of a whole layer on the CPU kernel: saves q, k, v, out and logsumexp (what SDPA's
+    own autograd saves). query [b, hq, s, d], key/value [b, hkv, s, d] -> out [b, hq, s, d]."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, scaling: float, window: int):
+        groups = query.shape[1] // key.shape[1]
+        out, (lse,) = _windowed_forward(query, _repeat_kv(key, groups), _repeat_kv(value, groups), scaling, window)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.scaling, ctx.window = scaling, window
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse = ctx.saved_tensors
+        groups = query.shape[1] // key.shape[1]
+        dq, dk, dv = _windowed_backward(
+            grad_out, query, _repeat_kv(key, groups), _repeat_kv(value, groups), out, (lse,), ctx.scaling, ctx.window
+        )
+        return dq, _sum_kv_groups(dk, groups), _sum_kv_groups(dv, groups), None, None

@@ -12,10 +12,11 @@ import torch
 import torch.nn as nn
 
 from trials import attention
+from trials.families import family_of
 from trials.fsdp import is_sharded
 from trials.memory import active_tracker
 
-_CONFIG_ONLY_KEYS = ("_name",)
+_CONFIG_ONLY_KEYS = ("_name", "_source")  # autotune's own keys, not transformers'
 
 
 def hf_config(model_config: dict):
@@ -97,17 +98,24 @@ def _allocate_parameters(model, device) -> None:
 
 
 def _rebuild_buffers(model, device) -> None:
-    """Buffers hold computed values (HF rotary embeddings' ``inv_freq``): rebuild their modules' buffers."""
+    """Buffers hold computed values: HF rotary embeddings' inverse frequencies (per layer type in Gemma 3) and a
+    scaled embedding's scale (Gemma). Rebuild them on ``device``."""
     for module in model.modules():
         if next(module.buffers(recurse=False), None) is None:
             continue
-        if not type(module).__name__.endswith("RotaryEmbedding"):
-            raise ValueError(f"cannot materialise the buffers of {type(module).__name__}")
-        with torch.device(device):
-            fresh = type(module)(module.config)
-        for name, buffer in fresh.named_buffers(recurse=False):
-            setattr(module, name, buffer)
-        module.attention_scaling = fresh.attention_scaling
+        name = type(module).__name__
+        if name.endswith("RotaryEmbedding"):
+            with torch.device(device):
+                fresh = type(module)(module.config)
+            for key, buffer in fresh.named_buffers(recurse=False):
+                setattr(module, key, buffer)
+            for key, value in vars(fresh).items():  # ``attention_scaling``, ``{layer_type}_attention_scaling``
+                if key.endswith("attention_scaling"):
+                    setattr(module, key, value)
+        elif name.endswith("ScaledWordEmbedding"):
+            module.embed_scale = torch.tensor(module.scalar_embed_scale, device=device)
+        else:
+            raise ValueError(f"cannot materialise the buffers of {name}")
 
 
 @torch.no_grad()
@@ -119,6 +127,7 @@ def init_weights(model: TrainingModel, seed: int = 0) -> None:
     """
 
     std = getattr(model.config, "initializer_range", None) or 0.02
+    norm_init = family_of(model.config.model_type).norm_weight_init
     tracker = active_tracker()
     seen = set()
     for module_name, module in model.named_modules():
@@ -133,7 +142,7 @@ def init_weights(model: TrainingModel, seed: int = 0) -> None:
             elif param_name == "bias":
                 local.zero_()
             elif "Norm" in type(module).__name__ and param_name == "weight":
-                local.fill_(1.0)
+                local.fill_(norm_init)
             else:
                 raise ValueError(f"no initialisation rule for {name} ({type(module).__name__})")
 
@@ -180,6 +189,19 @@ def _fill_normal(local: torch.Tensor, start: int, shape, std: float, seed: int, 
         local[lo - start : hi - start].copy_(values[lo - first : hi - first])
 
 
+class SoftcappedHead(nn.Module):
+    """``lm_head`` followed by the final logits' tanh softcap (Gemma 2: ``cap * tanh(logits / cap)``); its parameters
+    are the head's, so the loss functions take it where they take ``lm_head``."""
+
+    def __init__(self, lm_head: nn.Module, cap: float):
+        super().__init__()
+        self.lm_head = lm_head
+        self.cap = cap
+
+    def forward(self, hidden):
+        return torch.tanh(self.lm_head(hidden) / self.cap) * self.cap
+
+
 def plain_loss(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, scale: float) -> torch.Tensor:
     """Sum of token cross-entropies times ``scale``. hidden [b, s, h] -> logits [b, s, vocab] (full)."""
     logits = lm_head(hidden).float()
@@ -199,6 +221,7 @@ class TrainingModel(nn.Module):
         self.lm = lm
         self.loss_fn = plain_loss
         self.autocast_dtype: torch.dtype | None = None  # set by ``set_compute_dtype``
+        self.logit_softcap = family_of(lm.config.model_type).final_softcap(lm.config)
 
     @property
     def config(self):
@@ -216,7 +239,8 @@ class TrainingModel(nn.Module):
 
     def _forward(self, input_ids, position_ids, labels, scale):
         hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
-        return self.loss_fn(hidden, self.lm.lm_head, labels, scale)
+        head = self.lm.lm_head if self.logit_softcap is None else SoftcappedHead(self.lm.lm_head, self.logit_softcap)
+        return self.loss_fn(hidden, head, labels, scale)
 
 
 def default_compute_dtype(device: torch.device | str) -> torch.dtype:

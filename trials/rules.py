@@ -49,6 +49,25 @@ def head_chunk_split_problem(chunk: int | None, degree: int, model_config: dict)
     return head_chunk_problem(chunk, model_config["num_attention_heads"], degree)
 
 
+def attention_kernel_problem(attention: str, features: dict, on_gpu: bool) -> str | None:
+    """Why kernel ``attention`` cannot run a model whose attention needs ``features``
+    (``trials.families.Family.attention_features``: ``window``, ``softcap``) on a GPU or on the CPU (None: it can).
+    flash-attn runs both; torch's SDPA runs a window on the CPU kernel only (as masked blocks) and no softcap."""
+    if attention != "sdpa":
+        return None
+    if features.get("softcap"):
+        return (
+            f"attention 'sdpa' cannot softcap attention logits (attn_logit_softcapping {features['softcap']:g}): "
+            "use attention 'flash'"
+        )
+    if features.get("window") and on_gpu:
+        return (
+            f"attention 'sdpa' runs sliding windows (sliding_window {features['window']:,}) on the CPU only: "
+            "use attention 'flash' on GPUs"
+        )
+    return None
+
+
 def requirement_problems(techniques) -> list[str]:
     """Knobs set without the knob they need (each knob's ``requires``)."""
     found = []

@@ -29,7 +29,7 @@ from trials.data import make_batch, synthetic_sample
 from trials.dist import init_mesh
 from trials.layer_clock import LayerClock, local_parameter_count, mean_step_times
 from trials.memory import DeviceMemoryTracker
-from trials.model_config import with_layers
+from trials.model_config import copy_for_runs
 from trials.segments import AllocatorPeaks, SegmentPeaks, install_segment_hooks
 from trials.spec import RankRecord, TrialSpec
 from trials.step import build_training, prime_optimizer, train_step
@@ -152,7 +152,7 @@ def run_trial(spec: TrialSpec, mesh=None) -> RankRecord:
     record = RankRecord(status="ok", seq_len=spec.seq_len, rank=mesh.rank, device=_describe(mesh.device, mesh))
     for index, copy in enumerate(spec.copies):
         runs = [tuple(run) for run in copy["runs"]]
-        config = with_layers(spec.model_config, sum(n for _, n in runs))
+        config = copy_for_runs(spec.model_config, runs)
         techniques = Techniques.from_dict(copy["techniques"])
         result = _run_model(
             spec,

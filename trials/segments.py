@@ -27,22 +27,38 @@ class Segment:
     live: list | None = None  # explain mode: the largest live storages at the peak
 
 
-def layer_runs(techniques, num_layers: int) -> list[tuple[str, int]]:
-    """The model's decoder layers as runs of identical layers: ``[(kind, count), ...]`` in model order.
+def layer_runs(techniques, num_layers: int, layer_kinds: list[str] | None = None) -> list[tuple[str, int]]:
+    """The model's decoder layers as runs of identical layers: ``[(kind, count), ...]``.
 
-    All layers are alike except with a partial activation offload (the first N layers' inputs live on the
-    host, ``trials.checkpointing``): then an ``offload`` run and a ``device`` run.
+    Layers differ with a partial activation offload (the first N layers' inputs live on the host,
+    ``trials.checkpointing``): an ``offload`` run and a ``device`` run; and by their attention (``layer_kinds``, one
+    per layer, e.g. Gemma's ``sliding_attention`` and ``full_attention``): within each of those runs, the layers of
+    one kind form one run, ``"offload/sliding_attention"``, kinds in order of first appearance. A copy of the model
+    orders its layers that way (``trials.model_config.copy_for_runs``): a layer's cost does not depend on its place.
     """
     offload = techniques.activation_offload_layers
-    if 0 < offload < num_layers:
-        return [("offload", offload), ("device", num_layers - offload)]
-    return [("layers", num_layers)]
+    parts = [("offload", 0, offload), ("device", offload, num_layers)] if 0 < offload < num_layers else None
+    parts = parts or [("layers", 0, num_layers)]
+    if not layer_kinds or len(set(layer_kinds)) == 1:
+        return [(name, hi - lo) for name, lo, hi in parts]
+    runs = []
+    for name, lo, hi in parts:
+        kinds = layer_kinds[lo:hi]
+        runs += [(f"{name}/{kind}", kinds.count(kind)) for kind in dict.fromkeys(kinds)]
+    return runs
+
+
+def model_runs(techniques, model_config: dict) -> list[tuple[str, int]]:
+    """``layer_runs`` of the model ``model_config`` describes (its layers' attention kinds included)."""
+    from trials.model_config import layer_kinds
+
+    return layer_runs(techniques, model_config["num_hidden_layers"], layer_kinds(model_config))
 
 
 def techniques_for_runs(techniques, runs: list[tuple[str, int]]):
     """``techniques`` for a model whose decoder layers are ``runs`` (a shallower copy of the real one)."""
     if techniques.activation_offload_layers:
-        offloaded = sum(n for kind, n in runs if kind in ("offload", "layers"))
+        offloaded = sum(n for kind, n in runs if kind.split("/")[0] in ("offload", "layers"))
         return replace(techniques, activation_offload_layers=offloaded)
     return techniques
 

@@ -217,12 +217,16 @@ class TiledRMSNorm(torch.autograd.Function):
 def _norm_body(norm_module, weight, x):
     """The module class's own (untiled) forward on ``x`` with ``weight`` in place of its parameter.
 
-    HF RMSNorm forwards read only ``self.weight`` and plain attributes (``variance_epsilon``), so a namespace
-    holding those stands in for the module: no hooks, no re-entry into the tiled forward, and the weight can
-    be a detached leaf (backward) or whatever tensor ``functional_call`` swapped in (head-chunked attention).
+    HF RMSNorm forwards read only ``self.weight``, plain attributes (``variance_epsilon``) and the class's own
+    methods (Gemma's ``_norm``), so a bare instance of the class holding those stands in for the module: no hooks,
+    no re-entry into the tiled forward, and the weight can be a detached leaf (backward) or whatever tensor
+    ``functional_call`` swapped in (head-chunked attention).
     """
-    attributes = {k: v for k, v in vars(norm_module).items() if not k.startswith("_") and k != "forward"}
-    return type(norm_module).forward(types.SimpleNamespace(**attributes, weight=weight), x)
+    cls = type(norm_module)
+    stand_in = cls.__new__(cls)  # no __init__: nn.Module's bookkeeping stays out
+    stand_in.__dict__.update({k: v for k, v in vars(norm_module).items() if not k.startswith("_") and k != "forward"})
+    stand_in.__dict__["weight"] = weight
+    return cls.forward(stand_in, x)
 
 
 def _tiled_norm_forward(self, x):

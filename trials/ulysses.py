@@ -20,7 +20,9 @@ from trials.attention import causal_attention
 
 def _core_attention(kernel: str):
     def core(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        return causal_attention(query, key, value, scaling=scaling, kernel=kernel), None
+        # a window does not change Ulysses: each rank attends over the whole sequence for its heads
+        window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+        return causal_attention(query, key, value, scaling, kernel, window=window, softcap=softcap), None
 
     return core
 

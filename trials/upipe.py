@@ -70,11 +70,12 @@ import torch
 import torch.nn.functional as F
 
 from trials.attention import attention_backward, attention_forward, head_layout
+from trials.families import family_of
 from trials.ulysses import attention_modules
 
-# Attention modules whose forward is: q/k/v projections (optional per-head q_norm/k_norm over head_dim), HF rotary
-# (``x * cos + rotate_half(x) * sin``), causal attention, o_proj. Others are refused rather than silently changed.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral")
+# The attention modules of every family ``trials.families`` declares have this forward: q/k/v projections (separate,
+# or one fused ``qkv_proj``), optional per-head q_norm/k_norm over head_dim, HF rotary (``x * cos + rotate_half(x) *
+# sin``), causal attention (optionally windowed, optionally softcapped), o_proj.
 
 
 @dataclass(frozen=True)
@@ -158,8 +159,21 @@ def _rope_backward(grad, cos, sin):
 class UPipeAttention:
     """The head-chunked attention of one attention module (what its ``forward`` is replaced by)."""
 
-    def __init__(self, module, plan: ChunkPlan, group, kernel: str, batch_exchanges: bool = False):
+    def __init__(
+        self,
+        module,
+        plan: ChunkPlan,
+        group,
+        kernel: str,
+        batch_exchanges: bool = False,
+        fused_qkv: bool = False,
+        window: int | None = None,
+        softcap: float | None = None,
+    ):
         self.module = module
+        self.fused_qkv = fused_qkv
+        self.window = window  # this layer's sliding window (None: full causal)
+        self.softcap = softcap
         self.plan = plan
         self.group_name = None
         if plan.degree > 1:
@@ -184,17 +198,26 @@ class UPipeAttention:
         cos, sin = position_embeddings
         m = self.module
         params = (
-            m.q_proj.weight,
-            m.q_proj.bias,
-            m.k_proj.weight,
-            m.k_proj.bias,
-            m.v_proj.weight,
-            m.v_proj.bias,
+            *self.projections(),
             None if self.q_norm is None else self.q_norm.weight,
             None if self.k_norm is None else self.k_norm.weight,
         )
         out = _HeadChunkedAttention.apply(self, hidden_states, cos, sin, *params)
         return m.o_proj(out), None
+
+    def projections(self):
+        """(q weight, q bias, k weight, k bias, v weight, v bias): the module's own parameters, or the row blocks of
+        a fused ``qkv_proj`` (views: their gradients flow back into the fused parameter)."""
+        m = self.module
+        if not self.fused_qkv:
+            return m.q_proj.weight, m.q_proj.bias, m.k_proj.weight, m.k_proj.bias, m.v_proj.weight, m.v_proj.bias
+        d = self.plan.head_dim
+        bounds = (0, self.plan.q_heads * d, (self.plan.q_heads + self.plan.kv_heads) * d, None)
+        blocks = []
+        for lo, hi in zip(bounds, bounds[1:]):
+            blocks.append(m.qkv_proj.weight[lo:hi])
+            blocks.append(None if m.qkv_proj.bias is None else m.qkv_proj.bias[lo:hi])
+        return tuple(blocks)
 
     # -- pieces shared by forward and backward ----------------------------------------------------------
     def _norm(self, norm_module, weight, x):
@@ -349,7 +372,9 @@ class _HeadChunkedAttention(torch.autograd.Function):
                 else:
                     (q_heads,) = layer.to_heads(q)
                 del q
-                o_heads, chunk_residuals = attention_forward(q_heads, k_heads, v_heads, layer.scaling, layer.kernel)
+                o_heads, chunk_residuals = attention_forward(
+                    q_heads, k_heads, v_heads, layer.scaling, layer.kernel, layer.window, layer.softcap
+                )
                 del q_heads
                 (o_local,) = layer.to_seq(o_heads)  # [b, s_l, P, c, d]
                 del o_heads
@@ -484,6 +509,8 @@ class _HeadChunkedAttention(torch.autograd.Function):
                     tuple(residuals[i * per_chunk : (i + 1) * per_chunk]),
                     layer.scaling,
                     layer.kernel,
+                    layer.window,
+                    layer.softcap,
                 )
                 del q_heads, o_heads, do_heads
                 dk_heads = dk_c if dk_heads is None else dk_heads.add_(dk_c)
@@ -519,10 +546,12 @@ def apply_head_chunking(model, mesh, head_chunk: int, kernel: str = "sdpa") -> N
     """Replace every attention module's forward by ``UPipeAttention`` (Ulysses degree = ``mesh.sp_degree``)."""
 
     config = model.config
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"head_chunk supports {', '.join(SUPPORTED_MODEL_TYPES)} attention, not {config.model_type!r}")
+    family = family_of(config.model_type)
     plan = ChunkPlan.build(
         config.num_attention_heads, config.num_key_value_heads, config.head_dim, mesh.sp_degree, head_chunk
     )
-    for module in attention_modules(model):
-        module.forward = UPipeAttention(module, plan, mesh.sp_group, kernel)
+    softcap = family.attention_features(config).get("softcap")
+    for module, window in zip(attention_modules(model), family.layer_windows(config), strict=True):
+        module.forward = UPipeAttention(
+            module, plan, mesh.sp_group, kernel, fused_qkv=family.fused_qkv, window=window, softcap=softcap
+        )

@@ -31,8 +31,8 @@ from autotune.oracle import EXTRAPOLATE_FROM, Trace, extend_value
 from autotune.oracle.extrapolation import extrapolate, plan_traces
 from trials import allocator
 from trials.errors import ConfigError
-from trials.model_config import with_layers
-from trials.segments import Segment, layer_positions, layer_runs, techniques_for_runs
+from trials.model_config import copy_for_runs
+from trials.segments import Segment, layer_positions, model_runs, techniques_for_runs
 from trials.spec import RankRecord, TrialSpec
 
 DEPTHS = ("full", "reduced")
@@ -151,7 +151,7 @@ class LocalBackend(Backend):
 
     def copies(self, evaluation: Evaluation) -> tuple[list, list[dict]]:
         """(the model's layer runs, the shallower copies a reduced trial runs: [] = run the model itself)."""
-        runs = layer_runs(evaluation.techniques, evaluation.model_config["num_hidden_layers"])
+        runs = model_runs(evaluation.techniques, evaluation.model_config)
         base, varied = plan_traces(runs)
         if self.depth == "full" or not varied:
             return runs, []
@@ -306,9 +306,8 @@ class LocalBackend(Backend):
 def _copy_evaluation(evaluation: Evaluation, copy: dict) -> Evaluation:
     from trials.techniques import Techniques
 
-    layers = sum(n for _, n in copy["runs"])
     return Evaluation(
-        with_layers(evaluation.model_config, layers),
+        copy_for_runs(evaluation.model_config, copy["runs"]),
         Techniques.from_dict(copy["techniques"]),
         evaluation.seq_len,
         evaluation.gpus,

@@ -26,13 +26,13 @@ from dataclasses import replace
 from autotune.backends.base import Backend, Evaluation
 from autotune.backends.plan_store import Entry, PlanStore, evaluation_key
 from autotune.core.record import ResultRecord
-from autotune.oracle import Prediction, extend_value, layer_runs, predict, stop_tensor_bytes, with_overheads
+from autotune.oracle import Prediction, extend_value, model_runs, predict, stop_tensor_bytes, with_overheads
 from autotune.oracle.extrapolation import plan_traces
 from autotune.timing.counting import StepCounter
 from autotune.timing.counts import StepCounts
 from autotune.timing.model import TimeBreakdown, predict_step_time
 from trials.errors import ConfigError
-from trials.model_config import with_layers
+from trials.model_config import copy_for_runs
 from trials.segments import techniques_for_runs
 
 
@@ -265,8 +265,8 @@ def shallow_copies(evaluation: Evaluation, prediction: Prediction) -> list[tuple
         if trace.stopped or depth >= layers or plan_traces(runs)[1]:
             continue
         techniques = techniques_for_runs(evaluation.techniques, runs)
-        config = with_layers(evaluation.model_config, depth)
-        if layer_runs(techniques, depth) != runs:
+        config = copy_for_runs(evaluation.model_config, runs)
+        if model_runs(techniques, config) != runs:
             continue
         try:
             techniques.validate(config, evaluation.world_size, evaluation.seq_len)

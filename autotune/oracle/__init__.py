@@ -59,7 +59,7 @@ from autotune.core.record import BREAKDOWN_CATEGORIES
 from autotune.oracle.extrapolation import extend_value, extension_limits, extrapolate, plan_traces
 from autotune.oracle.results import EXTRAPOLATE_FROM, Prediction, Segment, Trace
 from autotune.oracle.tracing import compute_dtype_for, trace
-from trials.segments import layer_runs
+from trials.segments import layer_runs, model_runs
 
 __all__ = [
     "EXTRAPOLATE_FROM",
@@ -70,6 +70,7 @@ __all__ = [
     "explain",
     "extend_value",
     "layer_runs",
+    "model_runs",
     "predict",
     "stop_tensor_bytes",
     "trace",
@@ -95,9 +96,8 @@ def _trace_to_full_depth(
     of layers, the 4-layer copy also stops as soon as its extension is known to cross them
     (``extension_limits``), and the result is then the extension of what it reached, a lower bound. Returns
     (the full-depth trace, the traces run, layers added per extended run)."""
-    layers = evaluation.model_config["num_hidden_layers"]
     args = (evaluation.model_config, evaluation.techniques, evaluation.seq_len, evaluation.world_size)
-    runs = layer_runs(evaluation.techniques, layers)
+    runs = model_runs(evaluation.techniques, evaluation.model_config)
     base, varied = plan_traces(runs)
     stops = dict(
         stop_above_bytes=stop_above_bytes, host_limit=stop_host_bytes if stop_above_bytes is not None else None

@@ -17,8 +17,8 @@ from trials import patches
 from trials.data import make_batch
 from trials.dist import Mesh, build_mesh, ensure_device_mesh
 from trials.memory import DeviceMemoryTracker, TrackerListener
-from trials.model_config import with_layers
-from trials.segments import SegmentPeaks, install_segment_hooks, layer_runs, techniques_for_runs
+from trials.model_config import copy_for_runs
+from trials.segments import SegmentPeaks, install_segment_hooks, model_runs, techniques_for_runs
 from trials.step import build_training, train_step
 from trials.step import prime_optimizer as prime_optimizer_states
 
@@ -70,13 +70,13 @@ def trace(
     num_layers = model_config["num_hidden_layers"]
     if runs is None:
         if layers is None or layers == num_layers:
-            runs = layer_runs(techniques, num_layers)
+            runs = model_runs(techniques, model_config)
         elif techniques.activation_offload_layers not in (0, num_layers):
             raise ValueError("a partial activation offload needs ``runs`` to trace a shallower copy")
         else:
             runs = [("layers", layers)]
     layers = sum(n for _, n in runs)
-    config = with_layers(model_config, layers)
+    config = copy_for_runs(model_config, runs)
     techniques = techniques_for_runs(techniques, runs)
     device = torch.device("cpu")
     tracker = DeviceMemoryTracker(stop_above_bytes)

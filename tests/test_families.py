@@ -1,0 +1,132 @@
+"""Model families (issue 37): every family ``trials.families`` declares runs exactly what ``transformers`` runs.
+
+- Semantics: a tiny model of each family built by ``trials.model.build_model`` (autotune's attention, windows,
+  softcaps, fused q/k/v, Gemma norms, experts) gives the loss and gradients of ``transformers``' own eager model.
+- Windows: ``Family.layer_windows`` is what the model's attention modules pass, layer by layer.
+- The stack: under Ulysses, head chunking, checkpointing, offload and every tile, each tiny family equals its plain
+  model on 1 and 2 ranks (``tests/stack_harness.py``).
+- Planning: ``autotune estimate`` runs on the ``config.json`` that ``transformers`` writes for each published shape.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.model_families import TINY_WINDOW, real_configs, save, tiny_configs
+from tests.test_stack import HARNESS, _check_exact, _launch
+
+SEQ = 256  # above TINY_WINDOW: windowed layers attend a band
+DENSE = ("tiny-mistral", "tiny-qwen2", "tiny-qwen3-window", "tiny-gemma3", "tiny-gemma2", "tiny-phi3")
+EXPERTS = ("tiny-qwen3-moe", "tiny-mixtral")
+
+
+@pytest.fixture(scope="module")
+def tiny_paths(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("families")
+    return {name: str(save(config, root / name)) for name, config in tiny_configs().items()}
+
+
+def _loss_and_grads(model, ids):
+    positions = torch.arange(ids.shape[1]).unsqueeze(0)
+    loss = model(ids, positions, ids, 1.0)
+    loss.backward()
+    return float(loss.detach()), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", DENSE + EXPERTS)
+def test_each_family_equals_transformers_eager_model(name, tiny_paths):
+    from transformers import AutoModelForCausalLM
+
+    from trials.model import TrainingModel, build_model, hf_config
+    from trials.model_config import load_model_config
+
+    config = load_model_config(tiny_paths[name])
+    ours = build_model(config)
+    eager_config = hf_config(config)
+    eager_config._attn_implementation = "eager"
+    eager = AutoModelForCausalLM.from_config(eager_config, attn_implementation="eager")
+    eager.load_state_dict(ours.lm.state_dict())
+    ids = torch.randint(0, config["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(0))
+    loss, grads = _loss_and_grads(ours, ids)
+    eager_loss, eager_grads = _loss_and_grads(TrainingModel(eager), ids)
+    with torch.no_grad():  # transformers' own logits (its final softcap included) give the same loss
+        logits = eager(ids).logits.float()[0]
+    assert abs(float(torch.nn.functional.cross_entropy(logits, ids[0], reduction="sum")) - loss) <= 1e-5 * loss
+    assert abs(loss - eager_loss) <= 1e-5 * abs(eager_loss)
+    assert list(grads) == list(eager_grads)
+    for key, grad in grads.items():
+        assert float((grad - eager_grads[key]).norm()) <= 1e-4 * float(eager_grads[key].norm()) + 1e-12, key
+
+
+def test_a_window_changes_the_model(tiny_paths):
+    """The windowed family's loss differs from the same weights attending the whole causal triangle."""
+    from trials.model import build_model
+    from trials.model_config import load_model_config
+
+    config = load_model_config(tiny_paths["tiny-mistral"])
+    ids = torch.randint(0, config["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(0))
+    windowed = float(build_model(config)(ids, torch.arange(SEQ)[None], ids, 1.0))
+    full = float(build_model({**config, "sliding_window": None})(ids, torch.arange(SEQ)[None], ids, 1.0))
+    assert abs(windowed - full) > 10 * 1e-5 * abs(full)  # ten times the tolerance the exact tests allow
+
+
+@pytest.mark.parametrize("name", DENSE + EXPERTS)
+def test_layer_windows_are_what_the_attention_modules_pass(name, tiny_paths):
+    from trials import attention
+    from trials.model import build_model
+    from trials.model_config import layer_windows, load_model_config
+
+    config = load_model_config(tiny_paths[name])
+    model = build_model(config)
+    passed = []
+
+    def probe(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        passed.append(kwargs.get("sliding_window"))
+        return attention.causal_attention(query, key, value, scaling, window=kwargs.get("sliding_window")), None
+
+    for layer in model.layers:
+        layer.self_attn.autotune_attention = probe
+    model(torch.zeros(1, 8, dtype=torch.long), torch.arange(8)[None], torch.zeros(1, 8, dtype=torch.long), 1.0)
+    assert passed == layer_windows(config)
+    expected = {"tiny-mistral": {TINY_WINDOW}, "tiny-gemma3": {TINY_WINDOW, None}, "tiny-qwen2": {None}}
+    if name in expected:
+        assert set(passed) == expected[name]
+
+
+FULL = {
+    "fsdp": True,
+    "head_chunk": 1,
+    "activation_checkpointing": True,
+    "activation_offload_layers": 2,
+    "mlp_tile_tokens": 96,
+    "loss_tile_tokens": 80,
+    "norm_tile_tokens": 112,
+}
+
+
+def _family_cases(paths: dict, degree: int) -> list[dict]:
+    u = {"ulysses_degree": degree}
+    rows = []
+    for name in DENSE + EXPERTS:
+        cases = {
+            "ulysses" if degree > 1 else "plain": {},
+            "head_chunk=1": {"head_chunk": 1},
+            "head_chunk=2+checkpointing": {"head_chunk": 2, "activation_checkpointing": True},
+            "full": FULL,
+        }
+        for label, techniques in cases.items():
+            rows.append(
+                {"name": f"{name}/{label}", "model": paths[name], "techniques": {**u, **techniques}, "step": False}
+            )
+    return rows
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_every_family_is_exact_under_the_stack(world, tiny_paths, tmp_path):
+    cases = _family_cases(tiny_paths, world)
+    report = _launch(HARNESS, world, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=900)
+    _check_exact(report, len(cases))
