@@ -33,7 +33,7 @@ from typing import Any
 
 from trials.errors import ConfigError
 from trials.knobs import ALL_LAYERS, ATTENTION_KERNELS, Knob, declared_knobs, knob
-from trials.rules import head_chunk_split_problem, problems
+from trials.rules import attention_kernel_problem, head_chunk_split_problem, problems
 
 __all__ = ["ALL_LAYERS", "ATTENTION_KERNELS", "BASELINE", "Knob", "Techniques", "knob_names", "knobs"]
 
@@ -153,9 +153,18 @@ class Techniques:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def validate(self, model_config: dict, gpus: int, seq_len: int | None = None) -> Techniques:
-        """Refuse (``ConfigError``, the first reason) what cannot run on ``gpus`` ranks; returns self."""
+    def validate(
+        self, model_config: dict, gpus: int, seq_len: int | None = None, on_gpu: bool | None = None
+    ) -> Techniques:
+        """Refuse (``ConfigError``, the first reason) what cannot run on ``gpus`` ranks; returns self. With
+        ``on_gpu`` (the devices are GPUs, or the CPU), also an attention kernel that cannot run the model's
+        attention there (``trials.rules.attention_kernel_problem``)."""
         found = problems(self, model_config, gpus, seq_len)
+        if on_gpu is not None:
+            from trials.model_config import attention_features
+
+            kernel = attention_kernel_problem(self.attention, attention_features(model_config), on_gpu)
+            found += [kernel] if kernel else []
         if found:
             raise ConfigError(found[0])
         return self
