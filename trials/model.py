@@ -42,10 +42,18 @@ def build_model(
     """
     from transformers import AutoModelForCausalLM
 
+    from trials import moe
+
     attention.register()
     config = hf_config(model_config)
+    options = {}
+    if moe.is_moe_config(config):  # experts with static shapes on demand (the oracle traces them)
+        moe.register()
+        options["experts_implementation"] = moe.EXPERTS_IMPLEMENTATION
     with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(config, attn_implementation=attention.ATTN_IMPLEMENTATION, dtype=dtype)
+        lm = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attention.ATTN_IMPLEMENTATION, dtype=dtype, **options
+        )
     model = TrainingModel(lm)
     if torch.device(device).type != "meta":
         materialize(model, device, seed)
@@ -121,10 +129,14 @@ def _rebuild_buffers(model, device) -> None:
 @torch.no_grad()
 def init_weights(model: TrainingModel, seed: int = 0) -> None:
     """HF's initialisation (``PreTrainedModel._init_weights``: Linear/Embedding weights ~ N(0, initializer_range),
-    biases 0, norm weights 1) drawn so that the values depend only on (seed, parameter name, row): rows come in
+    biases 0, norm weights 1 (0 where the family's norms scale by 1 + weight)) drawn so that the values depend only on (seed, parameter name, row): rows come in
     blocks of ``INIT_BLOCK_ROWS``, each from its own seeded generator on the host, so a rank holding a shard
     (FSDP2: dim-0 chunks) draws just the blocks it needs and gets exactly the rows the whole model would have.
+    MoE (HF's own rule too): the experts' 3-D weights and the router's weight ~ N(0, initializer_range), the
+    experts' biases 0; a 3-D weight's rows are its leading dims flattened ([E, out, in] -> [E * out, in]), so a
+    dim-0 shard (whole experts) is a contiguous range of them and a block stays ``INIT_BLOCK_ROWS`` x ``in``.
     """
+    from trials import moe
 
     std = getattr(model.config, "initializer_range", None) or 0.02
     norm_init = family_of(model.config.model_type).norm_weight_init
@@ -143,6 +155,14 @@ def init_weights(model: TrainingModel, seed: int = 0) -> None:
                 local.zero_()
             elif "Norm" in type(module).__name__ and param_name == "weight":
                 local.fill_(norm_init)
+            elif moe.is_experts_module(module) and param_name.endswith("_bias"):
+                local.zero_()
+            elif moe.is_experts_module(module) and param.dim() == 3:
+                experts, per_expert, width = param.shape
+                rows = local.view(-1, width)  # [E_local * out, in]: this shard's rows start at start * out
+                _fill_normal(rows, start * per_expert, (experts * per_expert, width), std, _seed(seed, name), tracker)
+            elif moe.is_router_module(module) and param_name == "weight":
+                _fill_normal(local, start, param.shape, std, _seed(seed, name), tracker)
             else:
                 raise ValueError(f"no initialisation rule for {name} ({type(module).__name__})")
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from trials import allocator
+from trials import allocator, moe
 from trials.data import make_batch, synthetic_sample
 from trials.dist import init_mesh
 from trials.layer_clock import LayerClock, local_parameter_count, mean_step_times
@@ -201,6 +201,7 @@ def _run_model(
     )
     step_times = []
     say = _progress(mesh.rank, label)
+    moe.reset_routing_stats()
     try:
         _limit_device_memory(mesh, spec.capacity_bytes)
         cuda_peaks = _allocator_peaks(device)
@@ -257,6 +258,9 @@ def _run_model(
             record.layer_times_s, record.tail_time_s = split.layer_s, split.tail_s
     except Exception as exc:  # recorded, classified by the launcher
         record.status, record.error = _failure(exc)
+    routing = moe.routing_stats()  # MoE models: how far the router's load was from balanced
+    if routing is not None:
+        record.moe_routing = routing
     if peaks is not None:
         peaks.stop_allocator()
     _measured_memory(device, tracker, record, cuda_peaks)

@@ -78,6 +78,7 @@ class RankRecord:
     layer_times_s: list[float] = field(default_factory=list)  # forward + backward of each decoder layer
     tail_time_s: float | None = None  # gradient reduction, norm, optimizer: scales with the parameters
     parameters: int | None = None  # parameters this rank holds
+    moe_routing: dict | None = None  # MoE models: the routing the steps saw (``trials.moe.routing_stats``)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -51,7 +51,10 @@ def _tiles(tokens: int, tile_tokens: int) -> int:
 
 
 def _mlp_body(mlp, x):
-    """The untiled MLP of the wrapped module (the class's own forward, not the tiled replacement)."""
+    """The untiled MLP of the wrapped module (the class's own forward, not the tiled replacement). TiledMLP's
+    backward passes tiles as [tokens, h]; MoE blocks take [b, s, h] only, so a 2-D tile runs as [1, tokens, h]."""
+    if x.dim() == 2:
+        return type(mlp).forward(mlp, x[None])[0]
     return type(mlp).forward(mlp, x)
 
 

@@ -1,0 +1,235 @@
+"""MoE experts (``trials.moe``): HF's eager values, static routing under FakeTensorMode, routing stats, tiling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trials import moe
+from trials.model import build_model
+
+QWEN3_MOE = {
+    "model_type": "qwen3_moe",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "initializer_range": 0.2,  # routing and gradients well away from zero
+}
+MIXTRAL = {
+    "model_type": "mixtral",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 32,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "initializer_range": 0.2,
+}
+SEQ = 64
+
+
+def _batch(seq: int = SEQ):
+    tokens = torch.randint(0, 256, (1, seq + 1), generator=torch.Generator().manual_seed(1))
+    return tokens[:, :-1], torch.arange(seq)[None], tokens[:, 1:]
+
+
+def _loss_and_grads(model, seq: int = SEQ):
+    model.zero_grad(set_to_none=True)
+    loss = model(*_batch(seq))
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _assert_same(expected, actual):
+    (loss_a, grads_a), (loss_b, grads_b) = expected, actual
+    assert abs(loss_b - loss_a) <= 1e-5 * abs(loss_a), (float(loss_a), float(loss_b))
+    assert grads_a.keys() == grads_b.keys()
+    for name, grad in grads_a.items():
+        rel = (grads_b[name] - grad).norm() / grad.norm()
+        assert grad.norm() > 0 and rel < 1e-4, (name, float(rel))
+
+
+@pytest.mark.parametrize("config", [QWEN3_MOE, MIXTRAL], ids=["qwen3_moe", "mixtral"])
+def test_autotune_experts_equal_hf_eager(config):
+    """Same weights, same batch: loss and every parameter gradient as HF's eager experts (router included)."""
+    model = build_model(config)
+    assert model.config._experts_implementation == "autotune"
+    moe.reset_routing_stats()
+    ours = _loss_and_grads(model)
+    assert moe.routing_stats() is not None  # the autotune implementation ran
+    model.lm.set_experts_implementation("eager")
+    _assert_same(_loss_and_grads(model), ours)
+
+
+def test_other_expert_layouts_equal_hf_and_expert_parallel_is_refused():
+    """GPT-OSS's experts (transposed, biased, interleaved gate/up with its own ``_apply_gate``) against HF's
+    batched implementation, which honours the same flags; expert parallelism is refused."""
+    from transformers import GptOssConfig
+    from transformers.integrations.moe import batched_mm_experts_forward
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    torch.manual_seed(0)
+    experts = GptOssExperts(GptOssConfig(hidden_size=16, intermediate_size=8, num_local_experts=4))
+    assert experts.is_transposed and experts.has_bias and not experts.is_concatenated
+    for param in experts.parameters():
+        param.data.normal_(0.0, 0.3)
+    hidden = torch.randn(12, 16, requires_grad=True)
+    index = torch.randint(0, 4, (12, 2))
+    weights = torch.rand(12, 2)
+    results = []
+    for forward in (batched_mm_experts_forward, moe.experts_forward):
+        experts.zero_grad(set_to_none=True)
+        hidden.grad = None
+        out = forward(experts, hidden, index, weights)
+        out.square().sum().backward()
+        results.append((out.detach(), hidden.grad.clone(), [p.grad.clone() for p in experts.parameters()]))
+    (out_a, d_hidden_a, d_params_a), (out_b, d_hidden_b, d_params_b) = results
+    torch.testing.assert_close(out_b, out_a, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(d_hidden_b, d_hidden_a, rtol=1e-4, atol=1e-6)
+    for grad_b, grad_a in zip(d_params_b, d_params_a):
+        torch.testing.assert_close(grad_b, grad_a, rtol=1e-4, atol=1e-6)
+    experts._is_expert_parallel = True
+    with pytest.raises(ValueError, match="expert parallelism"):
+        moe.experts_forward(experts, hidden, index, weights)
+
+
+def test_expert_and_router_weights_are_the_same_whole_or_sharded(monkeypatch):
+    """``init_weights`` on a rank holding experts 3..5 (a dim-0 shard) gives the whole model's values there, with
+    init blocks that cut across experts; experts and router ~ N(0, initializer_range)."""
+    import trials.model as model_module
+
+    monkeypatch.setattr(model_module, "INIT_BLOCK_ROWS", 40)
+    whole = build_model(QWEN3_MOE)
+    sharded = build_model(QWEN3_MOE)
+    for param in sharded.parameters():
+        param.data.zero_()
+    monkeypatch.setattr(model_module, "_local_rows", lambda param: (param.data[3:6], 3))
+    model_module.init_weights(sharded)
+    for (name, expected), actual in zip(whole.named_parameters(), sharded.parameters()):
+        assert torch.equal(actual[3:6], expected[3:6]), name
+        if "experts" in name or "gate.weight" in name:
+            assert abs(float(expected.detach().std()) - 0.2) < 0.02, name
+
+
+def test_fake_step_needs_and_runs_with_balanced_routing():
+    """Under FakeTensorMode the router's counts cannot be read: ours says to use ``balanced_routing``, HF's eager
+    fails on ``nonzero``; with ``balanced_routing`` forward + backward run and every parameter gets a gradient."""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = build_model(QWEN3_MOE)
+        batch = (torch.zeros(1, SEQ, dtype=torch.long), torch.arange(SEQ)[None], torch.zeros(1, SEQ, dtype=torch.long))
+        with pytest.raises(RuntimeError, match="balanced_routing"):
+            model(*batch)
+        model.lm.set_experts_implementation("eager")
+        with pytest.raises(DynamicOutputShapeException):
+            model(*batch)
+        model.lm.set_experts_implementation("autotune")
+        with moe.balanced_routing():
+            model(*batch).backward()
+        assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+    assert moe.routing_description() == "balanced: 16 of 128 token slots per expert (8 experts, top-2)"
+
+
+def test_routing_stats_report_the_real_max_tokens_per_expert():
+    model = build_model(QWEN3_MOE)
+    seen = []  # the router's indices of every MoE call
+    for layer in model.layers:
+        layer.mlp.gate.register_forward_hook(lambda module, args, out: seen.append(out[2].detach()))
+    moe.reset_routing_stats()
+    assert moe.routing_stats() is None  # no MoE call yet
+    with torch.no_grad():
+        model(*_batch())
+    expected = max(int(torch.bincount(index.flatten(), minlength=8).max()) for index in seen)
+    assert len(seen) == 2 and expected > SEQ * 2 // 8  # a real, unbalanced routing
+    assert moe.routing_stats() == {
+        "max_tokens_per_expert": expected,
+        "balanced_tokens_per_expert": SEQ * 2 / 8,
+        "experts": 8,
+        "top_k": 2,
+    }
+    moe.reset_routing_stats()
+    with torch.no_grad(), moe.balanced_routing():
+        model(*_batch())
+    assert moe.routing_stats() is None  # static routing is not the router's
+
+
+def test_trial_record_carries_the_routing():
+    """A one-rank CPU trial of the MoE model: its rank record holds ``moe_routing``."""
+    from trials.dist import Mesh
+    from trials.runner import run_trial
+    from trials.spec import RankRecord, TrialSpec
+    from trials.techniques import Techniques
+
+    record = run_trial(TrialSpec(QWEN3_MOE, Techniques(), SEQ, steps=1, warmup=0), Mesh.single("cpu"))
+    assert record.status == "ok", record.error
+    routing = RankRecord.from_dict(record.to_dict()).moe_routing
+    assert routing["experts"] == 8 and routing["top_k"] == 2 and routing["balanced_tokens_per_expert"] == 16.0
+    assert 16 <= routing["max_tokens_per_expert"] <= SEQ
+
+
+def test_oracle_traces_moe_steps_under_the_stated_routing():
+    from autotune.oracle.tracing import trace
+    from trials.techniques import Techniques
+
+    result = trace(QWEN3_MOE, Techniques(), SEQ, 1, moe_capacity_factor=2.0)
+    assert result.peak_device_bytes > 0 and not result.stopped
+    assert moe.routing_description().startswith("hot expert (capacity factor 2): 32 of 128 token slots on one expert")
+
+
+def test_mlp_tiling_of_moe_layers_keeps_loss_and_gradients():
+    from trials.tiling import apply_mlp_tiling
+
+    model = build_model(QWEN3_MOE)
+    untiled = _loss_and_grads(model)
+    apply_mlp_tiling(model, 16)  # 4 tiles of the 64 tokens
+    tiles = []
+    for layer in model.layers:
+        layer.mlp.gate.register_forward_hook(lambda module, args, out: tiles.append(args[0].shape[0]))
+    _assert_same(untiled, _loss_and_grads(model))
+    assert set(tiles) == {16}  # the router (hence the experts) saw tiles only
+
+
+@pytest.mark.parametrize(
+    "tokens, top_k, experts, capacity, expected",
+    [
+        (64, 2, 8, 1.0, [16] * 8),
+        (10, 3, 4, 1.0, [8, 8, 7, 7]),  # 30 slots: the remainder to the first experts
+        (5, 1, 8, 1.0, [1, 1, 1, 1, 1, 0, 0, 0]),  # fewer slots than experts
+        (64, 2, 8, 1.5, [24, 15, 15, 15, 15, 15, 15, 14]),  # hot expert ceil(1.5 * 16); 104 over 7
+        (40, 2, 8, 1.1, [11, 10, 10, 10, 10, 10, 10, 9]),  # 1.1 * 10 is 11 exactly (no float round-up)
+        (10, 2, 4, 10.0, [20, 0, 0, 0]),  # capped at every slot
+        (7, 2, 1, 2.0, [14]),
+    ],
+)
+def test_balanced_counts(tokens, top_k, experts, capacity, expected):
+    assert moe.balanced_counts(tokens * top_k, experts, capacity) == expected
+
+
+def test_balanced_routing_sets_the_experts_slices(monkeypatch):
+    """The experts' forward runs each expert on exactly its static count of rows, whatever the router chose."""
+    model = build_model(QWEN3_MOE)
+    rows = []
+    expert_mlp = moe._expert_mlp
+    monkeypatch.setattr(moe, "_expert_mlp", lambda m, e, x: rows.append((e, x.shape[0])) or expert_mlp(m, e, x))
+    with torch.no_grad(), moe.balanced_routing(1.5):
+        model(*_batch())
+    counts = moe.balanced_counts(SEQ * 2, 8, 1.5)
+    assert rows == [(e, n) for e, n in enumerate(counts)] * 2  # two layers
+    assert moe.routing_description() == (
+        "hot expert (capacity factor 1.5): 24 of 128 token slots on one expert, 14-15 on each other (8 experts, top-2)"
+    )
+    with pytest.raises(ValueError, match="capacity_factor"), moe.balanced_routing(0.5):
+        pass
