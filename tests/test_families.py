@@ -10,13 +10,10 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
-from tests.model_families import TINY_WINDOW, real_configs, save, tiny_configs
+from tests.model_families import TINY_WINDOW, save, tiny_configs
 from tests.test_stack import HARNESS, _check_exact, _launch
 
 SEQ = 256  # above TINY_WINDOW: windowed layers attend a band

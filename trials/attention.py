@@ -232,8 +232,17 @@ def attention_forward(query, key, value, scaling: float, kernel: str = "sdpa", w
         window = band(window, key.shape[1])
         query, key, value = flash_inputs(query, key, value)
         out, lse, _, rng_state = _wrapped_flash("forward")(
-            query, key, value, 0.0, scaling, True, window - 1 if window else -1, -1 if not window else 0,
-            softcap or 0.0, None, False,
+            query,
+            key,
+            value,
+            0.0,
+            scaling,
+            True,
+            window - 1 if window else -1,
+            -1 if not window else 0,
+            softcap or 0.0,
+            None,
+            False,
         )
         return out, (lse, rng_state)
     window = band(window, key.shape[2])
@@ -263,8 +272,24 @@ def attention_backward(
         lse, rng_state = residuals
         dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
         _wrapped_flash("backward")(
-            grad_out, query, key, value, out, lse, dq, dk, dv, 0.0, scaling, True,
-            window - 1 if window else -1, -1 if not window else 0, softcap or 0.0, None, False, rng_state,
+            grad_out,
+            query,
+            key,
+            value,
+            out,
+            lse,
+            dq,
+            dk,
+            dv,
+            0.0,
+            scaling,
+            True,
+            window - 1 if window else -1,
+            -1 if not window else 0,
+            softcap or 0.0,
+            None,
+            False,
+            rng_state,
         )
         return dq, dk, dv
     window = band(window, key.shape[2])

@@ -153,7 +153,9 @@ class PlanBackend(Backend):
         self.last_prediction = None  # first: an invalid config leaves no trace to keep (``_to_store``)
         hw = evaluation.hardware
         try:
-            evaluation.techniques.validate(evaluation.model_config, evaluation.world_size, evaluation.seq_len)
+            evaluation.techniques.validate(
+                evaluation.model_config, evaluation.world_size, evaluation.seq_len, on_gpu=not hw.device_is_host
+            )
         except ConfigError as exc:
             return ResultRecord(status="error", error=str(exc), **_record_base(evaluation))
         modes = counter_modes(evaluation) if self.throughput else None

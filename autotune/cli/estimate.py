@@ -76,7 +76,9 @@ def estimate(
     check_node_size(hw, run.gpus, run.nodes)
     if run.seq_len is None and not max_seq:
         fail("--seq is required (or --max-seq, or a config file with seq_len)")
-    run.techniques.validate(run.model_config, run.gpus * run.nodes, run.seq_len if not max_seq else None)
+    run.techniques.validate(
+        run.model_config, run.gpus * run.nodes, run.seq_len if not max_seq else None, on_gpu=not hw.device_is_host
+    )
     _say_overrides(run.notices)
     note_rates(hw)
     evaluation = Evaluation(run.model_config, run.techniques, run.seq_len or 0, run.gpus, hw, run.nodes)
@@ -135,9 +137,9 @@ def trial(
     )
     if run.seq_len is None:
         fail(f"--seq is required: {'--config baseline' if config == 'baseline' else 'the config file'} has no seq_len")
-    run.techniques.validate(run.model_config, run.gpus * run.nodes, run.seq_len)
-    check_local_node(run.gpus, run.techniques.attention == "flash")
     hw = trial_hardware("local", run.hardware, memory_gib).for_nodes(run.nodes)
+    run.techniques.validate(run.model_config, run.gpus * run.nodes, run.seq_len, on_gpu=not hw.device_is_host)
+    check_local_node(run.gpus, run.techniques.attention == "flash")
     check_depth(depth)
     group = open_node_group(run.nodes, rdzv_endpoint)
     _say_overrides(run.notices)

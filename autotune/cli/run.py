@@ -56,7 +56,9 @@ def run(
             f"torchrun, run on every node) trains it there"
         )
     model_config = load_model_config(loaded.model)
-    loaded.techniques.validate(model_config, loaded.gpus, loaded.seq_len)
+    import torch
+
+    loaded.techniques.validate(model_config, loaded.gpus, loaded.seq_len, on_gpu=torch.cuda.is_available())
     check_local_node(loaded.gpus, loaded.techniques.attention == "flash")
     if data is not None:
         check_token_file(data, model_config["vocab_size"], loaded.seq_len)

@@ -93,7 +93,13 @@ def prepare_search(request: SearchRequest) -> PreparedSearch:
         check_local_node(request.gpus, False)
         warnings = [w for w in [broken_flash_warning()] if w]
     space = load_space(
-        request.space, model_config, request.gpus * request.nodes, request.target, flash_ok=flash_ok, trainer=trainer
+        request.space,
+        model_config,
+        request.gpus * request.nodes,
+        request.target,
+        flash_ok=flash_ok,
+        trainer=trainer,
+        on_gpu=not hw.device_is_host,
     )
     if backend_name == "local":
         prefilter = make_backend("plan", stop_above=1 + hw.oracle_margin) if request.prefilter else None

@@ -27,7 +27,8 @@ from optuna.trial import TrialState
 from autotune.core.errors import UserError
 from autotune.core.sizes import parse_tokens
 from autotune.core.trainers import AUTOTUNE, ExportJob, Trainer, memory_rank
-from trials.rules import ulysses_degree_problem
+from trials.model_config import attention_features
+from trials.rules import attention_kernel_problem, ulysses_degree_problem
 from trials.techniques import ALL_LAYERS, Knob, Techniques, knob_names, knobs
 
 SPACE_SCHEMA = "autotune/space-v1"
@@ -223,6 +224,7 @@ def load_space(
     target: int,
     flash_ok: bool = True,
     trainer: Trainer = AUTOTUNE,
+    on_gpu: bool = True,
 ) -> SearchSpace:
     """Read and validate a space file, then drop choices this model and node cannot run, and those ``trainer``
     does not run (``restrict_to_trainer``; a choice the trainer cannot run in the user's own file is bad input)."""
@@ -260,7 +262,7 @@ def load_space(
         if not raw:
             raise UserError(f"search space {str(path)!r}: knob {name!r} has an empty choice list")
         choices[name] = [_coerce(path, name, value, model_config) for value in raw]
-    choices = _filter(choices, model_config, gpus, flash_ok, path)
+    choices = _filter(choices, model_config, gpus, flash_ok, path, on_gpu)
     choices = restrict_to_trainer(choices, trainer, model_config, gpus, target, path if user_file else None)
     return SearchSpace(
         choices=choices,
@@ -352,7 +354,7 @@ def _coerce(path: Path, name: str, value: Any, model_config: dict):
     return value
 
 
-def _filter(choices: dict, model_config: dict, gpus: int, flash_ok: bool, path: Path) -> dict:
+def _filter(choices: dict, model_config: dict, gpus: int, flash_ok: bool, path: Path, on_gpu: bool) -> dict:
     heads, kv_heads = model_config["num_attention_heads"], model_config["num_key_value_heads"]
     degrees = [
         d for d in dict.fromkeys(choices["ulysses_degree"]) if ulysses_degree_problem(d, gpus, heads, kv_heads) is None
@@ -363,6 +365,12 @@ def _filter(choices: dict, model_config: dict, gpus: int, flash_ok: bool, path: 
             f"both --gpus {gpus} and the model's {heads} heads"
         )
     attention = [a for a in choices["attention"] if flash_ok or a != "flash"] or ["sdpa"]
+    features = attention_features(model_config)  # a window or softcap some kernels cannot run here
+    problems = {a: attention_kernel_problem(a, features, on_gpu) for a in attention}
+    runnable = [a for a in attention if problems[a] is None]
+    if not runnable:
+        raise UserError(f"no attention kernel in {attention} runs this model here: {problems[attention[0]]}")
+    attention = runnable
     return {
         name: list(dict.fromkeys(values))
         for name, values in {**choices, "ulysses_degree": degrees, "attention": attention}.items()
