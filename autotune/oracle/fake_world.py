@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autotune.timing.counting import record_attention
+from autotune.timing.counting import flash_window, record_attention
 from trials import attention
 
 
@@ -70,23 +70,26 @@ class FakeFlashAttn(torch.autograd.Function):
     q [b, s, hq, d], k/v [b, s, hkv, d] -> out [b, s, hq, d]; saves q, k, v, out, softmax_lse [b, hq, s] fp32.
     Backward (``mha_bwd``): dq/dk/dv like q/k/v; while it runs, fp32 ``dq_accum`` [b, s, hq, d], fp32
     ``softmax_d`` [b, hq, s] and, when hkv < hq, ``dk``/``dv`` expanded to hq heads (summed down at the end).
+    ``causal`` and the sliding ``window`` (W keys per query, None: none) change the FLOPs the throughput counter
+    is told, not the memory (flash's buffers are O(s)).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v):
+    def forward(ctx, q, k, v, causal=True, window=None):
         check_flash_inputs(q, k, v)
         b, s, h, d = q.shape
         out = torch.empty_like(q)
         lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
         ctx.save_for_backward(q, k, v, out, lse)
-        _record_attention(q, k, v, backward=False)
+        ctx.causal, ctx.window = causal, window
+        _record_attention(q, k, v, backward=False, causal=causal, window=window)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         b, s, h, d = q.shape
-        _record_attention(q, k, v, backward=True)
+        _record_attention(q, k, v, backward=True, causal=ctx.causal, window=ctx.window)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         scratch = [
             torch.empty((b, s, h, d), dtype=torch.float32, device=q.device),
@@ -104,7 +107,7 @@ class FakeFlashAttn(torch.autograd.Function):
         else:
             dq.zero_()  # an op while the scratch buffers are live
         del scratch
-        return dq, dk, dv
+        return dq, dk, dv, None, None
 
 
 def check_flash_inputs(*tensors) -> None:
@@ -118,13 +121,16 @@ def check_flash_inputs(*tensors) -> None:
         )
 
 
-def _record_attention(q, k, v, backward: bool, causal: bool = True) -> None:
+def _record_attention(q, k, v, backward: bool, causal: bool = True, window: int | None = None) -> None:
     """Tell the throughput counter (``autotune.timing.counting.StepCounter``) about the fake kernel's FLOPs."""
-    record_attention(q, k, v, causal=causal, backward=backward, layout="bshd")
+    record_attention(q, k, v, causal=causal, backward=backward, layout="bshd", window=window)
 
 
-def _fake_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, **kwargs):
-    return FakeFlashAttn.apply(q, k, v)
+def _fake_flash_attn_func(
+    q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, **kwargs
+):
+    """flash-attn's ``flash_attn_func``: ``window_size=(left, right)``, -1 unlimited; right 0 is causal."""
+    return FakeFlashAttn.apply(q, k, v, causal or window_size[1] == 0, flash_window(window_size[0]))
 
 
 def _fake_wrapped_flash_attn_forward(
@@ -143,7 +149,7 @@ def _fake_wrapped_flash_attn_forward(
     """flash-attn >= 2.7 ``_wrapped_flash_attn_forward``: (out, softmax_lse fp32 [b, h, s], S_dmask, rng_state)."""
     check_flash_inputs(q, k, v)
     b, s, h, d = q.shape
-    _record_attention(q, k, v, backward=False, causal=causal)
+    _record_attention(q, k, v, False, causal or window_size_right == 0, flash_window(window_size_left))
     out = torch.empty_like(q)
     lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
     rng_state = torch.empty((2,), dtype=torch.int64, device=q.device)
@@ -173,7 +179,7 @@ def _fake_wrapped_flash_attn_backward(
     """flash-attn's ``mha_bwd`` into dq/dk/dv, with its scratch (see ``FakeFlashAttn``); returns softmax_d."""
     check_flash_inputs(dout, q, k, v, out, dq, dk, dv)
     b, s, h, d = q.shape
-    _record_attention(q, k, v, backward=True, causal=causal)
+    _record_attention(q, k, v, True, causal or window_size_right == 0, flash_window(window_size_left))
     softmax_d = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
     scratch = [torch.empty((b, s, h, d), dtype=torch.float32, device=q.device)]
     if k.shape[2] != h:

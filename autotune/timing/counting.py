@@ -9,8 +9,8 @@ Two pieces, used in this order:
    - matmul FLOPs (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``linear``, ...; 2*m*n*k each);
    - attention FLOPs of fused attention kernels (SDPA's flash / efficient / cuDNN / CPU-flash ops and their
      backward, flash-attn's custom ops), counting only the unmasked (query, key) pairs: causal attention over
-     ``s`` tokens does ``s*(s+1)/2`` pairs, about half of the dense ``s*s``; backward = 2.5x forward
-     (recompute QK^T, dV, dP, dQ, dK);
+     ``s`` tokens does ``s*(s+1)/2`` pairs, about half of the dense ``s*s``, and a sliding window ``W`` (flash-attn's
+     ``window_size_left + 1``) about ``s*W``; backward = 2.5x forward (recompute QK^T, dV, dP, dQ, dK);
    - elementwise / memory-bound bytes: the output bytes of every other op that makes or writes data (views
      and metadata ops excluded);
    - kernel count (ops that do work), for the per-op host overhead;
@@ -46,7 +46,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotune.timing.attention_cost import attention_flops
-from autotune.timing.counts import PHASES, CollectiveCounts, PhaseCounts, StepCounts
+from autotune.timing.counts import PHASES, CollectiveCounts, PhaseCounts, StepCounts, attention_key
 from trials.memory import TrackerListener
 
 _DEBUG = bool(os.environ.get("AUTOTUNE_COUNTER_DEBUG"))
@@ -158,6 +158,22 @@ def _bound_args(func, args, kwargs) -> dict[str, Any]:
         elif kwargs and arg.name in kwargs:
             out[arg.name] = kwargs[arg.name]
     return out
+
+
+def flash_window(left) -> int | None:
+    """The window ``W`` of flash-attn's ``window_size_left`` (its left extent leaves out the query's own key:
+    ``W = left + 1``); None when unlimited (-1) or absent."""
+    return int(left) + 1 if left is not None and int(left) >= 0 else None
+
+
+def _flash_window_args(bound: dict[str, Any]) -> tuple[int | None, int | None]:
+    """(window_size_left, window_size_right) of a flash-attn op's bound args (separate ints, or a
+    ``window_size`` pair); None where absent."""
+    left, right = bound.get("window_size_left"), bound.get("window_size_right")
+    size = bound.get("window_size")
+    if isinstance(size, (tuple, list)) and len(size) == 2:
+        left, right = size
+    return left, right
 
 
 def _nbytes(t) -> int:
@@ -400,6 +416,11 @@ class StepCounter(TorchDispatchMode):
         causal = bool(bound.get("is_causal", bound.get("causal", False)))
         if namespace == "aten" and name.startswith(("_efficient_attention", "_flash_attention")):
             causal = causal or bool(bound.get("custom_mask_type", 0))
+        window = None  # aten's SDPA ops have none: a masked call without is_causal computes every pair
+        if namespace != "aten":
+            left, right = _flash_window_args(bound)
+            window = flash_window(left)
+            causal = causal or right == 0  # flash-attn masks keys right of the diagonal when right is 0
         # layout: SDPA-level ops are [b, h, s, d]; flash-attn and aten's inner flash/efficient ops [b, s, h, d]
         bshd = namespace != "aten" or name.startswith(("_flash_attention", "_efficient_attention"))
         if bshd:
@@ -409,12 +430,13 @@ class StepCounter(TorchDispatchMode):
             b, hq, sq, d = q.shape
             sk = k.shape[2]
         dv = v.shape[-1] if isinstance(v, torch.Tensor) else d
-        self._add_attention(b, hq, sq, sk, d, dv, causal, "backward" in name or name.endswith("_bwd"), pc, phase)
+        backward = "backward" in name or name.endswith("_bwd")
+        self._add_attention(b, hq, sq, sk, d, dv, causal, backward, pc, phase, window)
         return True
 
-    def _add_attention(self, b, hq, sq, sk, d, dv, causal, backward, pc: PhaseCounts, phase: str) -> None:
-        fwd, bwd, dense = attention_flops(b, hq, sq, sk, d, dv, causal)
-        key = f"{phase}|{'bwd' if backward else 'fwd'}|{sq}|{sk}|{d}|{dv}|{int(causal)}"
+    def _add_attention(self, b, hq, sq, sk, d, dv, causal, backward, pc: PhaseCounts, phase: str, window=None):
+        fwd, bwd, dense = attention_flops(b, hq, sq, sk, d, dv, causal, window)
+        key = attention_key(phase, backward, sq, sk, d, dv, causal, window)
         self.counts.attention_calls[key] = self.counts.attention_calls.get(key, 0) + b * hq
         if backward:
             pc.attention_bwd_flops += bwd
@@ -423,7 +445,9 @@ class StepCounter(TorchDispatchMode):
             pc.attention_flops += fwd
             pc.attention_dense_flops += dense * (2 * d + 2 * dv) / (8 * d + 6 * dv)
 
-    def record_attention(self, q, k, v, causal: bool = True, backward: bool = False, layout: str = "bshd") -> None:
+    def record_attention(
+        self, q, k, v, causal: bool = True, backward: bool = False, layout: str = "bshd", window: int | None = None
+    ) -> None:
         phase = self._phase()
         pc = self.counts.phases[phase]
         if layout == "bshd":
@@ -432,7 +456,7 @@ class StepCounter(TorchDispatchMode):
         else:
             b, hq, sq, d = q.shape
             sk = k.shape[2]
-        self._add_attention(b, hq, sq, sk, d, v.shape[-1], causal, backward, pc, phase)
+        self._add_attention(b, hq, sq, sk, d, v.shape[-1], causal, backward, pc, phase, window)
         pc.ops += 1
 
     def _count_copy(self, name, args, kwargs, outputs, pc: PhaseCounts) -> None:
@@ -545,12 +569,15 @@ class _HostTransfers(TrackerListener):
             fsdp[phase] = fsdp.get(phase, 0.0) + nbytes
 
 
-def record_attention(q, k, v, causal: bool = True, backward: bool = False, layout: str = "bshd") -> None:
+def record_attention(
+    q, k, v, causal: bool = True, backward: bool = False, layout: str = "bshd", window: int | None = None
+) -> None:
     """Tell the active ``StepCounter``s about a fused attention kernel they cannot see as one op.
 
     For stand-ins that are not dispatcher ops, e.g. the memory oracle's fake flash-attn (an autograd Function
     that only allocates): call it from its forward (``backward=False``) and backward (``backward=True``) with
-    the kernel's q, k, v (``layout`` "bshd" as flash-attn, or "bhsd" as SDPA). No-op when no counter is active.
+    the kernel's q, k, v (``layout`` "bshd" as flash-attn, or "bhsd" as SDPA) and its sliding ``window`` (W keys
+    per query, its own included; None: none). No-op when no counter is active.
     """
     for counter in list(_ACTIVE_COUNTERS):
-        counter.record_attention(q, k, v, causal, backward, layout)
+        counter.record_attention(q, k, v, causal, backward, layout, window)

@@ -57,7 +57,7 @@ class StepCounts:
     fsdp_d2h_bytes: dict[str, float] = field(default_factory=dict)  # per phase: FSDP's offloaded gradients
     first_fsdp_all_gather_wire_bytes: float = 0.0
     last_fsdp_reduce_scatter_wire_bytes: float = 0.0
-    # fused attention calls grouped by shape: "phase|fwd or bwd|sq|sk|d|dv|causal" -> batch*heads summed
+    # fused attention calls grouped by shape (``attention_key``) -> batch*heads summed
     attention_calls: dict[str, float] = field(default_factory=dict)
     seq_len: int | None = None
     steps: int = 1
@@ -157,6 +157,21 @@ class StepCounts:
             )
         lines.append(f"optimizer params {self.optimizer_params:,} ({self.optimizer_param_bytes:,} bytes)")
         return "\n".join(lines)
+
+
+def attention_key(
+    phase: str, backward: bool, sq: int, sk: int, d: int, dv: int, causal: bool, window: int | None
+) -> str:
+    """A ``StepCounts.attention_calls`` key: ``phase|fwd or bwd|sq|sk|d|dv|causal|window`` (window 0: none)."""
+    return f"{phase}|{'bwd' if backward else 'fwd'}|{sq}|{sk}|{d}|{dv}|{int(causal)}|{window or 0}"
+
+
+def attention_key_parts(key: str) -> tuple[str, bool, int, int, int, int, bool, int | None]:
+    """(phase, backward, sq, sk, d, dv, causal, window or None) of an ``attention_key``; keys without the
+    window field (counts from before windows were kept) have none."""
+    phase, direction, sq, sk, d, dv, causal, *rest = key.split("|")
+    window = int(rest[0]) if rest else 0
+    return phase, direction == "bwd", int(sq), int(sk), int(d), int(dv), bool(int(causal)), window or None
 
 
 def _parts(key: str) -> tuple[str, str, str, int | None]:

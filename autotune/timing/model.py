@@ -30,7 +30,7 @@ from typing import Any
 
 from autotune.core.hardware import Rates
 from autotune.timing.attention_cost import tiled_pairs
-from autotune.timing.counts import COMPUTE_PHASES, CollectiveCounts, PhaseCounts, StepCounts
+from autotune.timing.counts import COMPUTE_PHASES, CollectiveCounts, PhaseCounts, StepCounts, attention_key_parts
 from trials.techniques import Techniques
 
 
@@ -68,13 +68,11 @@ def attention_time(counts: StepCounts, phases, r: Rates) -> float | None:
         return None
     total = 0.0
     for key, bh in counts.attention_calls.items():
-        phase, direction, sq, sk, d, dv, causal = key.split("|")
+        phase, backward, sq, sk, d, dv, causal, window = attention_key_parts(key)
         if phase not in phases:
             continue
-        sq, sk, d, dv, causal = int(sq), int(sk), int(d), int(dv), bool(int(causal))
-        backward = direction == "bwd"
         per_pair = (6 * d + 4 * dv) if backward else (2 * d + 2 * dv)
-        flops = bh * tiled_pairs(sq, sk, causal, r.attention_tile_q, r.attention_tile_kv) * per_pair
+        flops = bh * tiled_pairs(sq, sk, causal, r.attention_tile_q, r.attention_tile_kv, window) * per_pair
         total += flops / (r.bf16_flops * r.attention_eff(d, backward))
     return total
 
