@@ -1,6 +1,8 @@
 """Memory oracle vs real CPU trials: predicted peak device bytes / measured peak, config by config.
 
-    .venv/bin/python bench/oracle_fidelity.py [--quick] [--only SUBSTRING] | tee bench/results/oracle_fidelity.txt
+    .venv/bin/python bench/oracle_fidelity.py [--quick] [--only SUBSTRING[,SUBSTRING]] | tee bench/results/oracle_fidelity.txt
+    .venv/bin/python bench/oracle_fidelity.py --only tiny-mistral,tiny-gemma3,tiny-qwen3-moe \
+        | tee bench/results/oracle_fidelity_families.txt
 
 Real trials run through ``trials.runner.run_trial`` (the local backend's code), several configs per torchrun
 launch (one launch per world size; a torchrun start costs ~20 s here), 1 warm-up + 1 measured step, no
@@ -36,6 +38,7 @@ class Config:
     techniques: dict = field(default_factory=dict)
     layers: int | None = None  # override the preset's depth
     compute_dtype: str = "fp32"  # "bf16": the GPU precision scheme, run on CPU
+    moe_routing: str = "router"  # MoE: "balanced" runs the real trial under the oracle's stated routing
 
     @property
     def name(self) -> str:
@@ -59,6 +62,8 @@ class Config:
             parts.append(f"loss{t['loss_tile_tokens']}")
         if self.compute_dtype != "fp32":
             parts.append(self.compute_dtype)
+        if self.moe_routing != "router":
+            parts.append(f"routing={self.moe_routing}")
         return " ".join(parts)
 
     def model_config(self) -> dict:
@@ -79,11 +84,12 @@ class Config:
             "capacity_bytes": None,
             "seed": 0,
             "compute_dtype": self.compute_dtype,
+            "moe_routing": self.moe_routing,
         }
 
 
-def _c(model, world, seq, layers=None, dtype="fp32", **t):
-    return Config(model, world, seq, t, layers, dtype)
+def _c(model, world, seq, layers=None, dtype="fp32", routing="router", **t):
+    return Config(model, world, seq, t, layers, dtype, routing)
 
 
 K = 1024
@@ -130,6 +136,23 @@ CONFIGS = [
     _c("tiny-qwen3", 1, 4 * K, loss_tile_tokens=1024),
     _c("tiny-llama", 1, 4 * K, activation_checkpointing=True, activation_offload_layers=4),
     _c("tiny-llama", 1, 4 * K, layers=6, activation_checkpointing=True, activation_offload_layers=2),
+    # model families: a sliding window, alternating window/global layers (deeper: kinds ordered in the copies), experts
+    _c("tiny-mistral", 1, 2 * K),
+    _c("tiny-mistral", 2, 4 * K, fsdp=True, ulysses_degree=2, head_chunk=1, activation_checkpointing=True),
+    _c("tiny-gemma3", 1, 2 * K, activation_checkpointing=True),
+    _c("tiny-gemma3", 2, 4 * K, layers=8, fsdp=True, ulysses_degree=2, activation_checkpointing=True),
+    _c("tiny-qwen3-moe", 1, 2 * K),
+    _c("tiny-qwen3-moe", 2, 4 * K, fsdp=True, ulysses_degree=2, activation_checkpointing=True, mlp_tile_tokens=1024),
+    _c(  # the same under the oracle's routing: what is left is the oracle's own error
+        "tiny-qwen3-moe",
+        2,
+        4 * K,
+        routing="balanced",
+        fsdp=True,
+        ulysses_degree=2,
+        activation_checkpointing=True,
+        mlp_tile_tokens=1024,
+    ),
     _c("tiny-llama", 1, 2 * K, fsdp=True, optimizer_offload=True),
     _c("tiny-llama", 2, 8 * K, fsdp=True, ulysses_degree=2, head_chunk=1, activation_checkpointing=True),
     _c(
@@ -283,6 +306,7 @@ def run_real(configs: list[Config], timeout_s: float = 1800) -> list[dict]:
                     "host_bytes": max(r.get("host_bytes") or 0 for r in ranks),
                     "wall_s": max(r.get("wall_s", 0) for r in ranks),
                     "peak_rank": peak_rank.get("rank"),
+                    "moe_routing": peak_rank.get("moe_routing"),
                 }
     return results  # type: ignore[return-value]
 
@@ -311,11 +335,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", nargs=2, metavar=("SPECS", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="world sizes 1 and 2 only")
-    parser.add_argument("--only", default=None, help="configs whose name contains this")
+    parser.add_argument("--only", default=None, help="configs whose name contains this (comma: any of these)")
     args = parser.parse_args(argv)
     if args.worker:
         return _worker(*args.worker)
-    configs = [c for c in CONFIGS if (not args.quick or c.world <= 2) and (not args.only or args.only in c.name)]
+    configs = [
+        c
+        for c in CONFIGS
+        if (not args.quick or c.world <= 2) and (not args.only or any(o in c.name for o in args.only.split(",")))
+    ]
     started = time.perf_counter()
     real = run_real(configs)
     real_s = time.perf_counter() - started
@@ -325,6 +353,7 @@ def main(argv=None) -> int:
     )
     worst = None
     oracle_s = []
+    routings = []  # MoE configs: the routing the real trial saw
     exact = same_host = same_breakdown = 0
     for config, measured in zip(configs, real):
         if measured["status"] == "skipped":
@@ -339,6 +368,8 @@ def main(argv=None) -> int:
             print(f"{config.name:<58} oracle skipped: {exc}")
             continue
         oracle_s.append(predicted.elapsed_s)
+        if measured.get("moe_routing"):
+            routings.append((config.name, measured["moe_routing"]))
         ratio = predicted.peak_device_bytes / measured["peak_device_bytes"]
         if worst is None or abs(ratio - 1) > abs(worst[1] - 1):
             worst = (config.name, ratio)
@@ -359,6 +390,11 @@ def main(argv=None) -> int:
         f"{len({c.world for c in configs})} launches; oracle {sum(oracle_s):.1f} s total, "
         f"{max(oracle_s, default=0):.2f} s max"
     )
+    for name, seen in routings:  # the oracle traces a balanced routing; a real router is not balanced
+        print(
+            f"routing of {name}: at most {seen['max_tokens_per_expert']:,} tokens on one expert, balanced "
+            f"{seen['balanced_tokens_per_expert']:,.0f} ({seen['experts']} experts, top-{seen['top_k']})"
+        )
     if worst:
         print(f"worst ratio (oracle / real peak): {worst[1]:.4f} ({worst[0]})")
     return 0 if worst and abs(worst[1] - 1) <= 0.05 else 1

@@ -10,10 +10,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from tests.model_families import TINY_WINDOW, save, tiny_configs
+from tests.model_families import TINY_WINDOW, real_configs, save, tiny_configs
 from tests.test_stack import HARNESS, _check_exact, _launch
 
 SEQ = 256  # above TINY_WINDOW: windowed layers attend a band
@@ -127,3 +129,48 @@ def test_every_family_is_exact_under_the_stack(world, tiny_paths, tmp_path):
     cases = _family_cases(tiny_paths, world)
     report = _launch(HARNESS, world, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=900)
     _check_exact(report, len(cases))
+
+
+# -- planning the published shapes ---------------------------------------------------------------------------------
+
+PLAN_TECHNIQUES = {  # flash-attn: the kernel that runs windows on GPUs
+    "attention": "flash",
+    "fsdp": True,
+    "ulysses_degree": 8,
+    "activation_checkpointing": True,
+    "loss_tile_tokens": 4096,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(real_configs()))
+def test_estimate_and_a_plan_search_run_on_each_published_shape(name, tmp_path):
+    from tests.conftest import run_cli
+
+    path = save(real_configs()[name], tmp_path / name)
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "schema": "autotune/config-v1",
+                "model": str(path),
+                "hardware": "h100-sxm",
+                "gpus": 8,
+                "seq_len": 65536,
+                "techniques": PLAN_TECHNIQUES,
+                "predicted": None,
+                "measured": None,
+            }
+        )
+    )
+    estimate = run_cli("estimate", "--config", str(config), "--json")
+    assert estimate.returncode == 0, estimate.stderr[-2000:]
+    record = json.loads(estimate.stdout)
+    assert record["status"] in ("ok", "oom") and record["tokens_per_s"] > 0, record
+    out = tmp_path / "search"
+    search = run_cli(
+        "search", "--model", str(path), "--target", "64K", "--backend", "plan", "--trials", "10", "--out", str(out)
+    )
+    assert search.returncode == 0, search.stderr[-2000:]
+    front = json.loads((out / "pareto.json").read_text())
+    assert front["front"], front

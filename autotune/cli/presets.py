@@ -21,8 +21,8 @@ def models():
     from trials.model_config import load_model_config, model_names, parameter_count
 
     table = Table(title="model presets (or pass a path to a Hugging Face config.json)")
-    for column in ("name", "type", "layers", "hidden", "heads", "kv heads", "vocab", "params"):
-        table.add_column(column)
+    for column in ("name", "type", "layers", "hidden", "heads", "kv heads", "vocab", "params", "window", "source"):
+        table.add_column(column, overflow="fold")
     for name in model_names():
         c = load_model_config(name)
         table.add_row(
@@ -34,8 +34,23 @@ def models():
             str(c["num_key_value_heads"]),
             str(c["vocab_size"]),
             format_count(parameter_count(c)),
+            _windows(c),
+            c.get("_source", ""),
         )
     OUT.rich(table)
+
+
+def _windows(model_config: dict) -> str:
+    """The sliding windows of a preset's layers, e.g. ``4096`` or ``1024 (5 of 6)``; empty for full attention."""
+    from trials.model_config import layer_windows
+
+    windows = layer_windows(model_config)
+    sizes = sorted({w for w in windows if w})
+    if not sizes:
+        return ""
+    count = sum(1 for w in windows if w)
+    share = "" if count == len(windows) else f" ({count} of {len(windows)} layers)"
+    return ", ".join(f"{w:,}" for w in sizes) + share
 
 
 @app.command()
