@@ -38,7 +38,6 @@ class Config:
     techniques: dict = field(default_factory=dict)
     layers: int | None = None  # override the preset's depth
     compute_dtype: str = "fp32"  # "bf16": the GPU precision scheme, run on CPU
-    moe_routing: str = "router"  # MoE: "balanced" runs the real trial under the oracle's stated routing
 
     @property
     def name(self) -> str:
@@ -62,8 +61,6 @@ class Config:
             parts.append(f"loss{t['loss_tile_tokens']}")
         if self.compute_dtype != "fp32":
             parts.append(self.compute_dtype)
-        if self.moe_routing != "router":
-            parts.append(f"routing={self.moe_routing}")
         return " ".join(parts)
 
     def model_config(self) -> dict:
@@ -84,12 +81,11 @@ class Config:
             "capacity_bytes": None,
             "seed": 0,
             "compute_dtype": self.compute_dtype,
-            "moe_routing": self.moe_routing,
         }
 
 
-def _c(model, world, seq, layers=None, dtype="fp32", routing="router", **t):
-    return Config(model, world, seq, t, layers, dtype, routing)
+def _c(model, world, seq, layers=None, dtype="fp32", **t):
+    return Config(model, world, seq, t, layers, dtype)
 
 
 K = 1024
@@ -143,16 +139,6 @@ CONFIGS = [
     _c("tiny-gemma3", 2, 4 * K, layers=8, fsdp=True, ulysses_degree=2, activation_checkpointing=True),
     _c("tiny-qwen3-moe", 1, 2 * K),
     _c("tiny-qwen3-moe", 2, 4 * K, fsdp=True, ulysses_degree=2, activation_checkpointing=True, mlp_tile_tokens=1024),
-    _c(  # the same under the oracle's routing: what is left is the oracle's own error
-        "tiny-qwen3-moe",
-        2,
-        4 * K,
-        routing="balanced",
-        fsdp=True,
-        ulysses_degree=2,
-        activation_checkpointing=True,
-        mlp_tile_tokens=1024,
-    ),
     _c("tiny-llama", 1, 2 * K, fsdp=True, optimizer_offload=True),
     _c("tiny-llama", 2, 8 * K, fsdp=True, ulysses_degree=2, head_chunk=1, activation_checkpointing=True),
     _c(
@@ -390,7 +376,7 @@ def main(argv=None) -> int:
         f"{len({c.world for c in configs})} launches; oracle {sum(oracle_s):.1f} s total, "
         f"{max(oracle_s, default=0):.2f} s max"
     )
-    for name, seen in routings:  # the oracle traces a balanced routing; a real router is not balanced
+    for name, seen in routings:  # memory does not depend on the routing: what the router did, for the record
         print(
             f"routing of {name}: at most {seen['max_tokens_per_expert']:,} tokens on one expert, balanced "
             f"{seen['balanced_tokens_per_expert']:,.0f} ({seen['experts']} experts, top-{seen['top_k']})"

@@ -1,4 +1,5 @@
-"""MoE experts (``trials.moe``): HF's eager values, static routing under FakeTensorMode, routing stats, tiling."""
+"""MoE experts (``trials.moe``): HF's eager values, static shapes under FakeTensorMode whatever the routing,
+one weight gradient per projection, the routing a trial saw, the step counter's FLOPs, tiling."""
 
 from __future__ import annotations
 
@@ -123,24 +124,73 @@ def test_expert_and_router_weights_are_the_same_whole_or_sharded(monkeypatch):
             assert abs(float(expected.detach().std()) - 0.2) < 0.02, name
 
 
-def test_fake_step_needs_and_runs_with_balanced_routing():
-    """Under FakeTensorMode the router's counts cannot be read: ours says to use ``balanced_routing``, HF's eager
-    fails on ``nonzero``; with ``balanced_routing`` forward + backward run and every parameter gets a gradient."""
+def _fake_peak(config, route) -> int:
+    """Peak live bytes of a forward + backward under FakeTensorMode with the routers' top-k replaced by ``route``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from trials.memory import DeviceMemoryTracker
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = build_model(config)
+        for layer in model.layers:
+            layer.mlp.gate.register_forward_hook(route)
+        tracker = DeviceMemoryTracker(None)
+        with tracker:
+            batch = (
+                torch.zeros(1, SEQ, dtype=torch.long),
+                torch.arange(SEQ)[None],
+                torch.zeros(1, SEQ, dtype=torch.long),
+            )
+            model(*batch).backward()
+        assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+    return tracker.peak_device_bytes
+
+
+def test_a_fake_step_runs_and_its_memory_does_not_depend_on_the_routing():
+    """Under FakeTensorMode HF's eager experts fail on ``nonzero``; ours run (static shapes), and every expert on
+    one expert or spread evenly gives the same peak: memory is the routing's whatever it is."""
     from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = build_model(QWEN3_MOE)
-        batch = (torch.zeros(1, SEQ, dtype=torch.long), torch.arange(SEQ)[None], torch.zeros(1, SEQ, dtype=torch.long))
-        with pytest.raises(RuntimeError, match="balanced_routing"):
-            model(*batch)
         model.lm.set_experts_implementation("eager")
+        batch = (torch.zeros(1, SEQ, dtype=torch.long), torch.arange(SEQ)[None], torch.zeros(1, SEQ, dtype=torch.long))
         with pytest.raises(DynamicOutputShapeException):
             model(*batch)
-        model.lm.set_experts_implementation("autotune")
-        with moe.balanced_routing():
-            model(*batch).backward()
-        assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
-    assert moe.routing_description() == "balanced: 16 of 128 token slots per expert (8 experts, top-2)"
+
+    def one_expert(module, args, out):
+        return out[0], out[1], torch.zeros_like(out[2])
+
+    def spread(module, args, out):
+        slots = torch.arange(out[2].numel(), device=out[2].device).view_as(out[2])
+        return out[0], out[1], slots % 8
+
+    assert _fake_peak(QWEN3_MOE, one_expert) == _fake_peak(QWEN3_MOE, spread) > 0
+
+
+def test_backward_keeps_one_weight_gradient_per_projection():
+    """The experts' weight gradients are written into one [E, ...] tensor per projection, not built as a full-size
+    tensor per expert (eager's per-expert indexing: E full copies in backward)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = build_model(QWEN3_MOE)
+    experts = model.layers[0].mlp.experts
+    full_size = experts.gate_up_proj.numel()
+    made = []
+
+    class Sizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.numel() == full_size:
+                    made.append(str(func))
+            return out
+
+    loss = model(*_batch())
+    with Sizes():
+        loss.backward()
+    per_layer = len(made) / len(model.layers)
+    assert per_layer <= 3, made  # the gradient, its accumulation: nowhere near one per expert (8)
 
 
 def test_routing_stats_report_the_real_max_tokens_per_expert():
@@ -160,10 +210,6 @@ def test_routing_stats_report_the_real_max_tokens_per_expert():
         "experts": 8,
         "top_k": 2,
     }
-    moe.reset_routing_stats()
-    with torch.no_grad(), moe.balanced_routing():
-        model(*_batch())
-    assert moe.routing_stats() is None  # static routing is not the router's
 
 
 def test_trial_record_carries_the_routing():
@@ -180,13 +226,28 @@ def test_trial_record_carries_the_routing():
     assert 16 <= routing["max_tokens_per_expert"] <= SEQ
 
 
-def test_oracle_traces_moe_steps_under_the_stated_routing():
+def test_the_step_counter_counts_the_grouped_gemms_of_the_active_experts():
+    """The time model's FLOPs of an MoE step: tokens x top-k rows through each projection, forward and backward."""
     from autotune.oracle.tracing import trace
+    from autotune.timing.counting import StepCounter
     from trials.techniques import Techniques
 
-    result = trace(QWEN3_MOE, Techniques(), SEQ, 1, moe_capacity_factor=2.0)
-    assert result.peak_device_bytes > 0 and not result.stopped
-    assert moe.routing_description().startswith("hot expert (capacity factor 2): 32 of 128 token slots on one expert")
+    counters = []
+
+    def modes(tracker):
+        counters.append(StepCounter(tracker, seq_len=SEQ, world_size=1))
+        return counters[-1:]
+
+    trace(QWEN3_MOE, Techniques(), SEQ, 1, modes=modes)
+    counts = counters[0].counts
+    tokens, h, heads, kv, inter, experts, vocab, layers = SEQ, 64, 4 * 16, 2 * 16, 32, 8, 256, 2
+    slots = tokens * 2  # top-2
+    attention = 2 * tokens * h * (heads + 2 * kv) + 2 * tokens * heads * h  # q, k, v, o projections
+    router = 2 * tokens * h * experts
+    expert_gemms = 2 * slots * h * 2 * inter + 2 * slots * inter * h  # gate_up [S, h] x [h, 2I], down [S, I] x [I, h]
+    forward = layers * (attention + router + expert_gemms) + 2 * tokens * h * vocab  # + lm_head
+    assert counts.phases["forward"].matmul_flops == forward
+    assert counts.phases["backward"].matmul_flops == 2 * forward  # input and weight gradients of every GEMM
 
 
 def test_mlp_tiling_of_moe_layers_keeps_loss_and_gradients():
@@ -200,36 +261,3 @@ def test_mlp_tiling_of_moe_layers_keeps_loss_and_gradients():
         layer.mlp.gate.register_forward_hook(lambda module, args, out: tiles.append(args[0].shape[0]))
     _assert_same(untiled, _loss_and_grads(model))
     assert set(tiles) == {16}  # the router (hence the experts) saw tiles only
-
-
-@pytest.mark.parametrize(
-    "tokens, top_k, experts, capacity, expected",
-    [
-        (64, 2, 8, 1.0, [16] * 8),
-        (10, 3, 4, 1.0, [8, 8, 7, 7]),  # 30 slots: the remainder to the first experts
-        (5, 1, 8, 1.0, [1, 1, 1, 1, 1, 0, 0, 0]),  # fewer slots than experts
-        (64, 2, 8, 1.5, [24, 15, 15, 15, 15, 15, 15, 14]),  # hot expert ceil(1.5 * 16); 104 over 7
-        (40, 2, 8, 1.1, [11, 10, 10, 10, 10, 10, 10, 9]),  # 1.1 * 10 is 11 exactly (no float round-up)
-        (10, 2, 4, 10.0, [20, 0, 0, 0]),  # capped at every slot
-        (7, 2, 1, 2.0, [14]),
-    ],
-)
-def test_balanced_counts(tokens, top_k, experts, capacity, expected):
-    assert moe.balanced_counts(tokens * top_k, experts, capacity) == expected
-
-
-def test_balanced_routing_sets_the_experts_slices(monkeypatch):
-    """The experts' forward runs each expert on exactly its static count of rows, whatever the router chose."""
-    model = build_model(QWEN3_MOE)
-    rows = []
-    expert_mlp = moe._expert_mlp
-    monkeypatch.setattr(moe, "_expert_mlp", lambda m, e, x: rows.append((e, x.shape[0])) or expert_mlp(m, e, x))
-    with torch.no_grad(), moe.balanced_routing(1.5):
-        model(*_batch())
-    counts = moe.balanced_counts(SEQ * 2, 8, 1.5)
-    assert rows == [(e, n) for e, n in enumerate(counts)] * 2  # two layers
-    assert moe.routing_description() == (
-        "hot expert (capacity factor 1.5): 24 of 128 token slots on one expert, 14-15 on each other (8 experts, top-2)"
-    )
-    with pytest.raises(ValueError, match="capacity_factor"), moe.balanced_routing(0.5):
-        pass

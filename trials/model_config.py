@@ -163,6 +163,13 @@ def attention_features(model_config: dict) -> dict[str, float]:
     return family(model_config).attention_features(hf_config_of(model_config))
 
 
+def experts(model_config: dict) -> tuple[int, int] | None:
+    """(experts per MoE layer, experts per token) of a mixture-of-experts model; None for a dense one."""
+    hf = hf_config_of(model_config)
+    count = family(model_config).experts(hf)
+    return (count, int(hf.num_experts_per_tok)) if count else None
+
+
 def parameter_count(config: dict) -> int:
     """Parameters of the model, counted on the model ``transformers`` builds (on the meta device: no memory)."""
     from trials.model import build_model

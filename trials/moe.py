@@ -1,25 +1,23 @@
-"""Mixture-of-experts layers with shapes the memory oracle can trace.
+"""Mixture-of-experts layers as grouped GEMMs: exact to transformers' eager experts, with static shapes.
 
 Transformers' MoE models (Qwen3-MoE, Mixtral, ...) hold their experts as 3-D parameters (``gate_up_proj``
 [E, 2I, H], ``down_proj`` [E, H, I]) in a module whose forward(hidden [T, H], top_k_index [T, k],
 top_k_weights [T, k]) dispatches by ``config._experts_implementation``. HF's ``eager`` one finds each expert's
-tokens with ``nonzero``/``where``, shapes that depend on the data, which FakeTensorMode cannot run. The
-implementation registered here as ``autotune`` sorts the T*k (token, slot) pairs by expert (stable), gathers
-their rows once, runs each expert's MLP on its contiguous slice and ``index_add_``s the weighted result back:
-the same values as ``eager``, with the per-expert counts (``bincount(...).tolist()``) the only data-dependent
-quantity.
+tokens with ``nonzero``/``where`` (shapes that depend on the data, which FakeTensorMode cannot run) and indexes
+each expert's weights, whose gradient autograd then builds as a full-size tensor per expert: E full copies of the
+experts' weights per layer in backward, a cost that grows with E squared.
 
-``balanced_routing`` replaces those counts with a stated static routing (each expert T*k/E pairs, or one hot
-expert at ``capacity_factor`` times that), so the oracle traces a step with fixed shapes: its memory is that of
-the stated routing, not the router's (``routing_description``). Outside it the real counts are used and their
-maximum is recorded (``routing_stats``), so a trial reports how far its routing was from balanced.
+The implementation registered here as ``autotune`` sorts the T*k (token, slot) pairs by expert, gathers their
+rows once and runs each projection as one grouped GEMM over all of them, the per-expert boundaries given as
+offsets (a tensor): every shape is T*k rows whatever the routing, so the memory oracle traces it as it runs,
+and the weight gradients are written per expert into one [E, ...] tensor. The GEMM is ``F.grouped_mm`` in bf16
+(the CUDA kernel; its meta kernel takes bf16 only) and ``transformers``' ``grouped_mm_fallback`` op otherwise
+(one ``mm`` per expert into the same buffers). Memory and FLOPs do not depend on the routing; its balance only
+moves time between experts. A real step records the routing it saw (``routing_stats``): the most tokens one
+expert received, beside the balanced share.
 """
 
 from __future__ import annotations
-
-import contextlib
-import math
-from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
@@ -49,83 +47,11 @@ def register() -> None:
     ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, experts_forward)
 
 
-# -- routing: the router's, or a stated static one ---------------------------------------------------------------
-
-
-def _check_capacity(capacity_factor: float) -> None:
-    if not capacity_factor >= 1.0:
-        raise ValueError(f"capacity_factor must be >= 1, got {capacity_factor}")
-
-
-def balanced_counts(slots: int, experts: int, capacity_factor: float = 1.0) -> list[int]:
-    """(token, slot) pairs per expert of the static routing: expert 0 gets min(slots, ceil(c * slots / experts))
-    and the others share the rest evenly, the remainder one each to the first of them. With c = 1 that is the
-    even split (remainder to the first experts); with c > 1 expert 0 is the worst-case hot expert."""
-    _check_capacity(capacity_factor)
-    hot = min(slots, math.ceil(Fraction(repr(float(capacity_factor))) * slots / experts))
-    if experts == 1:
-        return [slots]
-    base, extra = divmod(slots - hot, experts - 1)
-    return [hot] + [base + 1] * extra + [base] * (experts - 1 - extra)
-
-
-class BalancedRouting:
-    """A static routing in force (``balanced_routing``); remembers the largest call made under it."""
-
-    def __init__(self, capacity_factor: float):
-        _check_capacity(capacity_factor)
-        self.capacity_factor = float(capacity_factor)
-        self.largest: tuple[int, int, int] | None = None  # (slots, experts, top_k)
-
-    def counts(self, slots: int, experts: int, top_k: int) -> list[int]:
-        if self.largest is None or slots > self.largest[0]:
-            self.largest = (slots, experts, top_k)
-        return balanced_counts(slots, experts, self.capacity_factor)
-
-    def description(self) -> str:
-        c = f"{self.capacity_factor:g}"
-        if self.largest is None:
-            return f"static routing, capacity factor {c} (no MoE layer ran)"
-        slots, experts, top_k = self.largest
-        counts = balanced_counts(slots, experts, self.capacity_factor)
-        shape = f"({experts} experts, top-{top_k})"
-        if self.capacity_factor == 1.0 or experts == 1:
-            return f"balanced: {_span(counts)} of {slots} token slots per expert {shape}"
-        return (
-            f"hot expert (capacity factor {c}): {counts[0]} of {slots} token slots on one expert, "
-            f"{_span(counts[1:])} on each other {shape}"
-        )
-
-
-def _span(counts: list[int]) -> str:
-    low, high = min(counts), max(counts)
-    return str(low) if low == high else f"{low}-{high}"
+# -- the routing real steps saw ------------------------------------------------------------------------------------
 
 
 class _Routing:
-    active: BalancedRouting | None = None  # the static routing in force, None: the router's
-    last: BalancedRouting | None = None  # the most recent static routing (described after it ends)
-    stats: dict | None = None  # real routing seen since ``reset_routing_stats``
-
-
-@contextlib.contextmanager
-def balanced_routing(capacity_factor: float = 1.0):
-    """While inside, experts ignore the router's indices for shapes and use ``balanced_counts``: the sorted pair
-    j goes to the expert whose static slice holds position j. Static shapes: a step runs under FakeTensorMode."""
-    routing = BalancedRouting(capacity_factor)
-    saved = _Routing.active
-    _Routing.active = _Routing.last = routing
-    try:
-        yield routing
-    finally:
-        _Routing.active = saved
-
-
-def routing_description() -> str:
-    """One line for the routing in force (or the last static one, once it ended), e.g.
-    "balanced: 6144 of 49152 token slots per expert (8 experts, top-2)"."""
-    routing = _Routing.active or _Routing.last
-    return routing.description() if routing is not None else "the router's own (data-dependent per-expert counts)"
+    stats: dict | None = None  # since ``reset_routing_stats``
 
 
 def reset_routing_stats() -> None:
@@ -133,35 +59,21 @@ def reset_routing_stats() -> None:
 
 
 def routing_stats() -> dict | None:
-    """The real routing since ``reset_routing_stats`` (calls under ``balanced_routing`` excluded), maxima over
-    the calls: {"max_tokens_per_expert", "balanced_tokens_per_expert" (T*k/E of the largest call), "experts",
-    "top_k"}; None when no MoE layer ran."""
+    """The routing real steps saw since ``reset_routing_stats``, maxima over the calls: {"max_tokens_per_expert",
+    "balanced_tokens_per_expert" (T*k/E of the largest call), "experts", "top_k"}; None when no MoE layer ran."""
     return dict(_Routing.stats) if _Routing.stats is not None else None
 
 
-def _record(counts: list[int], slots: int, experts: int, top_k: int) -> None:
+def _record(counts: torch.Tensor, slots: int, experts: int, top_k: int) -> None:
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(counts) or counts.device.type == "meta":  # the oracle's trace: no data, nothing seen
+        return
     stats = _Routing.stats or {"max_tokens_per_expert": 0, "balanced_tokens_per_expert": 0.0}
-    stats["max_tokens_per_expert"] = max(stats["max_tokens_per_expert"], max(counts))
+    stats["max_tokens_per_expert"] = max(stats["max_tokens_per_expert"], int(counts.max()))
     stats["balanced_tokens_per_expert"] = max(stats["balanced_tokens_per_expert"], slots / experts)
     stats["experts"], stats["top_k"] = experts, top_k
     _Routing.stats = stats
-
-
-def _expert_counts(expert_ids: torch.Tensor, slots: int, experts: int, top_k: int) -> list[int]:
-    if _Routing.active is not None:
-        return _Routing.active.counts(slots, experts, top_k)
-    from torch._subclasses.fake_tensor import is_fake
-
-    if is_fake(expert_ids) or expert_ids.device.type == "meta":
-        raise RuntimeError(
-            "MoE experts without real routing: the per-expert token counts depend on the data; "
-            "trace under trials.moe.balanced_routing()"
-        )
-    counts = torch.bincount(expert_ids, minlength=experts).tolist()
-    if len(counts) != experts:
-        raise ValueError(f"router chose expert {len(counts) - 1}, the layer has {experts}")
-    _record(counts, slots, experts, top_k)
-    return counts
 
 
 # -- the experts implementation ------------------------------------------------------------------------------------
@@ -181,43 +93,46 @@ def _check_layout(module) -> None:
         )
 
 
-def _linear(x, weights, index: int, bias, transposed: bool):
-    weight = weights[index]
-    return F.linear(x, weight.T if transposed else weight, None if bias is None else bias[index])
+def _grouped_mm(rows, weight, offsets):
+    """rows [S, K] x weight [E, K, N] -> [S, N], expert e on rows [offsets[e-1], offsets[e])."""
+    if rows.dtype == weight.dtype == torch.bfloat16:
+        return F.grouped_mm(rows, weight, offs=offsets)
+    return torch.ops.transformers.grouped_mm_fallback(rows, weight, offsets)
 
 
-def _expert_mlp(module, expert: int, x: torch.Tensor) -> torch.Tensor:
-    """One expert's MLP on its rows x [n, H] -> [n, H], as HF's batched/grouped implementations compute it."""
-    bias = module.has_bias
-    if module.has_gate:
-        h = _linear(x, module.gate_up_proj, expert, module.gate_up_proj_bias if bias else None, module.is_transposed)
-        h = module._apply_gate(h)
-    else:
-        h = _linear(x, module.up_proj, expert, module.up_proj_bias if bias else None, module.is_transposed)
-        h = module.act_fn(h)
-    h = _linear(h, module.down_proj, expert, module.down_proj_bias if bias else None, module.is_transposed)
-    return module.post_expert_norm(h) if getattr(module, "has_post_expert_norm", False) else h
+def _grouped_linear(rows, weight, offsets, bias, expert_of_row, transposed: bool, dtype):
+    """Each row through its expert's linear layer (``weight`` [E, out, in], or [E, in, out] when transposed)."""
+    weight = weight.to(dtype)
+    out = _grouped_mm(rows.to(dtype), weight if transposed else weight.transpose(-2, -1), offsets)
+    return out if bias is None else out + bias.to(dtype)[expert_of_row]
 
 
 def experts_forward(module, hidden_states, top_k_index, top_k_weights):
     """hidden [T, H], top_k_index / top_k_weights [T, k] -> [T, H]: sum over the k chosen experts of weight *
-    expert(hidden). Pairs are sorted by expert (stable), so expert e's rows are one contiguous slice."""
+    expert(hidden). The pairs sorted by expert make each expert's rows one contiguous block of the grouped GEMMs.
+    Under autocast the GEMMs run in its dtype (grouped GEMMs are not autocast ops)."""
     _check_layout(module)
     tokens, top_k = top_k_index.shape
     experts, slots = module.num_experts, tokens * top_k
-    expert_ids = top_k_index.reshape(-1)
-    order = torch.sort(expert_ids, stable=True).indices
-    counts = _expert_counts(expert_ids, slots, experts, top_k)
-    token_index = order // top_k
-    weights = top_k_weights.reshape(-1)[order]
-    rows = hidden_states[token_index]  # [T*k, H], grouped by expert
-    out = torch.zeros_like(hidden_states)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        stop = start + count
-        y = _expert_mlp(module, expert, rows[start:stop]) * weights[start:stop, None]
-        out.index_add_(0, token_index[start:stop], y.to(out.dtype))
-        start = stop
-    return out
+    device = hidden_states.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden_states.dtype
+    expert_of_row, order = torch.sort(top_k_index.reshape(-1), stable=True)
+    rows = hidden_states[order // top_k]  # [T*k, H], grouped by expert
+    # per-expert counts as a histogram: a tensor of E bins whatever the data (bincount's length depends on it)
+    counts = torch.histc(expert_of_row.float(), bins=experts, min=0, max=experts - 1)
+    _record(counts, slots, experts, top_k)
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    bias = module.has_bias
+    first = module.gate_up_proj if module.has_gate else module.up_proj
+    first_bias = getattr(module, "gate_up_proj_bias" if module.has_gate else "up_proj_bias", None) if bias else None
+    h = _grouped_linear(rows, first, offsets, first_bias, expert_of_row, module.is_transposed, dtype)
+    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+    down_bias = module.down_proj_bias if bias else None
+    h = _grouped_linear(h, module.down_proj, offsets, down_bias, expert_of_row, module.is_transposed, dtype)
+    if getattr(module, "has_post_expert_norm", False):
+        h = module.post_expert_norm(h)
+    h = h * top_k_weights.reshape(-1)[order, None].to(h.dtype)
+    # back to (token, slot) order, then each token's k slots summed (deterministic, unlike index_add_ on CUDA)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return h[inverse].view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)

@@ -202,9 +202,6 @@ def _run_model(
     step_times = []
     say = _progress(mesh.rank, label)
     moe.reset_routing_stats()
-    routing_scope = contextlib.ExitStack()
-    if spec.moe_routing == "balanced":
-        routing_scope.enter_context(moe.balanced_routing())
     try:
         _limit_device_memory(mesh, spec.capacity_bytes)
         cuda_peaks = _allocator_peaks(device)
@@ -261,7 +258,6 @@ def _run_model(
             record.layer_times_s, record.tail_time_s = split.layer_s, split.tail_s
     except Exception as exc:  # recorded, classified by the launcher
         record.status, record.error = _failure(exc)
-    routing_scope.close()
     routing = moe.routing_stats()  # MoE models: how far the router's load was from balanced
     if routing is not None:
         record.moe_routing = routing

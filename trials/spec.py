@@ -33,9 +33,6 @@ class TrialSpec:
     # {"runs": [[kind, layers], ...], "techniques": {...}, "timed": bool} (``trials.segments.layer_runs``); a copy
     # not timed runs one step after priming the optimizer states (memory only), a timed one warm-up + steps too
     copies: list[dict] = field(default_factory=list)
-    # MoE models: "router" (the router's own, data-dependent routing) or "balanced" (the memory oracle's stated
-    # routing, ``trials.moe.balanced_routing``: to compare the oracle with a trial under the same routing)
-    moe_routing: str = "router"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)  # the techniques too: a dataclass, as its own to_dict gives

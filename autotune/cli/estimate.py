@@ -31,6 +31,20 @@ OTHER_MODEL_HELP = "run the config file's techniques on a --model of another arc
 SEQ_HELP = f"{TARGET_HELP} (default: the config file's seq_len)"
 
 
+def _say_routing(model_config: dict) -> None:
+    """What the prediction of a mixture-of-experts model assumes of its routing (a router's depends on the data)."""
+    from trials.model_config import experts
+
+    moe = experts(model_config)
+    if moe:
+        count, top_k = moe
+        say(
+            f"autotune: MoE layers ({count} experts, top-{top_k}) run as grouped GEMMs over all tokens x {top_k} "
+            "slots: memory and FLOPs do not depend on the routing; its balance moves time between experts, which "
+            "the prediction does not see (a trial records it in moe_routing)"
+        )
+
+
 def _say_overrides(notices: list[str]) -> None:
     """The options that overrode the config file, one line each (after the input checks: bad input stays one
     line)."""
@@ -81,6 +95,7 @@ def estimate(
     )
     _say_overrides(run.notices)
     note_rates(hw)
+    _say_routing(run.model_config)
     evaluation = Evaluation(run.model_config, run.techniques, run.seq_len or 0, run.gpus, hw, run.nodes)
     if max_seq:  # what the config's trainer runs at each length tried (autotune's: the config itself)
         from autotune.core.trainers import TRAINERS

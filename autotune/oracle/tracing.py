@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from autotune.core.record import BREAKDOWN_CATEGORIES
 from autotune.oracle.fake_world import fake_flash_kernels, fake_process_group, oracle_mode
 from autotune.oracle.results import Segment, Trace, full_breakdown
-from trials import moe, patches
+from trials import patches
 from trials.data import make_batch
 from trials.dist import Mesh, build_mesh, ensure_device_mesh
 from trials.memory import DeviceMemoryTracker, TrackerListener
@@ -47,7 +47,6 @@ def trace(
     stop_above_bytes: int | None = None,
     segment_limits: dict[tuple, int] | None = None,
     host_limit: int | None = None,
-    moe_capacity_factor: float = 1.0,
 ) -> Trace:
     """Run ``steps`` training steps of the trial under FakeTensorMode on rank 0 of a fake world and return
     the tracked peak.
@@ -65,8 +64,6 @@ def trace(
     ``segment_limits`` ({segment: tensor bytes}) and ``host_limit`` (host bytes) stop it the same way, as soon
     as the current segment's live bytes, or the host bytes, go above their limit (``Limits``); they need
     ``stop_above_bytes``. The trace's ``stop_reason`` says which limit stopped it.
-    ``moe_capacity_factor``: MoE layers run the static routing of ``trials.moe.balanced_routing`` (their router's
-    counts depend on the data): every expert T*k/E token slots at 1.0, one hot expert at this factor times that.
     """
 
     started = time.perf_counter()
@@ -124,7 +121,6 @@ def trace(
                 with contextlib.ExitStack() as stack:
                     # the step alone: flash stand-ins for its attention, FSDP's buffers labelled params
                     stack.enter_context(fake_flash_kernels(gpu_kernels and techniques.attention == "flash"))
-                    stack.enter_context(moe.balanced_routing(moe_capacity_factor))
                     stack.enter_context(
                         patches.fsdp_all_gather_buffers(
                             lambda fsdp_param: tracker.retag(fsdp_param.all_gather_outputs, "params")

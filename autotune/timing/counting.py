@@ -114,6 +114,28 @@ NO_WORK_OPS = {
     "lift_fresh_copy",
     "_foreach_empty",
 }
+# grouped GEMMs of mixture-of-experts layers (``trials.moe``): one GEMM per expert over its block of rows
+GROUPED_MATMUL_OPS = {
+    ("aten", "_grouped_mm"),
+    ("transformers", "grouped_mm_fallback"),
+    ("transformers", "grouped_mm_fallback_backward"),
+}
+
+
+def grouped_matmul_flops(name: str, args) -> float:
+    """FLOPs of a grouped GEMM: 2 * rows * K * N over all groups, whatever the split. ``_grouped_mm`` takes
+    a [S, K] x b [E, K, N] (forward, input gradient) or a [K, S] x b [S, N] (the weight gradient, out [E, K, N]);
+    ``grouped_mm_fallback_backward`` computes both gradients of a [S, K] x b [E, K, N]."""
+    a, b = args[0], args[1]
+    if name == "grouped_mm_fallback_backward":
+        return 4.0 * a.shape[0] * a.shape[1] * b.shape[-1]
+    if a.dim() == 2 and b.dim() == 3:
+        return 2.0 * a.shape[0] * a.shape[1] * b.shape[2]
+    if a.dim() == 2 and b.dim() == 2:
+        return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+    raise ValueError(f"no FLOP formula for grouped GEMM {name} of {tuple(a.shape)} x {tuple(b.shape)}")
+
+
 MATMUL_OPS = {
     "mm",
     "addmm",
@@ -339,6 +361,10 @@ class StepCounter(TorchDispatchMode):
             return
         if namespace == "aten" and name in MATMUL_OPS:
             pc.matmul_flops += self._matmul_flops(name, args, out)
+            pc.ops += 1
+            return
+        if (namespace, name) in GROUPED_MATMUL_OPS:
+            pc.matmul_flops += grouped_matmul_flops(name, args)
             pc.ops += 1
             return
         if self._is_attention(namespace, name):
