@@ -180,19 +180,22 @@ def test_a_qwen3_config_saved_by_transformers_is_estimated_at_reduced_depth(tmp_
     assert json.loads(done.stdout)["status"] == "ok"
 
 
-def test_a_sliding_window_is_refused_not_ignored(tmp_path):
-    from transformers import MistralConfig
+def test_what_the_kernels_do_not_run_is_refused_in_one_line(tmp_path):
+    """Supported families load (a sliding window included); a layer type the kernels do not run, a family not
+    declared, and Phi's partial rotary are refused, naming what is missing."""
+    from transformers import GptOssConfig, MistralConfig, Phi3Config, Qwen3Config
 
-    path = _saved_by_transformers(
-        tmp_path,
-        MistralConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            sliding_window=4096,
-        ),
+    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    windowed = load_model_config(_saved_by_transformers(tmp_path / "mistral", MistralConfig(**tiny, sliding_window=64)))
+    assert windowed["sliding_window"] == 64
+    chunked = _saved_by_transformers(
+        tmp_path / "chunked", Qwen3Config(**tiny, layer_types=["full_attention", "chunked_attention"])
     )
-    with pytest.raises(ConfigError, match="not supported: trials run full causal attention in every layer"):
-        load_model_config(path)
+    with pytest.raises(ConfigError, match=r"layer_types \['chunked_attention'\] are not supported"):
+        load_model_config(chunked)
+    with pytest.raises(ConfigError, match="model_type 'gpt_oss'; supported: llama, mistral"):
+        load_model_config(_saved_by_transformers(tmp_path / "oss", GptOssConfig(**tiny)))
+    partial = Phi3Config(**tiny, pad_token_id=None, bos_token_id=0, eos_token_id=1)
+    partial.rope_parameters["partial_rotary_factor"] = 0.75
+    with pytest.raises(ConfigError, match="partial_rotary_factor 0.75 is not supported"):
+        load_model_config(_saved_by_transformers(tmp_path / "phi", partial))

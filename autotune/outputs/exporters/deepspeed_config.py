@@ -27,8 +27,14 @@ from trials.config_file import TrialConfig
 from trials.model_config import load_model_config
 from trials.techniques import Techniques
 
-# transformers' module and class-name prefix of each model_type autotune takes (``trials.model_config``)
-_HF_CLASS_PREFIX = {"llama": "Llama", "qwen3": "Qwen3", "qwen2": "Qwen2", "mistral": "Mistral"}
+
+def mlp_classes(model_config: dict) -> list[tuple[str, str]]:
+    """(module, class name) of the model's decoder-layer MLPs (``LlamaMLP``; an MoE model's sparse block, and its
+    dense MLP where some layers have one), read off the model ``transformers`` builds (on meta: no memory)."""
+    from trials.model import build_model
+
+    model = build_model(model_config, device="meta")
+    return sorted({(type(layer.mlp).__module__, type(layer.mlp).__name__) for layer in model.layers})
 
 
 def deepspeed_json(techniques: Techniques, with_optimizer: bool = True) -> dict:
@@ -79,7 +85,9 @@ def alst_python(config: TrialConfig, notes: list[str], json_name: str) -> str:
     script calls. Every value comes from ``config``; a technique that is off leaves its function a no-op."""
     t = config.techniques
     model_config = load_model_config(config.model)
-    prefix = _HF_CLASS_PREFIX[model_config["model_type"]]
+    mlps = mlp_classes(model_config)
+    imports = "\n".join(sorted({f"import {module}" for module, _ in mlps}))
+    tile_mlps = "\n".join(f"        {module}.{name}.forward = _tiled_mlp_forward" for module, name in mlps)
     layers = model_config["num_hidden_layers"]
     return f'''{comment_block(notes)}
 """DeepSpeed ALST for this config: what {json_name} cannot carry (deepspeed >= 0.19.8, transformers >= 4.56).
@@ -107,7 +115,7 @@ from deepspeed.runtime.sequence_parallel.ulysses_sp import (
     TiledFusedLogitsLoss, TiledMLP, UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter,
 )
 from deepspeed.utils import groups
-from transformers.models.{model_config["model_type"]} import modeling_{model_config["model_type"]}
+{imports}
 
 MODEL = {hf_model_name(config.model)!r}
 SEQ_LEN = {config.seq_len}                 # tokens per sequence
@@ -123,7 +131,7 @@ LAYERS = {layers}
 def before_model():
     """Ulysses attention over SEQUENCE_PARALLEL ranks (DeepSpeed's mpu; None without) and the tiled MLP."""
     if MLP_TILE_TOKENS:
-        modeling_{model_config["model_type"]}.{prefix}MLP.forward = _tiled_mlp_forward
+{tile_mlps}
     return UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=MODEL, core_attn_implementation=ATTENTION, sequence_parallel_size=SEQUENCE_PARALLEL,
         micro_batch_size=1, seq_length=SEQ_LEN, seq_length_is_variable=True)
