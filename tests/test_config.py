@@ -185,7 +185,9 @@ def test_what_the_kernels_do_not_run_is_refused_in_one_line(tmp_path):
     declared, and Phi's partial rotary are refused, naming what is missing."""
     from transformers import GptOssConfig, MistralConfig, Phi3Config, Qwen3Config
 
-    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    tiny = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
     windowed = load_model_config(_saved_by_transformers(tmp_path / "mistral", MistralConfig(**tiny, sliding_window=64)))
     assert windowed["sliding_window"] == 64
     chunked = _saved_by_transformers(

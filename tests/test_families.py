@@ -133,10 +133,10 @@ def test_every_family_is_exact_under_the_stack(world, tiny_paths, tmp_path):
 
 # -- planning the published shapes ---------------------------------------------------------------------------------
 
-PLAN_TECHNIQUES = {  # flash-attn: the kernel that runs windows on GPUs
+PLAN_TECHNIQUES = {  # flash-attn: the kernel that runs windows on GPUs; Ulysses 4 divides every shape's heads
     "attention": "flash",
     "fsdp": True,
-    "ulysses_degree": 8,
+    "ulysses_degree": 4,
     "activation_checkpointing": True,
     "loss_tile_tokens": 4096,
 }
@@ -174,3 +174,35 @@ def test_estimate_and_a_plan_search_run_on_each_published_shape(name, tmp_path):
     assert search.returncode == 0, search.stderr[-2000:]
     front = json.loads((out / "pareto.json").read_text())
     assert front["front"], front
+
+
+def test_pretrained_weights_of_new_families_load_through_the_plugin(tmp_path):
+    """A windowed, an alternating (Gemma's scaled embedding, its norms) and two MoE models saved by ``transformers``
+    with their own weights: ``trials.hf.from_pretrained`` and ``trials.hf.apply`` with the stack give the loss and
+    gradients of the plain ``transformers`` model of the folder (one rank)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trials.model_config import load_model_config
+
+    models = {
+        name: AutoConfig.for_model(**{k: v for k, v in load_model_config(name).items() if not k.startswith("_")})
+        for name in ("tiny-mistral", "tiny-gemma3", "tiny-qwen3-moe")
+    }
+    models["tiny-mixtral"] = tiny_configs()["tiny-mixtral"]  # its checkpoint names experts w1/w2/w3, per expert
+    cases = []
+    for index, (name, config) in enumerate(models.items()):
+        torch.manual_seed(4321 + index)
+        folder = tmp_path / name
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        for via in ("from_pretrained", "apply"):
+            cases.append(
+                {
+                    "name": f"{name}/{via}",
+                    "model": str(folder / "config.json"),
+                    "techniques": {"head_chunk": 2, "activation_checkpointing": True, "mlp_tile_tokens": 96},
+                    "step": False,
+                    "pretrained": {"dir": str(folder), "via": via},
+                }
+            )
+    report = _launch(HARNESS, 1, {"seq_len": 512, "cases": cases}, tmp_path, timeout=600)
+    _check_exact(report, len(cases))

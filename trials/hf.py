@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from trials import attention, stack
+from trials import attention, moe, stack
 from trials.dist import Mesh, init_mesh
 from trials.memory import active_tracker
 from trials.model import (
@@ -67,6 +67,8 @@ def apply(
     attention.register()
     model.config.use_cache = False
     model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
+    if moe.experts_options(model.config):
+        model.set_experts_implementation(moe.EXPERTS_IMPLEMENTATION)
     training = TrainingModel(model)
     if not techniques.fsdp:  # FSDP2 moves the shards to the mesh's device itself
         training.to(mesh.device)
@@ -86,7 +88,10 @@ def from_pretrained(
     config.use_cache = False
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(
-            config, attn_implementation=attention.ATTN_IMPLEMENTATION, dtype=torch.float32
+            config,
+            attn_implementation=attention.ATTN_IMPLEMENTATION,
+            dtype=torch.float32,
+            **moe.experts_options(config),
         )
     return _stacked(TrainingModel(lm), techniques, mesh, compute_dtype, build=Path(path))
 
@@ -105,6 +110,56 @@ def _stacked(model: TrainingModel, techniques, mesh, compute_dtype, build: Path 
         tracker.retag(model.parameters(), "params")
     model.mesh = mesh
     return model
+
+
+class _CheckpointLayout:
+    """Where a parameter's values sit in a checkpoint ``transformers`` saved: under its own name, a renamed one
+    (Mixtral's ``block_sparse_moe``), or, for MoE experts stored one tensor per expert (gate and up apart), merged
+    from those. Read from ``transformers``' own conversion mapping of the model type (what its loader applies)."""
+
+    def __init__(self, model_type: str, files: dict):
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        self.files = files
+        self.renamings, self.merges = [], []
+        for rule in get_checkpoint_conversion_mapping(model_type) or []:
+            kind = type(rule).__name__
+            if kind == "WeightRenaming":
+                self.renamings += list(zip(rule.target_patterns, rule.source_patterns))
+            elif kind == "WeightConverter":
+                self.merges.append(rule)
+
+    def renamed(self, key: str) -> str:
+        """``key`` as the checkpoint names it (the model's name when the checkpoint has it)."""
+        if key in self.files:
+            return key
+        for target, source in self.renamings:
+            if target in key and key.replace(target, source, 1) in self.files:
+                return key.replace(target, source, 1)
+        return key
+
+    def merged(self, key: str, experts: range, stored_slice, folder) -> torch.Tensor:
+        """The rows of ``experts`` of the merged parameter ``key`` ([E, ...]): per expert, its source tensors
+        (one per source pattern, ``*`` = the expert) concatenated along their first dimension."""
+        for rule in self.merges:
+            ops = [type(op).__name__ for op in rule.operations]
+            target = next((t for t in rule.target_patterns if key.endswith(t.strip("."))), None)
+            if target is None:
+                continue
+            if ops not in (["MergeModulelist"], ["MergeModulelist", "Concatenate"]):
+                raise KeyError(f"{folder}: {key} is stored through {ops}, which trials.hf cannot read by shard")
+            prefix = key[: len(key) - len(target.strip("."))]
+            per_expert = []
+            for expert in experts:
+                parts = []
+                for pattern in rule.source_patterns:
+                    source = self.renamed(prefix + pattern.strip(".").replace("*", str(expert)))
+                    if source not in self.files:
+                        raise KeyError(f"{folder}: the checkpoint has no tensor {source!r} (for {key})")
+                    parts.append(stored_slice(source)[:])
+                per_expert.append(torch.cat(parts, dim=0))
+            return torch.stack(per_expert)
+        raise KeyError(f"{folder}: the checkpoint has no tensor {key!r}")
 
 
 def checkpoint_files(folder: Path) -> dict[str, Path]:
@@ -132,26 +187,34 @@ def load_safetensors(model: TrainingModel, folder: Path) -> None:
     tracker = active_tracker()
     handles: dict[Path, object] = {}
     loaded, seen = set(), set()
+    layout = _CheckpointLayout(model.config.model_type, files)
+
+    def stored_slice(key: str):
+        file = files[key]
+        if file not in handles:
+            handles[file] = stack_of_files.enter_context(safe_open(file, framework="pt"))
+        loaded.add(key)
+        return handles[file].get_slice(key)
+
     with contextlib.ExitStack() as stack_of_files:
         for name, param in model.named_parameters(remove_duplicate=False):
             key = _canonical(name).removeprefix("lm.")
             if id(param) in seen:  # a tied parameter's other name: loaded once, under its first name
-                loaded.add(key)
+                loaded.add(layout.renamed(key))
                 continue
             seen.add(id(param))
-            if key not in files:
-                raise KeyError(f"{folder}: the checkpoint has no tensor {key!r}")
-            file = files[key]
-            if file not in handles:
-                handles[file] = stack_of_files.enter_context(safe_open(file, framework="pt"))
             local, start = _local_rows(param)
-            stored = handles[file].get_slice(key)
-            if tuple(stored.get_shape()) != tuple(param.shape):
-                raise ValueError(f"{key}: the checkpoint holds {stored.get_shape()}, the model {tuple(param.shape)}")
             with tracker.on_host() if tracker is not None else contextlib.nullcontext():
-                rows = stored[start : start + local.shape[0]]
+                if layout.renamed(key) in files:
+                    stored = stored_slice(layout.renamed(key))
+                    if tuple(stored.get_shape()) != tuple(param.shape):
+                        raise ValueError(
+                            f"{key}: the checkpoint holds {stored.get_shape()}, the model {tuple(param.shape)}"
+                        )
+                    rows = stored[start : start + local.shape[0]]
+                else:  # experts stored one tensor per expert (and gate/up apart): merged for this shard's experts
+                    rows = layout.merged(key, range(start, start + local.shape[0]), stored_slice, folder)
             local.copy_(rows)
-            loaded.add(key)
     unused = sorted(k for k in set(files) - loaded if not k.endswith("rotary_emb.inv_freq"))
     if unused:
         raise KeyError(f"{folder}: tensors the model has no parameter for: {', '.join(unused[:4])}")

@@ -46,10 +46,7 @@ def build_model(
 
     attention.register()
     config = hf_config(model_config)
-    options = {}
-    if moe.is_moe_config(config):  # experts with static shapes on demand (the oracle traces them)
-        moe.register()
-        options["experts_implementation"] = moe.EXPERTS_IMPLEMENTATION
+    options = moe.experts_options(config)  # grouped experts: static shapes (the oracle traces them)
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention.ATTN_IMPLEMENTATION, dtype=dtype, **options

@@ -40,6 +40,14 @@ def is_router_module(module) -> bool:
     return type(module).__name__.endswith("Router")
 
 
+def experts_options(config) -> dict:
+    """``from_config`` keyword arguments that make an MoE model's experts autotune's (none for a dense model)."""
+    if not is_moe_config(config):
+        return {}
+    register()
+    return {"experts_implementation": EXPERTS_IMPLEMENTATION}
+
+
 def register() -> None:
     """Make ``experts_implementation="autotune"`` known to transformers (idempotent)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
