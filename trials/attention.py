@@ -223,6 +223,11 @@ def _sum_kv_groups(grad, groups: int):
     return grad.view(b, h // groups, groups, s, d).sum(dim=2)
 
 
+def _flash_band(window: int | None, softcap: float | None) -> tuple[int, int, float]:
+    """flash-attn's (window_size_left, window_size_right, softcap) of a causal call (-1: unlimited)."""
+    return (window - 1, 0, softcap or 0.0) if window else (-1, -1, softcap or 0.0)
+
+
 def attention_forward(query, key, value, scaling: float, kernel: str = "sdpa", window=None, softcap=None):
     """Causal attention (within ``window`` keys) without autograd, in ``head_layout(kernel)``; returns (out,
     residuals tuple)."""
@@ -232,17 +237,7 @@ def attention_forward(query, key, value, scaling: float, kernel: str = "sdpa", w
         window = band(window, key.shape[1])
         query, key, value = flash_inputs(query, key, value)
         out, lse, _, rng_state = _wrapped_flash("forward")(
-            query,
-            key,
-            value,
-            0.0,
-            scaling,
-            True,
-            window - 1 if window else -1,
-            -1 if not window else 0,
-            softcap or 0.0,
-            None,
-            False,
+            query, key, value, 0.0, scaling, True, *_flash_band(window, softcap), None, False
         )
         return out, (lse, rng_state)
     window = band(window, key.shape[2])
@@ -271,26 +266,8 @@ def attention_backward(
         window = band(window, key.shape[1])
         lse, rng_state = residuals
         dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
-        _wrapped_flash("backward")(
-            grad_out,
-            query,
-            key,
-            value,
-            out,
-            lse,
-            dq,
-            dk,
-            dv,
-            0.0,
-            scaling,
-            True,
-            window - 1 if window else -1,
-            -1 if not window else 0,
-            softcap or 0.0,
-            None,
-            False,
-            rng_state,
-        )
+        args = (grad_out, query, key, value, out, lse, dq, dk, dv, 0.0, scaling, True)
+        _wrapped_flash("backward")(*args, *_flash_band(window, softcap), None, False, rng_state)
         return dq, dk, dv
     window = band(window, key.shape[2])
     groups = query.shape[1] // key.shape[1]
