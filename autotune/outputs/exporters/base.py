@@ -28,6 +28,7 @@ Contract of a subclass:
 from __future__ import annotations
 
 import abc
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,20 +99,19 @@ def hf_attention(techniques: Techniques) -> str:
     return "flash_attention_2" if techniques.attention == "flash" else "sdpa"
 
 
-# Hugging Face hub ids of the model presets that are released models (their config.json is the preset's).
-HF_MODEL_IDS = {
-    "llama3-8b": "meta-llama/Meta-Llama-3-8B",
-    "llama3-70b": "meta-llama/Meta-Llama-3-70B",
-    "qwen3-32b": "Qwen/Qwen3-32B",
-}
 MODEL_PLACEHOLDER = "REPLACE-WITH-YOUR-MODEL"
+HUB_SOURCE = re.compile(r"https://huggingface\.co/([^/\s]+/[^/\s]+)/")  # a preset's ``_source``: its hub repo
 
 
 def hf_model_name(model: str) -> str:
-    """What a trainer's ``from_pretrained`` takes for autotune's ``--model``: a preset's hub id, the folder of a
-    config.json path, or a placeholder the user replaces (the tiny test presets are no released model)."""
-    if model in HF_MODEL_IDS:
-        return HF_MODEL_IDS[model]
+    """What a trainer's ``from_pretrained`` takes for autotune's ``--model``: a preset's hub id (from the config it
+    copies, its ``_source``), the folder of a config.json path, or a placeholder the user replaces (the tiny test
+    presets are no released model)."""
+    from trials.model_config import load_model_config, model_names
+
+    if model in model_names():
+        match = HUB_SOURCE.match(load_model_config(model).get("_source", ""))
+        return match.group(1) if match else MODEL_PLACEHOLDER
     path = Path(model)
     if path.name == "config.json" or path.suffix == ".json":
         return str(path.parent)
