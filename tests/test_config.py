@@ -201,3 +201,18 @@ def test_what_the_kernels_do_not_run_is_refused_in_one_line(tmp_path):
     partial.rope_parameters["partial_rotary_factor"] = 0.75
     with pytest.raises(ConfigError, match="partial_rotary_factor 0.75 is not supported"):
         load_model_config(_saved_by_transformers(tmp_path / "phi", partial))
+
+
+def test_a_config_transformers_refuses_is_bad_input(tmp_path):
+    """Caught when the config is read (one line, the field and the reason), not in every trial of a search."""
+    config = json.loads(Path(_preset_path_of("tiny-llama")).read_text())
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**config, "rms_norm_eps": "x"}))
+    with pytest.raises(ConfigError, match="transformers refuses it .*rms_norm_eps"):
+        load_model_config(str(path))
+
+
+def _preset_path_of(name: str) -> Path:
+    from trials.model_config import _preset_path
+
+    return _preset_path(name)
