@@ -1,6 +1,8 @@
-"""CUDA acceptance (``pytest -m cuda``): flash-attn's real forward and backward through head chunking (one GPU)
-and through Ulysses with and without head chunks (two GPUs, one torchrun launch of this file), against torch's
-SDPA.
+"""CUDA acceptance (``pytest -m cuda``): each installed flash kernel's (FlashAttention 2 / 3 / 4, ``flash`` /
+``flash3`` / ``flash4``) real forward and backward, whole layers and through head chunking, with and without a
+sliding window (one GPU), and FA2 through Ulysses with and without head chunks (two GPUs, one torchrun launch of
+this file), against torch's SDPA. A kernel not installed here, or not built for this GPU, is skipped with the
+reason.
 
 bf16 kernels differ from one another by rounding, so each case is held to a yardstick, as in
 ``tests/test_stack.py``'s mixed-precision test: its gradients' distance from an fp32 SDPA reference of the same
@@ -35,11 +37,15 @@ LOSS_RTOL = 1e-2
 YARDSTICK = 2.0
 
 
-def _config() -> dict:
-    """A small Llama with flash-attn's usual head size (64) and GQA (4 query heads per kv head)."""
+WINDOW = SEQ // 4  # the windowed model's sliding_window (a Mistral of the same shape)
+
+
+def _config(window: int | None = None) -> dict:
+    """A small Llama with flash-attn's usual head size (64) and GQA (4 query heads per kv head); with ``window``,
+    the same shape as a Mistral attending through that sliding window."""
     from trials.model_config import load_model_config
 
-    return dict(
+    config = dict(
         load_model_config("tiny-llama"),
         hidden_size=512,
         intermediate_size=1408,
@@ -48,16 +54,22 @@ def _config() -> dict:
         head_dim=64,
         num_hidden_layers=2,
     )
+    return dict(config, model_type="mistral", sliding_window=window) if window else config
 
 
-def _flash_skip():
-    from trials.attention import flash_available, flash_problem
+def _flash_skip(kernel: str = "flash"):
+    from trials.attention import flash_available
+    from trials.kernels import kernel_problem
 
-    if not flash_available(torch.device("cuda", 0)):
-        pytest.skip(f"flash-attn cannot run here ({flash_problem()}): trials fall back to SDPA")
+    device = torch.device("cuda", 0)
+    if not flash_available(device, kernel):
+        why = kernel_problem(kernel, torch.cuda.get_device_capability(device)[0])
+        pytest.skip(f"attention {kernel!r} cannot run here ({why}): trials fall back to SDPA")
 
 
-def run(techniques: dict, mesh, compute_dtype=torch.bfloat16) -> tuple[float, dict[str, torch.Tensor]]:
+def run(
+    techniques: dict, mesh, compute_dtype=torch.bfloat16, window: int | None = None
+) -> tuple[float, dict[str, torch.Tensor]]:
     """(loss, full fp32 gradients) of one forward + backward of the seeded model with ``techniques`` on ``mesh``
     (sample 0: a mesh of one Ulysses group holds one replica, the reference's data)."""
     from stack_harness import full_grads
@@ -66,7 +78,7 @@ def run(techniques: dict, mesh, compute_dtype=torch.bfloat16) -> tuple[float, di
     from trials.step import build_training, forward_backward, global_loss
     from trials.techniques import Techniques
 
-    config = _config()
+    config = _config(window)
     techniques = Techniques.from_dict(techniques, config["num_hidden_layers"])
     model, _ = build_training(config, techniques, mesh, seed=0, compute_dtype=compute_dtype)
     tokens = synthetic_sample(mesh.dp_rank, SEQ, model.config.vocab_size, 0)
@@ -84,15 +96,24 @@ def distance(grads: dict, reference: dict) -> float:
     return max(float((grads[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in reference.items())
 
 
-def compare(cases: dict, mesh, reference_mesh) -> dict:
-    """{name: {"loss_rel", "grad_rel"}} for each case, and the yardstick (plain bf16 SDPA on one device)."""
-    ref_loss, ref_grads = run({"attention": "sdpa"}, reference_mesh, torch.float32)
-    plain_loss, plain_grads = run({"attention": "sdpa"}, reference_mesh)
+def compare(cases: dict, mesh, reference_mesh, window: int | None = None) -> dict:
+    """{name: {"loss_rel", "grad_rel"}} for each case, and the yardstick (plain bf16 SDPA on one device). With a
+    ``window``, SDPA runs on the CPU (it runs windows on the CPU kernel only): the fp32 reference and the bf16
+    yardstick both."""
+    if window:
+        from trials.dist import Mesh
+
+        cpu = Mesh.single(torch.device("cpu"))
+        ref_loss, ref_grads = run({"attention": "sdpa"}, cpu, torch.float32, window)
+        plain_loss, plain_grads = run({"attention": "sdpa"}, cpu, window=window)
+    else:
+        ref_loss, ref_grads = run({"attention": "sdpa"}, reference_mesh, torch.float32)
+        plain_loss, plain_grads = run({"attention": "sdpa"}, reference_mesh)
     out = {
         "yardstick": {"loss_rel": abs(plain_loss - ref_loss) / ref_loss, "grad_rel": distance(plain_grads, ref_grads)}
     }
     for name, techniques in cases.items():
-        loss, grads = run(techniques, mesh)
+        loss, grads = run(techniques, mesh, window=window)
         out[name] = {"loss_rel": abs(loss - ref_loss) / ref_loss, "grad_rel": distance(grads, ref_grads)}
     return out
 
@@ -108,22 +129,35 @@ def check(results: dict) -> None:
     assert not bad, "\n".join(bad)
 
 
-def test_flash_and_head_chunks_match_sdpa_on_one_gpu():
-    _flash_skip()
-    from trials.dist import Mesh
-
-    mesh = Mesh.single(torch.device("cuda", 0))
-    cases = {
-        "flash": {"attention": "flash"},
-        "flash, head_chunk=1": {"attention": "flash", "head_chunk": 1},
-        "flash, head_chunk=4 + checkpointing": {
-            "attention": "flash",
+def _one_gpu_cases(kernel: str) -> dict:
+    return {
+        kernel: {"attention": kernel},
+        f"{kernel}, head_chunk=1": {"attention": kernel, "head_chunk": 1},
+        f"{kernel}, head_chunk=4 + checkpointing": {
+            "attention": kernel,
             "head_chunk": 4,
             "activation_checkpointing": True,
         },
-        "sdpa, head_chunk=2": {"attention": "sdpa", "head_chunk": 2},
     }
-    check(compare(cases, mesh, mesh))
+
+
+@pytest.mark.parametrize("kernel", ["flash", "flash3", "flash4"])
+def test_flash_kernel_and_head_chunks_match_sdpa_on_one_gpu(kernel):
+    _flash_skip(kernel)
+    from trials.dist import Mesh
+
+    mesh = Mesh.single(torch.device("cuda", 0))
+    check(compare({**_one_gpu_cases(kernel), "sdpa, head_chunk=2": {"attention": "sdpa", "head_chunk": 2}}, mesh, mesh))
+
+
+@pytest.mark.parametrize("kernel", ["flash", "flash3", "flash4"])
+def test_flash_kernel_with_a_sliding_window_matches_sdpa_on_one_gpu(kernel):
+    """The window's (left, right) form each kernel takes, whole layers and head chunks."""
+    _flash_skip(kernel)
+    from trials.dist import Mesh
+
+    mesh = Mesh.single(torch.device("cuda", 0))
+    check(compare(_one_gpu_cases(kernel), mesh, mesh, window=WINDOW))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -6,9 +6,10 @@ Shapes (Hugging Face convention at the call site):
 
 Causal masking is implied (training on whole sequences; position ids are not packed), so no [seq, seq] mask
 is ever built. A layer may attend through a sliding window ``W`` (Hugging Face's ``sliding_window``: query ``i``
-sees keys ``i-W+1 .. i``) and may softcap its logits (Gemma 2). Kernels:
-- ``flash``: flash-attn's ``flash_attn_func`` (CUDA, handles GQA natively; a window is its ``window_size``, a
-  softcap its ``softcap``);
+sees keys ``i-W+1 .. i``) and may softcap its logits (Gemma 2). Kernels (``trials.kernels``):
+- ``flash`` / ``flash3`` / ``flash4``: FlashAttention 2 / 3 / 4's ``flash_attn_func`` (CUDA, GQA natively, layout
+  "bshd"; a window is its ``window_size`` -- (W - 1, 0), unlimited (-1, -1), FA4's (None, None) -- a softcap its
+  ``softcap``). Head-chunked attention drives each one's low-level forward and backward (below);
 - ``sdpa``: torch's fused SDPA. On CPU it runs the flash-style kernel, which saves (out, logsumexp) for
   backward; kv heads are repeated to the query heads first (the CPU kernel has no GQA), which costs
   2 * seq * (q_heads - kv_heads) * head_dim elements per layer — part of the known footprint. A window runs as
@@ -28,83 +29,69 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from trials.kernels import FLASH_KERNELS, KERNELS, install_problem, kernel_problem
+
 ATTN_IMPLEMENTATION = "autotune"
-
-try:  # optional GPU extra
-    from flash_attn import flash_attn_func  # type: ignore
-
-    FLASH_IMPORT_ERROR = None
-    FLASH_INSTALLED = True
-except Exception as exc:  # pragma: no cover - not installed (CPU machines), or installed but broken: say which
-    flash_attn_func = None
-    FLASH_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
-    # installed but broken (an ABI mismatch with torch, a missing CUDA library) is worth a loud warning;
-    # simply absent is the normal state of a CPU machine
-    FLASH_INSTALLED = not (isinstance(exc, ModuleNotFoundError) and exc.name == "flash_attn")
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 WINDOW_BLOCK = 256  # queries per block of the CPU kernel's windowed attention
 
 
-def flash_problem() -> str | None:
-    """Why flash-attn cannot be used in this process (None when it can be imported or stands in)."""
-    if _flash.func is not None:
-        return None
-    if FLASH_INSTALLED:
-        return f"flash-attn is installed but cannot be imported ({FLASH_IMPORT_ERROR})"
-    return "flash-attn is not installed (bin/setup-gpu installs it)"
+# -- the flash kernels' entry points: real (imported on use) or stand-ins ---------------------------------------------
 
-
-def _flash_unavailable(device: torch.device) -> str:
-    why = flash_problem() or f"the device is {device}"
-    return f"attention 'flash' needs flash-attn installed and a CUDA device: {why}"
-
-
-def flash_available(device: torch.device) -> bool:
-    return _flash.func is not None and (device.type == "cuda" or _flash.any_device)
-
-
-class _FlashKernels:
-    """The flash-attn entry points in use: flash-attn's own, or stand-ins (``flash_kernels``)."""
-
-    def __init__(self):
-        self.func = flash_attn_func
-        self.wrapped_forward = None  # flash-attn >= 2.7 ``_wrapped_flash_attn_forward`` / ``_backward``: on use
-        self.wrapped_backward = None
-        self.any_device = False
-
-
-_flash = _FlashKernels()
+_stand_ins: dict[str, dict] = {}  # kernel name -> {"layer", "forward", "backward"}: callables or None (the real one)
 
 
 @contextlib.contextmanager
-def flash_kernels(func, wrapped_forward, wrapped_backward):
-    """Use stand-ins for flash-attn's kernels on any device while inside (restored on exit): the memory oracle
-    runs ``attention='flash'`` under FakeTensorMode on a CPU-only torch with flash-attn's memory footprint."""
-    saved = dict(vars(_flash))
-    _flash.func, _flash.wrapped_forward, _flash.wrapped_backward, _flash.any_device = (
-        func,
-        wrapped_forward,
-        wrapped_backward,
-        True,
-    )
+def flash_kernels(layer, forward=None, backward=None, kernel: str = "flash"):
+    """Use stand-ins for flash kernel ``kernel``'s entry points (``trials.kernels.EntryPoints``: ``layer``,
+    ``forward``, ``backward``; None keeps the real one) on any device while inside (restored on exit): the memory
+    oracle runs the flash kernels under FakeTensorMode on a CPU-only torch with their memory footprints, and CPU
+    tests run them through stand-ins with the real call signatures."""
+    if kernel not in FLASH_KERNELS:
+        raise ValueError(f"{kernel!r} is not a flash kernel ({', '.join(FLASH_KERNELS)})")
+    saved = _stand_ins.get(kernel)
+    _stand_ins[kernel] = {"layer": layer, "forward": forward, "backward": backward}
     try:
         yield
     finally:
-        vars(_flash).update(saved)
+        if saved is None:
+            _stand_ins.pop(kernel, None)
+        else:
+            _stand_ins[kernel] = saved
 
 
-def _wrapped_flash(direction: str):
-    stand_in = _flash.wrapped_forward if direction == "forward" else _flash.wrapped_backward
-    if stand_in is not None:
-        return stand_in
-    from flash_attn import flash_attn_interface  # flash-attn >= 2.7
-
-    return getattr(flash_attn_interface, f"_wrapped_flash_attn_{direction}")
+def _entry(kernel: str, which: str):
+    stand_in = _stand_ins.get(kernel, {}).get(which)
+    return stand_in if stand_in is not None else KERNELS[kernel].entry_points.resolve(which)
 
 
-def flash_inputs(*tensors):
-    """q/k/v in the one 16-bit dtype flash-attn computes in.
+def flash_problem(kernel: str = "flash") -> str | None:
+    """Why flash kernel ``kernel``'s entry points cannot be used in this process (None: they import, or stand in)."""
+    return None if kernel in _stand_ins else install_problem(kernel)
+
+
+def _device_major(device: torch.device) -> int | None:
+    return torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else None
+
+
+def flash_available(device: torch.device, kernel: str = "flash") -> bool:
+    """Whether flash kernel ``kernel`` runs on ``device``: stand-ins run anywhere; the real one needs its package
+    and a GPU of a generation it is built for."""
+    if kernel in _stand_ins:
+        return True
+    return device.type == "cuda" and kernel_problem(kernel, _device_major(device)) is None
+
+
+def _require(kernel: str, device: torch.device) -> None:
+    """Refuse, in one line naming the kernel and its package, a flash kernel that cannot run on ``device``."""
+    if not flash_available(device, kernel):
+        problem = kernel_problem(kernel, _device_major(device))
+        raise RuntimeError(f"attention {kernel!r} cannot run here: {problem or f'the device is {device}'}")
+
+
+def flash_inputs(*tensors, kernel: str = "flash"):
+    """q/k/v in the one 16-bit dtype the flash kernels compute in.
 
     Under autocast, HF's rotary step multiplies 16-bit q/k by fp32 cos/sin, so q/k arrive in fp32 while v is
     16-bit; flash-attn takes fp16/bf16 only, all three in one dtype. The target is the autocast dtype when
@@ -116,7 +103,7 @@ def flash_inputs(*tensors):
         dtype = next((t.dtype for t in reversed(tensors) if t.dtype in FLASH_DTYPES), None)
     if dtype is None:
         raise RuntimeError(
-            f"attention 'flash' computes in fp16/bf16 only, got q/k/v in "
+            f"attention {kernel!r} computes in fp16/bf16 only, got q/k/v in "
             f"{', '.join(str(t.dtype) for t in tensors)} (use compute dtype bf16, or attention 'sdpa')"
         )
     return tuple(t if t.dtype == dtype else t.to(dtype) for t in tensors)
@@ -143,22 +130,26 @@ def causal_attention(
 ):
     """[b, hq, s, d] x [b, hkv, s, d] -> [b, s, hq, d], causal (within ``window`` keys when given)."""
     window = band(window, key.shape[2])
-    if kernel == "flash":
-        if not flash_available(query.device):
-            raise RuntimeError(_flash_unavailable(query.device))
-        query, key, value = flash_inputs(query, key, value)
-        return _flash.func(
+    if kernel in FLASH_KERNELS:
+        _require(kernel, query.device)
+        query, key, value = flash_inputs(query, key, value, kernel=kernel)
+        out = _entry(kernel, "layer")(
             query.transpose(1, 2),
             key.transpose(1, 2),
             value.transpose(1, 2),
-            causal=True,
             softmax_scale=scaling,
-            window_size=(window - 1, 0) if window else (-1, -1),
+            causal=True,
+            window_size=_window_size(kernel, window),
             softcap=softcap or 0.0,
         )
+        return out[0] if isinstance(out, tuple) else out  # FA4 returns (out, lse); FA3 with return_attn_probs
     _refuse(kernel, query.device, window, softcap)
     if window:
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        device_type = query.device.type
+        if torch.is_autocast_enabled(device_type):  # what autocast does for F.scaled_dot_product_attention
+            dtype = torch.get_autocast_dtype(device_type)
+            query, key, value = (t.to(dtype) for t in (query, key, value))
         return _WindowedAttention.apply(query, key, value, scale, window).transpose(1, 2)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
@@ -202,12 +193,12 @@ def register() -> None:
 # (``head_layout``), so the caller can produce them densely in one copy (the CPU flash kernel is many times
 # slower on some strided inputs, e.g. one head viewed out of a wider buffer):
 #   "bhsd": query [b, hq, s, d], key/value [b, hkv, s, d]   (torch SDPA kernels: CPU flash, CUDA mem-efficient)
-#   "bshd": query [b, s, hq, d], key/value [b, s, hkv, d]   (flash-attn)
+#   "bshd": query [b, s, hq, d], key/value [b, s, hkv, d]   (the flash kernels)
 # hq is a multiple of hkv (GQA); out has the query's shape and layout.
 
 
 def head_layout(kernel: str) -> str:
-    return "bshd" if kernel == "flash" else "bhsd"
+    return KERNELS[kernel].layout
 
 
 def _repeat_kv(tensor, groups: int):
@@ -223,23 +214,34 @@ def _sum_kv_groups(grad, groups: int):
     return grad.view(b, h // groups, groups, s, d).sum(dim=2)
 
 
-def _flash_band(window: int | None, softcap: float | None) -> tuple[int, int, float]:
-    """flash-attn's (window_size_left, window_size_right, softcap) of a causal call (-1: unlimited)."""
-    return (window - 1, 0, softcap or 0.0) if window else (-1, -1, softcap or 0.0)
+def _window_size(kernel: str, window: int | None) -> tuple:
+    """A causal call's (window_size_left, window_size_right) in ``kernel``'s form: query i sees keys i - left ..
+    i + right; unlimited is -1 in FA2 / FA3 and None in FA4."""
+    if window:
+        return (window - 1, 0)
+    return (None, None) if kernel == "flash4" else (-1, -1)
 
 
 def attention_forward(query, key, value, scaling: float, kernel: str = "sdpa", window=None, softcap=None):
     """Causal attention (within ``window`` keys) without autograd, in ``head_layout(kernel)``; returns (out,
     residuals tuple)."""
-    if kernel == "flash":
-        if not flash_available(query.device):
-            raise RuntimeError(_flash_unavailable(query.device))
-        window = band(window, key.shape[1])
-        query, key, value = flash_inputs(query, key, value)
-        out, lse, _, rng_state = _wrapped_flash("forward")(
-            query, key, value, 0.0, scaling, True, *_flash_band(window, softcap), None, False
-        )
-        return out, (lse, rng_state)
+    if kernel in FLASH_KERNELS:
+        _require(kernel, query.device)
+        left, right = _window_size(kernel, band(window, key.shape[1]))
+        query, key, value = flash_inputs(query, key, value, kernel=kernel)
+        forward = _entry(kernel, "forward")
+        if kernel == "flash":  # (out, softmax_lse, S_dmask, rng_state); positional, as flash-attn 2's op takes them
+            out, lse, _, rng_state = forward(
+                query, key, value, 0.0, scaling, True, left, right, softcap or 0.0, None, False
+            )
+            return out, (lse, rng_state)
+        kwargs = dict(softmax_scale=scaling, causal=True, softcap=softcap or 0.0)
+        kwargs.update(window_size_left=left, window_size_right=right)
+        if kernel == "flash3":  # (out, softmax_lse, out_accum, softmax_lse_accum)
+            out, lse, *_ = forward(query, key, value, **kwargs)
+        else:  # flash4: (out, lse, p, row_max); lse only when asked for (or when an input requires grad)
+            out, lse, *_ = forward(query, key, value, **kwargs, return_lse=True)
+        return out, (lse,)
     window = band(window, key.shape[2])
     _refuse(kernel, query.device, window, softcap)
     groups = query.shape[1] // key.shape[1]
@@ -262,12 +264,21 @@ def attention_backward(
     grad_out, query, key, value, out, residuals, scaling: float, kernel: str = "sdpa", window=None, softcap=None
 ):
     """Gradients (dq, dk, dv) of ``attention_forward``, same layout and shapes as (query, key, value)."""
-    if kernel == "flash":
-        window = band(window, key.shape[1])
-        lse, rng_state = residuals
+    if kernel in FLASH_KERNELS:
+        left, right = _window_size(kernel, band(window, key.shape[1]))
+        backward, softcap = _entry(kernel, "backward"), softcap or 0.0
+        kwargs = dict(softmax_scale=scaling, softcap=softcap, window_size_left=left, window_size_right=right)
+        if kernel == "flash4":  # allocates and returns (dq, dk, dv); its order: q, k, v, out, dout, lse
+            (lse,) = residuals
+            return backward(query, key, value, out, grad_out, lse, causal=True, **kwargs)[:3]
         dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
-        args = (grad_out, query, key, value, out, lse, dq, dk, dv, 0.0, scaling, True)
-        _wrapped_flash("backward")(*args, *_flash_band(window, softcap), None, False, rng_state)
+        if kernel == "flash":  # into dq/dk/dv; returns softmax_d
+            lse, rng_state = residuals
+            args = (grad_out, query, key, value, out, lse, dq, dk, dv, 0.0, scaling, True, left, right, softcap)
+            backward(*args, None, False, rng_state)
+        else:  # flash3: into dq/dk/dv; returns softmax_d
+            (lse,) = residuals
+            backward(grad_out, query, key, value, out, lse, dq=dq, dk=dk, dv=dv, is_causal=True, **kwargs)
         return dq, dk, dv
     window = band(window, key.shape[2])
     groups = query.shape[1] // key.shape[1]

@@ -5,13 +5,37 @@ GPU generations it runs on, where its Python entry points live, its tensor layou
 installs it, and the name each trainer knows it by. Everything else (whether it is installed here, which kernels a
 hardware preset offers, what an export writes) derives from these declarations.
 
-Nothing here imports torch or a kernel package: detection imports lazily.
+A flash kernel has three entry points (``EntryPoints``), each ``"module:attribute"``: the autograd function of a
+whole layer, and the low-level forward (returning the logsumexp) and backward (taking it) that head-chunked
+attention drives. How each is called (argument names and forms) is code, in ``trials.attention``. The names and
+signatures are those of Dao-AILab/flash-attention at commit 0251105a2fb19d2957484b7f023cd8c115286ced:
+    FA2  flash_attn/flash_attn_interface.py  flash_attn_func (l. 1156), _flash_attn_forward (l. 85, exported as
+         _wrapped_flash_attn_forward), _flash_attn_backward (l. 253, _wrapped_flash_attn_backward)
+    FA3  hopper/flash_attn_interface.py      flash_attn_func (l. 809), _flash_attn_forward (l. 60),
+         _flash_attn_backward (l. 259)
+    FA4  flash_attn/cute/interface.py        flash_attn_func (l. 3371), _flash_attn_fwd (l. 521), _flash_attn_bwd (l. 1807)
+
+Nothing here imports torch or a kernel package at import time: detection imports lazily.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EntryPoints:
+    """A flash kernel's Python entry points, each ``"module:attribute"``."""
+
+    layer: str  # autograd function of a whole layer: (q, k, v, ...) -> out (FA3 / FA4 may return (out, lse))
+    forward: str  # low-level forward: (out, softmax_lse, ...) without autograd
+    backward: str  # low-level backward: takes softmax_lse back, gives dq, dk, dv
+
+    def resolve(self, which: str):
+        """The entry point ``which`` ("layer" | "forward" | "backward"), imported."""
+        module, attribute = getattr(self, which).split(":")
+        return getattr(importlib.import_module(module), attribute)
 
 
 @dataclass(frozen=True)
@@ -23,16 +47,22 @@ class AttentionKernel:
     package: str | None  # what installs it (``bin/setup-gpu``); None: ships with torch
     compute_capabilities: tuple[int, ...]  # CUDA compute-capability majors it runs on; () = any device, CPU too
     hf_implementation: str  # transformers' ``attn_implementation`` (what DeepSpeed/Accelerate/ArcticTraining pass)
+    entry_points: EntryPoints | None = None  # None: torch's own ops
+
+    def import_error(self) -> Exception | None:
+        """The error importing its entry points raises in this process (None: they import; SDPA always does)."""
+        if self.entry_points is None:
+            return None
+        try:
+            for which in ("layer", "forward", "backward"):
+                self.entry_points.resolve(which)
+        except Exception as exc:  # absent, or present but broken (an ABI mismatch): not usable either way
+            return exc
+        return None
 
     def installed(self) -> bool:
-        """Whether its entry points import in this process (torch's SDPA always does)."""
-        if self.module is None:
-            return True
-        try:
-            importlib.import_module(self.module)
-        except Exception:  # absent, or present but broken (an ABI mismatch): not usable either way
-            return False
-        return True
+        """Whether its entry points import in this process."""
+        return self.import_error() is None
 
     def runs_on(self, compute_capability_major: int | None) -> bool:
         """Whether it runs on a GPU of this generation (None: a CPU)."""
@@ -59,8 +89,14 @@ KERNELS: dict[str, AttentionKernel] = {
             layout="bshd",
             module="flash_attn",
             package="flash-attn",
-            compute_capabilities=(8, 9),
+            # setup.py l. 74 builds "80;90;100;110;120" by default (Blackwell with CUDA >= 12.8, l. 101-143)
+            compute_capabilities=(8, 9, 10, 11, 12),
             hf_implementation="flash_attention_2",
+            entry_points=EntryPoints(
+                "flash_attn:flash_attn_func",
+                "flash_attn.flash_attn_interface:_wrapped_flash_attn_forward",  # flash-attn >= 2.7
+                "flash_attn.flash_attn_interface:_wrapped_flash_attn_backward",
+            ),
         ),
         AttentionKernel(
             "flash3",
@@ -68,8 +104,13 @@ KERNELS: dict[str, AttentionKernel] = {
             layout="bshd",
             module="flash_attn_interface",
             package="flash-attn-3",
-            compute_capabilities=(9,),
+            compute_capabilities=(9,),  # its sm90a kernels (hopper/setup.py also builds SM8x ones; FA2 serves 8.x)
             hf_implementation="flash_attention_3",
+            entry_points=EntryPoints(
+                "flash_attn_interface:flash_attn_func",
+                "flash_attn_interface:_flash_attn_forward",
+                "flash_attn_interface:_flash_attn_backward",
+            ),
         ),
         AttentionKernel(
             "flash4",
@@ -77,10 +118,80 @@ KERNELS: dict[str, AttentionKernel] = {
             layout="bshd",
             module="flash_attn.cute",
             package="flash-attn-4",
-            compute_capabilities=(10,),
+            # training needs the backward: _flash_attn_bwd asserts ``arch // 10 in [9, 10, 11, 12]``
+            # (flash_attn/cute/interface.py l. 1854; the forward also takes 8, l. 681), so Hopper runs it too
+            compute_capabilities=(9, 10, 11, 12),
             hf_implementation="flash_attention_4",
+            entry_points=EntryPoints(
+                "flash_attn.cute:flash_attn_func",
+                "flash_attn.cute.interface:_flash_attn_fwd",
+                "flash_attn.cute.interface:_flash_attn_bwd",
+            ),
         ),
     )
 }
 KERNEL_NAMES = tuple(KERNELS)
 FLASH_KERNELS = tuple(name for name, kernel in KERNELS.items() if kernel.layout == "bshd")
+
+
+def this_node_compute_capability() -> int | None:
+    """The compute-capability major of this node's first CUDA device (None: no CUDA device)."""
+    import torch
+
+    return torch.cuda.get_device_capability(0)[0] if torch.cuda.is_available() else None
+
+
+def _missing(kernel: AttentionKernel, error: Exception) -> bool:
+    """Whether ``error`` says the kernel's package is simply absent (its module, or a parent of it, not found)."""
+    name = getattr(error, "name", None) if isinstance(error, ModuleNotFoundError) else None
+    return name is not None and (kernel.module == name or kernel.module.startswith(name + "."))
+
+
+def broken_import(name: str) -> str | None:
+    """The import error of kernel ``name`` when its package is installed but does not import (an ABI mismatch with
+    torch, a missing CUDA library); None when it imports or is simply absent."""
+    kernel = KERNELS[name]
+    error = kernel.import_error()
+    return None if error is None or _missing(kernel, error) else f"{type(error).__name__}: {error}"
+
+
+def install_problem(name: str) -> str | None:
+    """Why kernel ``name``'s entry points cannot be used in this process, as a clause naming its package and
+    ``bin/setup-gpu`` (None: they import)."""
+    kernel = KERNELS[name]
+    error = kernel.import_error()
+    if error is None:
+        return None
+    if _missing(kernel, error):
+        return f"{kernel.package} is not installed (module {kernel.module}; bin/setup-gpu sets up the GPU kernels)"
+    why = f"{type(error).__name__}: {error}"
+    return f"{kernel.package} is installed but does not import ({why}; reinstall it with bin/setup-gpu)"
+
+
+def device_problem(name: str, compute_capability_major: int | None) -> str | None:
+    """Why kernel ``name`` does not run on a device of this generation (None: a CPU), as a clause; None: it does."""
+    kernel = KERNELS[name]
+    if kernel.runs_on(compute_capability_major):
+        return None
+    here = "a CPU" if compute_capability_major is None else f"compute capability {compute_capability_major}.x"
+    majors = ", ".join(f"{m}.x" for m in kernel.compute_capabilities)
+    return f"{kernel.package} runs on compute capability {majors} GPUs, not on {here}"
+
+
+def kernel_problem(name: str, compute_capability_major: int | None) -> str | None:
+    """Why kernel ``name`` cannot run here on a device of this generation (None: a CPU): the clause that follows
+    "attention 'NAME' cannot run here: " (``refusal``); None when it can."""
+    return install_problem(name) or device_problem(name, compute_capability_major)
+
+
+def refusal(name: str, compute_capability_major: int | None) -> str | None:
+    """The one line that refuses kernel ``name`` here (``kernel_problem`` with the kernel named); None: it runs."""
+    problem = kernel_problem(name, compute_capability_major)
+    return f"attention {name!r} cannot run here: {problem}" if problem else None
+
+
+def usable_here() -> tuple[str, ...]:
+    """The kernels that run on this node: installed, and built for its first CUDA device's generation (torch's
+    SDPA everywhere). What a search of real trials on this node may propose."""
+    major = this_node_compute_capability()
+    return tuple(name for name in KERNEL_NAMES if kernel_problem(name, major) is None)

@@ -10,8 +10,9 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from trials.errors import ConfigError
+from trials.kernels import KERNEL_NAMES
 
-ATTENTION_KERNELS = ("flash", "sdpa")
+ATTENTION_KERNELS = KERNEL_NAMES  # sdpa first (the default), then the flash kernels
 ALL_LAYERS = "all"  # the word for "every decoder layer" (resolved with the model's layer count)
 
 

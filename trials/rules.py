@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+from trials.kernels import FLASH_KERNELS
 from trials.knobs import ATTENTION_KERNELS, declared_knobs
 
 
@@ -52,18 +53,19 @@ def head_chunk_split_problem(chunk: int | None, degree: int, model_config: dict)
 def attention_kernel_problem(attention: str, features: dict, on_gpu: bool) -> str | None:
     """Why kernel ``attention`` cannot run a model whose attention needs ``features``
     (``trials.families.Family.attention_features``: ``window``, ``softcap``) on a GPU or on the CPU (None: it can).
-    flash-attn runs both; torch's SDPA runs a window on the CPU kernel only (as masked blocks) and no softcap."""
-    if attention != "sdpa":
+    Every flash kernel (``trials.kernels.FLASH_KERNELS``) runs both; torch's SDPA runs a window on the CPU kernel only
+    (as masked blocks) and no softcap."""
+    if attention in FLASH_KERNELS or attention not in ATTENTION_KERNELS:  # unknown names: ``problems`` says so
         return None
     if features.get("softcap"):
         return (
             f"attention 'sdpa' cannot softcap attention logits (attn_logit_softcapping {features['softcap']:g}): "
-            "use attention 'flash'"
+            f"use a flash kernel ({', '.join(FLASH_KERNELS)})"
         )
     if features.get("window") and on_gpu:
         return (
             f"attention 'sdpa' runs sliding windows (sliding_window {features['window']:,}) on the CPU only: "
-            "use attention 'flash' on GPUs"
+            f"use a flash kernel ({', '.join(FLASH_KERNELS)}) on GPUs"
         )
     return None
 

@@ -135,7 +135,11 @@ class Techniques:
         length_unit="grid",
     )
     attention: str = knob(
-        "sdpa", "choice", "attention kernel: flash (flash-attn, CUDA) or sdpa", choices=ATTENTION_KERNELS, alst="flash"
+        "sdpa",
+        "choice",
+        "attention kernel: sdpa (torch), or flash / flash3 / flash4 (FlashAttention 2 / 3 / 4, CUDA)",
+        choices=ATTENTION_KERNELS,
+        alst="flash",
     )
 
     @classmethod

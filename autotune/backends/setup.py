@@ -1,5 +1,5 @@
 """What the commands that run trials check and choose before the first one starts: the hardware a local trial
-runs on, this node's devices and flash-attn, the agents of several nodes, a depth, a node's GPU count.
+runs on, this node's devices and attention kernels, the agents of several nodes, a depth, a node's GPU count.
 Each refusal is a ``UserError`` (bad input: one line, exit 2)."""
 
 from __future__ import annotations
@@ -32,19 +32,20 @@ def check_depth(depth: str) -> str:
     return depth
 
 
-def check_local_node(gpus: int, wants_flash: bool) -> None:
-    """What a real trial on this node needs before it starts: enough visible devices, a usable flash-attn."""
+def check_local_node(gpus: int, attention: str | None = None) -> None:
+    """What a real trial on this node needs before it starts: enough visible devices, and its ``attention`` kernel
+    installed and built for this node's GPU generation (``trials.kernels``; torch's SDPA runs anywhere)."""
     visible = visible_devices()
     if visible and gpus > visible:
         raise UserError(
             f"--gpus {gpus} but this node shows {visible} CUDA device(s) (CUDA_VISIBLE_DEVICES limits them)"
         )
-    if wants_flash:
-        from trials.attention import flash_problem
+    if attention:
+        from trials.kernels import refusal, this_node_compute_capability
 
-        problem = flash_problem() or (None if visible else "this node has no CUDA device")
-        if problem:
-            raise UserError(f"attention 'flash' cannot run here: {problem}")
+        line = refusal(attention, this_node_compute_capability() if visible else None)
+        if line:
+            raise UserError(line)
 
 
 def check_node_size(hw: Hardware, gpus: int, nodes: int) -> None:
@@ -72,6 +73,10 @@ def open_node_group(nodes: int, rdzv_endpoint: str | None, backend_name: str = "
     return NodeGroup.open(rdzv_endpoint, nodes)
 
 
+# TODO(search, issue 39): autotune/search/request.py gates only ``flash`` (``flash_ok = ... or flash_installed()``);
+# a local search must propose exactly the kernels of ``trials.kernels.usable_here()`` (installed and built for this
+# node's GPU generation: e.g. ("sdpa", "flash", "flash3") on an H100 with FA2 and FA3), and a plan search for GPUs
+# the kernels its hardware preset offers.
 def flash_installed() -> bool:
     """Whether attention ``flash`` runs on this node's first CUDA device."""
     from trials.attention import flash_available
@@ -82,9 +87,12 @@ def flash_installed() -> bool:
 def broken_flash_warning() -> str | None:
     """flash-attn installed but not importable (an ABI mismatch with torch, a missing CUDA library) makes
     ``flash`` vanish from a search on a GPU node: the warning that says so, with the import error; else None."""
-    from trials.attention import FLASH_INSTALLED, flash_problem
+    from trials.kernels import broken_import
 
-    problem = flash_problem()
-    if FLASH_INSTALLED and problem:
-        return f"{problem}; attention 'flash' is left out of this search (reinstall it with bin/setup-gpu)"
+    error = broken_import("flash")
+    if error:
+        return (
+            f"flash-attn is installed but cannot be imported ({error}); attention 'flash' is left out of this search "
+            "(reinstall it with bin/setup-gpu)"
+        )
     return None

@@ -154,7 +154,7 @@ def trial(
         fail(f"--seq is required: {'--config baseline' if config == 'baseline' else 'the config file'} has no seq_len")
     hw = trial_hardware("local", run.hardware, memory_gib).for_nodes(run.nodes)
     run.techniques.validate(run.model_config, run.gpus * run.nodes, run.seq_len, on_gpu=not hw.device_is_host)
-    check_local_node(run.gpus, run.techniques.attention == "flash")
+    check_local_node(run.gpus, run.techniques.attention)
     check_depth(depth)
     group = open_node_group(run.nodes, rdzv_endpoint)
     _say_overrides(run.notices)

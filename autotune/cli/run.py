@@ -59,7 +59,7 @@ def run(
     import torch
 
     loaded.techniques.validate(model_config, loaded.gpus, loaded.seq_len, on_gpu=torch.cuda.is_available())
-    check_local_node(loaded.gpus, loaded.techniques.attention == "flash")
+    check_local_node(loaded.gpus, loaded.techniques.attention)
     if data is not None:
         check_token_file(data, model_config["vocab_size"], loaded.seq_len)
     command = torchrun_command(str(config), loaded.gpus, str(steps)).split()

@@ -14,7 +14,10 @@ What a fake trace needs that a real trial does not:
 - GPU kernels whose memory differs from the CPU kernels are modelled (``gpu_kernels``):
   ``attention='flash'`` runs a fake flash-attn op with flash-attn 2's footprint (saves q, k, v, out and the
   fp32 logsumexp; no kv-head repeat for GQA; backward allocates dq/dk/dv plus its fp32 ``dq_accum``,
-  ``softmax_d`` and, for GQA, ``dk``/``dv`` expanded to the query heads); ``attention='sdpa'`` keeps the trial's
+  ``softmax_d`` and, for GQA, ``dk``/``dv`` expanded to the query heads); ``flash3`` / ``flash4`` run fakes with
+  FA3's / FA4's footprints (the same saved tensors; backward's fp32 ``dq_accum``, ``softmax_d`` / ``dpsum`` and
+  ``lse_log2`` over seqlen rounded to the kernel's block, and for GQA fp32 ``dk``/``dv`` accumulators at the kv
+  heads: ``autotune.oracle.fake_world``); ``attention='sdpa'`` keeps the trial's
   kv repeat and adds the CUDA flash backward's fp32 ``dq_accum`` + ``softmax_d`` to the CPU kernel's;
 - ``.item()`` / ``float(t)`` on a fake tensor (the step's loss and grad norm) return a constant;
 - the optimizer states are created up front by one optimizer step on zero gradients ("priming"), so one

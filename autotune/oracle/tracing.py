@@ -120,7 +120,7 @@ def trace(
                 extra_modes = list(modes(tracker)) if modes is not None else []
                 with contextlib.ExitStack() as stack:
                     # the step alone: flash stand-ins for its attention, FSDP's buffers labelled params
-                    stack.enter_context(fake_flash_kernels(gpu_kernels and techniques.attention == "flash"))
+                    stack.enter_context(fake_flash_kernels(gpu_kernels, techniques.attention))
                     stack.enter_context(
                         patches.fsdp_all_gather_buffers(
                             lambda fsdp_param: tracker.retag(fsdp_param.all_gather_outputs, "params")

@@ -1,0 +1,572 @@
+"""Attention kernels (issue 39): FlashAttention 2 / 3 / 4 in the stack and the oracle, on CPU.
+
+- Signatures: the CPU stand-ins here and the oracle's fakes take the real entry points' arguments; the real
+  signatures are data below (copied from the source), and every call the stack makes binds to them.
+- Exactness: each flash kernel, through CPU stand-ins that compute what the real kernel computes from the arguments
+  it is given, gives SDPA's loss and gradients, whole layers and head-chunked, with and without a sliding window;
+  at the kernel level, its forward / backward (softcap included) equal an fp32 reference.
+- The oracle: a traced step with each flash kernel runs its fakes, and their bytes are the footprints the source
+  allocates (forward: out + fp32 lse; backward: each kernel's scratch).
+- Refusal: a kernel that is not installed is refused in one line naming it, its package and bin/setup-gpu.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import pytest
+import torch
+
+from tests.model_families import TINY_WINDOW, save, tiny_configs
+from trials import attention
+from trials.kernels import FLASH_KERNELS, KERNELS
+
+# -- the real signatures ---------------------------------------------------------------------------------------------
+# Dao-AILab/flash-attention at commit 0251105a2fb19d2957484b7f023cd8c115286ced (annotations dropped):
+#   flash:  flash_attn/flash_attn_interface.py  flash_attn_func l. 1156; _flash_attn_forward l. 85 and
+#           _flash_attn_backward l. 253 (``_wrapped_flash_attn_forward`` / ``_backward`` on torch >= 2.4)
+#   flash3: hopper/flash_attn_interface.py      flash_attn_func l. 809; _flash_attn_forward l. 60;
+#           _flash_attn_backward l. 259
+#   flash4: flash_attn/cute/interface.py        flash_attn_func l. 3371; _flash_attn_fwd l. 521; _flash_attn_bwd l. 1807
+REAL_SIGNATURES = {
+    "flash": {
+        "layer": "q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, "
+        "alibi_slopes=None, deterministic=False, return_attn_probs=False",
+        "forward": "q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, "
+        "alibi_slopes, return_softmax",
+        "backward": "dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size_left, "
+        "window_size_right, softcap, alibi_slopes, deterministic, rng_state=None",
+    },
+    "flash3": {
+        "layer": "q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None, "
+        "v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None, "
+        "deterministic=False, sm_margin=0, return_attn_probs=False",
+        "forward": "q, k, v, k_new=None, v_new=None, qv=None, out_=None, cu_seqlens_q=None, cu_seqlens_k=None, "
+        "cu_seqlens_k_new=None, seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None, "
+        "page_table=None, kv_batch_idx=None, leftpad_k=None, rotary_cos=None, rotary_sin=None, "
+        "seqlens_rotary=None, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False, "
+        "window_size_left=-1, window_size_right=-1, attention_chunk=0, softcap=0.0, rotary_interleaved=True, "
+        "scheduler_metadata=None, num_splits=1, pack_gqa=None, sm_margin=0",
+        "backward": "dout, q, k, v, out, softmax_lse, cu_seqlens_q=None, cu_seqlens_k=None, sequed_q=None, "
+        "sequed_k=None, max_seqlen_q=None, max_seqlen_k=None, dq=None, dk=None, dv=None, softmax_scale=None, "
+        "is_causal=False, window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=False, sm_margin=0",
+    },
+    "flash4": {
+        "layer": "q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None, causal=False, "
+        "window_size=(None, None), learnable_sink=None, softcap=0.0, num_splits=1, pack_gqa=None, "
+        "deterministic=False, score_mod=None, score_mod_bwd=None, mask_mod=None, aux_tensors=None, "
+        "aux_scalars=None, block_sparse_tensors=None, block_sparse_tensors_bwd=None, return_lse=False",
+        "forward": "q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, "
+        "max_seqlen_q=None, max_seqlen_k=None, min_seqlen_k=None, page_table=None, softmax_scale=None, "
+        "causal=False, softcap=None, window_size_left=None, window_size_right=None, learnable_sink=None, "
+        "tile_mn=None, mma_pv_is_rs=None, intra_wg_overlap=None, num_threads=384, num_splits=1, pack_gqa=None, "
+        "_arch=None, score_mod=None, mask_mod=None, block_sparse_tensors=None, return_lse=False, out=None, "
+        "lse=None, aux_tensors=None, aux_scalars=None, q_descale=None, k_descale=None, v_descale=None, "
+        "gather_kv_indices=None, scheduler_metadata=None, seqlen_k_per_split=None, "
+        "disable_scheduler_metadata=False",
+        "backward": "q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0, window_size_left=None, "
+        "window_size_right=None, m_block_size=64, n_block_size=128, num_threads=256, pack_gqa=False, "
+        "num_stages_Q=2, num_stages_dO=2, SdP_swapAB=False, dKV_swapAB=False, dQ_swapAB=False, "
+        "AtomLayoutMSdP=2, AtomLayoutNdKV=2, AtomLayoutMdQ=2, V_in_regs=False, cu_seqlens_q=None, "
+        "cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None, "
+        "deterministic=False, dq=None, dk=None, dv=None, score_mod=None, score_mod_bwd=None, mask_mod=None, "
+        "aux_tensors=None, aux_scalars=None, block_sparse_tensors=None, dlse=None, learnable_sink=None",
+    },
+}
+WHICH = ("layer", "forward", "backward")
+
+
+def real_signature(kernel: str, which: str) -> inspect.Signature:
+    namespace: dict = {}
+    exec(f"def entry({REAL_SIGNATURES[kernel][which]}): pass", namespace)
+    return inspect.signature(namespace["entry"])
+
+
+def check_signature(stand_in, real: inspect.Signature) -> None:
+    """``stand_in`` takes a subset of the real parameters: its positional ones are the real ones' first, in order,
+    and every one it names is a real one with the real default where the real one has one (the rest are
+    keyword-only, or swallowed by **kwargs)."""
+    ours = inspect.signature(stand_in).parameters.values()
+    real_params = list(real.parameters.values())
+    positional = [p for p in ours if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert [p.name for p in positional] == [p.name for p in real_params[: len(positional)]], stand_in
+    for p in ours:
+        if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+            continue
+        assert p.name in real.parameters, (stand_in, p.name)
+        default = real.parameters[p.name].default
+        assert default is inspect.Parameter.empty or p.default == default, (stand_in, p.name, p.default)
+
+
+# -- CPU stand-ins: what each real kernel computes from its arguments -------------------------------------------------
+
+
+def reference(q, k, v, scale, causal, left, right, softcap):
+    """fp32 attention of [b, s, h, d] inputs as flash-attn defines it (GQA; query i sees keys i - left .. i + right,
+    -1 / None unlimited; causal sets right 0; softcap: cap * tanh(scores / cap)): (out [b, s, hq, d] fp32,
+    lse [b, hq, s] fp32), whatever autocast is on (a kernel computes in its own precision)."""
+    with torch.autocast("cpu", enabled=False):
+        return _reference(q, k, v, scale, causal, left, right, softcap)
+
+
+def _reference(q, k, v, scale, causal, left, right, softcap):
+    q, k, v = (t.float() for t in (q, k, v))
+    groups = q.shape[2] // k.shape[2]
+    k, v = (t.repeat_interleave(groups, dim=2) for t in (k, v))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    rows, cols = torch.arange(q.shape[1])[:, None], torch.arange(k.shape[1])[None, :]
+    right = 0 if causal else right
+    visible = torch.ones(scores.shape[-2:], dtype=torch.bool)
+    if left is not None and left >= 0:
+        visible &= cols >= rows - left
+    if right is not None and right >= 0:
+        visible &= cols <= rows + right
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.exp(scores - lse[..., None]), v)
+    return out, lse
+
+
+def _check_inputs(*tensors):
+    dtypes = {t.dtype for t in tensors}
+    assert len(dtypes) == 1 and dtypes <= {torch.float16, torch.bfloat16}, dtypes  # what mha_fwd / mha_bwd check
+
+
+def _gradients(dout, q, k, v, lse, scale, causal, left, right, softcap):
+    """(dq, dk, dv) fp32 by autograd through ``reference``, after checking the logsumexp handed back."""
+    inputs = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+    with torch.enable_grad():
+        out, ref_lse = reference(*inputs, scale, causal, left, right, softcap)
+        grads = torch.autograd.grad(out, inputs, dout.float())
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)  # the forward's residual comes back intact
+    return grads
+
+
+class _Layer(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal, left, right, softcap):
+        _check_inputs(q, k, v)
+        out, lse = reference(q, k, v, scale, causal, left, right, softcap)
+        ctx.save_for_backward(q, k, v, lse)
+        ctx.args = scale, causal, left, right, softcap
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, lse = ctx.saved_tensors
+        dq, dk, dv = _gradients(dout, q, k, v, lse, *ctx.args)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def stand_ins(kernel: str, calls: list):
+    """CPU stand-ins (layer, forward, backward) for ``kernel`` with its real parameter names and defaults; each
+    call is appended to ``calls`` as (which, args, kwargs)."""
+    if kernel == "flash":
+
+        def layer(
+            q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, **kwargs
+        ):
+            return _Layer.apply(q, k, v, softmax_scale, causal, *window_size, softcap)[0]
+
+        def forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, *rest):
+            _check_inputs(q, k, v)
+            out, lse = reference(q, k, v, softmax_scale, causal, window_size_left, window_size_right, softcap)
+            return out.to(q.dtype), lse, None, torch.zeros(2, dtype=torch.int64)
+
+        def backward(
+            dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size_left,
+            window_size_right, softcap, alibi_slopes, deterministic, rng_state=None,
+        ):  # fmt: skip
+            _check_inputs(dout, q, k, v, out)
+            window = (window_size_left, window_size_right)
+            grads = _gradients(dout, q, k, v, softmax_lse, softmax_scale, causal, *window, softcap)
+            for into, grad in zip((dq, dk, dv), grads):
+                into.copy_(grad)
+            return softmax_lse.new_empty(softmax_lse.shape)
+
+    elif kernel == "flash3":
+
+        def layer(q, k, v, softmax_scale=None, causal=False, *, window_size=(-1, -1), softcap=0.0):
+            return _Layer.apply(q, k, v, softmax_scale, causal, *window_size, softcap)[0]
+
+        def forward(
+            q, k, v, *, softmax_scale=None, causal=False, window_size_left=-1, window_size_right=-1, softcap=0.0
+        ):
+            _check_inputs(q, k, v)
+            out, lse = reference(q, k, v, softmax_scale, causal, window_size_left, window_size_right, softcap)
+            return out.to(q.dtype), lse, torch.empty(0), torch.empty(0)
+
+        def backward(
+            dout, q, k, v, out, softmax_lse, *, dq=None, dk=None, dv=None, softmax_scale=None, is_causal=False,
+            window_size_left=-1, window_size_right=-1, softcap=0.0,
+        ):  # fmt: skip
+            _check_inputs(dout, q, k, v, out)
+            window = (window_size_left, window_size_right)
+            grads = _gradients(dout, q, k, v, softmax_lse, softmax_scale, is_causal, *window, softcap)
+            for into, grad in zip((dq, dk, dv), grads):
+                into.copy_(grad)
+            return softmax_lse.new_empty(softmax_lse.shape)
+
+    else:
+
+        def layer(q, k, v, *, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0):
+            return _Layer.apply(q, k, v, softmax_scale, causal, *window_size, softcap)
+
+        def forward(
+            q, k, v, *, softmax_scale=None, causal=False, softcap=None, window_size_left=None, window_size_right=None,
+            return_lse=False,
+        ):  # fmt: skip
+            _check_inputs(q, k, v)
+            out, lse = reference(q, k, v, softmax_scale, causal, window_size_left, window_size_right, softcap)
+            return out.to(q.dtype), lse if return_lse else None, None, None
+
+        def backward(
+            q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0, window_size_left=None,
+            window_size_right=None,
+        ):  # fmt: skip
+            _check_inputs(dout, q, k, v, out)
+            grads = _gradients(dout, q, k, v, lse, softmax_scale, causal, window_size_left, window_size_right, softcap)
+            return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+
+    def logged(which, entry):
+        @functools.wraps(entry)  # inspect.signature follows __wrapped__ to the stand-in's own
+        def call(*args, **kwargs):
+            calls.append((which, args, kwargs))
+            return entry(*args, **kwargs)
+
+        return call
+
+    return tuple(logged(which, entry) for which, entry in zip(WHICH, (layer, forward, backward)))
+
+
+def window_left(kernel: str, call) -> int | None:
+    """The left window extent a logged call passed (bound to the real signature)."""
+    which, args, kwargs = call
+    bound = real_signature(kernel, which).bind(*args, **kwargs).arguments
+    return bound["window_size"][0] if "window_size" in bound else bound.get("window_size_left")
+
+
+# -- signatures --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernel", FLASH_KERNELS)
+def test_stand_ins_and_fakes_take_the_real_arguments(kernel):
+    from autotune.oracle.fake_world import FAKE_KERNELS
+
+    entry_points = KERNELS[kernel].entry_points
+    assert [getattr(entry_points, w).split(":")[1] for w in WHICH] == {
+        "flash": ["flash_attn_func", "_wrapped_flash_attn_forward", "_wrapped_flash_attn_backward"],
+        "flash3": ["flash_attn_func", "_flash_attn_forward", "_flash_attn_backward"],
+        "flash4": ["flash_attn_func", "_flash_attn_fwd", "_flash_attn_bwd"],
+    }[kernel]
+    for which, stand_in, fake in zip(WHICH, stand_ins(kernel, []), FAKE_KERNELS[kernel]):
+        real = real_signature(kernel, which)
+        check_signature(stand_in, real)
+        check_signature(fake, real)
+
+
+@pytest.mark.parametrize("kernel", FLASH_KERNELS)
+def test_every_call_the_stack_makes_binds_to_the_real_signature(kernel):
+    calls: list = []
+    q, k, v = _qkv(seq=64)
+    with attention.flash_kernels(*stand_ins(kernel, calls), kernel=kernel):
+        for window in (None, 16):
+            attention.causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.25, kernel, window)
+            out, residuals = attention.attention_forward(q, k, v, 0.25, kernel, window, 30.0)
+            attention.attention_backward(torch.ones_like(out), q, k, v, out, residuals, 0.25, kernel, window, 30.0)
+    assert sorted({which for which, _, _ in calls}) == sorted(WHICH)
+    for which, args, kwargs in calls:
+        real_signature(kernel, which).bind(*args, **kwargs)
+
+
+# -- exactness ----------------------------------------------------------------------------------------------------------
+
+
+def _qkv(seq=128, b=1, hq=4, hkv=2, d=16, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(b, seq, h, d, generator=g).to(dtype) for h in (hq, hkv, hkv))
+
+
+@pytest.mark.parametrize("kernel", FLASH_KERNELS)
+@pytest.mark.parametrize("window,softcap", [(None, None), (24, None), (None, 5.0), (24, 5.0)])
+def test_kernel_forward_and_backward_equal_the_reference(kernel, window, softcap):
+    """The arguments each kernel is given mean what the layer asks: the window's (left, right) form, the softcap,
+    the scale, the logsumexp handed back (checked by the stand-in's backward)."""
+    q, k, v = _qkv()
+    dout = _qkv(seed=1)[0]
+    scale = 0.3
+    left = window - 1 if window else -1
+    ref_out, _ = reference(q, k, v, scale, True, left, 0, softcap)
+    ref_grads = _gradients(
+        dout, q, k, v, reference(q, k, v, scale, True, left, 0, softcap)[1], scale, True, left, 0, softcap
+    )
+    with attention.flash_kernels(*stand_ins(kernel, []), kernel=kernel):
+        out, residuals = attention.attention_forward(q, k, v, scale, kernel, window, softcap)
+        grads = attention.attention_backward(dout, q, k, v, out, residuals, scale, kernel, window, softcap)
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        layer = attention.causal_attention(*(t.transpose(1, 2) for t in leaves), scale, kernel, window, softcap)
+        layer.backward(dout)
+    tolerance = dict(rtol=1e-2, atol=1e-2)  # bf16 outputs of fp32 math
+    torch.testing.assert_close(out.float(), ref_out, **tolerance)
+    torch.testing.assert_close(layer.float(), ref_out, **tolerance)
+    for got, leaf, ref in zip(grads, leaves, ref_grads):
+        torch.testing.assert_close(got.float(), ref, **tolerance)
+        torch.testing.assert_close(leaf.grad.float(), ref, **tolerance)
+
+
+SEQ = 256  # above TINY_WINDOW: windowed layers attend a band
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory) -> dict[str, dict]:
+    from trials.model_config import load_model_config
+
+    root, configs = tmp_path_factory.mktemp("kernels"), tiny_configs()
+    return {name: load_model_config(str(save(configs[name], root / name))) for name in ("tiny-qwen2", "tiny-mistral")}
+
+
+def _loss_and_grads(config: dict, techniques: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    from tests.stack_harness import full_grads
+    from trials.data import make_batch, synthetic_sample
+    from trials.dist import Mesh
+    from trials.step import build_training, forward_backward
+    from trials.techniques import Techniques
+
+    mesh = Mesh.single("cpu")
+    model, _ = build_training(config, Techniques(**techniques), mesh, seed=0, compute_dtype=torch.bfloat16)
+    batch = make_batch(synthetic_sample(0, SEQ, config["vocab_size"], 0), 0, 1, mesh.device)
+    return float(forward_backward(model, batch, mesh)), full_grads(model)
+
+
+def _distance(grads: dict, reference_grads: dict) -> float:
+    assert set(grads) == set(reference_grads)
+    return max(float((grads[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in reference_grads.items())
+
+
+@pytest.mark.parametrize("kernel", FLASH_KERNELS)
+def test_each_flash_kernel_trains_like_sdpa_through_the_stack(kernel, tiny_models):
+    """Whole layers and head chunks, a plain and a windowed model (TINY_WINDOW of SEQ tokens), bf16 compute: the
+    loss and gradients of SDPA's, to bf16 rounding (SDPA runs the same bf16 q/k/v; the stand-ins compute in fp32).
+    """
+    for name, config in tiny_models.items():
+        for knobs in ({}, {"head_chunk": 1}):
+            sdpa_loss, sdpa_grads = _loss_and_grads(config, {"attention": "sdpa", **knobs})
+            calls: list = []
+            with attention.flash_kernels(*stand_ins(kernel, calls), kernel=kernel):
+                loss, grads = _loss_and_grads(config, {"attention": kernel, **knobs})
+            assert {c[0] for c in calls} == ({"forward", "backward"} if knobs else {"layer"}), (name, knobs)
+            windows = {window_left(kernel, call) for call in calls}
+            assert (TINY_WINDOW - 1 in windows) == (name == "tiny-mistral"), (name, windows)
+            assert abs(loss - sdpa_loss) <= 1e-4 * abs(sdpa_loss), (name, knobs, loss, sdpa_loss)  # seen: 1e-5
+            # bf16 gradients: 0.8-1.3e-2 apart; a window one key too wide: 6.6e-2
+            assert _distance(grads, sdpa_grads) < 3e-2, (name, knobs, _distance(grads, sdpa_grads))
+
+
+# -- the oracle ---------------------------------------------------------------------------------------------------------
+
+
+def expected_forward_bytes(b: int, s: int, hq: int, d: int) -> int:
+    """Every flash forward returns out [b, s, hq, d] bf16 and softmax_lse fp32 [b, hq, s] (FA2 mha_fwd; FA3
+    hopper/flash_api.cpp l. 889; FA4 interface.py l. 711-728), which the layer saves for backward."""
+    return b * s * hq * d * 2 + b * hq * s * 4
+
+
+def expected_backward_scratch(kernel: str, b: int, s: int, hq: int, hkv: int, d: int) -> int:
+    """The bytes a causal bf16 backward allocates beyond dq/dk/dv (d = 128 here; no window needed: at head_dim 128
+    a causal and a windowed call size their blocks alike):
+    - flash (FA2 csrc/flash_attn/flash_api.cpp l. 872-937): fp32 dq_accum [b, s rounded to 128, hq, 128]; for GQA
+      dk/dv expanded to hq heads (bf16). Its softmax_d is allocated by the caller.
+    - flash3 (hopper/flash_api.cpp l. 1373-1536, Hopper, head_dim rounded to 128): kBlockM 64 (causal), kBlockN 128;
+      fp32 softmax_d and softmax_lse_log2 [b, hq, s rounded to 64], fp32 dq_accum [b, hq, that * 128], int32
+      dq_semaphore [s / 64 rounded up, b, hq]; for GQA fp32 dk_accum / dv_accum [b, hkv, s rounded to 128 * 128].
+    - flash4 (interface.py l. 1937-2186, Blackwell): 128 x 128 blocks, 2-CTA at head_dim 128 (an even count of key
+      blocks); fp32 dpsum and lse_log2 [b, hq, s rounded to 128], fp32 dq_accum [b, hq, that * 128]; for GQA fp32
+      dk_accum / dv_accum [b, hkv, key rows * 128].
+    """
+    assert d == 128
+
+    def up(x, m):
+        return -(-x // m) * m
+
+    gqa = hkv != hq
+    if kernel == "flash":
+        return b * up(s, 128) * hq * d * 4 + (2 * b * s * hq * d * 2 if gqa else 0)
+    if kernel == "flash3":
+        rows, key_rows = up(s, 64), up(s, 128)
+        semaphore = -(-s // 64) * b * hq * 4
+        return (
+            2 * b * hq * rows * 4 + b * hq * rows * d * 4 + semaphore + (2 * b * hkv * key_rows * d * 4 if gqa else 0)
+        )
+    rows, key_blocks = up(s, 128), -(-s // 128)
+    key_rows = (key_blocks + key_blocks % 2) * 128
+    return 2 * b * hq * rows * 4 + b * hq * rows * d * 4 + (2 * b * hkv * key_rows * d * 4 if gqa else 0)
+
+
+@pytest.mark.parametrize("kernel", FLASH_KERNELS)
+def test_the_oracle_traces_each_flash_kernel_with_its_footprint(kernel, monkeypatch):
+    """A traced bf16 step (whole layers, then head chunks of 2 query heads over 1 kv head) runs the kernel's fakes:
+    each forward keeps out + lse, each backward's scratch is the kernel's, to the byte. 1060 tokens: not a multiple
+    of any block, so the rounding shows."""
+    from autotune import oracle
+    from autotune.oracle import fake_world
+    from trials.memory import TrackerListener
+    from trials.model_config import load_model_config
+    from trials.techniques import Techniques
+
+    seq, hq, hkv, d = 1060, 4, 2, 128
+    config = dict(load_model_config("tiny-llama"), num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d)
+    config["num_hidden_layers"] = 2
+    trackers, seen = [], []
+
+    class Peak(TrackerListener):
+        inside, peak = False, 0
+
+        def on_change(self, tracker):
+            if self.inside:
+                self.peak = max(self.peak, tracker.device_bytes)
+
+    peak = Peak()
+
+    def tracked(modes_tracker):
+        trackers.append(modes_tracker)
+        modes_tracker.add_listener(peak)
+        return []
+
+    def forward_probe(entry):
+        def call(q, k, v, *args, **kwargs):
+            before = trackers[-1].device_bytes
+            result = entry(q, k, v, *args, **kwargs)
+            seen.append(("forward", q.shape, k.shape[2], trackers[-1].device_bytes - before))
+            return result
+
+        return call
+
+    def scratch_probe(helper, first: int):
+        def call(*args, **kwargs):
+            q, k = args[first], args[first + 1]
+            peak.inside, peak.peak = True, trackers[-1].device_bytes
+            before = peak.peak
+            result = helper(*args, **kwargs)
+            peak.inside = False
+            seen.append(("backward", q.shape, k.shape[2], peak.peak - before))
+            return result
+
+        return call
+
+    layer, forward, backward = fake_world.FAKE_KERNELS[kernel]
+    monkeypatch.setitem(fake_world.FAKE_KERNELS, kernel, (forward_probe(layer), forward_probe(forward), backward))
+    helper, first = {
+        "flash": ("_fa2_backward_scratch", 0),
+        "flash3": ("_fa3_backward", 1),
+        "flash4": ("_fa4_backward", 0),
+    }[kernel]
+    monkeypatch.setattr(fake_world, helper, scratch_probe(getattr(fake_world, helper), first))  # first: q's index
+    for knobs, heads in (({}, (hq, hkv)), ({"head_chunk": 2}, (2, 1))):
+        seen.clear()
+        trace = oracle.trace(
+            config,
+            Techniques(attention=kernel, **knobs),
+            seq,
+            1,
+            compute_dtype=torch.bfloat16,
+            gpu_kernels=True,
+            modes=tracked,
+        )
+        assert not trace.stopped and trace.peak_device_bytes > 0
+        chunks = 2 if knobs else 1
+        assert [w for w, *_ in seen] == ["forward"] * 2 * chunks + ["backward"] * 2 * chunks, (knobs, seen)
+        for which, shape, kv_heads, nbytes in seen:
+            b, s, h, _ = shape
+            assert (s, h, kv_heads) == (seq, *heads)
+            rng_state = 16 if kernel == "flash" and knobs else 0  # FA2's forward returns its int64[2] rng state
+            expected = (
+                expected_forward_bytes(b, s, h, d) + rng_state
+                if which == "forward"
+                else expected_backward_scratch(kernel, b, s, h, kv_heads, d)
+            )
+            assert nbytes == expected, (knobs, which, nbytes, expected)
+
+
+# -- refusal ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernel", FLASH_KERNELS)
+def test_a_kernel_not_installed_is_refused_in_one_line(kernel):
+    from autotune.backends.setup import check_local_node
+    from autotune.core.errors import UserError
+    from trials.kernels import usable_here
+
+    package = KERNELS[kernel].package
+    q, k, v = _qkv(seq=16)
+    for run in (
+        lambda: attention.causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, kernel),
+        lambda: attention.attention_forward(q, k, v, 0.25, kernel),
+        lambda: check_local_node(1, kernel),
+    ):
+        with pytest.raises((RuntimeError, UserError)) as refused:
+            run()
+        line = str(refused.value)
+        assert "\n" not in line and line.startswith(f"attention {kernel!r} cannot run here: {package} is not installed")
+        assert "bin/setup-gpu" in line
+    assert kernel not in usable_here() and "sdpa" in usable_here()
+    check_local_node(1, "sdpa")
+
+
+def test_an_installed_kernel_on_another_gpu_generation_is_refused(monkeypatch):
+    from trials import kernels
+
+    monkeypatch.setattr(kernels.AttentionKernel, "import_error", lambda self: None)  # as if every one imported
+    assert kernels.refusal("flash3", 10) == (
+        "attention 'flash3' cannot run here: flash-attn-3 runs on compute capability 9.x GPUs, not on compute "
+        "capability 10.x"
+    )
+    assert kernels.refusal("flash4", 9) is None  # FA4's backward runs on Hopper (interface.py l. 1854)
+    assert kernels.refusal("flash", None).endswith("not on a CPU")
+
+
+def test_autotune_run_refuses_a_kernel_not_installed_with_exit_2(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    config = tmp_path / "cfg.json"
+    techniques = {"attention": "flash4"}
+    config.write_text(
+        json.dumps(
+            {
+                "schema": "autotune/config-v1",
+                "model": "tiny-llama",
+                "hardware": "cpu",
+                "gpus": 1,
+                "seq_len": 512,
+                "techniques": techniques,
+                "predicted": None,
+                "measured": None,
+            }
+        )  # fmt: skip
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from autotune.cli import main; sys.exit(main())",
+            "run",
+            "--config",
+            str(config),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert "attention 'flash4' cannot run here: flash-attn-4 is not installed" in lines[0] and done.stdout == ""
