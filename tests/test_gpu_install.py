@@ -235,3 +235,26 @@ def test_setup_gpu_keeps_a_flash_attn_whose_kernel_runs(tmp_path, flash):
     assert done.returncode == 0, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("setup-gpu: flash-attn: imports and runs")
     assert "verify" in pip and not any(line.startswith("uninstall") for line in pip), pip
+
+
+@pytest.mark.parametrize(
+    "flash, says, removed",
+    [
+        ("wheel:ok", "imports and runs", False),
+        ("wheel:broken", "not installed (its kernel fails: ImportError", True),
+        ("build:ok", "not installed (no flash-attn-4 wheel on the package index", False),
+    ],
+    ids=["runs", "kernel-fails", "no-wheel"],
+)
+def test_setup_gpu_keeps_flash_attention_4_and_3_only_where_they_run(tmp_path, flash, says, removed):
+    """On a Hopper node (the stub says 9.0) FA4 and FA3 are tried as wheels, each verified; one that cannot run is
+    uninstalled, and one line per kernel says what is usable."""
+    done, pip = _run_setup_gpu(tmp_path, flash)
+    assert done.returncode == 0, done.stderr
+    for label in ("FlashAttention-4 (attention: flash4)", "FlashAttention-3 (attention: flash3)"):
+        lines = [line for line in done.stderr.splitlines() if line.startswith(f"setup-gpu: {label}: ")]
+        assert len(lines) == 1, done.stderr
+        if label.startswith("FlashAttention-4"):
+            assert says in lines[0], lines
+    uninstalled = [line for line in pip if line.startswith("uninstall") and "flash-attn-4" in line]
+    assert bool(uninstalled) == removed, pip
