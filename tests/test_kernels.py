@@ -570,3 +570,15 @@ def test_autotune_run_refuses_a_kernel_not_installed_with_exit_2(tmp_path):
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert "attention 'flash4' cannot run here: flash-attn-4 is not installed" in lines[0] and done.stdout == ""
+
+
+def test_verify_refuses_a_front_point_whose_kernel_cannot_run_here():
+    """``autotune verify`` names the kernel and why it cannot run on this node, for every flash variant."""
+    from types import SimpleNamespace
+
+    from autotune.outputs.verify import _kernel_refusal
+
+    assert _kernel_refusal(SimpleNamespace(techniques={"attention": "sdpa"})) is None
+    for name in ("flash", "flash3", "flash4"):
+        refusal = _kernel_refusal(SimpleNamespace(techniques={"attention": name}))
+        assert refusal.startswith(f"attention {name!r} cannot run here: "), refusal

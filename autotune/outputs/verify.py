@@ -43,7 +43,6 @@ from autotune.outputs.plots import knob_label
 from autotune.search.front import Point, best_point, config_key, front_points, measured_attr, points
 from autotune.search.job import SearchJob
 from autotune.search.study import open_storage
-from trials.attention import flash_problem
 from trials.techniques import Techniques
 
 RESULTS = ("ok", "oom")  # what a verified trial may end with and still count as a measurement (not a failure)
@@ -180,19 +179,16 @@ def check_node(folder: Folder, chosen: list[Point]) -> None:
             f"the search is for {gpus} GPUs but this node shows {visible} CUDA device(s) "
             f"(CUDA_VISIBLE_DEVICES limits them)"
         )
-    flash = [p for p in chosen if _flash_problem(p)]
-    if flash:
-        raise UserError(
-            f"trial(s) {', '.join(str(p.number) for p in flash)} use attention 'flash', which cannot run "
-            f"here: {_flash_problem(flash[0])}"
-        )
+    refused = [p for p in chosen if _kernel_refusal(p)]
+    if refused:
+        raise UserError(f"trial(s) {', '.join(str(p.number) for p in refused)}: {_kernel_refusal(refused[0])}")
 
 
-def _flash_problem(point: Point) -> str | None:
-    """Why the point's config cannot run on this node (attention 'flash' without flash-attn or CUDA), or None."""
-    if point.techniques.get("attention") != "flash":
-        return None
-    return flash_problem() or (None if visible_devices() else "this node has no CUDA device")
+def _kernel_refusal(point: Point) -> str | None:
+    """Why the point's attention kernel cannot run on this node (``trials.kernels.refusal``), or None."""
+    from trials.kernels import refusal, this_node_compute_capability
+
+    return refusal(point.techniques.get("attention", "sdpa"), this_node_compute_capability())
 
 
 @dataclass
@@ -340,11 +336,8 @@ def _measure_chosen(folder, chosen, backend, hardware, depth, force, on_outcome,
         if result.failed:  # a failing node would fail every config: stop at the first failure
             result.notes.append(f"the best config now (trial {best.number}) was not verified: a trial failed")
             break
-        if _flash_problem(best):
-            result.notes.append(
-                f"the best config now (trial {best.number}) was not verified: attention 'flash' "
-                f"cannot run here ({_flash_problem(best)})"
-            )
+        if _kernel_refusal(best):
+            result.notes.append(f"the best config now (trial {best.number}) was not verified: {_kernel_refusal(best)}")
             break
         queue.append((best, "best"))
 
