@@ -135,7 +135,12 @@ class Techniques:
         length_unit="grid",
     )
     attention: str = knob(
-        "sdpa", "choice", "attention kernel: flash (flash-attn, CUDA) or sdpa", choices=ATTENTION_KERNELS, alst="flash"
+        "sdpa",
+        "choice",
+        "attention kernel: flash (flash-attn, CUDA) or sdpa",
+        label="{}",  # the kernel by name in config labels (plots, `autotune show`): flash and flash3 differ in speed
+        choices=ATTENTION_KERNELS,
+        alst="flash",
     )
 
     @classmethod
