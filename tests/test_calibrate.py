@@ -187,7 +187,10 @@ def test_the_device_worker_measures_every_rate_on_cpu_tensors(tmp_path, tiny_lla
     assert measured["gemm"]["flops_per_s"] > 0 and measured["attention"]["sdpa"]
     assert all(p["fwd_flops_per_s"] > 0 and p["bwd_flops_per_s"] > 0 for p in measured["attention"]["sdpa"])
     values = device_rates(measured, load_hardware("h100-sxm"))
+    kernels = {kernel.name: kernel for kernel in values.pop("attention_kernels")}
     assert all(v > 0 for v in values.values()), values
+    assert kernels["sdpa"].forward_efficiency > 0 and not kernels["sdpa"].assumed  # timed here
+    assert kernels["flash3"].assumed  # not on CPU tensors: the base's figures stay
 
 
 @pytest.mark.slow

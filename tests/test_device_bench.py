@@ -149,7 +149,10 @@ def test_head_chunked_sdpa_is_priced_at_the_rate_of_the_kernel_it_calls():
     rates = replace(base.rates, **values)
     assert rates.for_kernel("sdpa", 1).attention_efficiency == 0.25
     assert rates.for_kernel("sdpa", None).attention_efficiency == 0.5  # a whole layer's SDPA
-    assert rates.for_kernel("flash", 1).attention_efficiency == 0.5  # flash-attn chunks run flash-attn
+    # flash-attn chunks run flash-attn: at its own rate (not measured here: the base preset's, still assumed)
+    assert rates.for_kernel("flash", 1).attention_efficiency == base.rates.kernel("flash").forward_efficiency
+    assert rates.kernel("sdpa").forward_efficiency == 0.5 and not rates.kernel("sdpa").assumed
+    assert rates.kernel("flash").assumed
     # one kernel for both (the CPU's): no separate rate
     measured["attention"]["sdpa_chunked"] = [point("cudnn", 0.25)]
     assert "chunked_sdpa_efficiency" not in device_rates(measured, base)

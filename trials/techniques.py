@@ -138,6 +138,7 @@ class Techniques:
         "sdpa",
         "choice",
         "attention kernel: sdpa (torch), or flash / flash3 / flash4 (FlashAttention 2 / 3 / 4, CUDA)",
+        label="{}",  # the kernel by name in config labels (plots, `autotune show`): flash and flash3 differ in speed
         choices=ATTENTION_KERNELS,
         alst="flash",
     )

@@ -55,12 +55,25 @@ def _windows(model_config: dict) -> str:
 
 @app.command()
 def hardware():
-    """List hardware presets: the shipped ones and yours (``autotune calibrate --name NAME``)."""
-    from autotune.core.hardware import hardware_names, load_hardware, user_preset_dir
+    """List hardware presets: the shipped ones and yours (``autotune calibrate --name NAME``), each with the
+    attention kernels its device runs at their forward/backward efficiency, and where each kernel's figures come
+    from."""
+    from autotune.core.hardware import hardware_names, load_hardware, shipped_dir, user_preset_dir
 
     table = Table(title="hardware presets")
-    for column in ("name", "from", "GiB", "TFLOP/s", "HBM TB/s", "link GB/s", "host GB/s", "rates"):
+    for column in (
+        "name",
+        "from",
+        "GiB",
+        "TFLOP/s",
+        "HBM TB/s",
+        "link GB/s",
+        "host GB/s",
+        "attention fwd/bwd",
+        "rates",
+    ):
         table.add_column(column, no_wrap=column in ("name", "rates"))
+    sources = []
     for name in hardware_names():
         hw = load_hardware(name)
         rates = hw.rates_for(1)  # what the time model uses (a calibrated preset's measured rates)
@@ -72,13 +85,29 @@ def hardware():
             f"{rates.hbm_bytes_per_s / 1e12:.2f}",
             f"{rates.intra_node_bytes_per_s / 1e9:.0f}",
             f"{rates.host_bytes_per_s / 1e9:.0f}",
+            ", ".join(_kernel_rates(rates, kernel) for kernel in hw.kernels),
             _rates_origin(hw),
         )
+        for kernel in rates.attention_kernels:
+            if kernel.source:
+                sources.append(
+                    f"  {name} {kernel.name} ({'assumed' if kernel.assumed else 'measured'}): {kernel.source}"
+                )
     OUT.rich(table)
+    if sources:
+        OUT.print("attention kernels (fractions of the bf16 peak at causal attention, head dim 128), from:")
+        OUT.print("\n".join(sources))
+    OUT.print(f"every other figure's source is the comment beside it in the preset's YAML ({shipped_dir()}/NAME.yaml)")
     OUT.print(
         f"user presets: {user_preset_dir()} (autotune calibrate --name NAME writes one; "
         f"autotune calibrate --check --hardware NAME says whether it still holds)"
     )
+
+
+def _kernel_rates(rates, kernel: str) -> str:
+    """``flash3 0.61/0.47``: a kernel and the forward/backward efficiency the time model prices it at (head dim 128)."""
+    priced = rates.for_kernel(kernel, None)
+    return f"{kernel} {priced.attention_eff(128, False):.2f}/{priced.attention_eff(128, True):.2f}"
 
 
 def _rates_origin(hw) -> str:

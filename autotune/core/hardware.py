@@ -2,7 +2,9 @@
 
 A preset holds the memory facts of one accelerator of a node (capacity, runtime overheads no tensor shows, the
 host RAM per device, the oracle's error band) and the time model's rates (``Rates``: peaks, efficiencies,
-overheads; each YAML value says where it comes from). Presets whose device is simulated in host memory
+overheads; each YAML value says where it comes from), among them the attention kernels the device runs, each at
+its own rates (``attention_kernels``: ``KernelRates``; ``trials.kernels`` declares the kernels themselves).
+Presets whose device is simulated in host memory
 (``device_is_host``: the ``cpu`` preset of CPU trials) also carry a calibration of a typical machine in the YAML
 (``calibration:``), replaced by this machine's own when one is cached (``autotune.core.calibration_store``;
 ``autotune.timing.calibration`` measures it, only when asked for). Their rates depend on the world size (trial
@@ -23,6 +25,31 @@ from autotune.core import calibration_store
 from autotune.core.errors import UserError
 
 HOST_PRESET = "cpu"  # the preset of real trials on a machine without CUDA devices
+
+
+@dataclass(frozen=True)
+class KernelRates:
+    """One attention kernel of a preset (``trials.kernels`` declares it) at its rates on the preset's device.
+
+    The efficiencies are fractions of ``bf16_flops`` at causal attention, head dim 128 and long sequences (what
+    millions of tokens run at); the tiles are the query / key tiles a causal kernel computes whole on the
+    diagonal. A kernel listed without figures (0) runs at the preset's own attention rates: the ``cpu`` preset's
+    SDPA, whose rates its calibration sets. ``source`` says where the figures come from; ``assumed`` until
+    ``autotune calibrate`` measures the kernel on the node."""
+
+    name: str
+    forward_efficiency: float = 0.0
+    backward_efficiency: float = 0.0
+    tile_q: int = 0
+    tile_kv: int = 0
+    source: str = ""
+    assumed: bool = True
+
+    def to_yaml(self) -> dict:
+        """The preset YAML entry of this kernel (``autotune calibrate`` writes it)."""
+        entry = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "name" and getattr(self, f.name)}
+        entry["assumed"] = self.assumed
+        return entry
 
 
 @dataclass(frozen=True)
@@ -71,16 +98,37 @@ class Rates:
     # (shards to the device, gradients to the host) are no-ops
     # measured attention efficiency per head dim (cpu calibration), {head_dim: (fwd, bwd)}; overrides the scalars
     attention_by_head_dim: tuple = ()
+    # the attention kernels the device runs, each at its own rates, in the preset's order. The attention fields
+    # above are the reference kernel's, which prices a kernel the preset does not list: the first listed, unless
+    # the preset gives them itself (a calibrated preset: FlashAttention-2 as measured, else SDPA). () = a preset
+    # without a kernel list: every kernel at the attention fields above
+    attention_kernels: tuple[KernelRates, ...] = ()
+
+    def kernel(self, name: str) -> KernelRates | None:
+        """The preset's entry of attention kernel ``name`` (None: not listed)."""
+        return next((k for k in self.attention_kernels if k.name == name), None)
 
     def for_kernel(self, attention: str, head_chunk: int | None) -> Rates:
-        """These rates for what a config's attention runs: SDPA under head chunking at its own calibrated
-        efficiencies, where they were measured; everything else as is."""
+        """These rates for what a config's attention runs: the kernel's own rates where the preset lists them with
+        figures (a kernel it does not list runs at the reference kernel's), and SDPA under head chunking at its own
+        calibrated efficiencies, where they were measured."""
+        rates = self
+        kernel = self.kernel(attention)
+        if kernel is not None and kernel.forward_efficiency:
+            rates = replace(
+                self,
+                attention_efficiency=kernel.forward_efficiency,
+                attention_backward_efficiency=kernel.backward_efficiency or kernel.forward_efficiency,
+                attention_tile_q=kernel.tile_q or self.attention_tile_q,
+                attention_tile_kv=kernel.tile_kv or self.attention_tile_kv,
+                attention_by_head_dim=(),
+            )
         if attention != "sdpa" or head_chunk is None or not self.chunked_sdpa_efficiency:
-            return self
+            return rates
         return replace(
-            self,
+            rates,
             attention_efficiency=self.chunked_sdpa_efficiency,
-            attention_backward_efficiency=self.chunked_sdpa_backward_efficiency or self.attention_backward_efficiency,
+            attention_backward_efficiency=self.chunked_sdpa_backward_efficiency or rates.attention_backward_efficiency,
             attention_by_head_dim=(),
         )
 
@@ -112,6 +160,7 @@ class Hardware:
     description: str
     device_memory_bytes: int
     rates: Rates
+    compute_capability: int = 0  # the CUDA compute-capability major of the device (0: not a CUDA GPU, or unknown)
     cuda_context_bytes: int = 0
     nccl_buffer_bytes: int = 0
     allocator_fragmentation: float = 0.0
@@ -142,6 +191,14 @@ class Hardware:
                 f"({machine.get('cpu', '?')}, {machine.get('cpus', '?')} cores, {self.calibration.get('measured_at', '?')})"
             )
         return "rates assumed from public figures, not measured on this node"
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        """The attention kernels this device runs (the preset's ``attention_kernels``, in its order). A preset
+        without a list: SDPA, and flash-attn 2 on a GPU (what such presets priced, all at their one attention rate)."""
+        if self.rates.attention_kernels:
+            return tuple(k.name for k in self.rates.attention_kernels)
+        return ("sdpa",) if self.device_is_host else ("flash", "sdpa")
 
     @property
     def device_is_host(self) -> bool:
@@ -189,7 +246,8 @@ class Hardware:
         return self if gib is None else replace(self, device_memory_bytes=int(gib * 1024**3))
 
 
-def _preset_dir() -> Path:
+def shipped_dir() -> Path:
+    """Where the shipped presets are (``autotune/core/hardware_presets``)."""
     return Path(str(resources.files("autotune.core") / "hardware_presets"))
 
 
@@ -204,19 +262,19 @@ def user_preset_dir() -> Path:
 
 
 def is_shipped(name: str) -> bool:
-    return (_preset_dir() / f"{name}.yaml").is_file()
+    return (shipped_dir() / f"{name}.yaml").is_file()
 
 
 def hardware_names() -> list[str]:
     """Shipped presets, then the user's (a user preset may not shadow a shipped name)."""
-    shipped = sorted(p.stem for p in _preset_dir().glob("*.yaml"))
+    shipped = sorted(p.stem for p in shipped_dir().glob("*.yaml"))
     user = sorted(p.stem for p in user_preset_dir().glob("*.yaml")) if user_preset_dir().is_dir() else []
     return shipped + [name for name in user if name not in shipped]
 
 
 def preset_path(name: str) -> tuple[Path, str]:
     """(the YAML file, shipped | user | file) of a preset name or path."""
-    for directory, source in ((_preset_dir(), "shipped"), (user_preset_dir(), "user")):
+    for directory, source in ((shipped_dir(), "shipped"), (user_preset_dir(), "user")):
         path = directory / f"{name}.yaml"
         if "/" not in name and path.is_file():
             return path, source
@@ -232,7 +290,14 @@ def preset_path(name: str) -> tuple[Path, str]:
 
 
 _HARDWARE_KEYS = {f.name for f in fields(Hardware)} - {"rates", "calibration", "calibrated", "source"}
-_RATE_KEYS = {f.name for f in fields(Rates)} - {"name", "attention_by_head_dim"}
+_RATE_KEYS = {f.name for f in fields(Rates)} - {"name", "attention_by_head_dim", "attention_kernels"}
+_KERNEL_KEYS = {f.name for f in fields(KernelRates)} - {"name"}
+_REFERENCE_KEYS = {  # the attention fields of Rates the reference kernel's figures fill when the preset omits them
+    "attention_efficiency": "forward_efficiency",
+    "attention_backward_efficiency": "backward_efficiency",
+    "attention_tile_q": "tile_q",
+    "attention_tile_kv": "tile_kv",
+}
 
 
 def _cast(kind, value):
@@ -256,13 +321,20 @@ def load_hardware(name: str) -> Hardware:
         raise UserError(f"hardware preset {str(path)!r} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise UserError(f"hardware preset {str(path)!r} must be a YAML mapping")
-    unknown = sorted(set(data) - _HARDWARE_KEYS - _RATE_KEYS - {"calibration", "calibrated"})
+    unknown = sorted(set(data) - _HARDWARE_KEYS - _RATE_KEYS - {"calibration", "calibrated", "attention_kernels"})
     if unknown:
         raise UserError(f"hardware preset {str(path)!r}: unknown key {unknown[0]!r}")
     types = {f.name: f.type for f in (*fields(Hardware), *fields(Rates))}
     try:
-        rates = Rates(name=data["name"], **{k: _cast(types[k], v) for k, v in data.items() if k in _RATE_KEYS})
         values = {k: _cast(types[k], v) for k, v in data.items() if k in _HARDWARE_KEYS}
+        kernels = _kernel_table(data.get("attention_kernels"), values.get("compute_capability", 0), data)
+        given = {k: _cast(types[k], v) for k, v in data.items() if k in _RATE_KEYS}
+        reference = next((k for k in kernels if k.forward_efficiency), None)
+        if reference is not None:  # the attention fields the preset leaves out: its first kernel's figures
+            for key, attribute in _REFERENCE_KEYS.items():
+                if key not in given and getattr(reference, attribute):
+                    given[key] = getattr(reference, attribute)
+        rates = Rates(name=data["name"], attention_kernels=kernels, **given)
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"hardware preset {str(path)!r}: {exc}") from None
     hardware = Hardware(rates=rates, calibrated=data.get("calibrated"), source=source, **values)
@@ -277,3 +349,45 @@ def load_hardware(name: str) -> Hardware:
         if calibration:
             hardware = replace(hardware, calibration=calibration)
     return hardware
+
+
+def _kernel_table(raw, compute_capability: int, data: dict) -> tuple[KernelRates, ...]:
+    """A preset's ``attention_kernels``: a mapping of kernel name -> its figures (``KernelRates``' fields), or a
+    list of names that run at the preset's own attention rates. Each kernel must be declared in
+    ``trials.kernels`` and run on the preset's device (its ``compute_capability``; a host device runs only the
+    kernels that need no GPU); ``ValueError`` says which does not."""
+    from trials.kernels import KERNELS
+
+    if raw is None:
+        return ()
+    entries = {name: {} for name in raw} if isinstance(raw, list) else raw
+    if not isinstance(entries, dict) or not entries:
+        raise ValueError("attention_kernels must be a mapping of kernel -> its rates, or a list of kernels")
+    on_host = bool(data.get("device_is_host"))
+    table = []
+    for name, entry in entries.items():
+        if name not in KERNELS:
+            raise ValueError(f"attention kernel {name!r} is not one of {', '.join(KERNELS)} (trials.kernels)")
+        if (on_host or compute_capability) and not KERNELS[name].runs_on(None if on_host else compute_capability):
+            where = "a host device" if on_host else f"compute capability {compute_capability}"
+            raise ValueError(f"attention kernel {name!r} does not run on {where} (trials.kernels)")
+        entry = entry or {}
+        if not isinstance(entry, dict):
+            raise ValueError(f"attention kernel {name!r}: its rates must be a mapping")
+        unknown = sorted(set(entry) - _KERNEL_KEYS)
+        if unknown:
+            raise ValueError(f"attention kernel {name!r}: unknown key {unknown[0]!r}")
+        kernel = KernelRates(
+            name=name,
+            forward_efficiency=float(entry.get("forward_efficiency", 0.0)),
+            backward_efficiency=float(entry.get("backward_efficiency", 0.0)),
+            tile_q=int(entry.get("tile_q", 0)),
+            tile_kv=int(entry.get("tile_kv", 0)),
+            source=str(entry.get("source", "")),
+            assumed=bool(entry.get("assumed", True)),
+        )
+        for figure in (kernel.forward_efficiency, kernel.backward_efficiency):
+            if not 0.0 <= figure <= 1.0:
+                raise ValueError(f"attention kernel {name!r}: an efficiency is a fraction of the peak, got {figure}")
+        table.append(kernel)
+    return tuple(table)

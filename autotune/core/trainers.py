@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from trials.kernels import FLASH_KERNELS, KERNELS
 from trials.knobs import Knob
 from trials.techniques import Techniques, knobs
 
@@ -202,6 +203,31 @@ def _hidden_size_if_on(tile, job: ExportJob) -> int:
     return job.hidden_size if tile else 0
 
 
+def stand_in_kernel(asked: str, takes: Callable[[str], bool]) -> str:
+    """The attention kernel a trainer runs in place of ``asked`` when it cannot run that one: the first
+    flash-attn kernel it takes (``takes(name)``) that runs on every GPU generation ``asked`` runs on
+    (``trials.kernels``), else SDPA, which runs everywhere."""
+    generations = KERNELS[asked].compute_capabilities
+    for name in FLASH_KERNELS:
+        if name != asked and takes(name) and generations and all(KERNELS[name].runs_on(g) for g in generations):
+            return name
+    return "sdpa"
+
+
+# Accelerate's DeepSpeed sequence parallelism: the ``sp_attn_implementation`` values it takes
+# (``DeepSpeedSequenceParallelConfig.__post_init__``, accelerate 1.12-1.15; besides hub kernels)
+ACCELERATE_SP_ATTENTION = ("flash_attention_2", "flash_attention_3", "sdpa")
+
+
+def _accelerate_sp_kernel(asked: str, job: ExportJob) -> str:
+    """The kernel Accelerate runs: the asked one, except under its sequence parallelism where
+    ``sp_attn_implementation`` does not take that kernel's transformers name (FlashAttention-4): then
+    ``stand_in_kernel``."""
+    if job.techniques.ulysses_degree == 1 or KERNELS[asked].hf_implementation in ACCELERATE_SP_ATTENTION:
+        return asked
+    return stand_in_kernel(asked, lambda name: KERNELS[name].hf_implementation in ACCELERATE_SP_ATTENTION)
+
+
 _LOSS_TILE_LOGIT_BYTES = 2**30  # ArcticTraining sizes a loss tile to about 1 GiB of fp32 logits
 
 
@@ -235,7 +261,11 @@ DEEPSPEED = Trainer(
         "mlp_tile_tokens": exactly("TiledMLP over ceil(tokens per rank / tile) tiles in .alst.py"),
         "loss_tile_tokens": exactly("TiledFusedLogitsLoss over ceil(tokens per rank / tile) tiles in .alst.py"),
         "norm_tile_tokens": not_expressed("DeepSpeed has no tiled RMSNorm"),
-        "attention": exactly("core_attn_implementation / attn_implementation in .alst.py"),
+        "attention": exactly(
+            "core_attn_implementation / attn_implementation in .alst.py: the kernel's transformers name "
+            "(flash_attention_2 | flash_attention_3 | flash_attention_4 | sdpa; DeepSpeed's Ulysses takes any "
+            "attention transformers registers but eager; flash_attention_4 needs transformers >= 5)"
+        ),
     },
     sharding="zero3",
 )
@@ -262,7 +292,10 @@ ARCTIC = Trainer(
             arctic_loss_tile_tokens,
         ),
         "norm_tile_tokens": not_expressed("ArcticTraining has no tiled RMSNorm"),
-        "attention": exactly("model.attn_implementation: flash_attention_2 | sdpa"),
+        "attention": exactly(
+            "model.attn_implementation: flash_attention_2 | flash_attention_3 | flash_attention_4 | sdpa (its config "
+            "check imports flash_attn for flash_attention_2 and _3)"
+        ),
     },
     sharding="zero3",
 )
@@ -299,7 +332,12 @@ ACCELERATE_DEEPSPEED = Trainer(
         "mlp_tile_tokens": not_expressed("Accelerate and the Trainer have no tiled MLP"),
         "loss_tile_tokens": not_expressed("the Trainer computes the model's own untiled loss"),
         "norm_tile_tokens": not_expressed("no tiled RMSNorm outside autotune"),
-        "attention": exactly("parallelism_config_sp_attn_implementation and the model's attn_implementation"),
+        "attention": runs_as(
+            "parallelism_config_sp_attn_implementation and the model's attn_implementation: the kernel's "
+            "transformers name; with sp_size > 1 Accelerate takes flash_attention_2 | flash_attention_3 | sdpa only "
+            "(not flash_attention_4: SDPA runs instead)",
+            _accelerate_sp_kernel,
+        ),
     },
     sharding="zero3",
 )

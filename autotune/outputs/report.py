@@ -37,7 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from autotune import search
-from autotune.core.hardware import Hardware, Rates
+from autotune.core.hardware import Hardware, KernelRates, Rates
 from autotune.core.record import BREAKDOWN_CATEGORIES
 from autotune.core.sizes import short_tokens
 from autotune.outputs.exporters import FRONT_SCHEMA
@@ -187,6 +187,7 @@ def hardware_from_attr(data: dict) -> Hardware:
     """The ``Hardware`` of ``job_attr`` (JSON turned its tuples into lists)."""
     rates = dict(data["rates"])
     rates["attention_by_head_dim"] = tuple((int(d), tuple(e)) for d, e in rates.get("attention_by_head_dim") or ())
+    rates["attention_kernels"] = tuple(KernelRates(**kernel) for kernel in rates.get("attention_kernels") or ())
     known = {f.name for f in dataclasses.fields(Rates)}
     values = {k: v for k, v in data.items() if k in {f.name for f in dataclasses.fields(Hardware)} and k != "rates"}
     return Hardware(rates=Rates(**{k: v for k, v in rates.items() if k in known}), **values)

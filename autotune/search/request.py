@@ -86,8 +86,6 @@ def prepare_search(request: SearchRequest) -> PreparedSearch:
         return PreparedSearch(backend_name, hw, group=group, follower=follower)
     out = out_dir(request.out)
     storage = open_storage(request.storage, out)
-    # flash is searched where it runs: a plan search for GPUs, or this node's own flash-attn
-    flash_ok = backend_name == "plan" and not hw.device_is_host or flash_installed()
     warnings = []
     if backend_name == "local":
         check_local_node(request.gpus, False)
@@ -97,9 +95,9 @@ def prepare_search(request: SearchRequest) -> PreparedSearch:
         model_config,
         request.gpus * request.nodes,
         request.target,
-        flash_ok=flash_ok,
         trainer=trainer,
         on_gpu=not hw.device_is_host,
+        kernels=search_kernels(backend_name, hw),
     )
     if backend_name == "local":
         prefilter = make_backend("plan", stop_above=1 + hw.oracle_margin) if request.prefilter else None
@@ -134,6 +132,25 @@ def prepare_search(request: SearchRequest) -> PreparedSearch:
     )
     study = open_study(job, storage)
     return PreparedSearch(backend_name, hw, group=group, job=job, study=study, warnings=warnings)
+
+
+def search_kernels(backend_name: str, hw: Hardware) -> tuple[str, ...]:
+    """The attention kernels a search weighs: those the hardware preset lists (``Hardware.kernels``: a plan search
+    prices them on that GPU); a local search, those of them this node runs."""
+    if backend_name != "local":
+        return hw.kernels
+    return tuple(kernel for kernel in hw.kernels if kernel in kernels_usable_here())
+
+
+def kernels_usable_here() -> tuple[str, ...]:
+    """The attention kernels the trials can run on this node."""
+    import trials.kernels
+
+    usable = getattr(trials.kernels, "usable_here", None)
+    if usable is not None:
+        return tuple(getattr(kernel, "name", kernel) for kernel in usable())
+    # TODO(issue 39): trials.kernels.usable_here() answers this once it lands; until then FA2 where flash-attn runs
+    return ("flash", "sdpa") if flash_installed() else ("sdpa",)
 
 
 def out_dir(out: Path) -> Path:

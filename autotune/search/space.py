@@ -10,11 +10,15 @@ knobs (define-by-run, so Optuna's TPE learns each branch) are those with a ``sam
                             has its own parameter name ``head_chunk_u{degree}``: ``split_by``, whose rule
                             says which chunks each degree keeps)
     activation_offload_layers  only with activation_checkpointing
+
+The ``attention`` knob's choices may hold the word ``hardware``: the attention kernels the search's hardware runs
+(``load_space``'s ``kernels``: the preset's list, on a local search those this node runs).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -27,6 +31,7 @@ from optuna.trial import TrialState
 from autotune.core.errors import UserError
 from autotune.core.sizes import parse_tokens
 from autotune.core.trainers import AUTOTUNE, ExportJob, Trainer, memory_rank
+from trials.kernels import FLASH_KERNELS
 from trials.model_config import attention_features
 from trials.rules import attention_kernel_problem, ulysses_degree_problem
 from trials.techniques import ALL_LAYERS, Knob, Techniques, knob_names, knobs
@@ -41,6 +46,7 @@ DEFAULT_SPACE = SPACES_DIR / "default.yaml"
 KNOBS = knob_names()
 _SEQ_KEYS = {"min_fraction": 0.0625, "max_fraction": 4.0, "points_per_doubling": 2, "multiple_of": 1024}
 _TABLE = {k.name: k for k in knobs()}
+HARDWARE_KERNELS = "hardware"  # the attention choice that stands for the kernels the hardware runs
 
 
 def param_name(knob: Knob, values: dict) -> str:
@@ -225,9 +231,14 @@ def load_space(
     flash_ok: bool = True,
     trainer: Trainer = AUTOTUNE,
     on_gpu: bool = True,
+    kernels: Sequence[str] | None = None,
 ) -> SearchSpace:
     """Read and validate a space file, then drop choices this model and node cannot run, and those ``trainer``
-    does not run (``restrict_to_trainer``; a choice the trainer cannot run in the user's own file is bad input)."""
+    does not run (``restrict_to_trainer``; a choice the trainer cannot run in the user's own file is bad input).
+
+    ``kernels``: the attention kernels the hardware runs (``Hardware.kernels``; a local search, those this node
+    runs), what the choice ``hardware`` stands for; other kernels are dropped. None: every kernel the knob takes.
+    ``flash_ok`` False drops every flash-attn kernel (CPU trials)."""
     user_file = path is not None
     path = Path(path) if path else DEFAULT_SPACE
     if not path.is_file():
@@ -261,8 +272,10 @@ def load_space(
             raw = [raw]
         if not raw:
             raise UserError(f"search space {str(path)!r}: knob {name!r} has an empty choice list")
+        if name == "attention":
+            raw = _hardware_kernels(raw, kernels)
         choices[name] = [_coerce(path, name, value, model_config) for value in raw]
-    choices = _filter(choices, model_config, gpus, flash_ok, path, on_gpu)
+    choices = _filter(choices, model_config, gpus, flash_ok, path, on_gpu, kernels)
     choices = restrict_to_trainer(choices, trainer, model_config, gpus, target, path if user_file else None)
     return SearchSpace(
         choices=choices,
@@ -319,6 +332,19 @@ def _choice_words(values: list) -> str:
     )
 
 
+def _hardware_kernels(raw: list, kernels: Sequence[str] | None) -> list:
+    """``attention``'s choices with the word ``hardware`` replaced by the kernels the hardware runs that the knob
+    takes (``kernels``; None: every kernel the knob takes), in the hardware preset's order."""
+    takes = _TABLE["attention"].choices
+    expanded = []
+    for value in raw:
+        if value == HARDWARE_KERNELS:
+            expanded += [k for k in (takes if kernels is None else kernels) if k in takes]
+        else:
+            expanded.append(value)
+    return expanded
+
+
 def _coerce(path: Path, name: str, value: Any, model_config: dict):
     """One YAML choice of knob ``name``, checked and converted as its declaration says."""
     knob = _TABLE[name]
@@ -354,7 +380,15 @@ def _coerce(path: Path, name: str, value: Any, model_config: dict):
     return value
 
 
-def _filter(choices: dict, model_config: dict, gpus: int, flash_ok: bool, path: Path, on_gpu: bool) -> dict:
+def _filter(
+    choices: dict,
+    model_config: dict,
+    gpus: int,
+    flash_ok: bool,
+    path: Path,
+    on_gpu: bool,
+    kernels: Sequence[str] | None = None,
+) -> dict:
     heads, kv_heads = model_config["num_attention_heads"], model_config["num_key_value_heads"]
     degrees = [
         d for d in dict.fromkeys(choices["ulysses_degree"]) if ulysses_degree_problem(d, gpus, heads, kv_heads) is None
@@ -364,7 +398,9 @@ def _filter(choices: dict, model_config: dict, gpus: int, flash_ok: bool, path: 
             f"search space {str(path)!r}: no ulysses_degree in {choices['ulysses_degree']} divides "
             f"both --gpus {gpus} and the model's {heads} heads"
         )
-    attention = [a for a in choices["attention"] if flash_ok or a != "flash"] or ["sdpa"]
+    attention = [
+        a for a in choices["attention"] if (flash_ok or a not in FLASH_KERNELS) and (kernels is None or a in kernels)
+    ] or ["sdpa"]
     features = attention_features(model_config)  # a window or softcap some kernels cannot run here
     problems = {a: attention_kernel_problem(a, features, on_gpu) for a in attention}
     runnable = [a for a in attention if problems[a] is None]

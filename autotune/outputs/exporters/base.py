@@ -44,6 +44,7 @@ from autotune.core.trainers import (  # noqa: F401 -- the exporters' vocabulary,
     runs_as,
 )
 from trials.config_file import TrialConfig
+from trials.kernels import KERNELS
 from trials.techniques import Techniques
 
 
@@ -95,8 +96,10 @@ def comment_block(notes: list[str], prefix: str = "# ") -> str:
 
 
 def hf_attention(techniques: Techniques) -> str:
-    """The Hugging Face ``attn_implementation`` of an ``attention`` knob value."""
-    return "flash_attention_2" if techniques.attention == "flash" else "sdpa"
+    """The Hugging Face ``attn_implementation`` of the config's attention kernel (its ``trials.kernels``
+    declaration's ``hf_implementation``: ``flash_attention_2``, ``flash_attention_3``, ``flash_attention_4``,
+    ``sdpa``)."""
+    return KERNELS[techniques.attention].hf_implementation
 
 
 MODEL_PLACEHOLDER = "REPLACE-WITH-YOUR-MODEL"

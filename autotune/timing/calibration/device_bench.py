@@ -7,10 +7,11 @@ preset's efficiency by one division (``device_rates``):
 - GEMMs at the model's shapes (a tile of tokens times each projection, forward and the two backward GEMMs):
   FLOP/s per shape and in total -> ``matmul_efficiency`` = total FLOPs / total time / ``bf16_flops``;
 - fused causal attention, forward and backward, across lengths and head counts, through the calls the trials
-  make (``trials.attention``): flash-attn when installed, torch's SDPA as a whole layer runs it, and the SDPA
-  kernel head-chunked attention runs: the FLOPs of the tiles the kernel computes (``tiled_pairs``) per second
-  -> ``attention_efficiency`` / ``attention_backward_efficiency`` at the longest length (what millions of
-  tokens run at), the whole table kept beside them;
+  make (``trials.attention``): every flash-attn kernel of ``trials.kernels`` this device runs (FlashAttention-2,
+  -3, -4: installed, built for its generation), torch's SDPA as a whole layer runs it, and the SDPA kernel
+  head-chunked attention runs: the FLOPs of the tiles each kernel computes (``tiled_pairs`` at the kernel's own
+  tiles) per second -> each kernel's forward / backward efficiency at the longest length (what millions of
+  tokens run at; the preset's ``attention_kernels``), the whole table kept beside them;
 - elementwise ops on large tensors: output bytes/s -> ``elementwise_efficiency`` = rate * traffic factor / HBM;
 - pinned host<->device copies, each direction -> ``host_bytes_per_s`` (the slower direction);
 - torch AdamW on the host (what optimizer offload runs), with the threads one rank of the node gets ->
@@ -35,9 +36,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
+from autotune.core.hardware import KernelRates
 from autotune.timing.attention_cost import tiled_pairs
 from autotune.timing.calibration.sampling import relative_spread
 from trials.attention import attention_backward, attention_forward, causal_attention, flash_available, head_layout
+from trials.kernels import FLASH_KERNELS, KERNELS
 
 ATTENTION_LENGTHS = (4096, 16384, 65536)
 ATTENTION_HEADS = (1, 4, 16)
@@ -134,10 +137,30 @@ class AttentionKernel(NamedTuple):
     backward: Callable
 
 
+def flash_kernels_here(device: torch.device) -> list[str]:
+    """The flash-attn kernels (``trials.kernels.FLASH_KERNELS``) the trials run on ``device``: FlashAttention-2
+    where ``trials.attention`` can call it (installed, or its stand-ins), the others where their package imports,
+    the device's generation runs them and ``trials.attention`` lays their inputs out as they take them."""
+    if device.type != "cuda":
+        return [name for name in FLASH_KERNELS if name == "flash" and flash_available(device)]
+    major = torch.cuda.get_device_capability(device)[0]
+    found = []
+    for name in FLASH_KERNELS:
+        kernel = KERNELS[name]
+        if name == "flash":
+            usable = flash_available(device) and kernel.runs_on(major)
+        else:
+            usable = kernel.runs_on(major) and head_layout(name) == kernel.layout and kernel.installed()
+        if usable:
+            found.append(name)
+    return found
+
+
 def _attention_kernels(device: torch.device) -> dict[str, AttentionKernel]:
     """The attention calls the trials make, by name:
 
-    - ``flash``: flash-attn (``causal_attention(kernel="flash")``; head-chunked attention calls the same kernel);
+    - ``flash``, ``flash3``, ``flash4``: each flash-attn kernel this device runs (``flash_kernels_here``), through
+      ``causal_attention(kernel=...)`` (head-chunked attention calls the same kernel);
     - ``sdpa``: ``F.scaled_dot_product_attention`` on the [b, h, s, d] transpose of [b, s, h, d] projections, as a
       whole layer calls it (``causal_attention``), with autograd;
     - ``sdpa_chunked``: the kernel head-chunked attention and UPipe call for ``attention="sdpa"``
@@ -159,9 +182,7 @@ def _attention_kernels(device: torch.device) -> dict[str, AttentionKernel]:
     def chunked_backward(q, k, v, out, residuals, grad):
         attention_backward(grad, q, k, v, out, residuals, q.shape[-1] ** -0.5, "sdpa")
 
-    kernels = {}
-    if device.type == "cuda" and flash_available(device):
-        kernels["flash"] = whole_layer("flash", "flash_attn")
+    kernels = {name: whole_layer(name, KERNELS[name].module) for name in flash_kernels_here(device)}
     kernels["sdpa"] = whole_layer("sdpa", None)
     chunked_op = "flash_attention_for_cpu" if device.type == "cpu" else "efficient_attention"
     kernels["sdpa_chunked"] = AttentionKernel(
@@ -179,11 +200,14 @@ def measure_attention(
     lengths=ATTENTION_LENGTHS,
     heads=ATTENTION_HEADS,
     max_elements: int = 1 << 30,
+    tiles: dict | None = None,
 ) -> dict:
     """Computed-FLOP rates of each attention kernel the trials call, forward and backward, per (length, heads);
-    each point names the kernel it timed (for ``sdpa``, the backend SDPA picked for its inputs)."""
+    each point names the kernel it timed (for ``sdpa``, the backend SDPA picked for its inputs). The computed
+    tiles are ``tiles[name]`` (``[tile_q, tile_kv]``: the preset's for that kernel) or ``tile_q`` x ``tile_kv``."""
     result = {}
     for name, kernel in _attention_kernels(device).items():
+        kernel_q, kernel_kv = (tiles or {}).get(name.removesuffix("_chunked"), (tile_q, tile_kv))
         points = []
         for seq in lengths:
             for h in heads:
@@ -202,7 +226,7 @@ def measure_attention(
                 forward = timed(lambda: kernel.forward(q, k, v), device, samples=3)
                 forward_backward = timed(both, device, samples=3)
                 backward_s = max(forward_backward["s"] - forward["s"], 1e-9)
-                pairs = h * tiled_pairs(seq, seq, True, tile_q, tile_kv)
+                pairs = h * tiled_pairs(seq, seq, True, kernel_q, kernel_kv)
                 points.append(
                     {
                         "seq": seq,
@@ -299,31 +323,70 @@ def measure_collectives(
     return result
 
 
+def _at_longest(points: list[dict], rates) -> tuple[float, float]:
+    """(forward, backward) efficiency of a kernel's points at their longest length: the median over head counts,
+    a fraction of ``bf16_flops``."""
+    longest = max(p["seq"] for p in points)
+    at_longest = [p for p in points if p["seq"] == longest]
+    return (
+        statistics.median(p["fwd_flops_per_s"] for p in at_longest) / rates.bf16_flops,
+        statistics.median(p["bwd_flops_per_s"] for p in at_longest) / rates.bf16_flops,
+    )
+
+
+def kernel_tiles(base, name: str) -> tuple[int, int]:
+    """The (query, key) tiles kernel ``name`` computes whole on the causal diagonal, as the base preset prices it:
+    the tiles its FLOPs are counted at when measured."""
+    rates = base.rates.for_kernel(name, None)
+    return rates.attention_tile_q, rates.attention_tile_kv
+
+
+def kernel_table(measured: dict, base) -> tuple[KernelRates, ...]:
+    """The preset's ``attention_kernels`` after a calibration: each kernel measured here at its measured
+    efficiencies (not assumed any more), the base's others as they were (still assumed); a kernel measured here
+    that the base does not list joins at the end."""
+    rates, attention = base.rates, measured["attention"]
+    device = measured.get("device", "this node")
+    listed = {kernel.name: kernel for kernel in rates.attention_kernels}
+    for name in base.kernels:  # a base without a list: what it priced, at its one attention rate
+        listed.setdefault(name, KernelRates(name))
+    for name in (*listed, *(n for n in attention if n in KERNELS and n not in listed)):
+        points = [p for p in attention.get(name) or [] if p.get("fwd_flops_per_s")]
+        if not points:
+            continue
+        forward, backward = _at_longest(points, rates)
+        tiles = kernel_tiles(base, name)
+        listed[name] = KernelRates(
+            name,
+            forward_efficiency=forward,
+            backward_efficiency=backward,
+            tile_q=tiles[0],
+            tile_kv=tiles[1],
+            source=f"measured by autotune calibrate on {device}: {DEVICE_ATTENTION_HOW}",
+            assumed=False,
+        )
+    return tuple(listed.values())
+
+
+DEVICE_ATTENTION_HOW = "causal forward/backward at the longest length measured, computed tiles / peak"
+
+
 def device_rates(measured: dict, base) -> dict:
     """The preset keys a device calibration sets, from ``measured`` (what the worker wrote) and the base preset
-    (``Hardware``: its peaks stay, the efficiencies become measured)."""
+    (``Hardware``: its peaks stay, the efficiencies become measured). ``attention_kernels`` is the kernel table
+    (``kernel_table``); ``attention_efficiency`` / ``attention_backward_efficiency`` are the reference kernel's
+    as measured (FlashAttention-2 where it ran, else SDPA)."""
     rates = base.rates
     values = {"matmul_efficiency": measured["gemm"]["flops_per_s"] / rates.bf16_flops}
     attention = measured["attention"]
     kernel = "flash" if attention.get("flash") else "sdpa"
     if attention.get(kernel):
-        longest = max(p["seq"] for p in attention[kernel])
-        at_longest = [p for p in attention[kernel] if p["seq"] == longest]
-        values["attention_efficiency"] = statistics.median(p["fwd_flops_per_s"] for p in at_longest) / rates.bf16_flops
-        values["attention_backward_efficiency"] = (
-            statistics.median(p["bwd_flops_per_s"] for p in at_longest) / rates.bf16_flops
-        )
+        values["attention_efficiency"], values["attention_backward_efficiency"] = _at_longest(attention[kernel], rates)
+    values["attention_kernels"] = kernel_table(measured, base)
     chunked = [p for p in attention.get("sdpa_chunked") or [] if p.get("fwd_flops_per_s")]
     whole = (attention.get("sdpa") or [{}])[0].get("kernel")
     if chunked and chunked[0].get("kernel") != whole:  # another kernel than a whole layer's SDPA: its own rate
-        longest = max(p["seq"] for p in chunked)
-        at_longest = [p for p in chunked if p["seq"] == longest]
-        values["chunked_sdpa_efficiency"] = (
-            statistics.median(p["fwd_flops_per_s"] for p in at_longest) / rates.bf16_flops
-        )
-        values["chunked_sdpa_backward_efficiency"] = (
-            statistics.median(p["bwd_flops_per_s"] for p in at_longest) / rates.bf16_flops
-        )
+        values["chunked_sdpa_efficiency"], values["chunked_sdpa_backward_efficiency"] = _at_longest(chunked, rates)
     values["elementwise_efficiency"] = (
         measured["elementwise"]["bytes_per_s"] * rates.elementwise_traffic_factor / rates.hbm_bytes_per_s
     )

@@ -44,7 +44,14 @@ def main(argv: list[str] | None = None) -> int:
         lengths, heads = ((256, 1024), (1, 2)) if small else (bench.ATTENTION_LENGTHS, bench.ATTENTION_HEADS)
         _say(rank, f"attention forward/backward at {', '.join(map(str, lengths))} tokens x {heads} heads")
         result["attention"] = bench.measure_attention(
-            device, dtype, settings["head_dim"], settings["tile_q"], settings["tile_kv"], lengths, heads
+            device,
+            dtype,
+            settings["head_dim"],
+            settings["tile_q"],
+            settings["tile_kv"],
+            lengths,
+            heads,
+            tiles=settings.get("tiles"),
         )
         _say(rank, "elementwise ops, host copies, host AdamW")
         result["elementwise"] = bench.measure_elementwise(device, dtype, 1 << 16 if small else 1 << 26)

@@ -25,6 +25,7 @@ import yaml
 
 from autotune.core.errors import UserError
 from autotune.core.hardware import Hardware, is_shipped, load_hardware, preset_path, user_preset_dir
+from trials.kernels import KERNELS
 
 CPU_HOW = {
     "bf16_flops": "fp32 GEMMs inside one training step of a small Llama, per world size (in_step.matmul_flops)",
@@ -42,6 +43,10 @@ DEVICE_HOW = {
     "matmul_efficiency": "GEMMs at the model's projection shapes (8K tokens), forward and backward: FLOP/s / peak",
     "attention_efficiency": "fused causal attention forward at the longest length measured, computed tiles / peak",
     "attention_backward_efficiency": "the same, backward (forward+backward minus forward)",
+    "attention_kernels": (
+        "each attention kernel the trials run here (flash-attn 2/3/4 where installed and built for this GPU, SDPA), "
+        "timed the same way at its own tiles; kernels not timed keep the base preset's assumed rates"
+    ),
     "elementwise_efficiency": "add/mul/silu/copy on 64M-element tensors: output bytes/s x traffic factor / HBM",
     "host_bytes_per_s": "pinned 512 MiB copies, the slower of host->device and device->host",
     "host_optimizer_bytes_per_s": "torch AdamW(foreach=False) on the host with one rank's share of the cores",
@@ -56,7 +61,7 @@ def default_base() -> str:
     if not torch.cuda.is_available():
         return "cpu"
     name = torch.cuda.get_device_name(0).lower()
-    for key, preset in (("h200", "h200"), ("h100", "h100-sxm"), ("a100", "a100-80g")):
+    for key, preset in (("b200", "b200"), ("h200", "h200"), ("h100", "h100-sxm"), ("a100", "a100-80g")):
         if key in name:
             return preset
     raise UserError(
@@ -96,7 +101,8 @@ def calibrate_preset(
     from autotune.timing.calibration.device_bench import device_rates
 
     rates = device_rates(measured, base)
-    data.update(rates)
+    data.update({key: value for key, value in rates.items() if key != "attention_kernels"})
+    data["attention_kernels"] = {kernel.name: kernel.to_yaml() for kernel in rates["attention_kernels"]}
     device = f"{measured['device']} x{measured['world_size']}"
     data["description"] = f"{device}, calibrated {when} (base: {base_name})"
     data["calibrated"] = {
@@ -115,6 +121,8 @@ def calibrate_preset(
 
 def measure_device(gpus: int, model_config: dict, model_name: str, base: Hardware, small: bool = False) -> dict:
     """Run ``device_worker`` on ``gpus`` ranks (torchrun when several) and return rank 0's measurements."""
+    from autotune.timing.calibration.device_bench import kernel_tiles
+
     head_dim = model_config.get("head_dim") or model_config["hidden_size"] // model_config["num_attention_heads"]
     settings = {
         "model_config": model_config,
@@ -122,6 +130,7 @@ def measure_device(gpus: int, model_config: dict, model_name: str, base: Hardwar
         "head_dim": head_dim,
         "tile_q": base.rates.attention_tile_q,
         "tile_kv": base.rates.attention_tile_kv,
+        "tiles": {name: kernel_tiles(base, name) for name in KERNELS},  # each kernel's, as the base prices it
         "host_threads": max(1, (os.cpu_count() or 1) // max(1, gpus)),
         "small": small,
     }
