@@ -156,6 +156,9 @@ class PlanBackend(Backend):
             evaluation.techniques.validate(
                 evaluation.model_config, evaluation.world_size, evaluation.seq_len, on_gpu=not hw.device_is_host
             )
+            unlisted = hw.kernel_problem(evaluation.techniques.attention)
+            if unlisted:
+                raise ConfigError(unlisted)
         except ConfigError as exc:
             return ResultRecord(status="error", error=str(exc), **_record_base(evaluation))
         modes = counter_modes(evaluation) if self.throughput else None

@@ -73,17 +73,6 @@ def open_node_group(nodes: int, rdzv_endpoint: str | None, backend_name: str = "
     return NodeGroup.open(rdzv_endpoint, nodes)
 
 
-# TODO(search, issue 39): autotune/search/request.py gates only ``flash`` (``flash_ok = ... or flash_installed()``);
-# a local search must propose exactly the kernels of ``trials.kernels.usable_here()`` (installed and built for this
-# node's GPU generation: e.g. ("sdpa", "flash", "flash3") on an H100 with FA2 and FA3), and a plan search for GPUs
-# the kernels its hardware preset offers.
-def flash_installed() -> bool:
-    """Whether attention ``flash`` runs on this node's first CUDA device."""
-    from trials.attention import flash_available
-
-    return torch.cuda.is_available() and flash_available(torch.device("cuda"))
-
-
 def broken_flash_warning() -> str | None:
     """flash-attn installed but not importable (an ABI mismatch with torch, a missing CUDA library) makes
     ``flash`` vanish from a search on a GPU node: the warning that says so, with the import error; else None."""

@@ -93,6 +93,9 @@ def estimate(
     run.techniques.validate(
         run.model_config, run.gpus * run.nodes, run.seq_len if not max_seq else None, on_gpu=not hw.device_is_host
     )
+    unlisted = hw.kernel_problem(run.techniques.attention)
+    if unlisted:
+        fail(unlisted)
     _say_overrides(run.notices)
     note_rates(hw)
     _say_routing(run.model_config)

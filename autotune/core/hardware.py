@@ -200,6 +200,15 @@ class Hardware:
             return tuple(k.name for k in self.rates.attention_kernels)
         return ("sdpa",) if self.device_is_host else ("flash", "sdpa")
 
+    def kernel_problem(self, attention: str) -> str | None:
+        """Why this device does not run attention kernel ``attention`` (not among ``kernels``), or None."""
+        if attention in self.kernels:
+            return None
+        return (
+            f"attention {attention!r} does not run on {self.name}: its kernels are {', '.join(self.kernels)} "
+            "(the preset's attention_kernels)"
+        )
+
     @property
     def device_is_host(self) -> bool:
         """The device is simulated in host memory (CPU trials): fp32 compute, CPU kernels, no copies to offload."""

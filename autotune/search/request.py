@@ -14,7 +14,6 @@ from autotune.backends.setup import (
     check_depth,
     check_local_node,
     check_node_size,
-    flash_installed,
     open_node_group,
     trial_hardware,
 )
@@ -139,18 +138,9 @@ def search_kernels(backend_name: str, hw: Hardware) -> tuple[str, ...]:
     prices them on that GPU); a local search, those of them this node runs."""
     if backend_name != "local":
         return hw.kernels
-    return tuple(kernel for kernel in hw.kernels if kernel in kernels_usable_here())
+    from trials.kernels import usable_here
 
-
-def kernels_usable_here() -> tuple[str, ...]:
-    """The attention kernels the trials can run on this node."""
-    import trials.kernels
-
-    usable = getattr(trials.kernels, "usable_here", None)
-    if usable is not None:
-        return tuple(getattr(kernel, "name", kernel) for kernel in usable())
-    # TODO(issue 39): trials.kernels.usable_here() answers this once it lands; until then FA2 where flash-attn runs
-    return ("flash", "sdpa") if flash_installed() else ("sdpa",)
+    return tuple(kernel for kernel in hw.kernels if kernel in usable_here())
 
 
 def out_dir(out: Path) -> Path:
