@@ -200,6 +200,17 @@ class Hardware:
             return tuple(k.name for k in self.rates.attention_kernels)
         return ("sdpa",) if self.device_is_host else ("flash", "sdpa")
 
+    def fastest_kernel(self, names) -> str | None:
+        """Of the kernels ``names``, the one this preset prices fastest (least time per causal (query, key) pair:
+        the forward's flops at its efficiency plus the backward's, 2.5 times as many, at its own); None when none
+        of them has figures here."""
+        timed = [
+            (1 / k.forward_efficiency + 2.5 / k.backward_efficiency, k.name)
+            for name in names
+            if (k := self.rates.kernel(name)) is not None and k.forward_efficiency and k.backward_efficiency
+        ]
+        return min(timed)[1] if timed else None
+
     def kernel_problem(self, attention: str) -> str | None:
         """Why this device does not run attention kernel ``attention`` (not among ``kernels``), or None."""
         if attention in self.kernels:

@@ -3,6 +3,7 @@ follow-ups (see ``autotune.search``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import optuna
@@ -26,9 +27,10 @@ def seed_params(job: SearchJob) -> list[dict]:
     degree = max(choices["ulysses_degree"])
     target_len = min((s for s in space.seq_lens if s >= job.target and s % degree == 0), default=space.seq_lens[-1])
     base, alst = {}, {}
+    kernel = seed_kernel(job)
     for knob in knobs():
-        if knob.kind == "choice":  # the same kernel in every seed: ALST's where the space has it
-            base[knob.name] = alst[knob.name] = knob.alst if knob.alst in choices[knob.name] else choices[knob.name][0]
+        if knob.kind == "choice":  # the same kernel in every seed: the fastest the preset prices
+            base[knob.name] = alst[knob.name] = kernel
             continue
         if knob.parent is None:
             base[knob.name] = knob.default
@@ -53,13 +55,23 @@ def seed_params(job: SearchJob) -> list[dict]:
                 seeds[1][name] = knob.alst  # ALST: plain Ulysses
             seeds.insert(2, {**seeds[1], name: min(c for c in split if not knob.is_off(c))})
     layers = job.model_config["num_hidden_layers"]
-    frugal = space.frugal(layers)
+    frugal = dataclasses.replace(space.frugal(layers), attention=kernel)
     top = max((s for s in space.seq_lens if s % frugal.ulysses_degree == 0), default=target_len)
     for at, length in ((2, target_len), (len(seeds), top)):  # at the target, and at the grid's end (its wall)
         params = space.params_for(frugal, length, layers)
         if params is not None and params not in seeds:
             seeds.insert(at, params)
     return seeds
+
+
+def seed_kernel(job: SearchJob) -> str:
+    """The attention kernel of every seed: of the space's kernels, the fastest the hardware preset prices (FA3 on
+    an H100 that lists it), else ALST's where the space has it, else the space's first. Kernels cost the same
+    memory to within their scratch, so the seeds' walls hold for the others too."""
+    choices = job.space.choices["attention"]
+    (knob,) = [k for k in knobs() if k.name == "attention"]
+    fallback = knob.alst if knob.alst in choices else choices[0]
+    return job.hardware.fastest_kernel(choices) or fallback
 
 
 def _only_valid(params: dict, choices: dict) -> dict:
