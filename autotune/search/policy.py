@@ -55,7 +55,7 @@ def seed_params(job: SearchJob) -> list[dict]:
                 seeds[1][name] = knob.alst  # ALST: plain Ulysses
             seeds.insert(2, {**seeds[1], name: min(c for c in split if not knob.is_off(c))})
     layers = job.model_config["num_hidden_layers"]
-    frugal = dataclasses.replace(space.frugal(layers), attention=kernel)
+    frugal = search_frugal(job)
     top = max((s for s in space.seq_lens if s % frugal.ulysses_degree == 0), default=target_len)
     for at, length in ((2, target_len), (len(seeds), top)):  # at the target, and at the grid's end (its wall)
         params = space.params_for(frugal, length, layers)
@@ -66,8 +66,8 @@ def seed_params(job: SearchJob) -> list[dict]:
 
 def seed_kernel(job: SearchJob) -> str:
     """The attention kernel of every seed: of the space's kernels, the fastest the hardware preset prices (FA3 on
-    an H100 that lists it), else ALST's where the space has it, else the space's first. Kernels cost the same
-    memory to within their scratch, so the seeds' walls hold for the others too."""
+    an H100 that lists it), else ALST's where the space has it, else the space's first. The flash kernels' memory
+    differs by their backward scratch only, so a wall climbed with one holds for the others to within it."""
     choices = job.space.choices["attention"]
     (knob,) = [k for k in knobs() if k.name == "attention"]
     fallback = knob.alst if knob.alst in choices else choices[0]
@@ -172,10 +172,15 @@ def _crossing(a: tuple[int, ResultRecord], b: tuple[int, ResultRecord], hardware
     return int(min(found)) if found else None
 
 
+def search_frugal(job: SearchJob) -> Techniques:
+    """The most frugal config the search climbs to its wall: ``SearchSpace.frugal`` with the seeds' kernel."""
+    return dataclasses.replace(job.space.frugal(job.model_config["num_hidden_layers"]), attention=seed_kernel(job))
+
+
 def _is_frugal(job: SearchJob, techniques: Techniques) -> bool:
     """The space's most memory-frugal config: it climbs to its wall even off the front, as that wall is the
     node's for the search's trainer (the front's longest point)."""
-    return techniques == job.space.frugal(job.model_config["num_hidden_layers"])
+    return techniques == search_frugal(job)
 
 
 def follow_ups(
