@@ -218,3 +218,27 @@ def test_wall_steps_take_the_front_to_max_seq(tmp_path, monkeypatch):
     unit = math.lcm(length_unit(techniques), techniques.ulysses_degree)
     assert longest.values[0] <= wall.seq_len
     assert longest.values[0] >= min(wall.seq_len * (1 - WALL_TOLERANCE), wall.seq_len - unit)
+
+
+def test_a_ctrl_c_while_a_worker_spawns_waits_for_the_spawn(monkeypatch):
+    """Ctrl-C during ``submit`` (which may spawn a worker) is held until the submit returns, then raised: a spawn
+    cut off half-way would print the new interpreter's traceback on the user's terminal."""
+    import os
+    import signal
+    from concurrent.futures import Future, ProcessPoolExecutor
+
+    from autotune.backends import pool as pool_module
+
+    submitted = []
+
+    def interrupted_submit(self, fn, *args):
+        os.kill(os.getpid(), signal.SIGINT)  # arrives mid-submit
+        submitted.append(fn)  # not reached if the interrupt were raised here
+        return Future()
+
+    monkeypatch.setattr(ProcessPoolExecutor, "submit", interrupted_submit)
+    backend = pool_module.PooledBackend({}, workers=1)
+    with pytest.raises(KeyboardInterrupt):
+        backend._submit(evaluation(model()), guess=False)
+    assert len(submitted) == 1
+    backend.close()

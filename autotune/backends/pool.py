@@ -18,9 +18,11 @@ record, never swallowed.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -35,6 +37,25 @@ WORKERS_ENV = "AUTOTUNE_WORKERS"  # processes evaluating plan trials; default: o
 DIE_AT_ENV = "AUTOTUNE_TEST_PLAN_WORKER_DIES_AT"  # tests: a worker asked for this seq_len exits
 
 _backend: PlanBackend | None = None  # each worker's own
+
+
+@contextlib.contextmanager
+def sigint_deferred():
+    """Hold a Ctrl-C that arrives inside until the block ends, then deliver it to the handler there was. Submitting
+    work may spawn a worker, and a spawn cut off half-way leaves the new interpreter reading a truncated start-up
+    message: it prints that traceback on the user's terminal. Signal handlers live in the main thread; elsewhere
+    this is a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            signal.raise_signal(signal.SIGINT)
 
 
 def default_workers() -> int:
@@ -169,11 +190,12 @@ class PooledBackend(Backend):
 
     def _submit(self, evaluation: Evaluation, guess: bool) -> Future:
         key = record_key(evaluation)
-        try:
-            future = self._pool().submit(_evaluate_in_worker, evaluation)
-        except BrokenProcessPool:
-            self._restart()
-            future = self._pool().submit(_evaluate_in_worker, evaluation)
+        with sigint_deferred():  # a worker spawned by the submit starts whole
+            try:
+                future = self._pool().submit(_evaluate_in_worker, evaluation)
+            except BrokenProcessPool:
+                self._restart()
+                future = self._pool().submit(_evaluate_in_worker, evaluation)
         self._running[key] = (future, evaluation, guess)
         if guess:
             self.stats["guessed"] += 1
