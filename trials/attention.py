@@ -152,9 +152,7 @@ def causal_attention(
             query, key, value = (t.to(dtype) for t in (query, key, value))
         return _WindowedAttention.apply(query, key, value, scale, window).transpose(1, 2)
     groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
+    key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
     out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
     return out.transpose(1, 2)
 

@@ -26,8 +26,10 @@ EXPERTS_IMPLEMENTATION = "autotune"
 
 
 def is_moe_config(config) -> bool:
-    """An HF config with routed experts (Qwen3-MoE's ``num_experts``, Mixtral's ``num_local_experts``)."""
-    return any((getattr(config, name, None) or 0) > 0 for name in ("num_experts", "num_local_experts"))
+    """An HF config with routed experts: its family's expert count (``trials.families.Family.experts``) above 0."""
+    from trials.families import family_of
+
+    return family_of(config.model_type).experts(config) > 0
 
 
 def is_experts_module(module) -> bool:
