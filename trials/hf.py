@@ -76,34 +76,107 @@ def apply(
 
 
 def from_pretrained(
-    path: str | Path, techniques: Techniques, mesh: Mesh | None = None, compute_dtype: torch.dtype | None = None
+    path: str | Path,
+    techniques: Techniques,
+    mesh: Mesh | None = None,
+    compute_dtype: torch.dtype | None = None,
+    load_weights: bool = True,
 ) -> TrainingModel:
     """Build the model of ``path`` (a folder with ``config.json`` and ``model.safetensors`` or a sharded
-    ``model.safetensors.index.json``) with ``techniques`` applied, each rank holding and reading only its shards."""
+    ``model.safetensors.index.json``) with ``techniques`` applied, each rank holding and reading only its shards.
+    ``load_weights=False``: the parameters' storage is left unset, for values that come from elsewhere (a training
+    checkpoint)."""
+    mesh = mesh or init_mesh(techniques.ulysses_degree)
+    lm = _meta_model(path)
+    return _stacked(TrainingModel(lm), techniques, mesh, compute_dtype, build=Path(path), load=load_weights)
+
+
+def _meta_model(path: str | Path):
+    """The ``transformers`` model of the folder's ``config.json``, on the meta device, with trials' attention."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    mesh = mesh or init_mesh(techniques.ulysses_degree)
     attention.register()
     config = AutoConfig.from_pretrained(path)
     config.use_cache = False
     with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(
+        return AutoModelForCausalLM.from_config(
             config,
             attn_implementation=attention.ATTN_IMPLEMENTATION,
             dtype=torch.float32,
             **moe.experts_options(config),
         )
-    return _stacked(TrainingModel(lm), techniques, mesh, compute_dtype, build=Path(path))
 
 
-def _stacked(model: TrainingModel, techniques, mesh, compute_dtype, build: Path | None) -> TrainingModel:
+def pretrained_problem(folder: str | Path, model_config: dict) -> str | None:
+    """Why the pretrained folder cannot start a run tuned for ``model_config`` (None: it can), read from its
+    ``config.json`` and the safetensors headers only: not a model folder, another architecture or shape than the
+    tuned model's, or a checkpoint whose tensors (names, shapes) are not the model's parameters."""
+    from trials.errors import ConfigError
+    from trials.model import build_model
+    from trials.model_config import layer_windows, load_model_config
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        return f"{folder} is not a Hugging Face model folder (no config.json)"
+    try:
+        own = load_model_config(str(folder / "config.json"))
+    except ConfigError as exc:
+        return str(exc)
+    tuned = _shapes(build_model(model_config, device="meta"))
+    given = _shapes(build_model(own, device="meta"))
+    if own["model_type"] != model_config["model_type"]:
+        return f"{folder} holds a {own['model_type']} model; the config was tuned for {model_config['model_type']}"
+    differs = sorted(set(tuned.items()) ^ set(given.items()))
+    if differs:
+        name = differs[0][0]
+        return (
+            f"{folder} is not the model the config was tuned for ({model_config.get('_name')}): {name} is "
+            f"{given.get(name, 'absent')} there, {tuned.get(name, 'absent')} in the tuned model"
+        )
+    if layer_windows(own) != layer_windows(model_config):
+        return f"{folder}'s sliding windows differ from the tuned model's"
+    try:
+        files = checkpoint_files(folder)
+    except FileNotFoundError as exc:
+        return str(exc)
+    return _stored_problem(folder, files, _meta_model(folder))
+
+
+def _shapes(model) -> dict[str, tuple]:
+    return {_canonical(n).removeprefix("lm."): tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def _stored_problem(folder: Path, files: dict, lm) -> str | None:
+    """Whether every parameter of ``lm`` is stored with its shape (names and shapes from the headers)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in set(files.values()):
+        with safe_open(file, framework="pt") as handle:
+            for key in handle.keys():
+                shapes[key] = tuple(handle.get_slice(key).get_shape())
+    layout = _CheckpointLayout(lm.config.model_type, files)
+    for name, param in lm.named_parameters(remove_duplicate=True):
+        key = layout.renamed(name)
+        if key in shapes:
+            if shapes[key] != tuple(param.shape):
+                return f"{folder}: {key} is stored as {list(shapes[key])}, the model's is {list(param.shape)}"
+        elif not any(name.endswith(t.strip(".")) for rule in layout.merges for t in rule.target_patterns):
+            return f"{folder}: the checkpoint has no tensor {key!r}"
+    return None
+
+
+def _stacked(
+    model: TrainingModel, techniques, mesh, compute_dtype, build: Path | None, load: bool = True
+) -> TrainingModel:
     """``trials.stack.apply`` with trials' precision; a meta model (``build``: its folder) is then materialised
-    and loaded."""
+    and (``load``) loaded."""
     compute_dtype = compute_dtype or default_compute_dtype(mesh.device)
     stack.apply(model, techniques, mesh, param_dtype=None if compute_dtype == torch.float32 else compute_dtype)
     if build is not None:
         materialize(model, mesh.device, params_device="cpu" if techniques.optimizer_offload else None, init=False)
-        load_safetensors(model, build)
+        if load:
+            load_safetensors(model, build)
     set_compute_dtype(model, compute_dtype)
     tracker = active_tracker()
     if tracker is not None:
@@ -215,6 +288,7 @@ def load_safetensors(model: TrainingModel, folder: Path) -> None:
                 else:  # experts stored one tensor per expert (and gate/up apart): merged for this shard's experts
                     rows = layout.merged(key, range(start, start + local.shape[0]), stored_slice, folder)
             local.copy_(rows)
+            del rows  # before the next tensor is read: the host holds one tensor's rows at a time
     unused = sorted(k for k in set(files) - loaded if not k.endswith("rotary_emb.inv_freq"))
     if unused:
         raise KeyError(f"{folder}: tensors the model has no parameter for: {', '.join(unused[:4])}")

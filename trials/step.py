@@ -35,12 +35,13 @@ def build_training(
     lr: float = 1e-5,
     compute_dtype: torch.dtype | None = None,
     fused_optimizer: bool | None = None,
+    **adamw,
 ):
     """Model from the preset (seeded), the technique stack applied, and its AdamW optimizer.
 
     ``compute_dtype``: None = bf16 on CUDA, fp32 on CPU; fp32 master weights either way (see
     ``trials.model.set_compute_dtype``). ``tracker``: a ``DeviceMemoryTracker`` (default: the active one, if any),
-    as for ``forward_backward`` and ``train_step``. ``fused_optimizer``: AdamW's fused kernel (``make_optimizer``)."""
+    as for ``forward_backward`` and ``train_step``. ``fused_optimizer``: AdamW's fused kernel, ``adamw`` its other options (``make_optimizer``)."""
     tracker = tracker if tracker is not None else active_tracker()
     compute_dtype = compute_dtype or default_compute_dtype(mesh.device)
     # sharded: built on meta, so each rank only ever allocates its shards (the host's, with optimizer offload)
@@ -51,16 +52,17 @@ def build_training(
     set_compute_dtype(model, compute_dtype)
     if tracker is not None:
         tracker.retag(model.parameters(), "params")
-    return model, make_optimizer(model, techniques, mesh, lr, fused_optimizer)
+    return model, make_optimizer(model, techniques, mesh, lr, fused_optimizer, **adamw)
 
 
-def make_optimizer(model, techniques, mesh, lr: float = 1e-5, fused: bool | None = None) -> torch.optim.AdamW:
+def make_optimizer(model, techniques, mesh, lr: float = 1e-5, fused: bool | None = None, **adamw) -> torch.optim.AdamW:
     """The trials' AdamW: the fused kernel (one launch per parameter group, no temporaries) where ``fused`` -- None
     = where the optimizer steps on a GPU (not offloaded); elsewhere the per-parameter loop, whose temporaries are
-    one parameter's size (the memory oracle says which it models)."""
+    one parameter's size (the memory oracle says which it models). ``adamw``: AdamW's other options (betas,
+    weight_decay), torch's defaults otherwise."""
     if fused is None:
         fused = mesh.device.type == "cuda" and not techniques.optimizer_offload
-    return torch.optim.AdamW(model.parameters(), lr=lr, **({"fused": True} if fused else {"foreach": False}))
+    return torch.optim.AdamW(model.parameters(), lr=lr, **adamw, **({"fused": True} if fused else {"foreach": False}))
 
 
 def loss_scale(batch: Batch, mesh) -> float:
@@ -102,19 +104,26 @@ def grad_norm(model, mesh) -> float:
     return float((sharded + local).sqrt())
 
 
-def forward_backward(model, batch: Batch, mesh, tracker=None) -> torch.Tensor:
+def forward_backward(
+    model, batch: Batch, mesh, tracker=None, micro_batches: int = 1, reduce: bool = True
+) -> torch.Tensor:
     """Forward + backward + gradient reduction, no optimizer step; returns this rank's scaled loss (detached).
 
     After it every rank holds the reduced gradient (sharded DTensors under FSDP: ``.full_tensor()`` gathers).
+    Gradient accumulation over ``micro_batches`` sequences per replica: each call's loss is scaled by
+    ``1 / micro_batches`` (the gradients add up to the mean over all of them), and only the last call reduces
+    (``reduce``) the replicated gradients that an all-reduce averages; FSDP2 reduce-scatters each call's into its
+    sharded gradients, which add up.
     """
     tracker = tracker if tracker is not None else active_tracker()
     phase = tracker.in_phase if tracker is not None else _no_phase
-    scale = loss_scale(batch, mesh)
+    scale = loss_scale(batch, mesh) / micro_batches
     with phase("forward"):
         scaled_loss = model(batch.input_ids, batch.position_ids, batch.labels, scale=scale)
     with phase("backward"):
         scaled_loss.backward()
-        allreduce_grads(model, mesh)
+        if reduce:
+            allreduce_grads(model, mesh)
     if tracker is not None:
         tracker.retag((p.grad for p in model.parameters()), "grads")
     return scaled_loss.detach()

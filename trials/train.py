@@ -1,12 +1,23 @@
-"""Train with a tuned config: the same model, stack and step as a trial, for as many steps as you like.
+"""Train with a tuned config: the same model, stack and step as a trial, from pretrained weights, for days.
 
-    torchrun --standalone --nproc-per-node=N -m trials.train --config best.json [--steps S] [--data tokens.parquet]
+    torchrun --standalone --nproc-per-node=N -m trials.train --config best.json --steps S \\
+        [--init HF_FOLDER] [--data tokens.parquet] [--save CKPT --save-every K [--keep 3] [--resume]] \\
+        [--log-file log.jsonl] [--export-hf OUT_FOLDER] [--lr ... --schedule cosine --warmup-steps ...]
 
-(``python -m trials.train ...`` for one rank.) Rank 0 prints one line per step (loss, tokens/s, peak device
-memory) and a final JSON summary line. Data: synthetic tokens by default (the same seeded stream as trials,
-so step 1 matches the trial's loss), or token ids from a Parquet/Arrow file: a column ``input_ids``
-(list of ints per row) or ``tokens`` (ints), read as one stream; replica r at step k takes the
-(k * dp + r)-th window of seq_len + 1 tokens, wrapping around.
+(``python -m trials.train ...`` for one rank; ``autotune run`` checks the options and launches this.)
+
+- Weights: ``--init``, a Hugging Face model folder whose model is the one the config was tuned for; each rank reads
+  only its FSDP2 shards' rows of each tensor (``trials.hf``). Without it, seeded random weights (as trials).
+- Data: synthetic tokens by default (the trials' seeded stream: step 1 matches the trial's loss), or token ids from
+  a Parquet/Arrow file: a column ``input_ids`` (list of ints per row) or ``tokens`` (ints), read as one stream of
+  windows of seq_len + 1 tokens. A step takes ``accumulate * dp`` consecutive windows (replica r, micro-batch m:
+  window ``consumed + m * dp + r``), wrapping around; ``consumed`` is kept in checkpoints.
+- Checkpoints (``trials.checkpoint``): every ``--save-every`` steps and at the end, atomically; ``--resume``
+  continues from the newest complete one, on any world size; ``--steps`` is the run's total.
+- Log: rank 0 prints each step (a progress bar on a terminal), appends one JSON object per step to ``--log-file``
+  (not ``--log``: torchrun's parser takes that for an abbreviation of its own ``--log-dir``) and to TensorBoard
+  with ``--tensorboard``; a final ``summary {json}`` line.
+Bad options: one line on stderr, exit 2, before any step. A failed checkpoint save: exit 1 with the cause.
 """
 
 from __future__ import annotations
@@ -15,19 +26,52 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from trials import allocator
+from trials import allocator, checkpoint
 from trials.config_file import load_config_file
 from trials.data import make_batch, synthetic_sample
 from trials.dist import init_mesh
+from trials.errors import ConfigError
 from trials.memory import DeviceMemoryTracker
 from trials.model_config import load_model_config
-from trials.step import build_training, train_step
+from trials.step import build_training, forward_backward, global_loss, grad_norm, make_optimizer
+
+SCHEDULES = ("constant", "cosine")
+LOG_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_device_gib", "host_gib", "elapsed_s")
+
+
+@dataclass
+class TrainOptions:
+    """What ``trials.train`` trains: every command-line option (``main``'s parser is built from the defaults)."""
+
+    config: str
+    steps: int = 10
+    data: str | None = None
+    seed: int = 0
+    init: str | None = None
+    save: str | None = None
+    save_every: int | None = None
+    keep: int | None = None
+    resume: bool = False
+    export_hf: str | None = None
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    max_grad_norm: float | None = 1.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    weight_decay: float = 0.1
+    accumulate: int = 1
+    log_file: str | None = None
+    tensorboard: str | None = None
 
 
 class TokenSource:
@@ -73,56 +117,344 @@ def read_token_file(path: str, vocab_size: int) -> torch.Tensor:
     return stream
 
 
-def train(config_path: str, steps: int, data: str | None = None, seed: int = 0, print_fn=print) -> dict:
+def options_problem(options: TrainOptions, model_config: dict) -> str | None:
+    """Why the options cannot train the config's model (one line), or None. Reads only headers and folder
+    listings, so ``autotune run`` asks it before launching and every rank before its first step."""
+    from trials import hf
 
-    config = load_config_file(config_path)
-    model_config = load_model_config(config.model)
-    techniques = config.techniques
-    seq_len = config.seq_len
+    checks = [
+        (options.steps < 1, f"--steps must be at least 1, got {options.steps}"),
+        (options.accumulate < 1, f"--accumulate must be at least 1, got {options.accumulate}"),
+        (not options.lr > 0, f"--lr must be positive, got {options.lr}"),
+        (not 0 <= options.min_lr <= options.lr, f"--min-lr must lie in [0, --lr], got {options.min_lr}"),
+        (options.warmup_steps < 0, f"--warmup-steps must be at least 0, got {options.warmup_steps}"),
+        (options.schedule not in SCHEDULES, f"--schedule must be one of {', '.join(SCHEDULES)}"),
+        (options.max_grad_norm is not None and not options.max_grad_norm > 0, "--max-grad-norm must be positive"),
+        (not (0 <= options.beta1 < 1 and 0 <= options.beta2 < 1), "--beta1 and --beta2 must lie in [0, 1)"),
+        (options.weight_decay < 0, f"--weight-decay must be at least 0, got {options.weight_decay}"),
+        (options.save_every is not None and options.save_every < 1, "--save-every must be at least 1"),
+        (options.keep is not None and options.keep < 1, "--keep must be at least 1"),
+        (
+            options.save is None and (options.save_every or options.keep or options.resume),
+            "--save-every, --keep and --resume need --save FOLDER",
+        ),
+    ]
+    for failed, message in checks:
+        if failed:
+            return message
+    for flag, path in (("--save", options.save), ("--export-hf", options.export_hf)):
+        if path is not None and Path(path).exists() and not Path(path).is_dir():
+            return f"{flag} {path!r} is a file, not a folder"
+        if path is not None and not _creatable(Path(path)):
+            return f"{flag} {path!r} cannot be created (its parent is missing or not writable)"
+    if options.log_file is not None:
+        log = Path(options.log_file)
+        if log.is_dir() or not (os.access(log, os.W_OK) if log.exists() else _creatable(log.parent)):
+            return f"--log-file {options.log_file!r} cannot be written"
+    if options.export_hf is not None and _is_foreign_folder(Path(options.export_hf)):
+        return f"--export-hf {options.export_hf!r} holds other files; name a new folder or a previous export"
+    if options.resume and checkpoint.newest(Path(options.save)) is None:
+        return f"--resume: no complete checkpoint in {options.save!r} to resume from"
+    if options.tensorboard is not None:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            return "--tensorboard needs the tensorboard package (pip install tensorboard)"
+    if options.init is not None:
+        return hf.pretrained_problem(options.init, model_config)
+    return None
+
+
+def _creatable(path: Path) -> bool:
+    """Whether the folder ``path`` exists and is writable, or can be made (its nearest existing parent is)."""
+    path = path.absolute()
+    existing = next((p for p in [path, *path.parents] if p.exists()), None)
+    return existing is not None and existing.is_dir() and os.access(existing, os.W_OK)
+
+
+def _is_foreign_folder(folder: Path) -> bool:
+    """A non-empty folder that is not an earlier export (config.json + safetensors): replacing it would lose files."""
+    if not folder.is_dir() or not any(folder.iterdir()):
+        return False
+    return not ((folder / "config.json").is_file() and any(folder.glob("*.safetensors")))
+
+
+def learning_rate_schedule(optimizer, options: TrainOptions):
+    """``transformers``' warmup schedules: linear warmup, then constant or cosine decay to ``min_lr`` at the
+    run's last step."""
+    from transformers import get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup
+
+    if options.schedule == "constant":
+        return get_constant_schedule_with_warmup(optimizer, options.warmup_steps)
+    return get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, options.warmup_steps, options.steps, min_lr=options.min_lr
+    )
+
+
+class StepLog:
+    """Rank 0's record of each step: a JSON line in ``--log-file`` (a resumed run first drops the lines of steps after
+    its checkpoint: they are trained again), TensorBoard scalars, and the console (a progress bar on a terminal,
+    one line per step otherwise)."""
+
+    def __init__(self, options: TrainOptions, first_step: int, print_fn):
+        self.total = options.steps
+        self.print_fn = print_fn
+        self.file = None
+        if options.log_file is not None:
+            path = Path(options.log_file)
+            kept = []
+            if options.resume and path.is_file():
+                kept = [line for line in path.read_text().splitlines() if line.strip() and _step_of(line) <= first_step]
+            path.write_text("".join(line + "\n" for line in kept))
+            self.file = open(path, "a")
+        self.tensorboard = None
+        if options.tensorboard is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(options.tensorboard, purge_step=first_step + 1)
+        self.bar = None
+        if print_fn is print and sys.stdout.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(
+                TextColumn("step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[line]}"),
+            )
+            self.task = self.bar.add_task("train", total=self.total, completed=first_step, line="")
+            self.bar.start()
+
+    def record(self, entry: dict) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(entry) + "\n")
+            self.file.flush()
+        if self.tensorboard is not None:
+            for key, value in entry.items():
+                if key != "step":
+                    self.tensorboard.add_scalar(f"train/{key}", value, entry["step"])
+        line = (
+            f"loss {entry['loss']:.6f}  lr {entry['lr']:.3g}  grad_norm {entry['grad_norm']:.4f}  "
+            f"{entry['tokens_per_s']:,.0f} tokens/s  peak {entry['peak_device_gib']:.3f} GiB  "
+            f"host {entry['host_gib']:.2f} GiB"
+        )
+        if self.bar is not None:
+            self.bar.update(self.task, completed=entry["step"], line=line)
+        else:
+            self.print_fn(f"step {entry['step']}/{self.total}  {line}", flush=True)
+
+    def say(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.console.print(text, markup=False, highlight=False)
+        else:
+            self.print_fn(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+        if self.file is not None:
+            self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def _step_of(line: str) -> int:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return 0
+
+
+class _Silent:
+    def record(self, entry):
+        pass
+
+    def say(self, text):
+        pass
+
+    def close(self):
+        pass
+
+
+def train(options: TrainOptions, print_fn=print) -> dict:
+    """Train as ``options`` say; returns rank 0's summary (every rank returns one)."""
+    config = load_config_file(options.config)
+    techniques, seq_len = config.techniques, config.seq_len
     mesh = init_mesh(techniques.ulysses_degree)
     tracker = DeviceMemoryTracker() if mesh.device.type != "cuda" else None
-    talk = print_fn if mesh.rank == 0 else (lambda *a, **k: None)
-    losses, rates, peak = [], [], 0
+    resume_from = checkpoint.newest(Path(options.save)) if options.resume else None
+    adamw = {"betas": (options.beta1, options.beta2), "weight_decay": options.weight_decay}
+    losses, rates, peak, loading = [], [], 0, None
     with tracker if tracker is not None else contextlib.nullcontext():
-        model, optimizer = build_training(model_config, techniques, mesh, seed, tracker)
-        source = TokenSource(seq_len, model.config.vocab_size, seed, data)
-        for step in range(steps):
-            batch = make_batch(
-                source.window(step * mesh.dp_size + mesh.dp_rank), mesh.sp_rank, mesh.sp_degree, mesh.device
+        if options.init is not None:
+            from trials import hf
+
+            load_start = time.perf_counter()
+            model = hf.from_pretrained(options.init, techniques, mesh, load_weights=resume_from is None)
+            if resume_from is None and tracker is not None:  # what reading the weights held, at most
+                loading = {
+                    "seconds": time.perf_counter() - load_start,
+                    "peak_bytes": tracker.peak_device_bytes + tracker.peak_host_bytes,
+                    "shard_bytes": sum(_local_bytes(t) for t in [*model.parameters(), *model.buffers()]),
+                }
+            optimizer = make_optimizer(model, techniques, mesh, options.lr, **adamw)
+        else:
+            model_config = load_model_config(config.model)
+            model, optimizer = build_training(
+                model_config, techniques, mesh, options.seed, tracker, options.lr, **adamw
             )
-            start = time.perf_counter()
-            result = train_step(model, optimizer, batch, mesh, tracker)
-            elapsed = time.perf_counter() - start
-            peak = torch.cuda.max_memory_allocated(mesh.device) if tracker is None else tracker.peak_device_bytes
-            losses.append(result.loss)
-            rates.append(seq_len * mesh.dp_size / elapsed)
-            talk(
-                f"step {step + 1}/{steps}  loss {result.loss:.6f}  grad_norm {result.grad_norm:.4f}  "
-                f"{rates[-1]:,.0f} tokens/s  peak {peak / 2**30:.3f} GiB",
-                flush=True,
-            )
+        schedule = learning_rate_schedule(optimizer, options)
+        state = checkpoint.TrainerState(world_size=mesh.world_size)
+        if options.save is not None:
+            checkpoint.remove_partial(Path(options.save))
+        if resume_from is not None:
+            state = checkpoint.load(resume_from, model, optimizer)
+            schedule.load_state_dict(state.schedule)
+        log = StepLog(options, state.step, print_fn) if mesh.rank == 0 else _Silent()
+        try:
+            if loading is not None:
+                log.say(
+                    f"loaded {options.init} in {loading['seconds']:.1f} s; rank 0 held at most "
+                    f"{loading['peak_bytes'] / 2**30:.3f} GiB (its shards and buffers: {loading['shard_bytes'] / 2**30:.3f} GiB)"
+                )
+            if resume_from is not None:
+                log.say(
+                    f"resumed from {resume_from} (step {state.step}, saved on {state.world_size} ranks, "
+                    f"{state.windows_consumed:,} windows read)"
+                )
+            source = TokenSource(seq_len, model.config.vocab_size, options.seed, options.data)
+            started = time.perf_counter() - state.elapsed_s
+            while state.step < options.steps:
+                step_start = time.perf_counter()
+                lr = optimizer.param_groups[0]["lr"]
+                scaled = torch.zeros((), device=mesh.device)
+                for micro in range(options.accumulate):
+                    index = state.windows_consumed + micro * mesh.dp_size + mesh.dp_rank
+                    batch = make_batch(source.window(index), mesh.sp_rank, mesh.sp_degree, mesh.device)
+                    last = micro == options.accumulate - 1
+                    scaled += forward_backward(model, batch, mesh, tracker, options.accumulate, reduce=last)
+                norm = grad_norm(model, mesh)
+                if options.max_grad_norm is not None and norm > options.max_grad_norm:
+                    _scale_gradients(model, options.max_grad_norm / (norm + 1e-6))
+                phase = tracker.in_phase("optimizer") if tracker is not None else contextlib.nullcontext()
+                with phase:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                schedule.step()
+                loss = global_loss(scaled, mesh)
+                elapsed = time.perf_counter() - step_start
+                state.step += 1
+                state.windows_consumed += options.accumulate * mesh.dp_size
+                state.elapsed_s = time.perf_counter() - started
+                peak = torch.cuda.max_memory_allocated(mesh.device) if tracker is None else tracker.peak_device_bytes
+                losses.append(loss)
+                rates.append(seq_len * options.accumulate * mesh.dp_size / elapsed)
+                log.record(
+                    {
+                        "step": state.step,
+                        "loss": loss,
+                        "lr": lr,
+                        "grad_norm": norm,
+                        "tokens_per_s": rates[-1],
+                        "peak_device_gib": peak / 2**30,
+                        "host_gib": _peak_host_bytes() / 2**30,
+                        "elapsed_s": state.elapsed_s,
+                    }
+                )
+                due = options.save_every is not None and state.step % options.save_every == 0
+                if options.save is not None and (due or state.step == options.steps):
+                    state.schedule = schedule.state_dict()
+                    state.world_size = mesh.world_size
+                    saved = checkpoint.save(Path(options.save), model, optimizer, state, mesh.device, options.keep)
+                    log.say(f"saved {saved}")
+            if options.export_hf is not None:
+                checkpoint.export_hf(model, model.config, Path(options.export_hf), mesh.device)
+                log.say(f"exported the model to {options.export_hf} (Hugging Face format)")
+        finally:
+            log.close()
     summary = {
-        "steps": steps,
+        "steps": options.steps,
         "seq_len": seq_len,
-        "first_loss": losses[0],
-        "last_loss": losses[-1],
-        "tokens_per_s": sum(rates[1:] or rates) / len(rates[1:] or rates),
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "tokens_per_s": sum(rates[1:] or rates) / len(rates[1:] or rates) if rates else None,
         "peak_device_bytes": int(peak),
         "world_size": mesh.world_size,
     }
-    talk("summary " + json.dumps(summary), flush=True)
+    if loading is not None:
+        summary["init_load"] = loading
+    if mesh.rank == 0:
+        print_fn("summary " + json.dumps(summary), flush=True)
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
+@torch.no_grad()
+def _scale_gradients(model, factor: float) -> None:
+    """Gradient clipping's scaling, on each rank's local gradient (DTensor shards scale locally)."""
+    for param in model.parameters():
+        if param.grad is not None:
+            param.grad.mul_(factor)
+
+
+def _local_bytes(param) -> int:
+    local = param.to_local() if hasattr(param, "to_local") else param
+    return local.numel() * local.element_size()
+
+
+def _peak_host_bytes() -> int:
+    """This process's peak resident memory (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def parser() -> argparse.ArgumentParser:
+    defaults = TrainOptions(config="")
     parser = argparse.ArgumentParser(prog="trials.train", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="autotune/config-v1 JSON (best.json)")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--data", default=None, help="Parquet/Arrow file of token ids")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    add = parser.add_argument
+    add("--config", required=True, help="autotune/config-v1 JSON (best.json)")
+    add("--steps", type=int, default=defaults.steps, help="the run's total optimizer steps (a resumed run too)")
+    add("--data", default=None, help="Parquet/Arrow file of token ids (default: synthetic tokens)")
+    add("--seed", type=int, default=defaults.seed, help="seed of the random weights and synthetic tokens")
+    add("--init", default=None, help="Hugging Face model folder to start from (config.json + safetensors)")
+    add("--save", default=None, help="folder of the run's checkpoints")
+    add("--save-every", type=int, default=None, help="steps between checkpoints (and one at the end)")
+    add("--keep", type=int, default=None, help="complete checkpoints kept (default: all)")
+    add("--resume", action="store_true", help="continue from the newest complete checkpoint in --save")
+    add("--export-hf", default=None, help="at the end, write the model as a Hugging Face folder here")
+    add("--lr", type=float, default=defaults.lr, help="peak learning rate")
+    add("--min-lr", type=float, default=defaults.min_lr, help="learning rate at the last step (cosine)")
+    add("--warmup-steps", type=int, default=defaults.warmup_steps, help="linear warmup from 0")
+    add("--schedule", choices=SCHEDULES, default=defaults.schedule, help="after warmup")
+    add("--max-grad-norm", type=float, default=defaults.max_grad_norm, help="clip the gradient's L2 norm to this")
+    add("--no-clip", dest="max_grad_norm", action="store_const", const=None, help="no gradient clipping")
+    add("--beta1", type=float, default=defaults.beta1, help="AdamW beta1")
+    add("--beta2", type=float, default=defaults.beta2, help="AdamW beta2")
+    add("--weight-decay", type=float, default=defaults.weight_decay, help="AdamW weight decay")
+    add("--accumulate", type=int, default=defaults.accumulate, help="sequences per replica per step")
+    add("--log-file", default=None, help="JSON-lines file: one object per step (appended to on --resume)")
+    add("--tensorboard", default=None, help="TensorBoard log folder (needs tensorboard)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = TrainOptions(**vars(parser().parse_args(argv)))
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    try:
+        config = load_config_file(options.config)
+        problem = options_problem(options, load_model_config(config.model))
+    except (ConfigError, ValueError, OSError) as exc:
+        problem = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if problem is not None:
+        if rank0:
+            print(f"trials.train: error: {problem}", file=sys.stderr, flush=True)
+        return 2
     allocator.configure()  # before CUDA starts: the allocator settings the trials measured under
-    train(args.config, args.steps, args.data, args.seed)
+    try:
+        train(options)
+    except checkpoint.CheckpointSaveError as exc:
+        if rank0:
+            print(f"CheckpointSaveError: {exc}", file=sys.stderr, flush=True)
+        return 1
     import torch.distributed as dist
 
     if dist.is_initialized():

@@ -1,0 +1,314 @@
+"""``trials.train`` as a trainer someone runs for days: pretrained weights in, resumable checkpoints out, a schedule,
+a log, a Hugging Face folder at the end. Every run is a fresh process, as a user (or torchrun) starts it; the model
+is the tiny-llama preset that the tests save with ``transformers`` (bf16 files, trained in fp32)."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from tests.conftest import ROOT
+
+SEQ_LEN = 256
+STEPS = 50
+DOCUMENT_TOKENS = 300
+# the fine-tuning recipe of every run below: warmup, cosine decay, clipping, AdamW options
+RECIPE = (
+    f"--steps {STEPS} --lr 1e-3 --warmup-steps 10 --schedule cosine --min-lr 1e-4 --max-grad-norm 1.0 "
+    "--beta2 0.98 --weight-decay 0.01"
+).split()
+FSDP = {
+    "fsdp": True,
+    "optimizer_offload": False,
+    "ulysses_degree": 1,
+    "head_chunk": None,
+    "activation_checkpointing": True,
+    "activation_offload_layers": 0,
+    "mlp_tile_tokens": 0,
+    "loss_tile_tokens": 0,
+    "attention": "sdpa",
+}
+
+
+def write_config(path: Path, gpus: int = 1, **techniques) -> str:
+    config = {
+        "schema": "autotune/config-v1",
+        "model": "tiny-llama",
+        "hardware": "cpu",
+        "gpus": gpus,
+        "seq_len": SEQ_LEN,
+        "techniques": {**FSDP, **techniques},
+        "predicted": None,
+        "measured": None,
+    }
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def trainer(ranks: int, *args: str) -> list[str]:
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
+    return [sys.executable, *launcher, "-m", "trials.train", *args]
+
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def train(ranks: int, *args: str, cwd: Path, preexec_fn=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        trainer(ranks, *args), capture_output=True, text=True, env=ENV, cwd=cwd, timeout=600, preexec_fn=preexec_fn
+    )
+
+
+def train_until_killed(ranks: int, *args: str, cwd: Path, after: str) -> int:
+    """Start a run and SIGKILL its whole process group (launcher and every rank, as a node failure does) as soon as
+    rank 0 prints a line containing ``after``; the run's return code."""
+    process = subprocess.Popen(
+        trainer(ranks, *args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=ENV,
+        cwd=cwd,
+        start_new_session=True,
+    )
+    try:
+        for line in process.stdout:
+            if after in line:
+                os.killpg(process.pid, signal.SIGKILL)
+                break
+        return process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def log_of(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def summary_of(done: subprocess.CompletedProcess) -> dict:
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.split("summary ", 1)[1].splitlines()[0])
+
+
+def losses_match(resumed: list[dict], reference: list[dict], rel: float) -> None:
+    assert [e["step"] for e in resumed] == [e["step"] for e in reference]
+    for mine, theirs in zip(resumed, reference):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=rel), mine["step"]
+        assert mine["lr"] == pytest.approx(theirs["lr"], rel=1e-12), mine["step"]
+
+
+def hf_loss(folder: Path, tokens: torch.Tensor) -> float:
+    """``transformers``' own loss of the model in ``folder`` (fp32, eager attention) on one window."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        return float(model(tokens[None], labels=tokens[None]).loss)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    """A pretrained tiny model (saved by transformers in bf16), a repeated document, and the run configs."""
+    from transformers import AutoModelForCausalLM
+
+    from trials.model import hf_config
+    from trials.model_config import load_model_config
+
+    folder = tmp_path_factory.mktemp("train")
+    config = hf_config(load_model_config("tiny-llama"))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model.to(torch.bfloat16).save_pretrained(folder / "pretrained")
+    document = torch.randint(0, config.vocab_size, (DOCUMENT_TOKENS,), generator=torch.Generator().manual_seed(1))
+    pq.write_table(pa.table({"input_ids": [document.tolist()] * 20}), folder / "document.parquet")
+    write_config(folder / "one.json")
+    write_config(folder / "ulysses.json", gpus=2, ulysses_degree=2)
+    write_config(folder / "dp.json", gpus=2)
+    return folder
+
+
+def first_window(work: Path) -> torch.Tensor:
+    from trials.train import TokenSource
+
+    return TokenSource(SEQ_LEN, 4096, path=str(work / "document.parquet")).window(0)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(work) -> list[dict]:
+    """The reference run: 1 rank, 50 steps of fine-tuning on the document, checkpoints at 25 and 50, the model
+    exported at the end."""
+    done = train(
+        1,
+        "--config",
+        "one.json",
+        "--init",
+        "pretrained",
+        "--data",
+        "document.parquet",
+        *RECIPE,
+        "--save",
+        "reference",
+        "--save-every",
+        "25",
+        "--export-hf",
+        "exported",
+        "--log-file",
+        "reference.jsonl",
+        cwd=work,
+    )
+    summary_of(done)
+    return log_of(work / "reference.jsonl")
+
+
+@pytest.mark.slow
+def test_step_one_loss_with_init_is_transformers_loss_and_the_log_has_every_key(work, uninterrupted):
+    assert uninterrupted[0]["loss"] == pytest.approx(hf_loss(work / "pretrained", first_window(work)), rel=1e-5)
+    assert [e["step"] for e in uninterrupted] == list(range(1, STEPS + 1))
+    keys = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_device_gib", "host_gib", "elapsed_s"}
+    assert all(keys <= set(entry) for entry in uninterrupted)
+    lrs = [e["lr"] for e in uninterrupted]
+    assert lrs[0] == 0 and lrs[10] == pytest.approx(1e-3)  # transformers' warmup starts at 0, peaks at step 11
+    assert lrs[-1] == pytest.approx(1e-4, rel=0.05) and all(a >= b for a, b in zip(lrs[10:], lrs[11:]))  # cosine
+
+
+@pytest.mark.slow
+def test_fine_tuning_on_a_repeated_document_lowers_its_loss(work, uninterrupted):
+    before = hf_loss(work / "pretrained", first_window(work))
+    after = hf_loss(work / "exported", first_window(work))
+    assert after < before - 1.0, (before, after)  # nats: far beyond what a wrong update's noise moves
+
+
+@pytest.mark.slow
+def test_the_exported_folder_loads_and_holds_the_trained_weights(work, uninterrupted):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM
+
+    dcp_to_torch_save(work / "reference" / "step-00000050", work / "final.pt")
+    trained = {
+        name.removeprefix("lm."): tensor
+        for name, tensor in torch.load(work / "final.pt", weights_only=False)["model"].items()
+    }
+    exported = AutoModelForCausalLM.from_pretrained(work / "exported", dtype=torch.float32).state_dict()
+    assert set(exported) == set(trained)
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, trained[name]), name
+    pretrained = AutoModelForCausalLM.from_pretrained(work / "pretrained", dtype=torch.float32).state_dict()
+    assert not torch.equal(pretrained["model.norm.weight"], exported["model.norm.weight"])  # it trained
+
+
+@pytest.mark.slow
+def test_a_run_killed_after_its_second_checkpoint_resumes_to_the_same_losses(work, uninterrupted):
+    args = ["--config", "one.json", "--init", "pretrained", "--data", "document.parquet", *RECIPE]
+    args += ["--save", "killed", "--save-every", "10", "--keep", "2", "--log-file", "killed.jsonl"]
+    assert train_until_killed(1, *args, cwd=work, after="step-00000020") == -signal.SIGKILL
+    assert not (work / "killed" / f"step-{STEPS:08d}").exists()  # it did not finish
+    done = train(1, *args, "--resume", cwd=work)
+    summary_of(done)
+    assert "resumed from killed/step-00000020" in done.stdout
+    losses_match(log_of(work / "killed.jsonl"), uninterrupted, rel=1e-6)
+    kept = sorted(p.name for p in (work / "killed").iterdir())
+    assert kept == ["step-00000040", "step-00000050"]  # --keep 2, nothing partial left
+
+
+@pytest.mark.slow
+def test_a_two_rank_ulysses_run_starts_at_transformers_loss_and_resumes_on_one_rank(work, uninterrupted):
+    args = ["--init", "pretrained", "--data", "document.parquet", *RECIPE, "--save", "two", "--save-every", "10"]
+    args += ["--log-file", "two.jsonl"]
+    assert train_until_killed(2, "--config", "ulysses.json", *args, cwd=work, after="step-00000020") < 0
+    two_rank = log_of(work / "two.jsonl")
+    assert two_rank[0]["loss"] == pytest.approx(hf_loss(work / "pretrained", first_window(work)), rel=1e-5)
+    done = train(1, "--config", "one.json", *args, "--resume", cwd=work)
+    summary_of(done)
+    assert "saved on 2 ranks" in done.stdout
+    losses_match(log_of(work / "two.jsonl")[20:], uninterrupted[20:], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_accumulation_equals_data_parallel_ranks_and_loading_holds_a_shard_and_one_tensor(work):
+    """Two sequences per step on 1 rank train as 2 data-parallel ranks with one each (the same windows); loading
+    the pretrained folder on 2 FSDP ranks holds at most rank 0's shards and buffers plus the largest tensor."""
+    from safetensors import safe_open
+
+    common = ["--init", "pretrained", "--data", "document.parquet", "--steps", "3", "--lr", "1e-3"]
+    accumulated = summary_of(
+        train(1, "--config", "one.json", *common, "--accumulate", "2", "--log-file", "acc.jsonl", cwd=work)
+    )
+    parallel = summary_of(train(2, "--config", "dp.json", *common, "--log-file", "dp.jsonl", cwd=work))
+    losses_match(log_of(work / "acc.jsonl"), log_of(work / "dp.jsonl"), rel=1e-6)
+    assert accumulated["world_size"] == 1 and parallel["world_size"] == 2
+    with safe_open(work / "pretrained" / "model.safetensors", framework="pt") as handle:
+        largest = max(
+            handle.get_slice(k).get_shape()[0] * handle.get_slice(k).get_shape()[1] * 4
+            for k in handle.keys()
+            if len(handle.get_slice(k).get_shape()) == 2
+        )  # read as fp32 rows
+    loading = parallel["init_load"]
+    everything = accumulated["init_load"]["shard_bytes"]
+    assert loading["shard_bytes"] < 0.55 * everything  # rank 0 holds half the model
+    # the rotary buffers' construction allocates a few bytes besides
+    assert loading["peak_bytes"] <= loading["shard_bytes"] + largest + 1024, (loading, largest)
+
+
+# -- what fails, and how --------------------------------------------------------------------------------------------
+
+
+def one_line_exit_2(done: subprocess.CompletedProcess, fragment: str) -> None:
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.strip() and "WARNING" not in line]
+    assert len(lines) == 1 and fragment in lines[0], done.stderr[-3000:]
+
+
+def test_resume_without_a_checkpoint_is_bad_input(work):
+    done = train(1, "--config", "one.json", "--save", "empty", "--resume", cwd=work)
+    one_line_exit_2(done, "no complete checkpoint in 'empty'")
+
+
+def test_init_from_another_model_or_a_checkpoint_missing_a_tensor_is_bad_input(work, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    other = json.loads((work / "pretrained" / "config.json").read_text())
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps({**other, "intermediate_size": 256}))
+    done = train(1, "--config", str(work / "one.json"), "--init", "other", cwd=tmp_path)
+    one_line_exit_2(done, "is not the model the config was tuned for")
+
+    (tmp_path / "partial").mkdir()
+    (tmp_path / "partial" / "config.json").write_text((work / "pretrained" / "config.json").read_text())
+    weights = load_file(work / "pretrained" / "model.safetensors")
+    weights.pop("model.layers.1.mlp.up_proj.weight")
+    save_file(weights, tmp_path / "partial" / "model.safetensors")
+    done = train(1, "--config", str(work / "one.json"), "--init", "partial", cwd=tmp_path)
+    one_line_exit_2(done, "has no tensor 'model.layers.1.mlp.up_proj.weight'")
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_saving_keeps_the_previous_checkpoint_and_exits_1(work, tmp_path):
+    """Checkpoints fit until the process may write no file over the size of a small one (RLIMIT_FSIZE: the write
+    fails, EFBIG, as it does on a full disk with ENOSPC)."""
+    args = ["--config", str(work / "one.json"), "--steps", "2", "--save", "ck", "--save-every", "1"]
+    summary_of(train(1, *args, cwd=tmp_path))
+    biggest = max(f.stat().st_size for f in (tmp_path / "ck" / "step-00000002").iterdir())
+
+    def small_files_only():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (biggest // 2, resource.RLIM_INFINITY))
+
+    done = train(1, *args[:3], "4", *args[4:], "--resume", cwd=tmp_path, preexec_fn=small_files_only)
+    assert done.returncode == 1, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("CheckpointSaveError: could not save the checkpoint of step 3 in ck: rank 0: "), last
+    assert "GiB free on its disk" in last
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-00000001", "step-00000002"]
+    resumed = train(1, *args[:3], "4", *args[4:], "--resume", cwd=tmp_path)
+    assert "resumed from ck/step-00000002" in resumed.stdout and summary_of(resumed)["steps"] == 4

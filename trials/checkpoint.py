@@ -1,0 +1,243 @@
+"""Training checkpoints: the model, its optimizer and where the run stands, saved with
+``torch.distributed.checkpoint`` (DCP) so that a run continues on the same or another world size, and the trained
+model written as a Hugging Face folder.
+
+A checkpoint is a folder ``step-NNNNNNNN`` under the run's ``--save`` folder:
+
+- the DCP files of ``{"model": ..., "optimizer": ...}`` (``get_state_dict``: fully qualified names, each rank writes
+  its own FSDP2 shards; DCP reshards them on load when the world size differs);
+- ``trainer_state.json``: the steps done, the data position (windows of the token stream consumed), the schedule's
+  state, the training time so far;
+- ``rng-rank{R}.pt``: each rank's random number generator states.
+
+It is written as ``step-NNNNNNNN.tmp`` and renamed once every rank has finished writing, so a folder without
+``.tmp`` is always complete: a run killed while saving leaves the previous checkpoint as the newest one. A save that
+fails on any rank (disk full) removes its partial folder on every rank's word and raises ``CheckpointSaveError``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+STEP_FOLDER = re.compile(r"^step-(\d{8})$")
+STATE_FILE = "trainer_state.json"
+PARTIAL_SUFFIX = ".tmp"
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (the partial one is removed; earlier ones are untouched)."""
+
+
+@dataclass
+class TrainerState:
+    """Where a run stands after ``step`` optimizer steps."""
+
+    step: int = 0
+    windows_consumed: int = 0  # token windows of the stream read so far, all replicas and micro-batches
+    elapsed_s: float = 0.0  # training time so far, over every resumed run
+    world_size: int = 1
+    schedule: dict = field(default_factory=dict)  # the learning-rate scheduler's state_dict
+
+
+def step_folder(save: Path, step: int) -> Path:
+    return Path(save) / f"step-{step:08d}"
+
+
+def complete_checkpoints(save: Path) -> list[Path]:
+    """The complete checkpoints under ``save``, oldest first."""
+    save = Path(save)
+    if not save.is_dir():
+        return []
+    found = [p for p in save.iterdir() if STEP_FOLDER.match(p.name) and (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: int(STEP_FOLDER.match(p.name).group(1)))
+
+
+def newest(save: Path) -> Path | None:
+    checkpoints = complete_checkpoints(save)
+    return checkpoints[-1] if checkpoints else None
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _all_ok(ok: bool, device) -> bool:
+    """Whether every rank's ``ok`` holds (one collective)."""
+    if not dist.is_initialized():
+        return ok
+    flag = torch.tensor(1 if ok else 0, dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def save(save: Path, model, optimizer, state: TrainerState, device, keep: int | None = None) -> Path:
+    """Write the checkpoint of ``state.step`` under ``save`` (every rank calls it), then remove all but the newest
+    ``keep`` complete ones. Returns the checkpoint's folder; ``CheckpointSaveError`` (on every rank) when any rank
+    could not write its part."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    final = step_folder(save, state.step)
+    partial = final.with_name(final.name + PARTIAL_SUFFIX)
+    if _rank() == 0:
+        Path(save).mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+    _barrier()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    cause = None
+    try:
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(partial))
+        torch.save(_rng_states(), partial / f"rng-rank{_rank()}.pt")
+        if _rank() == 0:
+            _write_durably(partial / STATE_FILE, json.dumps(asdict(state), indent=1))
+    except (Exception, dcp.api.CheckpointException) as exc:  # noqa: BLE001 -- any failure to write fails the save
+        cause = exc
+    if not _all_ok(cause is None, device):
+        if _rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        _barrier()
+        raise CheckpointSaveError(
+            f"could not save the checkpoint of step {state.step} in {save}: {_reason(cause, save)}"
+        )
+    if _rank() == 0:
+        if final.exists():  # the same step saved again (a resumed run re-saving its last step): replace it
+            shutil.rmtree(final)
+        os.rename(partial, final)
+        _fsync_folder(final.parent)
+        if keep is not None:
+            for old in complete_checkpoints(save)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def load(checkpoint: Path, model, optimizer) -> TrainerState:
+    """Load ``checkpoint`` into ``model`` and ``optimizer`` (built for this run's world size: DCP reshards) and
+    this rank's RNG states (where the checkpoint's world had this rank); returns the trainer state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=str(checkpoint))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    rng = Path(checkpoint) / f"rng-rank{_rank()}.pt"
+    if rng.is_file():
+        _set_rng_states(torch.load(rng, weights_only=False))
+    return TrainerState(**json.loads((Path(checkpoint) / STATE_FILE).read_text()))
+
+
+def remove_partial(save: Path) -> None:
+    """Remove what a killed save left (``step-*.tmp`` folders); rank 0's job."""
+    if _rank() == 0 and Path(save).is_dir():
+        for leftover in Path(save).glob(f"step-*{PARTIAL_SUFFIX}"):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def export_hf(model, hf_config, folder: Path, device) -> None:
+    """Write the model as a Hugging Face folder (``config.json`` + ``model.safetensors``) that
+    ``AutoModelForCausalLM.from_pretrained`` loads: each rank writes its FSDP2 shards, DCP consolidates them into
+    whole tensors; written beside ``folder`` and renamed into place when complete. Tensors are the fp32 master
+    weights; a tied output head is stored once, as ``transformers`` saves it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    folder = Path(folder)
+    partial = folder.with_name(folder.name + PARTIAL_SUFFIX)
+    if _rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    _barrier()
+    weights = {}
+    for name, tensor in get_model_state_dict(model).items():
+        name = name.removeprefix("lm.")
+        if name == "lm_head.weight" and getattr(hf_config, "tie_word_embeddings", False):
+            continue
+        weights[name] = tensor
+    cause = None
+    try:
+        dcp.save(
+            weights,
+            storage_writer=HuggingFaceStorageWriter(str(partial), save_distributed=True, enable_consolidation=True),
+        )
+    except (Exception, dcp.api.CheckpointException) as exc:  # noqa: BLE001 -- as in ``save``
+        cause = exc
+    if not _all_ok(cause is None, device):
+        if _rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        _barrier()
+        raise CheckpointSaveError(f"could not export the model to {folder}: {_reason(cause, folder.parent)}")
+    if _rank() == 0:
+        shutil.rmtree(partial / "sharded", ignore_errors=True)
+        hf_config.save_pretrained(partial)
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.rename(partial, folder)
+    _barrier()
+
+
+def _rng_states() -> dict:
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def _set_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+def _write_durably(path: Path, text: str) -> None:
+    with open(path, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _fsync_folder(folder: Path) -> None:
+    handle = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
+
+
+def _reason(cause: BaseException | None, folder: Path) -> str:
+    """What went wrong, in one line: each failed rank's own exception (DCP wraps them), and the disk's free space
+    (a full disk often surfaces as a serialiser's complaint rather than as ENOSPC)."""
+    import torch.distributed.checkpoint as dcp
+
+    if cause is None:
+        said = "another rank could not write its part"
+    elif isinstance(cause, dcp.api.CheckpointException):
+        said = "; ".join(f"rank {rank}: {_one_line(exc)}" for rank, (exc, _) in sorted(cause.failures.items()))
+    else:
+        said = _one_line(cause)
+    try:
+        existing = next(p for p in [Path(folder).absolute(), *Path(folder).absolute().parents] if p.exists())
+        said += f" ({shutil.disk_usage(existing).free / 2**30:,.1f} GiB free on its disk)"
+    except (OSError, StopIteration):
+        pass
+    return said
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[-1]}" if lines else type(exc).__name__
