@@ -539,12 +539,18 @@ def test_torchrun_export_trains_and_matches_the_trial_loss(search_dir, tmp_path,
         "PYTHONPATH": str(ROOT),
     }
     result = subprocess.run(
-        ["bash", str(tmp_path / "train.sh")], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600
+        ["bash", str(tmp_path / "train.sh"), "--log-file", "log.jsonl"],  # the script's arguments reach the trainer
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads(result.stdout.split("summary ", 1)[1].splitlines()[0])
     trial_loss = json.loads((search_dir / "pareto.json").read_text())["front"][0]["record"]["loss"]
     assert summary["steps"] == 2
+    assert [json.loads(line)["step"] for line in (tmp_path / "log.jsonl").read_text().splitlines()] == [1, 2]
     assert summary["first_loss"] == pytest.approx(trial_loss, rel=1e-6)
 
 

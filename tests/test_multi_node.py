@@ -359,6 +359,28 @@ def test_the_sbatch_script_takes_the_first_host_of_a_long_node_list(tmp_path):
     assert (tmp_path / "endpoint").read_text() == "node1:29511\n"
 
 
+def test_the_sbatch_scripts_arguments_reach_the_trainer_on_every_node(tmp_path):
+    """``sbatch train.sbatch --init ... --save ...``: the arguments reach ``trials.train`` through srun's per-node
+    shell (the srun stand-in runs that shell; a python stand-in records what it was asked to run)."""
+    script, bin_dir = _sbatch_under_stand_ins(tmp_path, scontrol="echo node1; echo node2\n", srun='shift 3; exec "$@"\n')
+    (bin_dir / "python").write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$OUT_DIR/argv"\n')
+    (bin_dir / "python").chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "OUT_DIR": str(tmp_path),
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_ID": "4242",
+        "TMPDIR": str(tmp_path),
+    }
+    args = ["--init", "/models/my model", "--save", "/shared/ckpt", "--resume"]
+    done = subprocess.run(["bash", str(script), *args], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    argv = (tmp_path / "argv").read_text().splitlines()
+    assert argv[argv.index("trials.train") :][-len(args) :] == args  # last, each one argument (spaces kept)
+
+
 def load_config_file_from(script: str):
     body = script.split("<<'JSON'\n", 1)[1].split("\nJSON\n", 1)[0]
     return parse_config(json.loads(body))

@@ -312,3 +312,34 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint_and_exits_1(work
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-00000001", "step-00000002"]
     resumed = train(1, *args[:3], "4", *args[4:], "--resume", cwd=tmp_path)
     assert "resumed from ck/step-00000002" in resumed.stdout and summary_of(resumed)["steps"] == 4
+
+
+def test_autotune_run_passes_the_trainers_options_and_refuses_bad_ones_before_launching(work, tmp_path):
+    from tests.conftest import run_cli
+
+    config = str(work / "one.json")
+    done = run_cli(
+        "run",
+        "--config",
+        config,
+        "--steps",
+        "2",
+        "--init",
+        str(work / "pretrained"),
+        "--save",
+        str(tmp_path / "ck"),
+        "--log-file",
+        str(tmp_path / "log.jsonl"),
+    )
+    assert summary_of(done)["init_load"]["shard_bytes"] > 0  # trained from the folder
+    assert [e["step"] for e in log_of(tmp_path / "log.jsonl")] == [1, 2]
+    assert (tmp_path / "ck" / "step-00000002" / "trainer_state.json").is_file()
+    for args, said in (
+        (["--resume", "--save", str(tmp_path / "none")], "no complete checkpoint"),
+        (["--init", str(tmp_path)], "is not a Hugging Face model folder"),
+        (["--warmup-steps", "x"], "argument --warmup-steps: invalid int value: 'x'"),
+    ):
+        refused = run_cli("run", "--config", config, *args)
+        lines = refused.stderr.strip().splitlines()
+        assert refused.returncode == 2 and len(lines) == 1 and said in lines[0], refused.stderr
+        assert "trials.train" not in refused.stdout  # refused before the training command was printed

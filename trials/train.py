@@ -407,9 +407,24 @@ def _peak_host_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+class OptionsError(ValueError):
+    """The command line does not parse (an unknown option, a value of the wrong type): one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise OptionsError(message)
+
+
+def parse_options(argv: list[str] | None) -> TrainOptions:
+    """The options of a ``trials.train`` command line (``OptionsError`` when it does not parse); the one
+    declaration of every option, which ``autotune run`` and the exported scripts pass through."""
+    return TrainOptions(**vars(parser().parse_args(argv)))
+
+
 def parser() -> argparse.ArgumentParser:
     defaults = TrainOptions(config="")
-    parser = argparse.ArgumentParser(prog="trials.train", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="trials.train", description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("--config", required=True, help="autotune/config-v1 JSON (best.json)")
     add("--steps", type=int, default=defaults.steps, help="the run's total optimizer steps (a resumed run too)")
@@ -437,12 +452,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    options = TrainOptions(**vars(parser().parse_args(argv)))
     rank0 = int(os.environ.get("RANK", "0")) == 0
     try:
+        options = parse_options(argv)
         config = load_config_file(options.config)
         problem = options_problem(options, load_model_config(config.model))
-    except (ConfigError, ValueError, OSError) as exc:
+    except (ConfigError, ValueError, OSError) as exc:  # OptionsError is a ValueError
         problem = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if problem is not None:
         if rank0:

@@ -3,7 +3,9 @@ launches training, and how it reports the way training ended.
 
 Bad input it can find before launching is a ``UserError`` (exit 2, one line): a config it cannot train (no
 seq_len, several nodes), a ``--data`` file that cannot be read as Parquet/Arrow, has no token column of integers,
-holds ids outside the model's vocabulary, or fewer tokens than one sequence. The data file is read with
+holds ids outside the model's vocabulary, or fewer tokens than one sequence, and whatever
+``trials.train.options_problem`` finds in the trainer's options (an ``--init`` folder that is not the tuned model,
+``--resume`` without a checkpoint, ...). The data file is read with
 ``trials.train.read_token_file``, exactly as the training reads it. Training that fails exits 1 with its root
 cause (the first exception a rank raised) on the last line of stderr."""
 
@@ -31,19 +33,24 @@ _SYMPTOMS = ("ChildFailedError",)
 _STDERR_KEPT = 2000  # lines of the training's stderr searched for the root cause
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def run(
+    ctx: typer.Context,
     config: Path = typer.Option(..., help="config-v1 JSON (best.json) to train with"),
-    steps: int = ranged_option("--steps", 10, "training steps"),
+    steps: int = ranged_option("--steps", 10, "the run's total training steps (a resumed run's too)"),
     data: Path | None = typer.Option(None, help="Parquet/Arrow file of token ids (column input_ids or tokens)"),
-    seed: int = ranged_option("--seed", 0, "seed of the weights and the synthetic tokens"),
+    seed: int = ranged_option("--seed", 0, "seed of the random weights and the synthetic tokens"),
 ):
-    """Train with a tuned config through the same runner as trials (synthetic tokens or --data). Exit 1 when
-    training fails, its root cause on the last line of stderr."""
+    """Train with a tuned config through the same runner as trials (synthetic tokens or --data). Every option of
+    `python -m trials.train --help` passes through: --init HF_FOLDER (pretrained weights), --save FOLDER
+    --save-every N --keep K --resume (checkpoints), --export-hf FOLDER, --lr --min-lr --warmup-steps --schedule
+    --max-grad-norm --beta1 --beta2 --weight-decay --accumulate, --log-file FILE.jsonl, --tensorboard FOLDER
+    (docs/training.md). Exit 1 when training fails, its root cause on the last line of stderr."""
     from autotune.backends.setup import check_local_node
     from autotune.outputs.exporters import torchrun_command
     from trials.config_file import load_config_file
     from trials.model_config import load_model_config
+    from trials.train import OptionsError, options_problem, parse_options
 
     loaded = load_config_file(config)
     if loaded.seq_len is None:
@@ -62,10 +69,16 @@ def run(
     check_local_node(loaded.gpus, loaded.techniques.attention)
     if data is not None:
         check_token_file(data, model_config["vocab_size"], loaded.seq_len)
-    command = torchrun_command(str(config), loaded.gpus, str(steps)).split()
-    if data is not None:
-        command += ["--data", str(data)]
-    command += ["--seed", str(seed)]
+    trainer_options = list(ctx.args) + ["--seed", str(seed)] + (["--data", str(data)] if data is not None else [])
+    try:
+        problem = options_problem(
+            parse_options(["--config", str(config), "--steps", str(steps), *trainer_options]), model_config
+        )
+    except OptionsError as exc:
+        problem = str(exc)
+    if problem is not None:
+        fail(problem)
+    command = torchrun_command(str(config), loaded.gpus, str(steps)).split() + trainer_options
     if command[0] == "python":
         command[0] = sys.executable
     else:

@@ -4,7 +4,8 @@
 filesystem needed) and starts ``torchrun --nnodes N --nproc-per-node G`` joining a c10d rendezvous on the
 allocation's first node (``--rdzv-endpoint FIRST_NODE:PORT --rdzv-id $SLURM_JOB_ID``), which runs
 ``python -m trials.train`` on every GPU. It expresses every knob, like ``--format torchrun``; the config's
-``nodes`` x ``gpus`` are the allocation (``#SBATCH --nodes``, ``--gpus-per-node``)."""
+``nodes`` x ``gpus`` are the allocation (``#SBATCH --nodes``, ``--gpus-per-node``). The script's arguments
+(``sbatch train.sbatch --init ... --save ...``) go to the trainer on every node."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ class SlurmScriptExporter(Exporter):
                 steps='"${STEPS:-10}"',
                 python='"${PYTHON:-python}"',
             )
-            + ' ${DATA:+--data "$DATA"}'
+            + ' ${DATA:+--data "$DATA"} "$@"'
         )
         per_node = "\n".join(
             [
@@ -71,7 +72,10 @@ class SlurmScriptExporter(Exporter):
                     *gpu_line,
                     "#SBATCH --exclusive",
                     comment_block(notes),
-                    "# usage: STEPS=100 DATA=/shared/tokens.parquet sbatch this-file",
+                    "# usage: STEPS=100 DATA=/shared/tokens.parquet sbatch this-file [--init HF_FOLDER --save CKPT "
+                    "--save-every N --resume ...]",
+                    "#   (every option of `python -m trials.train --help` passes through: docs/training.md; its paths must",
+                    "#   be on a filesystem every node shares)",
                     "#   (PYTHON: the interpreter with autotune installed on every node, default python; RDZV_PORT: a free",
                     "#   port on the first node, default 29500; DATA must be a path every node can read)",
                     "set -euo pipefail",
@@ -86,7 +90,8 @@ class SlurmScriptExporter(Exporter):
                     "port=${RDZV_PORT:-29500}",
                     "export head_node port",
                     "# one task per node: write the config there, then one torchrun agent joining the rendezvous",
-                    f"srun --nodes={config.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c {shlex.quote(per_node)}",
+                    f"srun --nodes={config.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c {shlex.quote(per_node)} "
+                    'autotune-node "$@"',  # the script's arguments, as the node's $@
                 ]
             )
         )

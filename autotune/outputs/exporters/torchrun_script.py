@@ -1,5 +1,6 @@
 """``--format torchrun``: a shell script with the config inline and the command that trains with autotune's own
-runner (``python -m trials.train`` under torchrun). It expresses every knob, like ``--format autotune``."""
+runner (``python -m trials.train`` under torchrun). It expresses every knob, like ``--format autotune``; the
+script's arguments go to the trainer (``--init``, ``--save``, ``--resume``, ...)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ class TorchrunScriptExporter(Exporter):
 
     def render(self, config: TrialConfig, notes: list[str], path: str) -> Rendered:
         command = torchrun_command('"$config"', config.gpus)
-        usage = "# usage: STEPS=100 DATA=tokens.parquet bash this-file"
+        usage = (
+            "# usage: STEPS=100 DATA=tokens.parquet bash this-file [--init HF_FOLDER --save CKPT --save-every N "
+            "--resume ...]\n#   (every option of `python -m trials.train --help` passes through; docs/training.md)"
+        )
         if config.nodes > 1:  # the same script on every node, all joining one c10d rendezvous
             command = multi_node_command(
                 '"$config"',
@@ -35,7 +39,7 @@ class TorchrunScriptExporter(Exporter):
             )
             usage = (
                 f"# usage, on each of the {config.nodes} nodes: RDZV_ENDPOINT=first-node:29500 STEPS=100 "
-                f"DATA=tokens.parquet bash this-file"
+                f"DATA=tokens.parquet bash this-file [trials.train options: --init HF_FOLDER --save CKPT ...]"
             )
         return Rendered(
             "\n".join(
@@ -48,7 +52,7 @@ class TorchrunScriptExporter(Exporter):
                     "cat > \"$config\" <<'JSON'",
                     json.dumps(config.to_dict(), indent=2),
                     "JSON",
-                    command + ' ${DATA:+--data "$DATA"}',
+                    command + ' ${DATA:+--data "$DATA"} "$@"',
                 ]
             )
         )
