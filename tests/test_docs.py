@@ -64,3 +64,14 @@ def test_a_readme_over_250_lines_fails(tmp_path):
     done = _check(copy)
     assert done.returncode == 1
     assert any(line.startswith("README.md has ") for line in done.stdout.splitlines())
+
+
+def test_the_training_page_lists_every_option_of_the_trainer():
+    """docs/training.md's option table names each option ``trials.train`` declares (what ``autotune run`` and the
+    exported scripts pass through)."""
+    from trials.train import parser
+
+    table = (ROOT / "docs" / "training.md").read_text().split("## Every option", 1)[1].split("\n## ", 1)[0]
+    flags = [flag for action in parser()._actions for flag in action.option_strings if flag.startswith("--")]
+    missing = [flag for flag in flags if flag != "--help" and f"`{flag}" not in table]
+    assert len(flags) > 20 and not missing, missing
