@@ -330,10 +330,18 @@ def test_autotune_run_passes_the_trainers_options_and_refuses_bad_ones_before_la
         str(tmp_path / "ck"),
         "--log-file",
         str(tmp_path / "log.jsonl"),
+        "--tensorboard",
+        str(tmp_path / "tb"),
     )
     assert summary_of(done)["init_load"]["shard_bytes"] > 0  # trained from the folder
-    assert [e["step"] for e in log_of(tmp_path / "log.jsonl")] == [1, 2]
+    logged = log_of(tmp_path / "log.jsonl")
+    assert [e["step"] for e in logged] == [1, 2]
     assert (tmp_path / "ck" / "step-00000002" / "trainer_state.json").is_file()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb")).Reload()
+    losses = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert losses == [(e["step"], pytest.approx(e["loss"])) for e in logged]
     for args, said in (
         (["--resume", "--save", str(tmp_path / "none")], "no complete checkpoint"),
         (["--init", str(tmp_path)], "is not a Hugging Face model folder"),

@@ -219,7 +219,7 @@ class StepLog:
             self.bar = Progress(
                 TextColumn("step"),
                 MofNCompleteColumn(),
-                BarColumn(),
+                BarColumn(bar_width=12),
                 TimeRemainingColumn(),
                 TextColumn("{task.fields[line]}"),
             )
@@ -239,8 +239,13 @@ class StepLog:
             f"{entry['tokens_per_s']:,.0f} tokens/s  peak {entry['peak_device_gib']:.3f} GiB  "
             f"host {entry['host_gib']:.2f} GiB"
         )
-        if self.bar is not None:
-            self.bar.update(self.task, completed=entry["step"], line=line)
+        if self.bar is not None:  # compact enough for an 80-column terminal; the log file has every figure
+            self.bar.update(
+                self.task,
+                completed=entry["step"],
+                line=f"loss {entry['loss']:.4f} lr {entry['lr']:.1e} gnorm {entry['grad_norm']:.3g} "
+                f"{entry['tokens_per_s']:,.0f} tok/s {entry['peak_device_gib']:.2f} GiB",
+            )
         else:
             self.print_fn(f"step {entry['step']}/{self.total}  {line}", flush=True)
 
