@@ -278,6 +278,12 @@ def test_resume_without_a_checkpoint_is_bad_input(work):
 def test_init_from_another_model_or_a_checkpoint_missing_a_tensor_is_bad_input(work, tmp_path):
     from safetensors.torch import load_file, save_file
 
+    from trials.hf import pretrained_problem
+    from trials.model_config import load_model_config
+
+    # a config may name the folder itself as its model
+    assert pretrained_problem(work / "pretrained", load_model_config(str(work / "pretrained"))) is None
+    assert pretrained_problem(work / "pretrained", load_model_config("tiny-llama")) is None
     other = json.loads((work / "pretrained" / "config.json").read_text())
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "config.json").write_text(json.dumps({**other, "intermediate_size": 256}))

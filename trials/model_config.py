@@ -34,17 +34,19 @@ def model_names() -> list[str]:
 
 
 def load_model_config(name_or_path: str) -> dict:
-    """The HF config dict of a preset name or a ``config.json`` path, validated against its family and by
+    """The HF config dict of a preset name, a ``config.json`` path or a model folder holding one, validated against its family and by
     ``transformers`` (``ConfigError`` with the reason otherwise); ``num_key_value_heads`` and ``head_dim`` filled in.
     A Gemma 3 multimodal config gives its text model's config."""
     preset = _preset_path(name_or_path)
     path = preset
     if not preset.exists():
         path = Path(name_or_path)
+        if path.is_dir() and (path / "config.json").is_file():  # a model folder: its config
+            path = path / "config.json"
         if not path.is_file():
             raise ConfigError(
                 f"unknown model {name_or_path!r}: use a preset ({', '.join(model_names())}) "
-                "or a path to a Hugging Face config.json"
+                "or a path to a Hugging Face config.json or its model folder"
             )
     try:
         config = json.loads(path.read_text())
