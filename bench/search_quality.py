@@ -180,7 +180,7 @@ def main() -> int:
     calibrate.load_or_calibrate()  # here, once: grid workers must not each calibrate (and time each other)
     model_config = load_model_config(MODEL)
     hardware = load_hardware("cpu").with_memory_gib(MEMORY_GIB)
-    space = load_space(SPACE, model_config, GPUS, TARGET, flash_ok=False)
+    space = load_space(SPACE, model_config, GPUS, TARGET, kernels=["sdpa"])
     configs = grid_configs(space, model_config["num_hidden_layers"])
     grid = [(t, s) for t in configs for s in space.seq_lens if s % t.ulysses_degree == 0]
     records, grid_s, cached = exhaustive(grid, model_config, hardware, args.workers, use_cache=not args.no_cache)

@@ -237,7 +237,7 @@ def _analytic_search(tmp_path):
             target=8192,
             gpus=2,
             hardware=load_hardware("cpu").with_memory_gib(4096 * 1000 / 2**30),
-            space=load_space(SPACES_DIR / "reduced-tiny.yaml", config, 2, 8192, flash_ok=False),
+            space=load_space(SPACES_DIR / "reduced-tiny.yaml", config, 2, 8192, kernels=["sdpa"]),
             backend=backend,
             out=tmp_path,
             trials=6,

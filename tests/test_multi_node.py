@@ -362,7 +362,9 @@ def test_the_sbatch_script_takes_the_first_host_of_a_long_node_list(tmp_path):
 def test_the_sbatch_scripts_arguments_reach_the_trainer_on_every_node(tmp_path):
     """``sbatch train.sbatch --init ... --save ...``: the arguments reach ``trials.train`` through srun's per-node
     shell (the srun stand-in runs that shell; a python stand-in records what it was asked to run)."""
-    script, bin_dir = _sbatch_under_stand_ins(tmp_path, scontrol="echo node1; echo node2\n", srun='shift 3; exec "$@"\n')
+    script, bin_dir = _sbatch_under_stand_ins(
+        tmp_path, scontrol="echo node1; echo node2\n", srun='shift 3; exec "$@"\n'
+    )
     (bin_dir / "python").write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$OUT_DIR/argv"\n')
     (bin_dir / "python").chmod(0o755)
     env = {

@@ -147,7 +147,7 @@ def test_the_deeper_copy_stops_when_its_extension_cannot_fit():
 
 def test_wall_params_round_trip_and_survive_a_requeue():
     config = model()
-    space = load_space(REDUCED, config, 2, 8 * K, flash_ok=False)
+    space = load_space(REDUCED, config, 2, 8 * K, kernels=["sdpa"])
     techniques = Techniques(fsdp=True, ulysses_degree=2, activation_checkpointing=True)
     between = space.seq_lens[3] + 1 * K  # 6144 < 7168 < 8192
     assert between not in space.seq_lens
@@ -168,7 +168,7 @@ def _job(tmp_path: Path, trials: int, workers: int, target: int = 8 * K):
     tmp_path.mkdir(parents=True, exist_ok=True)
     config = model()
     hardware = load_hardware("cpu").with_memory_gib(0.5)
-    space = load_space(REDUCED, config, 2, target, flash_ok=False)
+    space = load_space(REDUCED, config, 2, target, kernels=["sdpa"])
     return search.SearchJob(
         model="tiny-llama",
         model_config=config,

@@ -85,7 +85,7 @@ def test_monotone_inference_and_cache_answer_without_running(tmp_path):
         target=4096,
         gpus=2,
         hardware=load_hardware("cpu").with_memory_gib(0.5),
-        space=load_space(None, config, 2, 4096, flash_ok=False),
+        space=load_space(None, config, 2, 4096, kernels=["sdpa"]),
         backend=_Counting(),
         out=tmp_path,
         trials=4,

@@ -31,7 +31,7 @@ def test_params_for_inverts_sample(model, gpus, space_path):
     """Enqueued params must make ``sample`` give back exactly the config and length they were made from."""
     config = load_model_config(model)
     layers = config["num_hidden_layers"]
-    space = load_space(space_path, config, gpus, 4 << 20 if gpus == 8 else 8192, flash_ok=True)
+    space = load_space(space_path, config, gpus, 4 << 20 if gpus == 8 else 8192)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     for _ in range(300):
         trial = study.ask()
@@ -90,7 +90,7 @@ def test_memory_steps_change_one_knob_toward_less_memory():
 def test_memory_steps_need_less_memory_by_the_oracle():
     """Each step from the plain config really lowers the predicted peak (tiny-llama, 2 ranks, 8K tokens: twice the 4K tiles)."""
     config = load_model_config("tiny-llama")
-    space = load_space(REDUCED, config, 2, 8192, flash_ok=False)
+    space = load_space(REDUCED, config, 2, 8192, kernels=["sdpa"])
     hardware = load_hardware("cpu")
     backend = PlanBackend(throughput=False)
     plain = Techniques(fsdp=True)
@@ -157,7 +157,7 @@ class SyntheticBackend(Backend):
 def _job(tmp_path, backend, trials, follow_ups=True):
     tmp_path.mkdir(parents=True, exist_ok=True)
     config = load_model_config("tiny-llama")
-    space = load_space(REDUCED, config, 2, 8192, flash_ok=False)
+    space = load_space(REDUCED, config, 2, 8192, kernels=["sdpa"])
     hardware = load_hardware("cpu").with_memory_gib(SyntheticBackend.CAPACITY / 2**30)
     return search.SearchJob(
         model="tiny-llama",

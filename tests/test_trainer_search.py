@@ -82,7 +82,7 @@ def _front_reach(tmp_path, trainer: str, target: int) -> tuple[float, object]:
     ``--max-seq``'s record of the most frugal config the trainer runs)."""
     model_config = load_model_config("tiny-llama")
     hardware = load_hardware("cpu").with_memory_gib(0.5)
-    space = load_space(None, model_config, 2, target, flash_ok=False, trainer=TRAINERS[trainer])
+    space = load_space(None, model_config, 2, target, kernels=["sdpa"], trainer=TRAINERS[trainer])
     job = SearchJob(
         model="tiny-llama",
         model_config=model_config,

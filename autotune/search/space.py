@@ -31,7 +31,6 @@ from optuna.trial import TrialState
 from autotune.core.errors import UserError
 from autotune.core.sizes import parse_tokens
 from autotune.core.trainers import AUTOTUNE, ExportJob, Trainer, memory_rank
-from trials.kernels import FLASH_KERNELS
 from trials.model_config import attention_features
 from trials.rules import attention_kernel_problem, ulysses_degree_problem
 from trials.techniques import ALL_LAYERS, Knob, Techniques, knob_names, knobs
@@ -228,7 +227,6 @@ def load_space(
     model_config: dict,
     gpus: int,
     target: int,
-    flash_ok: bool = True,
     trainer: Trainer = AUTOTUNE,
     on_gpu: bool = True,
     kernels: Sequence[str] | None = None,
@@ -237,8 +235,8 @@ def load_space(
     does not run (``restrict_to_trainer``; a choice the trainer cannot run in the user's own file is bad input).
 
     ``kernels``: the attention kernels the hardware runs (``Hardware.kernels``; a local search, those this node
-    runs), what the choice ``hardware`` stands for; other kernels are dropped. None: every kernel the knob takes.
-    ``flash_ok`` False drops every flash-attn kernel (CPU trials)."""
+    runs; CPU trials: ``["sdpa"]``), what the choice ``hardware`` stands for; other kernels are dropped. None: every
+    kernel the knob takes."""
     user_file = path is not None
     path = Path(path) if path else DEFAULT_SPACE
     if not path.is_file():
@@ -275,7 +273,7 @@ def load_space(
         if name == "attention":
             raw = _hardware_kernels(raw, kernels)
         choices[name] = [_coerce(path, name, value, model_config) for value in raw]
-    choices = _filter(choices, model_config, gpus, flash_ok, path, on_gpu, kernels)
+    choices = _filter(choices, model_config, gpus, path, on_gpu, kernels)
     choices = restrict_to_trainer(choices, trainer, model_config, gpus, target, path if user_file else None)
     return SearchSpace(
         choices=choices,
@@ -384,7 +382,6 @@ def _filter(
     choices: dict,
     model_config: dict,
     gpus: int,
-    flash_ok: bool,
     path: Path,
     on_gpu: bool,
     kernels: Sequence[str] | None = None,
@@ -398,9 +395,7 @@ def _filter(
             f"search space {str(path)!r}: no ulysses_degree in {choices['ulysses_degree']} divides "
             f"both --gpus {gpus} and the model's {heads} heads"
         )
-    attention = [
-        a for a in choices["attention"] if (flash_ok or a not in FLASH_KERNELS) and (kernels is None or a in kernels)
-    ] or ["sdpa"]
+    attention = [a for a in choices["attention"] if kernels is None or a in kernels] or ["sdpa"]
     features = attention_features(model_config)  # a window or softcap some kernels cannot run here
     problems = {a: attention_kernel_problem(a, features, on_gpu) for a in attention}
     runnable = [a for a in attention if problems[a] is None]
