@@ -40,8 +40,19 @@ ALIGNMENT = 512  # the CUDA caching allocator's block rounding: addresses are la
 UNKNOWN_CATEGORY = "unknown"
 
 # Which technique's code made a storage: (a path fragment of the code's file, a prefix of its qualified name or
-# "", the label), the innermost matching frame of the Python stack wins.
+# "", the label), the innermost matching frame of the Python stack wins; a frame whose label is "" (helpers shared
+# by several of a technique's steps) passes on to its callers.
+FSDP_COLLECTIVES = "distributed/fsdp/_fully_shard/_fsdp_collectives.py"
+FSDP_PARAM = "distributed/fsdp/_fully_shard/_fsdp_param.py"
 TECHNIQUE_CODE = (
+    (FSDP_COLLECTIVES, "foreach_all_gather_copy_out", "FSDP (fsdp): unsharded parameters"),
+    (FSDP_COLLECTIVES, "foreach_all_gather", "FSDP (fsdp): all-gather buffer"),
+    (FSDP_COLLECTIVES, "foreach_reduce", "FSDP (fsdp): reduce-scatter buffer"),
+    (FSDP_COLLECTIVES, "", ""),
+    (FSDP_PARAM, "alloc_storage", ""),
+    (FSDP_PARAM, "FSDPParam.init_all_gather_outputs", "FSDP (fsdp): unsharded parameters"),
+    (FSDP_PARAM, "FSDPParam.alloc_all_gather_outputs", "FSDP (fsdp): unsharded parameters"),
+    (FSDP_PARAM, "FSDPParam.init_unsharded_param", "FSDP (fsdp): unsharded parameters"),
     ("trials/tiling.py", "TiledLogitsLoss", "loss tile (loss_tile_tokens)"),
     ("trials/tiling.py", "tiled_loss", "loss tile (loss_tile_tokens)"),
     ("trials/tiling.py", "TiledRMSNorm", "RMSNorm tile (norm_tile_tokens)"),
@@ -102,14 +113,14 @@ class TimelineRecorder(TrackerListener):
     def on_resize(self, tracker: DeviceMemoryTracker, info: StorageInfo, old_nbytes: int) -> None:
         self._free(info)
         if not info.host and info.nbytes > 0:
-            self._alloc(info, info.nbytes, tracker)
+            self._alloc(info, info.nbytes, tracker, op="UntypedStorage.resize_")
 
     # -- events --------------------------------------------------------------------------------------
-    def _alloc(self, info: StorageInfo, size: int, tracker: DeviceMemoryTracker) -> None:
+    def _alloc(self, info: StorageInfo, size: int, tracker: DeviceMemoryTracker, op: str | None = None) -> None:
         addr = self._next_addr
         self._next_addr += -(-size // ALIGNMENT) * ALIGNMENT
         self._live[id(info)] = (addr, size, info)
-        self.events.append(("alloc", addr, size, info, self._context(tracker)))
+        self.events.append(("alloc", addr, size, info, self._context(tracker, op)))
 
     def _free(self, info: StorageInfo) -> None:
         live = self._live.pop(id(info), None)
@@ -117,9 +128,10 @@ class TimelineRecorder(TrackerListener):
             addr, size, _ = live
             self.events.append(("free", addr, size, info))
 
-    def _context(self, tracker: DeviceMemoryTracker) -> tuple[str, str, str, str]:
-        """(op, module, technique, where) of an allocation now."""
-        op = str(tracker.op) if tracker.op is not None else "(no op: made outside an op)"
+    def _context(self, tracker: DeviceMemoryTracker, op: str | None = None) -> tuple[str, str, str, str]:
+        """(op, module, technique, where) of an allocation now (``op``: what made it, where no dispatched op did)."""
+        if op is None:
+            op = str(tracker.op) if tracker.op is not None else "(no op: made outside an op)"
         if self._modules:
             module = self._modules[-1]
         elif tracker.phase == "backward" and self._backward_module:
@@ -141,11 +153,11 @@ class TimelineRecorder(TrackerListener):
             label = self._code_labels.get(code, False)
             if label is False:
                 label = self._code_labels[code] = _code_label(code)
-            if label is not None:
+            if label:
                 break
             frame = frame.f_back
         for fragment, kind in COLLECTIVES:
-            if fragment in op:
+            if fragment in op and not (label and label.endswith("buffer")):
                 return f"{label or 'collective'}: {kind}"
         return label or "(none: the model's own op)"
 
@@ -362,3 +374,13 @@ def stop_cuda_history() -> dict:
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     return snapshot
+
+
+def snapshots_in_html(page: str) -> list[dict]:
+    """The snapshots a viewer page embeds (``html``, or each side of ``side_by_side_html``), in order."""
+    import base64
+    import html as html_lib
+    import re
+
+    text = html_lib.unescape(page)
+    return [pickle.loads(base64.b64decode(match)) for match in re.findall(r'"base64": "([A-Za-z0-9+/=]+)"', text)]
