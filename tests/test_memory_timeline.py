@@ -16,6 +16,7 @@ from autotune.backends.local import LocalBackend
 from autotune.core.hardware import load_hardware
 from autotune.oracle.timeline import predicted_timeline
 from trials import memory_timeline
+from trials.memory import DeviceMemoryTracker
 from trials.memory_timeline import replay_peak, snapshots_in_html
 from trials.model_config import load_model_config
 from trials.techniques import Techniques
@@ -169,6 +170,21 @@ def test_torchs_viewer_takes_both_snapshots(tmp_path):
         assert pickle.load(f) == timeline.snapshot
     both = memory_timeline.side_by_side_html([("measured", page), ("predicted", page)])
     assert snapshots_in_html(both) == [timeline.snapshot, timeline.snapshot]
+
+
+def test_a_storage_moved_to_the_host_leaves_the_device_trace():
+    """An offload (``mark_host``) frees the device block; a storage made on the host never enters the trace."""
+    tracker = DeviceMemoryTracker()
+    recorder = memory_timeline.TimelineRecorder()
+    tracker.add_listener(recorder)
+    with tracker:
+        offloaded = torch.ones(1024)  # 4 KiB on the device, then moved
+        tracker.mark_host(offloaded)
+        with tracker.on_host():
+            host = torch.ones(4096)  # 16 KiB on the host
+        kept = torch.ones(2048)  # 8 KiB
+    assert replay_peak(recorder.snapshot()) == tracker.peak_device_bytes == 8192
+    assert offloaded.numel() + host.numel() + kept.numel() == 7168
 
 
 def test_replay_counts_blocks_allocated_before_the_trace():
