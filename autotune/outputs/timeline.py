@@ -79,7 +79,8 @@ def write_trial(
     copy's, the one the prediction traces. Returns (the measured timeline's title, the files written)."""
     predicted = predicted_timeline(evaluation, rank, model_name)
     model_layers = evaluation.model_config["num_hidden_layers"]
-    device = "CUDA allocator, the first measured step" if _is_cuda(measured) else "cpu tracker, the whole run"
+    on_gpu = not evaluation.hardware.device_is_host  # the trial ran on CUDA: its snapshot is the allocator's
+    device = "CUDA allocator, the first measured step" if on_gpu else "cpu tracker, the whole run"
     title = timeline_title(
         "measured",
         model_name or evaluation.model_config.get("model_type", "model"),
@@ -92,16 +93,6 @@ def write_trial(
         memory_timeline.replay_peak(measured, _device_of(measured)),
     )
     return title, write_measured(measured, title, predicted, html_path, pickle_path)
-
-
-def _is_cuda(snapshot: dict) -> bool:
-    """A snapshot of the CUDA allocator (real stacks, several devices) rather than of the tracker."""
-    return any(
-        frame.get("filename") not in ("op", "module", "technique", "category", "where", "title")
-        for trace in snapshot.get("device_traces", [])
-        for event in trace[:50]
-        for frame in event.get("frames", [])
-    )
 
 
 def _device_of(snapshot: dict) -> int:
