@@ -67,6 +67,12 @@ class TrackerListener:
     def on_moved_to_host(self, tracker: DeviceMemoryTracker, tensor: torch.Tensor, nbytes: int) -> None:
         """``mark_host`` moved a device storage of ``nbytes`` to the host (an offload)."""
 
+    def on_free(self, tracker: DeviceMemoryTracker, info: StorageInfo) -> None:
+        """A tracked storage was freed (its last reference went away; ``info`` says where it lived)."""
+
+    def on_resize(self, tracker: DeviceMemoryTracker, info: StorageInfo, old_nbytes: int) -> None:
+        """A tracked storage changed size in place (``UntypedStorage.resize_``: FSDP2's unsharded parameters)."""
+
 
 class DeviceMemoryTracker(TorchDispatchMode):
     """Live tensor bytes on the (simulated) device, with an optional capacity that raises OOM."""
@@ -109,6 +115,8 @@ class DeviceMemoryTracker(TorchDispatchMode):
 
     def _on_free(self, info: StorageInfo, _ref) -> None:
         self._add(info, -1)
+        for listener in self._listeners:
+            listener.on_free(self, info)
 
     def storage_info(self, tensor: torch.Tensor) -> StorageInfo | None:
         """The tracked storage of ``tensor`` (a DTensor's local shard), or None."""
@@ -213,10 +221,12 @@ class DeviceMemoryTracker(TorchDispatchMode):
         info = self._storages.get(storage)
         if info is not None and info.nbytes != storage.nbytes():
             self._add(info, -1)
-            info.nbytes = storage.nbytes()
+            old_nbytes, info.nbytes = info.nbytes, storage.nbytes()
             if not info.host:  # storages FSDP resizes are unsharded parameters
                 info.category = "params"
             self._add(info, +1)
+            for listener in self._listeners:
+                listener.on_resize(self, info, old_nbytes)
             self._check()
 
     def _shard_made(self, fsdp_param, tensor) -> None:

@@ -24,14 +24,14 @@ from pathlib import Path
 
 import torch
 
-from trials import allocator, moe
+from trials import allocator, memory_timeline, moe
 from trials.data import make_batch, synthetic_sample
 from trials.dist import init_mesh
 from trials.layer_clock import LayerClock, local_parameter_count, mean_step_times
 from trials.memory import DeviceMemoryTracker
 from trials.model_config import copy_for_runs
-from trials.segments import AllocatorPeaks, SegmentPeaks, install_segment_hooks
-from trials.spec import RankRecord, TrialSpec
+from trials.segments import AllocatorPeaks, SegmentPeaks, install_segment_hooks, segment_label
+from trials.spec import RankRecord, TrialSpec, timeline_path
 from trials.step import build_training, prime_optimizer, train_step
 from trials.techniques import Techniques
 
@@ -142,13 +142,15 @@ def _failure(exc: BaseException) -> tuple[str, str]:
     return "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"
 
 
-def run_trial(spec: TrialSpec, mesh=None) -> RankRecord:
+def run_trial(spec: TrialSpec, mesh=None, out_dir: Path | None = None) -> RankRecord:
     """Run the trial on this rank and return its record: the model itself, or (``spec.copies``) each shallower
     copy in turn, in this one launch, with its per-segment peaks (``RankRecord.copies``) for the launcher to
-    extend to full depth."""
+    extend to full depth. On ``spec.timeline_rank`` it writes the memory timeline of the model (or of the first
+    copy) into ``out_dir``."""
     mesh = mesh or init_mesh(spec.techniques.ulysses_degree, timeout_s=spec.collective_timeout_s)
+    timeline = timeline_path(out_dir, mesh.rank) if out_dir is not None and spec.timeline_rank == mesh.rank else None
     if not spec.copies:
-        return _run_model(spec, mesh, spec.model_config, spec.techniques)
+        return _run_model(spec, mesh, spec.model_config, spec.techniques, timeline=timeline)
     record = RankRecord(status="ok", seq_len=spec.seq_len, rank=mesh.rank, device=_describe(mesh.device, mesh))
     for index, copy in enumerate(spec.copies):
         runs = [tuple(run) for run in copy["runs"]]
@@ -162,6 +164,7 @@ def run_trial(spec: TrialSpec, mesh=None) -> RankRecord:
             runs,
             f"copy {index + 1}/{len(spec.copies)} ({config['num_hidden_layers']} layers)",
             timed=copy.get("timed", True),
+            timeline=timeline if index == 0 else None,
         )
         record.copies.append(result.to_dict())
         if result.status != "ok":  # a shallower copy that fails: so would the model
@@ -176,13 +179,23 @@ def run_trial(spec: TrialSpec, mesh=None) -> RankRecord:
 
 
 def _run_model(
-    spec: TrialSpec, mesh, model_config: dict, techniques, runs=None, label: str = "", timed: bool = True
+    spec: TrialSpec,
+    mesh,
+    model_config: dict,
+    techniques,
+    runs=None,
+    label: str = "",
+    timed: bool = True,
+    timeline: Path | None = None,
 ) -> RankRecord:
     """Build ``model_config`` with ``techniques``, run warm-up + measured steps, record memory and time.
 
     With ``runs`` (a shallower copy of the model, its decoder layers as runs, ``trials.segments.layer_runs``): the
     optimizer states are primed first (as the oracle traces) and each segment's peak is recorded; ``timed``
-    also splits the measured steps along the layers (``trials.layer_clock``), else one step runs, for memory."""
+    also splits the measured steps along the layers (``trials.layer_clock``), else one step runs, for memory.
+    ``timeline``: write this run's memory timeline there (``trials.memory_timeline``), whatever its outcome: on the
+    CPU the tracker's every allocation and free from the model's build to the last step (its peak is the tracker's
+    measured peak), on CUDA the allocator's history of the first measured step."""
     seq_len, steps, warmup, seed = spec.seq_len, spec.steps, spec.warmup, spec.seed
     device = mesh.device
     # the tracker runs on CUDA too (no capacity there: the card raises OOM): the breakdown and the host bytes
@@ -192,6 +205,14 @@ def _run_model(
     if runs is not None:
         peaks = SegmentPeaks()
         tracker.add_listener(peaks)
+    recorder = None
+    if timeline is not None and device.type != "cuda":
+        recorder = memory_timeline.TimelineRecorder(
+            where=(lambda: segment_label(peaks.segment)) if peaks is not None else None
+        )
+        tracker.add_listener(recorder)
+    cuda_history = None  # CUDA: the allocator's snapshot of the first measured step
+    recording = False  # CUDA: the allocator's history is being recorded
     record = RankRecord(
         status="ok",
         seq_len=seq_len,
@@ -212,6 +233,8 @@ def _run_model(
                 model_config, techniques, mesh, seed, tracker, compute_dtype=_compute_dtype(spec.compute_dtype)
             )
             clock = None
+            if recorder is not None:
+                recorder.watch(model)
             if peaks is not None:
                 install_segment_hooks(model, tracker, peaks, runs)
                 prime_optimizer(model, optimizer, tracker)
@@ -234,12 +257,18 @@ def _run_model(
             _inject_fault(mesh.rank)
             if clock is not None and measured:
                 clock.start_step()
+            history = timeline is not None and device.type == "cuda" and index == (warmup if timed else 0)
+            if history:
+                memory_timeline.start_cuda_history()
+                recording = True
             start = time.perf_counter()
             with contextlib.nullcontext() if bare else tracker:
                 result = train_step(model, optimizer, batch, mesh, tracker)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             elapsed = time.perf_counter() - start
+            if history:
+                cuda_history, recording = memory_timeline.stop_cuda_history(), False
             if clock is not None and measured:
                 splits.append(clock.finish_step())
             say(
@@ -258,6 +287,10 @@ def _run_model(
             record.layer_times_s, record.tail_time_s = split.layer_s, split.tail_s
     except Exception as exc:  # recorded, classified by the launcher
         record.status, record.error = _failure(exc)
+        if recording:  # the step that failed (an out-of-memory step's history shows where it ran out)
+            cuda_history = memory_timeline.stop_cuda_history()
+    if timeline is not None:
+        _write_timeline(timeline, recorder, cuda_history)
     routing = moe.routing_stats()  # MoE models: how far the router's load was from balanced
     if routing is not None:
         record.moe_routing = routing
@@ -277,6 +310,16 @@ def _run_model(
         record.step_time_s = sum(step_times) / len(step_times)
         record.tokens_per_s = seq_len * mesh.dp_size / record.step_time_s
     return record
+
+
+def _write_timeline(path: Path, recorder, cuda_history: dict | None) -> None:
+    """The run's memory timeline at ``path``: the tracker's recorded events (CPU) or the allocator's history (CUDA;
+    none when the run failed before its measured step)."""
+    if recorder is not None:
+        recorder.unwatch()
+        memory_timeline.write_pickle(recorder.snapshot(), path)
+    elif cuda_history is not None:
+        memory_timeline.write_pickle(cuda_history, path)
 
 
 def _progress(rank: int, label: str):
@@ -348,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = TrialSpec.read(spec_path)
         seq_len = spec.seq_len
-        record = run_trial(spec)
+        record = run_trial(spec, out_dir=out_dir)
     except Exception as exc:  # failure before the trial could even start (spec, groups, imports)
         record = RankRecord(
             status="error",

@@ -27,6 +27,21 @@ class Segment:
     live: list | None = None  # explain mode: the largest live storages at the peak
 
 
+def segment_label(segment: tuple | None) -> str:
+    """A segment key as one word: ("backward", ("layers", "middle")) -> "backward/layers/middle"."""
+    parts: list[str] = []
+
+    def flatten(value):
+        if isinstance(value, (tuple, list)):
+            for item in value:
+                flatten(item)
+        elif value is not None:
+            parts.append(str(value))
+
+    flatten(segment)
+    return "/".join(parts)
+
+
 def layer_runs(techniques, num_layers: int, layer_kinds: list[str] | None = None) -> list[tuple[str, int]]:
     """The model's decoder layers as runs of identical layers: ``[(kind, count), ...]``.
 

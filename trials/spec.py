@@ -33,6 +33,10 @@ class TrialSpec:
     # {"runs": [[kind, layers], ...], "techniques": {...}, "timed": bool} (``trials.segments.layer_runs``); a copy
     # not timed runs one step after priming the optimizer states (memory only), a timed one warm-up + steps too
     copies: list[dict] = field(default_factory=list)
+    # the rank that records its memory timeline (``trials.memory_timeline``) as OUT_DIR/timeline{rank}.pickle:
+    # on CUDA the allocator's history of the first measured step, on the CPU the tracker's events of the whole
+    # run (the model's, or the first copy's); None: no rank records one
+    timeline_rank: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)  # the techniques too: a dataclass, as its own to_dict gives
@@ -47,6 +51,11 @@ class TrialSpec:
     @classmethod
     def read(cls, path: Path) -> TrialSpec:
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def timeline_path(out_dir: Path, rank: int) -> Path:
+    """Where rank ``rank`` of a trial writes its memory timeline (``TrialSpec.timeline_rank``)."""
+    return Path(out_dir) / f"timeline{rank}.pickle"
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -33,7 +34,7 @@ from trials import allocator
 from trials.errors import ConfigError
 from trials.model_config import copy_for_runs
 from trials.segments import Segment, layer_positions, model_runs, techniques_for_runs
-from trials.spec import RankRecord, TrialSpec
+from trials.spec import RankRecord, TrialSpec, timeline_path
 
 DEPTHS = ("full", "reduced")
 
@@ -84,6 +85,7 @@ class LocalBackend(Backend):
         depth: str = "full",
         progress=None,
         group: NodeGroup | None = None,
+        timeline_rank: int | None = None,
     ):
         """``timeout_s``: a fixed deadline per trial; None = from the step time ``predictor`` (a plan backend with
         the time model; its cached records are reused) predicts for what the trial runs (``trial_deadlines``).
@@ -92,13 +94,17 @@ class LocalBackend(Backend):
         (``ResultRecord.measured_layers``); models of up to 4 layers run whole either way. ``progress``: called
         with the trial's latest progress line and the seconds elapsed, every few seconds. ``group``: the agents of
         a job over several nodes (``NodeGroup``), which evaluations with ``nodes`` > 1 need; only its driver
-        evaluates, its followers ``follow``."""
+        evaluates, its followers ``follow``. ``timeline_rank``: that rank records its memory timeline
+        (``trials.spec.TrialSpec.timeline_rank``), kept after each evaluation in ``last_timeline`` (a torch memory
+        snapshot; None where the rank runs on another node or wrote none)."""
         if depth not in DEPTHS:
             raise ConfigError(f"depth must be one of {', '.join(DEPTHS)}, got {depth!r}")
         self.steps, self.warmup, self.timeout_s = steps, warmup, timeout_s
         self.memory_gib, self.seed, self.keep_logs = memory_gib, seed, keep_logs
         self.predictor, self.depth, self.progress = predictor, depth, progress
         self.group = group
+        self.timeline_rank = timeline_rank
+        self.last_timeline: dict | None = None
 
     def command(
         self, gpus: int, spec_path: Path, out_dir: Path, nodes: int = 1, rdzv_id: str | None = None
@@ -183,12 +189,16 @@ class LocalBackend(Backend):
             seed=self.seed,
             collective_timeout_s=collective_timeout_s,
             copies=copies,
+            timeline_rank=self.timeline_rank,
         )
         work = Path(tempfile.mkdtemp(prefix="autotune-trial-"))
+        self.last_timeline = None
         try:
             spec_path = work / "spec.json"
             spec.write(spec_path)
             record, ranks = self._run(evaluation, spec_path, work, deadline_s)
+            if self.timeline_rank is not None:
+                self.last_timeline = _read_timeline(work, self.timeline_rank)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         if copies and record.status == "ok":
@@ -301,6 +311,15 @@ class LocalBackend(Backend):
                 last_progress = now
                 lines = [line for line in _tail(log_path, 200).splitlines() if line.startswith("progress: ")]
                 self.progress(lines[-1][len("progress: ") :] if lines else "starting", now - started, deadline_s)
+
+
+def _read_timeline(work: Path, rank: int) -> dict | None:
+    """The memory timeline rank ``rank`` wrote into ``work``, or None."""
+    path = timeline_path(work, rank)
+    if not path.is_file():
+        return None
+    with open(path, "rb") as f:
+        return pickle.load(f)
 
 
 def _copy_evaluation(evaluation: Evaluation, copy: dict) -> Evaluation:

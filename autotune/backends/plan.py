@@ -80,6 +80,7 @@ class PlanBackend(Backend):
         self._cache: OrderedDict[str, ResultRecord] = OrderedDict()
         self._peak_at: dict[str, tuple | None] = {}
         self.last_prediction = None  # the oracle's full Prediction of the latest uncached evaluation
+        self.timeline = None  # a TimelineRecorder: the next evaluation that traces records its first trace into it
 
     def options(self) -> dict:
         """The constructor's arguments: another process builds the same backend from them (``PooledBackend``)."""
@@ -165,7 +166,9 @@ class PlanBackend(Backend):
         try:
             stop = None if self.stop_above is None else int(hw.device_memory_bytes * self.stop_above)
             host_stop = (self._limits(evaluation) or {}).get("host")
-            prediction = predict(evaluation, modes=modes, stop_above_bytes=stop, stop_host_bytes=host_stop)
+            prediction = predict(
+                evaluation, modes=modes, stop_above_bytes=stop, stop_host_bytes=host_stop, timeline=self.timeline
+            )
         except Exception as exc:  # a config the trial code cannot run is an error record, not a crash
             return ResultRecord(
                 status="error",

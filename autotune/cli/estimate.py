@@ -29,6 +29,12 @@ CONFIG_HELP = (
 MODEL_HELP = "preset name or path to a Hugging Face config.json (default: the config file's model)"
 OTHER_MODEL_HELP = "run the config file's techniques on a --model of another architecture than the file's model"
 SEQ_HELP = f"{TARGET_HELP} (default: the config file's seq_len)"
+TIMELINE_HELP = (
+    "write one rank's step as PyTorch's memory_viz active memory timeline (HTML): every allocation and free, each "
+    "with its op, module, technique and category"
+)
+SNAPSHOT_HELP = "write that step's memory snapshot (pickle: pytorch.org/memory_viz opens it)"
+RANK_HELP = "the rank the timeline shows (default 0, the rank the oracle predicts: the most loaded)"
 
 
 def _say_routing(model_config: dict) -> None:
@@ -66,6 +72,9 @@ def estimate(
     max_seq: bool = typer.Option(False, "--max-seq", help="bisect for the longest sequence that fits"),
     plot: Path | None = typer.Option(None, help="write the memory (and time) breakdown as a PNG"),
     memory_gib: float | None = ranged_option("--memory-gib", None, "per-rank capacity in GiB (overrides preset)"),
+    memory_timeline: Path | None = typer.Option(None, "--memory-timeline", help=TIMELINE_HELP),
+    memory_snapshot: Path | None = typer.Option(None, "--memory-snapshot", help=SNAPSHOT_HELP),
+    rank: int = typer.Option(0, "--rank", help=RANK_HELP),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Predict peak memory per rank and step time for one config (plan backend, no GPU needed). Exit 1 when the
@@ -96,21 +105,41 @@ def estimate(
     unlisted = hw.kernel_problem(run.techniques.attention)
     if unlisted:
         fail(unlisted)
+    _check_timeline_options(memory_timeline, memory_snapshot, rank, run.gpus * run.nodes)
     _say_overrides(run.notices)
     note_rates(hw)
     _say_routing(run.model_config)
     evaluation = Evaluation(run.model_config, run.techniques, run.seq_len or 0, run.gpus, hw, run.nodes)
+    timeline = None
+    wants_timeline = memory_timeline is not None or memory_snapshot is not None
     if max_seq:  # what the config's trainer runs at each length tried (autotune's: the config itself)
         from autotune.core.trainers import TRAINERS
         from autotune.search.max_seq import find_trainer_max_seq
 
         record = find_trainer_max_seq(evaluation, TRAINERS.get(run.trainer or "autotune", TRAINERS["autotune"]))
+    elif wants_timeline:  # recorded in the prediction's own trace where it traces
+        from autotune.outputs.timeline import estimate_with_timeline
+
+        record, timeline = estimate_with_timeline(
+            make_backend("plan", store=default_store()), evaluation, rank, run.model
+        )
     else:
         record = make_backend("plan", store=default_store()).evaluate(evaluation)
     if plot is not None:
         from autotune.outputs.plots import plot_memory
 
         plot_memory([record], hw.device_memory_bytes, plot)
+    if wants_timeline and record.status in ("ok", "oom"):
+        from dataclasses import replace
+
+        from autotune.oracle.timeline import predicted_timeline
+        from autotune.outputs.timeline import write_predicted
+
+        if timeline is None:  # --max-seq: the timeline of the longest length that fits
+            timeline = predicted_timeline(replace(evaluation, seq_len=record.seq_len), rank, run.model)
+        write_predicted(timeline, memory_timeline, memory_snapshot)
+        wrote = ", ".join(str(p) for p in (memory_timeline, memory_snapshot) if p is not None)
+        say(f"autotune: wrote {wrote}: {timeline.title}")
     where = f"{run.nodes} nodes x " if run.nodes > 1 else ""
     print_record(record.to_dict(), as_json, f"{run.model} on {where}{run.gpus}x {hw.name} (predicted)")
     _say_trainer(run)
@@ -133,6 +162,13 @@ def trial(
         "--timeout", None, "seconds before the trial is killed as hung (default: from its predicted step time)"
     ),
     rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help=RDZV_HELP),
+    memory_timeline: Path | None = typer.Option(
+        None, "--memory-timeline", help=TIMELINE_HELP + "; measured, beside the prediction for the same config"
+    ),
+    memory_snapshot: Path | None = typer.Option(
+        None, "--memory-snapshot", help=SNAPSHOT_HELP + "; the prediction's beside it as NAME-predicted.pickle"
+    ),
+    rank: int = typer.Option(0, "--rank", help="the rank whose memory timeline is recorded (default 0)"),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Run one real training trial on this node (or, with --nodes, on every node) and print its measured record
@@ -159,6 +195,8 @@ def trial(
     run.techniques.validate(run.model_config, run.gpus * run.nodes, run.seq_len, on_gpu=not hw.device_is_host)
     check_local_node(run.gpus, run.techniques.attention)
     check_depth(depth)
+    _check_timeline_options(memory_timeline, memory_snapshot, rank, run.gpus * run.nodes)
+    timeline_rank = rank if memory_timeline or memory_snapshot else None
     group = open_node_group(run.nodes, rdzv_endpoint)
     _say_overrides(run.notices)
     backend = make_backend(
@@ -170,6 +208,7 @@ def trial(
         depth=depth,
         progress=_show_progress,
         group=group,
+        timeline_rank=timeline_rank,
     )
     if group is not None and not group.driver:
         final = follow(backend, "trial")
@@ -187,8 +226,32 @@ def trial(
                 group.finish(record.to_dict() if record is not None else None)
     where = f"{run.nodes} nodes x {run.gpus}" if run.nodes > 1 else f"x{run.gpus}"
     print_record(record.to_dict(), as_json, f"{run.model} {where} (measured)")
+    if timeline_rank is not None and (group is None or group.driver):
+        _write_trial_timeline(backend.last_timeline, run, hw, rank, depth, memory_timeline, memory_snapshot)
     if record.status != "ok":
         fail_outcome(f"the trial ended {record.status}: {record.error or 'no cause recorded'}")
+
+
+def _write_trial_timeline(measured, run, hw, rank: int, depth: str, html, snapshot) -> None:
+    """The trial's measured timeline beside the predicted one, or one line saying why there is none."""
+    from autotune.backends import Evaluation
+    from autotune.outputs.timeline import write_trial
+
+    if measured is None:
+        say(f"autotune: rank {rank} recorded no memory timeline (it runs on another node, or failed before its step)")
+        return
+    evaluation = Evaluation(run.model_config, run.techniques, run.seq_len, run.gpus, hw, run.nodes)
+    title, written = write_trial(measured, evaluation, rank, depth == "reduced", html, snapshot, run.model)
+    say(f"autotune: wrote {', '.join(str(p) for p in written)}: {title}, beside the prediction")
+
+
+def _check_timeline_options(html: Path | None, snapshot: Path | None, rank: int, world_size: int) -> None:
+    """The timeline's files can be written and its rank is in the world: bad input exits 2 before any work."""
+    from autotune.outputs.timeline import check_output_file, check_rank
+
+    check_output_file(html, "--memory-timeline")
+    check_output_file(snapshot, "--memory-snapshot")
+    check_rank(rank, world_size)
 
 
 def _say_trainer(run) -> None:

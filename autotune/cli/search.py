@@ -136,6 +136,8 @@ def search(
                     say(f"autotune: {summary['best_choice']}")
         if summary["kept"] is not None:
             say(f"autotune: the best for the folder's previous target is kept as {summary['kept']}")
+        if summary["front_timeline"]:
+            say(f"autotune: {summary['front_timeline']}")
     if interrupted or deferral.arrived:
         console.print("interrupted: finished trials are saved; run the same command to resume")
         raise typer.Exit(130)

@@ -91,6 +91,7 @@ def _trace_to_full_depth(
     full_depth: bool = False,
     stop_above_bytes: int | None = None,
     stop_host_bytes: int | None = None,
+    timeline=None,
     **kwargs,
 ) -> tuple[Trace, list[Trace], list[int]]:
     """Trace the model, or (deeper than ``EXTRAPOLATE_FROM``) its 3-layer copy and one 4-layer copy per run of
@@ -98,7 +99,8 @@ def _trace_to_full_depth(
     that crosses them stops (a shallower copy that does not fit means the model does not either); with one run
     of layers, the 4-layer copy also stops as soon as its extension is known to cross them
     (``extension_limits``), and the result is then the extension of what it reached, a lower bound. Returns
-    (the full-depth trace, the traces run, layers added per extended run)."""
+    (the full-depth trace, the traces run, layers added per extended run). ``timeline``: a
+    ``trials.memory_timeline.TimelineRecorder`` for the first trace (the model, or its base copy)."""
     args = (evaluation.model_config, evaluation.techniques, evaluation.seq_len, evaluation.world_size)
     runs = model_runs(evaluation.techniques, evaluation.model_config)
     base, varied = plan_traces(runs)
@@ -106,9 +108,9 @@ def _trace_to_full_depth(
         stop_above_bytes=stop_above_bytes, host_limit=stop_host_bytes if stop_above_bytes is not None else None
     )
     if full_depth or not varied:
-        result = trace(*args, runs=runs, **stops, **kwargs)
+        result = trace(*args, runs=runs, **stops, timeline=timeline, **kwargs)
         return result, [result], []
-    traces = [trace(*args, runs=base, **stops, **kwargs)]
+    traces = [trace(*args, runs=base, **stops, timeline=timeline, **kwargs)]
     varied_traces = []
     extension = [runs[index][1] - EXTRAPOLATE_FROM[0] for index, _ in varied]
     for (index, longer), added in zip(varied, extension):
@@ -136,6 +138,7 @@ def predict(
     gpu_kernels: bool | None = None,
     stop_above_bytes: int | None = None,
     stop_host_bytes: int | None = None,
+    timeline=None,
 ) -> Prediction:
     """The oracle's prediction for ``evaluation``.
 
@@ -148,6 +151,9 @@ def predict(
     ``stopped`` and its peak is a lower bound (the bytes at the crossing, extended to full depth where the
     4-layer copy was stopped). ``stop_host_bytes`` (with ``stop_above_bytes``): the same for host bytes per rank
     (``stop_reason`` "host": ``host_bytes`` is then the lower bound).
+
+    ``timeline``: a ``trials.memory_timeline.TimelineRecorder`` that records the first trace (``traces[0]``: the
+    model, or its base copy) at no extra trace (``autotune.oracle.timeline``).
     """
     started = time.perf_counter()
     hardware = evaluation.hardware
@@ -159,7 +165,7 @@ def predict(
     if stop_above_bytes is not None:  # tensor bytes t with t + overheads(t) above the limit
         kwargs["stop_above_bytes"] = stop_tensor_bytes(hardware, stop_above_bytes)
         kwargs["stop_host_bytes"] = stop_host_bytes
-    result, traces, extension = _trace_to_full_depth(evaluation, full_depth, **kwargs)
+    result, traces, extension = _trace_to_full_depth(evaluation, full_depth, timeline=timeline, **kwargs)
     return with_overheads(
         result,
         hardware,

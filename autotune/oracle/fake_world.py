@@ -15,8 +15,8 @@ from trials import attention
 
 
 @contextlib.contextmanager
-def fake_process_group(world_size: int, needed: bool | None = None):
-    """A fake default process group of ``world_size`` ranks (this process is rank 0); destroyed on exit.
+def fake_process_group(world_size: int, needed: bool | None = None, rank: int = 0):
+    """A fake default process group of ``world_size`` ranks, this process being ``rank``; destroyed on exit.
 
     ``needed``: default ``world_size > 1``; one rank needs one too when FSDP runs there."""
 
@@ -28,7 +28,7 @@ def fake_process_group(world_size: int, needed: bool | None = None):
             "the memory oracle cannot run in a process that already has a process group; run it in a separate process"
         )
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:

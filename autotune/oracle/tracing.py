@@ -1,4 +1,5 @@
-"""One fake trace: the trial's own training step under FakeTensorMode on rank 0 of a fake world."""
+"""One fake trace: the trial's own training step under FakeTensorMode on one rank (rank 0 unless asked) of a fake
+world."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from trials import patches
 from trials.data import make_batch
 from trials.dist import Mesh, build_mesh, ensure_device_mesh
 from trials.memory import DeviceMemoryTracker, TrackerListener
+from trials.memory_timeline import TimelineRecorder
 from trials.model_config import copy_for_runs
-from trials.segments import SegmentPeaks, install_segment_hooks, model_runs, techniques_for_runs
+from trials.segments import SegmentPeaks, install_segment_hooks, model_runs, segment_label, techniques_for_runs
 from trials.step import build_training, train_step
 from trials.step import prime_optimizer as prime_optimizer_states
 
@@ -47,6 +49,8 @@ def trace(
     stop_above_bytes: int | None = None,
     segment_limits: dict[tuple, int] | None = None,
     host_limit: int | None = None,
+    timeline: TimelineRecorder | None = None,
+    rank: int = 0,
 ) -> Trace:
     """Run ``steps`` training steps of the trial under FakeTensorMode on rank 0 of a fake world and return
     the tracked peak.
@@ -64,6 +68,9 @@ def trace(
     ``segment_limits`` ({segment: tensor bytes}) and ``host_limit`` (host bytes) stop it the same way, as soon
     as the current segment's live bytes, or the host bytes, go above their limit (``Limits``); they need
     ``stop_above_bytes``. The trace's ``stop_reason`` says which limit stopped it.
+    ``timeline``: a ``trials.memory_timeline.TimelineRecorder`` that records every device allocation and free of
+    the trace, each labelled with its segment and module. ``rank``: the rank of the fake world this process is
+    (rank 0 unless asked: the most loaded one).
     """
 
     started = time.perf_counter()
@@ -82,6 +89,9 @@ def trace(
     tracker = DeviceMemoryTracker(stop_above_bytes)
     peaks = SegmentPeaks(explain)
     tracker.add_listener(peaks)
+    if timeline is not None:
+        timeline.where = lambda: segment_label(peaks.segment)
+        tracker.add_listener(timeline)
     limits = None
     if segment_limits or host_limit is not None:
         if stop_above_bytes is None:
@@ -90,7 +100,7 @@ def trace(
         tracker.add_listener(limits)
     extras: list = []
     stopped = False
-    with fake_process_group(world_size, world_size > 1 or techniques.fsdp):
+    with fake_process_group(world_size, world_size > 1 or techniques.fsdp, rank=rank):
         # groups and the device mesh hold small real tensors: build them before faking
         mesh = build_mesh(techniques.ulysses_degree, device) if world_size > 1 else Mesh.single(device)
         if world_size > 1 and not mesh.distributed:
@@ -112,6 +122,8 @@ def trace(
                     fused_optimizer=gpu_kernels and not techniques.optimizer_offload,
                 )
                 install_segment_hooks(model, tracker, peaks, runs)
+                if timeline is not None:
+                    timeline.watch(model)
                 tokens = torch.zeros(seq_len + 1, dtype=torch.long)
                 batch = make_batch(tokens, mesh.sp_rank, mesh.sp_degree, device)
                 if prime_optimizer:
@@ -135,6 +147,8 @@ def trace(
                     raise
                 stopped = True
             extras = extra_modes
+            if timeline is not None:
+                timeline.unwatch()
             model = optimizer = batch = tokens = None
     # ("setup", None) is building the model and the batch: trial code builds the whole model on the device
     # before FSDP shards it, so that can be the peak (a real trial measures it too); it scales with depth

@@ -1,4 +1,5 @@
-"""The search's output folder: trials.parquet, pareto.json, pareto.png, memory.png, pareto.html, best.json.
+"""The search's output folder: trials.parquet, pareto.json, pareto.png, memory.png, front-memory.html, pareto.html,
+best.json.
 
 ``best.json`` is the latest search's best; the best of another target searched in the same folder is kept
 beside it as ``best-<target>.json`` (the target's short form: ``best-4M.json``), so no target's best is lost.
@@ -42,6 +43,7 @@ from autotune.core.record import BREAKDOWN_CATEGORIES
 from autotune.core.sizes import short_tokens
 from autotune.outputs.exporters import FRONT_SCHEMA
 from autotune.outputs.plots import knob_label, plot_memory, plot_pareto, write_pareto_html
+from autotune.outputs.timeline import FRONT_TIMELINE, write_front_timeline
 from autotune.search.front import Point, best_choice, best_point, front_points, points, what_failed
 from trials.config_file import TrialConfig
 from trials.techniques import BASELINE, Techniques, knob_names, knobs
@@ -230,10 +232,19 @@ def write_outputs(job: search.SearchJob, study) -> dict:
         out / "memory.png",
         title=f"memory per rank of the front, {job.model} on {_where(job)}",
     )
+    front_timeline = _front_timeline(job, front, out)
     best = best_point(study, job.target)
     best_path = out / "best.json"
     kept = _keep_best_of(previous_target, job.target, out)
-    summary = {"rows": len(rows), "front": front, "best": None, "message": None, "kept": kept, "best_choice": None}
+    summary = {
+        "rows": len(rows),
+        "front": front,
+        "best": None,
+        "message": None,
+        "kept": kept,
+        "best_choice": None,
+        "front_timeline": front_timeline,
+    }
     if best is None:
         longest = max((f["seq_len"] for f in front), default=0)
         failed, everyone = what_failed(study) or ("", False)  # its last line ends with the most common cause
@@ -263,6 +274,16 @@ def write_outputs(job: search.SearchJob, study) -> dict:
     summary["best"] = config.to_dict()
     summary["best_choice"] = choice
     return summary
+
+
+def _front_timeline(job, front: list[dict], out: Path) -> str | None:
+    """``front-memory.html`` (``autotune.outputs.timeline``); what went wrong instead, where its trace failed: the
+    search's other outputs stand without it."""
+    try:
+        write_front_timeline(job, front, out)
+    except Exception as exc:  # the picture's own trace; the search's results are written either way
+        return f"{FRONT_TIMELINE} not written: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return None
 
 
 def target_best_path(out: Path, target: int) -> Path:
