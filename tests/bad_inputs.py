@@ -262,6 +262,48 @@ CASES += [
 ]
 
 
+# ``autotune run``: the trainer's options (trials.train's), checked before launching
+CASES += [
+    (
+        "--resume without a checkpoint",
+        ["run", "--config", "{d}/run-config.json", "--save", "{d}/no-checkpoints", "--resume"],
+        "no complete checkpoint in",
+    ),
+    (
+        "--init that is not a model folder",
+        ["run", "--config", "{d}/run-config.json", "--init", "{d}"],
+        "is not a Hugging Face model folder (no config.json)",
+    ),
+    (
+        "--init of another model",
+        ["run", "--config", "{d}/run-config.json", "--init", "{d}/other-model"],
+        "is not the model the config was tuned for",
+    ),
+    ("--save-every without --save", ["run", "--config", "{d}/run-config.json", "--save-every", "10"], "need --save"),
+    ("--schedule unknown", ["run", "--config", "{d}/run-config.json", "--schedule", "linear"], "invalid choice"),
+    ("--min-lr above --lr", ["run", "--config", "{d}/run-config.json", "--min-lr", "1"], "--min-lr must lie in"),
+]
+
+# ``--memory-timeline`` / ``--memory-snapshot`` / ``--rank``: checked before any trace
+CASES += [
+    (
+        "--memory-timeline a folder",
+        ["estimate", "--config", "{d}/config-good.json", "--memory-timeline", "{d}"],
+        "is a directory",
+    ),
+    (
+        "--memory-snapshot in a missing folder",
+        ["estimate", "--config", "{d}/config-good.json", "--memory-snapshot", "{d}/missing/t.pickle"],
+        "cannot write there",
+    ),
+    (
+        "--rank outside the job",
+        ["estimate", "--config", "{d}/config-good.json", "--rank", "8", "--memory-timeline", "{d}/t.html"],
+        "--rank 8: the job has 8 ranks",
+    ),
+]
+
+
 def _make_run_files(root: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -270,6 +312,9 @@ def _make_run_files(root: Path) -> None:
     (root / "run-config.json").write_text(
         json.dumps(_config(model="tiny-llama", hardware="cpu", gpus=1, seq_len=RUN_SEQ, techniques=techniques))
     )
+    (root / "other-model").mkdir(exist_ok=True)  # tiny-llama's shape but for its MLP width
+    tiny = json.loads((Path(__file__).resolve().parents[1] / "trials" / "models" / "tiny-llama.json").read_text())
+    (root / "other-model" / "config.json").write_text(json.dumps({**tiny, "intermediate_size": 256}))
     (root / "tokens.txt").write_text(" ".join(str(i) for i in range(4 * RUN_SEQ)) + "\n")
     (root / "tokens.arrow").write_text("not an Arrow IPC file\n")
     pq.write_table(pa.table({"text": ["a document"] * 4}), root / "text.parquet")

@@ -222,7 +222,7 @@ def test_replay_counts_blocks_allocated_before_the_trace():
         (["--memory-timeline", "/proc/autotune-timeline.html"], "cannot write there"),
         (["--memory-snapshot", "{dir}/missing/t.pickle"], "cannot write there"),
         (["--rank", "2", "--memory-timeline", "{dir}/t.html"], "--rank 2: the job has 2 ranks"),
-        (["--rank", "-1", "--memory-timeline", "{dir}/t.html"], "--rank -1: the job has 2 ranks"),
+        (["--rank", "-1", "--memory-timeline", "{dir}/t.html"], "Invalid value for '--rank': must be at least 0"),
     ],
 )
 @pytest.mark.parametrize("command", ["estimate", "trial"])

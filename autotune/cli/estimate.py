@@ -74,7 +74,7 @@ def estimate(
     memory_gib: float | None = ranged_option("--memory-gib", None, "per-rank capacity in GiB (overrides preset)"),
     memory_timeline: Path | None = typer.Option(None, "--memory-timeline", help=TIMELINE_HELP),
     memory_snapshot: Path | None = typer.Option(None, "--memory-snapshot", help=SNAPSHOT_HELP),
-    rank: int = typer.Option(0, "--rank", help=RANK_HELP),
+    rank: int = ranged_option("--rank", 0, RANK_HELP),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Predict peak memory per rank and step time for one config (plan backend, no GPU needed). Exit 1 when the
@@ -168,7 +168,7 @@ def trial(
     memory_snapshot: Path | None = typer.Option(
         None, "--memory-snapshot", help=SNAPSHOT_HELP + "; the prediction's beside it as NAME-predicted.pickle"
     ),
-    rank: int = typer.Option(0, "--rank", help="the rank whose memory timeline is recorded (default 0)"),
+    rank: int = ranged_option("--rank", 0, "the rank whose memory timeline is recorded (default 0)"),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Run one real training trial on this node (or, with --nodes, on every node) and print its measured record
