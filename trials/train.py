@@ -297,10 +297,15 @@ def train(options: TrainOptions, print_fn=print) -> dict:
 
             load_start = time.perf_counter()
             model = hf.from_pretrained(options.init, techniques, mesh, load_weights=resume_from is None)
-            if resume_from is None and tracker is not None:  # what reading the weights held, at most
+            if resume_from is None:  # what reading the weights held, at most (CUDA: device memory only)
+                held = (
+                    tracker.peak_device_bytes + tracker.peak_host_bytes
+                    if tracker is not None
+                    else torch.cuda.max_memory_allocated(mesh.device)
+                )
                 loading = {
                     "seconds": time.perf_counter() - load_start,
-                    "peak_bytes": tracker.peak_device_bytes + tracker.peak_host_bytes,
+                    "peak_bytes": held,
                     "shard_bytes": sum(_local_bytes(t) for t in [*model.parameters(), *model.buffers()]),
                 }
             optimizer = make_optimizer(model, techniques, mesh, options.lr, **adamw)
