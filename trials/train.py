@@ -289,31 +289,9 @@ def train(options: TrainOptions, print_fn=print) -> dict:
     mesh = init_mesh(techniques.ulysses_degree)
     tracker = DeviceMemoryTracker() if mesh.device.type != "cuda" else None
     resume_from = checkpoint.newest(Path(options.save)) if options.resume else None
-    adamw = {"betas": (options.beta1, options.beta2), "weight_decay": options.weight_decay}
-    losses, rates, peak, loading = [], [], 0, None
+    losses, rates, peak = [], [], 0
     with tracker if tracker is not None else contextlib.nullcontext():
-        if options.init is not None:
-            from trials import hf
-
-            load_start = time.perf_counter()
-            model = hf.from_pretrained(options.init, techniques, mesh, load_weights=resume_from is None)
-            if resume_from is None:  # what reading the weights held, at most (CUDA: device memory only)
-                held = (
-                    tracker.peak_device_bytes + tracker.peak_host_bytes
-                    if tracker is not None
-                    else torch.cuda.max_memory_allocated(mesh.device)
-                )
-                loading = {
-                    "seconds": time.perf_counter() - load_start,
-                    "peak_bytes": held,
-                    "shard_bytes": sum(_local_bytes(t) for t in [*model.parameters(), *model.buffers()]),
-                }
-            optimizer = make_optimizer(model, techniques, mesh, options.lr, **adamw)
-        else:
-            model_config = load_model_config(config.model)
-            model, optimizer = build_training(
-                model_config, techniques, mesh, options.seed, tracker, options.lr, **adamw
-            )
+        model, optimizer, loading = _build(options, config, mesh, tracker, load_weights=resume_from is None)
         schedule = learning_rate_schedule(optimizer, options)
         state = checkpoint.TrainerState(world_size=mesh.world_size)
         if options.save is not None:
@@ -326,7 +304,8 @@ def train(options: TrainOptions, print_fn=print) -> dict:
             if loading is not None:
                 log.say(
                     f"loaded {options.init} in {loading['seconds']:.1f} s; rank 0 held at most "
-                    f"{loading['peak_bytes'] / 2**30:.3f} GiB (its shards and buffers: {loading['shard_bytes'] / 2**30:.3f} GiB)"
+                    f"{loading['peak_bytes'] / 2**30:.3f} GiB (its shards and buffers: "
+                    f"{loading['shard_bytes'] / 2**30:.3f} GiB)"
                 )
             if resume_from is not None:
                 log.say(
@@ -338,21 +317,8 @@ def train(options: TrainOptions, print_fn=print) -> dict:
             while state.step < options.steps:
                 step_start = time.perf_counter()
                 lr = optimizer.param_groups[0]["lr"]
-                scaled = torch.zeros((), device=mesh.device)
-                for micro in range(options.accumulate):
-                    index = state.windows_consumed + micro * mesh.dp_size + mesh.dp_rank
-                    batch = make_batch(source.window(index), mesh.sp_rank, mesh.sp_degree, mesh.device)
-                    last = micro == options.accumulate - 1
-                    scaled += forward_backward(model, batch, mesh, tracker, options.accumulate, reduce=last)
-                norm = grad_norm(model, mesh)
-                if options.max_grad_norm is not None and norm > options.max_grad_norm:
-                    _scale_gradients(model, options.max_grad_norm / (norm + 1e-6))
-                phase = tracker.in_phase("optimizer") if tracker is not None else contextlib.nullcontext()
-                with phase:
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
+                loss, norm = _step(model, optimizer, source, state.windows_consumed, options, mesh, tracker)
                 schedule.step()
-                loss = global_loss(scaled, mesh)
                 elapsed = time.perf_counter() - step_start
                 state.step += 1
                 state.windows_consumed += options.accumulate * mesh.dp_size
@@ -374,8 +340,7 @@ def train(options: TrainOptions, print_fn=print) -> dict:
                 )
                 due = options.save_every is not None and state.step % options.save_every == 0
                 if options.save is not None and (due or state.step == options.steps):
-                    state.schedule = schedule.state_dict()
-                    state.world_size = mesh.world_size
+                    state.schedule, state.world_size = schedule.state_dict(), mesh.world_size
                     saved = checkpoint.save(Path(options.save), model, optimizer, state, mesh.device, options.keep)
                     log.say(f"saved {saved}")
             if options.export_hf is not None:
@@ -397,6 +362,52 @@ def train(options: TrainOptions, print_fn=print) -> dict:
     if mesh.rank == 0:
         print_fn("summary " + json.dumps(summary), flush=True)
     return summary
+
+
+def _build(options: TrainOptions, config, mesh, tracker, load_weights: bool):
+    """(model, optimizer, what loading held): the ``--init`` folder's model, its weights read shard by shard unless
+    a checkpoint supplies them (``load_weights`` False), or the config's model with seeded random weights."""
+    adamw = {"betas": (options.beta1, options.beta2), "weight_decay": options.weight_decay}
+    techniques = config.techniques
+    if options.init is None:
+        model_config = load_model_config(config.model)
+        model, optimizer = build_training(model_config, techniques, mesh, options.seed, tracker, options.lr, **adamw)
+        return model, optimizer, None
+    from trials import hf
+
+    start = time.perf_counter()
+    model = hf.from_pretrained(options.init, techniques, mesh, load_weights=load_weights)
+    loading = None
+    if load_weights:  # what reading the weights held, at most (CUDA: device memory only)
+        held = (
+            tracker.peak_device_bytes + tracker.peak_host_bytes
+            if tracker is not None
+            else torch.cuda.max_memory_allocated(mesh.device)
+        )
+        loading = {
+            "seconds": time.perf_counter() - start,
+            "peak_bytes": held,
+            "shard_bytes": sum(_local_bytes(t) for t in [*model.parameters(), *model.buffers()]),
+        }
+    return model, make_optimizer(model, techniques, mesh, options.lr, **adamw), loading
+
+
+def _step(model, optimizer, source: TokenSource, consumed: int, options: TrainOptions, mesh, tracker):
+    """One optimizer step over ``options.accumulate`` sequences per replica (replica r's m-th: window
+    ``consumed + m * dp + r``), clipped; (the mean token loss of all of them, the gradient's norm before clipping)."""
+    scaled = torch.zeros((), device=mesh.device)
+    for micro in range(options.accumulate):
+        index = consumed + micro * mesh.dp_size + mesh.dp_rank
+        batch = make_batch(source.window(index), mesh.sp_rank, mesh.sp_degree, mesh.device)
+        last = micro == options.accumulate - 1
+        scaled += forward_backward(model, batch, mesh, tracker, options.accumulate, reduce=last)
+    norm = grad_norm(model, mesh)
+    if options.max_grad_norm is not None and norm > options.max_grad_norm:
+        _scale_gradients(model, options.max_grad_norm / (norm + 1e-6))
+    with tracker.in_phase("optimizer") if tracker is not None else contextlib.nullcontext():
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return global_loss(scaled, mesh), norm
 
 
 @torch.no_grad()
