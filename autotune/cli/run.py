@@ -41,11 +41,10 @@ def run(
     data: Path | None = typer.Option(None, help="Parquet/Arrow file of token ids (column input_ids or tokens)"),
     seed: int = ranged_option("--seed", 0, "seed of the random weights and the synthetic tokens"),
 ):
-    """Train with a tuned config through the same runner as trials (synthetic tokens or --data). Every option of
-    `python -m trials.train --help` passes through: --init HF_FOLDER (pretrained weights), --save FOLDER
-    --save-every N --keep K --resume (checkpoints), --export-hf FOLDER, --lr --min-lr --warmup-steps --schedule
-    --max-grad-norm --beta1 --beta2 --weight-decay --accumulate, --log-file FILE.jsonl, --tensorboard FOLDER
-    (docs/training.md). Exit 1 when training fails, its root cause on the last line of stderr."""
+    """Train with a tuned config through the same runner as trials (synthetic tokens or --data). Every other option
+    of `python -m trials.train --help` passes through, checked before launching: --init HF_FOLDER (pretrained
+    weights), --save FOLDER --save-every N --resume (checkpoints), --export-hf FOLDER, the schedule, the log, and
+    the rest that docs/training.md lists. Exit 1 when training fails, its root cause on the last line of stderr."""
     from autotune.backends.setup import check_local_node
     from autotune.outputs.exporters import torchrun_command
     from trials.config_file import load_config_file
