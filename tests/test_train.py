@@ -5,101 +5,28 @@ is the tiny-llama preset that the tests save with ``transformers`` (bf16 files, 
 from __future__ import annotations
 
 import json
-import os
 import resource
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tests.conftest import ROOT
-
-SEQ_LEN = 256
-STEPS = 50
-DOCUMENT_TOKENS = 300
-# the fine-tuning recipe of every run below: warmup, cosine decay, clipping, AdamW options
-RECIPE = (
-    f"--steps {STEPS} --lr 1e-3 --warmup-steps 10 --schedule cosine --min-lr 1e-4 --max-grad-norm 1.0 "
-    "--beta2 0.98 --weight-decay 0.01"
-).split()
-FSDP = {
-    "fsdp": True,
-    "optimizer_offload": False,
-    "ulysses_degree": 1,
-    "head_chunk": None,
-    "activation_checkpointing": True,
-    "activation_offload_layers": 0,
-    "mlp_tile_tokens": 0,
-    "loss_tile_tokens": 0,
-    "attention": "sdpa",
-}
-
-
-def write_config(path: Path, gpus: int = 1, **techniques) -> str:
-    config = {
-        "schema": "autotune/config-v1",
-        "model": "tiny-llama",
-        "hardware": "cpu",
-        "gpus": gpus,
-        "seq_len": SEQ_LEN,
-        "techniques": {**FSDP, **techniques},
-        "predicted": None,
-        "measured": None,
-    }
-    path.write_text(json.dumps(config))
-    return str(path)
-
-
-def trainer(ranks: int, *args: str) -> list[str]:
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
-    return [sys.executable, *launcher, "-m", "trials.train", *args]
-
-
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-
-
-def train(ranks: int, *args: str, cwd: Path, preexec_fn=None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        trainer(ranks, *args), capture_output=True, text=True, env=ENV, cwd=cwd, timeout=600, preexec_fn=preexec_fn
-    )
-
-
-def train_until_killed(ranks: int, *args: str, cwd: Path, after: str) -> int:
-    """Start a run and SIGKILL its whole process group (launcher and every rank, as a node failure does) as soon as
-    rank 0 prints a line containing ``after``; the run's return code."""
-    process = subprocess.Popen(
-        trainer(ranks, *args),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=ENV,
-        cwd=cwd,
-        start_new_session=True,
-    )
-    try:
-        for line in process.stdout:
-            if after in line:
-                os.killpg(process.pid, signal.SIGKILL)
-                break
-        return process.wait(timeout=120)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-
-
-def log_of(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def summary_of(done: subprocess.CompletedProcess) -> dict:
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.split("summary ", 1)[1].splitlines()[0])
+from tests.train_harness import (
+    RECIPE,
+    STEPS,
+    hf_loss,
+    log_of,
+    stored_largest,
+    summary_of,
+    train,
+    train_until_killed,
+    write_config,
+    write_document,
+    write_pretrained,
+)
+from tests.train_harness import first_window as window_of
 
 
 def losses_match(resumed: list[dict], reference: list[dict], rel: float) -> None:
@@ -109,30 +36,12 @@ def losses_match(resumed: list[dict], reference: list[dict], rel: float) -> None
         assert mine["lr"] == pytest.approx(theirs["lr"], rel=1e-12), mine["step"]
 
 
-def hf_loss(folder: Path, tokens: torch.Tensor) -> float:
-    """``transformers``' own loss of the model in ``folder`` (fp32, eager attention) on one window."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
-    with torch.no_grad():
-        return float(model(tokens[None], labels=tokens[None]).loss)
-
-
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     """A pretrained tiny model (saved by transformers in bf16), a repeated document, and the run configs."""
-    from transformers import AutoModelForCausalLM
-
-    from trials.model import hf_config
-    from trials.model_config import load_model_config
-
     folder = tmp_path_factory.mktemp("train")
-    config = hf_config(load_model_config("tiny-llama"))
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    model.to(torch.bfloat16).save_pretrained(folder / "pretrained")
-    document = torch.randint(0, config.vocab_size, (DOCUMENT_TOKENS,), generator=torch.Generator().manual_seed(1))
-    pq.write_table(pa.table({"input_ids": [document.tolist()] * 20}), folder / "document.parquet")
+    write_pretrained(folder / "pretrained")
+    write_document(folder / "document.parquet")
     write_config(folder / "one.json")
     write_config(folder / "ulysses.json", gpus=2, ulysses_degree=2)
     write_config(folder / "dp.json", gpus=2)
@@ -140,9 +49,7 @@ def work(tmp_path_factory) -> Path:
 
 
 def first_window(work: Path) -> torch.Tensor:
-    from trials.train import TokenSource
-
-    return TokenSource(SEQ_LEN, 4096, path=str(work / "document.parquet")).window(0)
+    return window_of(work / "document.parquet")
 
 
 @pytest.fixture(scope="module")
@@ -239,8 +146,6 @@ def test_a_two_rank_ulysses_run_starts_at_transformers_loss_and_resumes_on_one_r
 def test_accumulation_equals_data_parallel_ranks_and_loading_holds_a_shard_and_one_tensor(work):
     """Two sequences per step on 1 rank train as 2 data-parallel ranks with one each (the same windows); loading
     the pretrained folder on 2 FSDP ranks holds at most rank 0's shards and buffers plus the largest tensor."""
-    from safetensors import safe_open
-
     common = ["--init", "pretrained", "--data", "document.parquet", "--steps", "3", "--lr", "1e-3"]
     accumulated = summary_of(
         train(1, "--config", "one.json", *common, "--accumulate", "2", "--log-file", "acc.jsonl", cwd=work)
@@ -248,10 +153,7 @@ def test_accumulation_equals_data_parallel_ranks_and_loading_holds_a_shard_and_o
     parallel = summary_of(train(2, "--config", "dp.json", *common, "--log-file", "dp.jsonl", cwd=work))
     losses_match(log_of(work / "acc.jsonl"), log_of(work / "dp.jsonl"), rel=1e-6)
     assert accumulated["world_size"] == 1 and parallel["world_size"] == 2
-    sizes = {"BF16": 2, "F32": 4}
-    with safe_open(work / "pretrained" / "model.safetensors", framework="pt") as handle:
-        slices = [handle.get_slice(key) for key in handle.keys()]
-        largest = max(torch.Size(s.get_shape()).numel() * sizes[s.get_dtype()] for s in slices)  # as stored
+    largest, _ = stored_largest(work / "pretrained" / "model.safetensors")  # as stored
     loading = parallel["init_load"]
     everything = accumulated["init_load"]["shard_bytes"]
     assert loading["shard_bytes"] < 0.55 * everything  # rank 0 holds half the model

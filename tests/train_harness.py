@@ -1,0 +1,132 @@
+"""The trainer's runs that tests/test_train.py asserts and bench/train_resume.py prints: a tiny Llama saved by
+``transformers`` (bf16 files), a repeated document, configs for 1 and 2 ranks, and ``trials.train`` started as a
+fresh process each time, as ``autotune run`` (or torchrun) starts it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQ_LEN = 256
+STEPS = 50
+DOCUMENT_TOKENS = 300
+# the fine-tuning recipe of the runs: warmup, cosine decay, clipping, AdamW options
+RECIPE = (
+    f"--steps {STEPS} --lr 1e-3 --warmup-steps 10 --schedule cosine --min-lr 1e-4 --max-grad-norm 1.0 "
+    "--beta2 0.98 --weight-decay 0.01"
+).split()
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def write_config(path: Path, gpus: int = 1, **techniques) -> str:
+    """A tiny-llama config of ``SEQ_LEN`` tokens on ``gpus`` CPU ranks: FSDP and checkpointing, plus ``techniques``."""
+    knobs = {"fsdp": True, "activation_checkpointing": True, "attention": "sdpa", **techniques}
+    config = {
+        "schema": "autotune/config-v1",
+        "model": "tiny-llama",
+        "hardware": "cpu",
+        "gpus": gpus,
+        "seq_len": SEQ_LEN,
+        "techniques": knobs,
+    }
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def write_pretrained(folder: Path) -> None:
+    """tiny-llama with seeded random weights, saved by ``transformers`` in bf16."""
+    from transformers import AutoModelForCausalLM
+
+    from trials.model import hf_config
+    from trials.model_config import load_model_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config(load_model_config("tiny-llama")), attn_implementation="eager")
+    model.to(torch.bfloat16).save_pretrained(folder)
+
+
+def write_document(path: Path, vocab_size: int = 4096) -> None:
+    """A Parquet token file: one random document of ``DOCUMENT_TOKENS`` tokens, 20 times."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    document = torch.randint(0, vocab_size, (DOCUMENT_TOKENS,), generator=torch.Generator().manual_seed(1))
+    pq.write_table(pa.table({"input_ids": [document.tolist()] * 20}), path)
+
+
+def first_window(document: Path, vocab_size: int = 4096) -> torch.Tensor:
+    """The token window step 1 trains on."""
+    from trials.train import TokenSource
+
+    return TokenSource(SEQ_LEN, vocab_size, path=str(document)).window(0)
+
+
+def trainer(ranks: int, *args: str) -> list[str]:
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
+    return [sys.executable, *launcher, "-m", "trials.train", *args]
+
+
+def train(ranks: int, *args: str, cwd: Path, preexec_fn=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        trainer(ranks, *args), capture_output=True, text=True, env=ENV, cwd=cwd, timeout=600, preexec_fn=preexec_fn
+    )
+
+
+def summary_of(done: subprocess.CompletedProcess) -> dict:
+    """The run's ``summary {json}`` line; the run must have exited 0."""
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.split("summary ", 1)[1].splitlines()[0])
+
+
+def train_until_killed(ranks: int, *args: str, cwd: Path, after: str) -> int:
+    """Start a run and SIGKILL its whole process group (launcher and every rank, as a node failure does) as soon as
+    rank 0 prints a line containing ``after``; the run's return code."""
+    process = subprocess.Popen(
+        trainer(ranks, *args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=ENV,
+        cwd=cwd,
+        start_new_session=True,
+    )
+    try:
+        for line in process.stdout:
+            if after in line:
+                os.killpg(process.pid, signal.SIGKILL)
+                break
+        return process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def log_of(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def hf_loss(folder: Path, tokens: torch.Tensor) -> float:
+    """``transformers``' own loss of the model in ``folder`` (fp32, eager attention) on one window."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        return float(model(tokens[None], labels=tokens[None]).loss)
+
+
+def stored_largest(file: Path) -> tuple[int, str]:
+    """(bytes, dtype) of the largest tensor of a safetensors file, as stored."""
+    from safetensors import safe_open
+
+    sizes = {"BF16": 2, "F16": 2, "F32": 4}
+    with safe_open(file, framework="pt") as handle:
+        slices = [handle.get_slice(key) for key in handle.keys()]
+        return max((torch.Size(s.get_shape()).numel() * sizes[s.get_dtype()], s.get_dtype()) for s in slices)
