@@ -90,38 +90,19 @@ def save(save: Path, model, optimizer, state: TrainerState, device, keep: int | 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    final = step_folder(save, state.step)
-    partial = final.with_name(final.name + PARTIAL_SUFFIX)
-    if _rank() == 0:
-        Path(save).mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir()
-    _barrier()
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    cause = None
-    try:
+
+    def write(partial: Path) -> None:
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(partial))
         torch.save(_rng_states(), partial / f"rng-rank{_rank()}.pt")
         if _rank() == 0:
             _write_durably(partial / STATE_FILE, json.dumps(asdict(state), indent=1))
-    except (Exception, dcp.api.CheckpointException) as exc:  # noqa: BLE001 -- any failure to write fails the save
-        cause = exc
-    if not _all_ok(cause is None, device):
-        if _rank() == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-        _barrier()
-        raise CheckpointSaveError(
-            f"could not save the checkpoint of step {state.step} in {save}: {_reason(cause, save)}"
-        )
-    if _rank() == 0:
-        if final.exists():  # the same step saved again (a resumed run re-saving its last step): replace it
-            shutil.rmtree(final)
-        os.rename(partial, final)
-        _fsync_folder(final.parent)
-        if keep is not None:
-            for old in complete_checkpoints(save)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+
+    final = step_folder(save, state.step)  # saved again by a resumed run re-saving its last step: replaced
+    _write_atomically(final, write, None, f"save the checkpoint of step {state.step} in {save}", device)
+    if _rank() == 0 and keep is not None:
+        for old in complete_checkpoints(save)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -157,37 +138,53 @@ def export_hf(model, hf_config, folder: Path, device) -> None:
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    folder = Path(folder)
-    partial = folder.with_name(folder.name + PARTIAL_SUFFIX)
-    if _rank() == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    _barrier()
     weights = {}
     for name, tensor in get_model_state_dict(model).items():
         name = name.removeprefix("lm.")
         if name == "lm_head.weight" and getattr(hf_config, "tie_word_embeddings", False):
             continue
         weights[name] = tensor
+
+    def write(partial: Path) -> None:
+        writer = HuggingFaceStorageWriter(str(partial), save_distributed=True, enable_consolidation=True)
+        dcp.save(weights, storage_writer=writer)
+
+    def finish(partial: Path) -> None:  # the whole tensors are in place: the per-rank shards go, the config comes
+        shutil.rmtree(partial / "sharded", ignore_errors=True)
+        hf_config.save_pretrained(partial)
+
+    _write_atomically(Path(folder), write, finish, f"export the model to {folder}", device)
+
+
+def _write_atomically(final: Path, write, finish, failure: str, device) -> None:
+    """Every rank's ``write(partial)`` into ``final`` + ``.tmp``, then rank 0's ``finish(partial)`` (if any) and the
+    rename into place, an earlier ``final`` replaced: a folder under ``final``'s name is always complete. When any
+    rank's write fails (a full disk; DCP's ``CheckpointException`` is a ``BaseException``), the partial folder is
+    removed and every rank raises ``CheckpointSaveError`` saying it could not ``failure``, and why."""
+    import torch.distributed.checkpoint as dcp
+
+    partial = final.with_name(final.name + PARTIAL_SUFFIX)
+    if _rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    _barrier()
     cause = None
     try:
-        dcp.save(
-            weights,
-            storage_writer=HuggingFaceStorageWriter(str(partial), save_distributed=True, enable_consolidation=True),
-        )
-    except (Exception, dcp.api.CheckpointException) as exc:  # noqa: BLE001 -- as in ``save``
+        write(partial)
+    except (Exception, dcp.api.CheckpointException) as exc:  # noqa: BLE001 -- any failure to write fails it
         cause = exc
     if not _all_ok(cause is None, device):
         if _rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
         _barrier()
-        raise CheckpointSaveError(f"could not export the model to {folder}: {_reason(cause, folder.parent)}")
+        raise CheckpointSaveError(f"could not {failure}: {_reason(cause, final.parent)}")
     if _rank() == 0:
-        shutil.rmtree(partial / "sharded", ignore_errors=True)
-        hf_config.save_pretrained(partial)
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.rename(partial, folder)
+        if finish is not None:
+            finish(partial)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(partial, final)
+        _fsync_folder(final.parent)
     _barrier()
 
 
