@@ -122,10 +122,10 @@ def pretrained_problem(folder: str | Path, model_config: dict) -> str | None:
         own = load_model_config(str(folder / "config.json"))
     except ConfigError as exc:
         return str(exc)
-    tuned = _shapes(build_model(model_config, device="meta"))
-    given = _shapes(build_model(own, device="meta"))
     if own["model_type"] != model_config["model_type"]:
         return f"{folder} holds a {own['model_type']} model; the config was tuned for {model_config['model_type']}"
+    tuned = _shapes(build_model(model_config, device="meta"))
+    given = _shapes(build_model(own, device="meta"))
     differs = sorted(set(tuned.items()) ^ set(given.items()))
     if differs:
         name = differs[0][0]
@@ -139,7 +139,7 @@ def pretrained_problem(folder: str | Path, model_config: dict) -> str | None:
         files = checkpoint_files(folder)
     except FileNotFoundError as exc:
         return str(exc)
-    return _stored_problem(folder, files, _meta_model(folder))
+    return _stored_problem(folder, files, _meta_model(folder))  # the model the loader builds, as it names tensors
 
 
 def _shapes(model) -> dict[str, tuple]:
