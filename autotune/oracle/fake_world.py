@@ -317,6 +317,16 @@ def _fake_wrapped_flash_attn_backward(
     return softmax_d
 
 
+def _fake_split_forward(q, k, v, causal: bool, window_left, num_splits: int, kernel: str) -> torch.Tensor:
+    """What FA3's and FA4's forward entry points share: the inputs checked, the call recorded, ``out`` allocated.
+    Training calls them with ``num_splits`` 1 (no split-KV partials), the only value the oracle sizes."""
+    check_flash_inputs(q, k, v)
+    if num_splits != 1:
+        raise NotImplementedError(f"the oracle's {kernel} forward sizes num_splits=1 only")
+    _record_attention(q, k, v, False, causal, flash_window(window_left))
+    return torch.empty_like(q)
+
+
 # -- FA3 (Hopper): hopper/flash_attn_interface.py ----------------------------------------------------------------
 
 
@@ -330,12 +340,8 @@ def _fake_fa3_forward(
 ):
     """FA3's ``_flash_attn_forward``: (out, softmax_lse fp32 [b, h, s], out_accum, softmax_lse_accum); the two
     split-KV accumulators are empty at ``num_splits`` 1 (what training uses)."""
-    check_flash_inputs(q, k, v)
-    if num_splits != 1:
-        raise NotImplementedError("the oracle's FA3 forward sizes num_splits=1 only")
+    out = _fake_split_forward(q, k, v, causal or window_size_right == 0, window_size_left, num_splits, "FA3")
     b, s, h, d = q.shape
-    _record_attention(q, k, v, False, causal or window_size_right == 0, flash_window(window_size_left))
-    out = torch.empty_like(q)
     lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
     return out, lse, torch.empty((0,), device=q.device), torch.empty((0,), device=q.device)
 
@@ -395,12 +401,8 @@ def _fake_fa4_forward(
 ):
     """FA4's ``_flash_attn_fwd``: (out, lse fp32 [b, h, s] when asked for or an input requires grad, p, row_max);
     p / row_max are None without ``gather_kv_indices``, and at ``num_splits`` 1 there are no fp32 partials."""
-    check_flash_inputs(q, k, v)
-    if num_splits != 1:
-        raise NotImplementedError("the oracle's FA4 forward sizes num_splits=1 only")
+    out = _fake_split_forward(q, k, v, causal or window_size_right == 0, window_size_left, num_splits, "FA4")
     b, s, h, d = q.shape
-    _record_attention(q, k, v, False, causal or window_size_right == 0, flash_window(window_size_left))
-    out = torch.empty_like(q)
     wants_lse = return_lse or any(t.requires_grad for t in (q, k, v))
     lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device) if wants_lse else None
     return out, lse, None, None
