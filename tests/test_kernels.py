@@ -465,6 +465,15 @@ def test_the_oracle_traces_each_flash_kernel_with_its_footprint(kernel, monkeypa
         "flash4": ("_fa4_backward", 0),
     }[kernel]
     monkeypatch.setattr(fake_world, helper, scratch_probe(getattr(fake_world, helper), first))  # first: q's index
+    from autotune.timing.counting import StepCounter
+
+    counted = []  # per knob set: the attention calls the time model's counter heard of
+
+    def tracked_and_counted(modes_tracker):
+        counter = StepCounter(modes_tracker)
+        counted.append(counter.counts)
+        return [*tracked(modes_tracker), counter]
+
     for knobs, heads in (({}, (hq, hkv)), ({"head_chunk": 2}, (2, 1))):
         seen.clear()
         trace = oracle.trace(
@@ -474,7 +483,7 @@ def test_the_oracle_traces_each_flash_kernel_with_its_footprint(kernel, monkeypa
             1,
             compute_dtype=torch.bfloat16,
             gpu_kernels=True,
-            modes=tracked,
+            modes=tracked_and_counted,
         )
         assert not trace.stopped and trace.peak_device_bytes > 0
         chunks = 2 if knobs else 1
@@ -489,6 +498,9 @@ def test_the_oracle_traces_each_flash_kernel_with_its_footprint(kernel, monkeypa
                 else expected_backward_scratch(kernel, b, s, h, kv_heads, d)
             )
             assert nbytes == expected, (knobs, which, nbytes, expected)
+    # head chunks run the same attention, a chunk of heads per call: every call is counted, forward and backward
+    whole, chunked = counted[0].attention_calls, counted[-1].attention_calls
+    assert whole and chunked == whole
 
 
 # -- refusal ------------------------------------------------------------------------------------------------------------
