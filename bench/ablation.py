@@ -63,8 +63,8 @@ def main(argv=None) -> int:
     from autotune.core.sizes import format_tokens
     from autotune.oracle import explain
     from autotune.search.max_seq import find_max_seq
-    from trials.model_config import load_model_config
-    from trials.techniques import Techniques
+    from trials.models.config import load_model_config
+    from trials.stack.techniques import Techniques
 
     model_config = load_model_config(args.model)
     hardware = load_hardware(args.hardware)

@@ -4,7 +4,7 @@
     python bench/gpu_check.py --device cpu    # the same table on CPU (gloo, the simulated device)
 
 The first thing to run on a GPU node. For each config (>= 8, across the knobs, bf16 compute on a GPU, ``flash``
-and ``sdpa``): one real trial through ``trials.runner.run_trial`` (the local backend's code, with the allocator
+and ``sdpa``): one real trial through ``trials.trial.runner.run_trial`` (the local backend's code, with the allocator
 settings the local backend gives its trials) and the plan backend's prediction of the same config, side by side:
 allocated peak (live tensors), reserved peak (the caching allocator's segments), host bytes, step time; and the
 loss / grad norm of the first step, which every config of one model must share (the same model, data and seed:
@@ -105,7 +105,7 @@ CUDA_TESTS = "tests/test_cuda_*.py"
 def configs(world: int, device: str, seq: int, layers: int, flash: bool | None = None) -> list[dict]:
     """The rows to run; ``flash``: whether flash-attn runs here (default: on CUDA only), else ``flash`` rows run
     ``sdpa`` and say so."""
-    from trials.techniques import Techniques
+    from trials.stack.techniques import Techniques
 
     flash = device == "cuda" if flash is None else flash
 
@@ -129,10 +129,10 @@ def _worker(specs_path: str, out_dir: str) -> int:
     import torch
     import torch.distributed as dist
 
-    from trials import allocator
-    from trials.dist import Mesh, build_mesh, default_device, process_group_backend
-    from trials.runner import run_trial
-    from trials.spec import TrialSpec
+    from trials.core import allocator
+    from trials.core.dist import Mesh, build_mesh, default_device, process_group_backend
+    from trials.trial.runner import run_trial
+    from trials.trial.spec import TrialSpec
 
     allocator.configure()
     specs = json.loads(Path(specs_path).read_text())
@@ -220,7 +220,7 @@ def run_real(
     dtype: str,
     trial_deadline_s: float = 1800.0,
 ) -> list[dict]:
-    from trials import allocator
+    from trials.core import allocator
 
     results: list[dict] = [{}] * len(rows)
     env = allocator.trial_environment(dict(os.environ, PYTHONPATH=str(ROOT)), cpu=device == "cpu")
@@ -341,7 +341,7 @@ def predict_row(row: dict, model_config: dict, seq: int, hardware, dtype: str) -
     from autotune.backends import Evaluation
     from autotune.backends.plan import counter_modes, step_time
     from autotune.oracle import predict
-    from trials.techniques import Techniques
+    from trials.stack.techniques import Techniques
 
     techniques = Techniques.from_dict(row["techniques"], model_config["num_hidden_layers"])
     evaluation = Evaluation(model_config, techniques, seq, row["world"], hardware)
@@ -393,7 +393,7 @@ def main(argv=None) -> int:
     import torch
 
     from autotune.core.hardware import load_hardware
-    from trials.model_config import load_model_config
+    from trials.models.config import load_model_config
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -415,7 +415,7 @@ def main(argv=None) -> int:
         world = args.gpus or 2
         hardware = load_hardware("cpu")
         where = f"cpu (gloo, simulated device) x{world}, preset cpu"
-    from trials.attention import flash_available, flash_problem
+    from trials.kernels.attention import flash_available, flash_problem
 
     flash = device == "cuda" and flash_available(torch.device("cuda"))
     rows = configs(world, device, seq, layers, flash)

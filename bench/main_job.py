@@ -53,7 +53,7 @@ def _frugal_techniques() -> dict:
     """The default search space's most memory-frugal config for the main job (``SearchSpace.frugal``)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from autotune.search.space import load_space
-    from trials.model_config import load_model_config
+    from trials.models.config import load_model_config
 
     model_config = load_model_config(MODEL)
     space = load_space(None, model_config, 8, TARGET_TOKENS)

@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trials.memory_timeline import replay_peak, snapshots_in_html  # noqa: E402
+from trials.trial.memory_timeline import replay_peak, snapshots_in_html  # noqa: E402
 
 GOAL_RATIO = 1.5
 SCREENSHOT = ROOT / "docs" / "gallery" / "memory-timeline.png"

@@ -88,9 +88,9 @@ def main(argv=None) -> int:
     from autotune.core.sizes import format_tokens
     from autotune.search.max_seq import find_max_seq
     from autotune.timing.model import predict_step_time
-    from trials.model_config import load_model_config
-    from trials.rules import length_unit
-    from trials.techniques import Techniques
+    from trials.models.config import load_model_config
+    from trials.stack.rules import length_unit
+    from trials.stack.techniques import Techniques
 
     model_config = load_model_config(args.model)
     preset = load_hardware(args.hardware)

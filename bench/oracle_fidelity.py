@@ -4,7 +4,7 @@
     .venv/bin/python bench/oracle_fidelity.py --only tiny-mistral,tiny-gemma3,tiny-qwen3-moe \
         | tee bench/results/oracle_fidelity_families.txt
 
-Real trials run through ``trials.runner.run_trial`` (the local backend's code), several configs per torchrun
+Real trials run through ``trials.trial.runner.run_trial`` (the local backend's code), several configs per torchrun
 launch (one launch per world size; a torchrun start costs ~20 s here), 1 warm-up + 1 measured step, no
 capacity. The oracle (``autotune.oracle.predict``) runs on the ``cpu`` hardware preset (no runtime overheads)
 with the trial's compute dtype. Configs deeper than 4 layers exercise the depth extrapolation. The last line
@@ -64,7 +64,7 @@ class Config:
         return " ".join(parts)
 
     def model_config(self) -> dict:
-        from trials.model_config import load_model_config
+        from trials.models.config import load_model_config
 
         config = dict(load_model_config(self.model))
         if self.layers:
@@ -224,9 +224,9 @@ def _worker(specs_path: str, out_dir: str) -> int:
     import torch
     import torch.distributed as dist
 
-    from trials.dist import Mesh, build_mesh
-    from trials.runner import run_trial
-    from trials.spec import TrialSpec
+    from trials.core.dist import Mesh, build_mesh
+    from trials.trial.runner import run_trial
+    from trials.trial.spec import TrialSpec
 
     specs = json.loads(Path(specs_path).read_text())
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -304,7 +304,7 @@ def predict_config(config: Config):
     from autotune.backends import Evaluation
     from autotune.core.hardware import load_hardware
     from autotune.oracle import predict
-    from trials.techniques import Techniques
+    from trials.stack.techniques import Techniques
 
     evaluation = Evaluation(
         config.model_config(), Techniques.from_dict(config.techniques), config.seq, config.world, load_hardware("cpu")

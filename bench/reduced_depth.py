@@ -66,8 +66,8 @@ def main(argv=None) -> int:
     from autotune.backends import Evaluation
     from autotune.backends.local import LocalBackend, visible_devices
     from autotune.core.hardware import load_hardware
-    from trials.model_config import load_model_config
-    from trials.techniques import Techniques
+    from trials.models.config import load_model_config
+    from trials.stack.techniques import Techniques
 
     model_config = load_model_config(args.model)
     gpus = visible_devices()

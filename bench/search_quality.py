@@ -41,8 +41,8 @@ from autotune.search.space import (
     load_space,
 )
 from autotune.timing import calibration as calibrate
-from trials.model_config import load_model_config
-from trials.techniques import Techniques
+from trials.models.config import load_model_config
+from trials.stack.techniques import Techniques
 
 SPACE = SPACES_DIR / "reduced-tiny.yaml"
 MODEL, GPUS, TARGET, MEMORY_GIB = "tiny-llama", 2, 8192, 0.5

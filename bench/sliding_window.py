@@ -48,8 +48,8 @@ def main(argv=None) -> int:
     from autotune.core.sizes import parse_tokens
     from autotune.timing.attention_cost import causal_pairs
     from autotune.timing.model import attention_time
-    from trials.model_config import layer_windows, load_model_config
-    from trials.techniques import Techniques
+    from trials.models.config import layer_windows, load_model_config
+    from trials.stack.techniques import Techniques
 
     windowed = load_model_config(args.model)
     window = next((w for w in layer_windows(windowed) if w), None)

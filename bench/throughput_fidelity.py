@@ -4,7 +4,7 @@ For each config (tiny models, 1-4 ranks, 1K-16K tokens, technique stacks):
 - predicted: the ``plan`` backend (``autotune.backends.plan.PlanBackend``: the memory oracle's fake trace of the
   trial code with ``autotune.timing.counting.StepCounter`` inside, then ``predict_step_time``) on the preset that
   a fresh ``autotune calibrate --hardware cpu`` wrote first (``--preset FILE`` reuses one);
-- measured: the real trial, ``trials.runner.run_trial`` -- what ``autotune.backends.local.LocalBackend`` launches
+- measured: the real trial, ``trials.trial.runner.run_trial`` -- what ``autotune.backends.local.LocalBackend`` launches
   -- under ``torchrun --nproc-per-node N`` (or one plain process), gloo, fp32, with the local backend's thread
   count per rank (``cpus // N``). Every training step is timed, and the machine's CPU use by *other* processes is
   sampled around each step (/proc/stat minus this trial's own processes): a step during which others used more
@@ -148,12 +148,12 @@ CONTENDED = 0.10  # others' share of the machine's CPUs above which a step does 
 def worker(spec_path: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    import trials.runner
+    import trials.trial.runner
     from autotune.timing.calibration import sampling
     from autotune.timing.calibration.microbench import in_step_training, reference_step_s
     from autotune.timing.calibration.sampling import cpu_snapshot, others_share, speed_probe_s
-    from trials.runner import run_trial
-    from trials.spec import TrialSpec
+    from trials.trial.runner import run_trial
+    from trials.trial.spec import TrialSpec
 
     spec = json.loads(Path(spec_path).read_text())
     rank = int(os.environ.get("RANK", 0))
@@ -167,7 +167,7 @@ def worker(spec_path: str, out_dir: str) -> None:
         pids = gathered
     sampling.WORKER_PIDS[:] = pids  # this trial's own processes: what they use is not contention
     steps = []
-    original = trials.runner.train_step  # the step the runner calls
+    original = trials.trial.runner.train_step  # the step the runner calls
     reference = []  # the calibration's in-step run, built at the first step (all ranks step it together)
 
     def timed_step(*args, **kwargs):
@@ -183,11 +183,11 @@ def worker(spec_path: str, out_dir: str) -> None:
         steps.append({"seconds": elapsed, "others": others, "probe_s": probe, "reference_s": reference_s})
         return result
 
-    trials.runner.train_step = timed_step
+    trials.trial.runner.train_step = timed_step
     try:
         record = run_trial(TrialSpec.from_dict(spec)).to_dict()
     finally:
-        trials.runner.train_step = original
+        trials.trial.runner.train_step = original
     record["steps"] = steps
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
     if world > 1:
@@ -203,8 +203,8 @@ def worker(spec_path: str, out_dir: str) -> None:
 def measure(model: str, seq_len: int, ranks: int, techniques: dict, steps: int, attempts: int) -> dict:
     """Launch the trial (as the local backend does) until a launch has clean steps; its steps, clean and contended."""
     from autotune.timing.calibration.sampling import wait_for_idle
-    from trials import allocator
-    from trials.model_config import load_model_config
+    from trials.core import allocator
+    from trials.models.config import load_model_config
 
     spec = {
         "model_config": load_model_config(model),
@@ -286,8 +286,8 @@ def predict(model: str, seq_len: int, ranks: int, techniques: dict, hardware):
     from autotune.backends import Evaluation
     from autotune.backends.plan import PlanBackend, step_counts
     from autotune.timing.model import predict_step_time
-    from trials.model_config import load_model_config
-    from trials.techniques import Techniques
+    from trials.models.config import load_model_config
+    from trials.stack.techniques import Techniques
 
     cfg = load_model_config(model)
     tech = Techniques.from_dict(techniques, cfg["num_hidden_layers"])
@@ -540,7 +540,7 @@ def main(argv=None) -> int:
         f"torch {cal['machine']['torch']}); preset {preset.name} from `autotune calibrate` "
         f"{hardware.calibrated['measured_at']}",
         "# predicted: plan backend (oracle fake trace + StepCounter + predict_step_time) on that preset",
-        "# measured: trials.runner.run_trial under torchrun, gloo, fp32; median uncontended step over the passes;",
+        "# measured: trials.trial.runner.run_trial under torchrun, gloo, fp32; median uncontended step over the passes;",
         "#   spread: (max - min) / max of the passes' medians; slow: the speed probe now / at the calibration;",
         "#   drift: the calibration's in-step reference step now / at the calibration, beside every step;",
         "#   ratio = predicted / measured; x drift = ratio * drift (predicted / measured in the calibration's time)",

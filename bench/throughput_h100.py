@@ -75,9 +75,9 @@ def main(argv=None) -> int:
     from autotune.backends.plan import PlanBackend, step_counts
     from autotune.core.hardware import load_hardware
     from autotune.timing.model import predict_step_time
-    from trials.kernels import FLASH_KERNELS
-    from trials.model_config import load_model_config
-    from trials.techniques import Techniques
+    from trials.kernels.registry import FLASH_KERNELS
+    from trials.models.config import load_model_config
+    from trials.stack.techniques import Techniques
 
     cfg = load_model_config(args.model)
     hardware = load_hardware(args.hardware)

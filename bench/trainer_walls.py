@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from autotune.core.trainers import TRAINERS  # noqa: E402
 from autotune.search.space import load_space  # noqa: E402
-from trials.model_config import load_model_config  # noqa: E402
-from trials.techniques import Techniques  # noqa: E402
+from trials.models.config import load_model_config  # noqa: E402
+from trials.stack.techniques import Techniques  # noqa: E402
 
 MODEL, TARGET, TARGET_TOKENS, GPUS = "llama3-8b", "1M", 1024**2, 8
 GOAL_FRACTION = 0.97

@@ -313,7 +313,9 @@ def _make_run_files(root: Path) -> None:
         json.dumps(_config(model="tiny-llama", hardware="cpu", gpus=1, seq_len=RUN_SEQ, techniques=techniques))
     )
     (root / "other-model").mkdir(exist_ok=True)  # tiny-llama's shape but for its MLP width
-    tiny = json.loads((Path(__file__).resolve().parents[1] / "trials" / "models" / "tiny-llama.json").read_text())
+    tiny = json.loads(
+        (Path(__file__).resolve().parents[1] / "trials" / "models" / "presets" / "tiny-llama.json").read_text()
+    )
     (root / "other-model" / "config.json").write_text(json.dumps({**tiny, "intermediate_size": 256}))
     (root / "tokens.txt").write_text(" ".join(str(i) for i in range(4 * RUN_SEQ)) + "\n")
     (root / "tokens.arrow").write_text("not an Arrow IPC file\n")

@@ -49,6 +49,6 @@ def run_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subpro
 
 @pytest.fixture
 def tiny_llama():
-    from trials.model_config import load_model_config
+    from trials.models.config import load_model_config
 
     return load_model_config("tiny-llama")

@@ -1,4 +1,4 @@
-"""Model configs of every family ``trials.families`` declares, written by ``transformers``' own config classes
+"""Model configs of every family ``trials.models.families`` declares, written by ``transformers``' own config classes
 (``save_pretrained``, as users' ``config.json`` files are): real shapes for planning, tiny ones for exactness."""
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ CASES.json: {"seq_len": int, "cases": [{"name", "model", "techniques": {...}, "s
 for each (model, data-parallel size, pretrained folder), the plain single-process reference itself (cheap at these
 sizes): the loss and parameter gradients of ``dp`` replicas (sample r for replica r, DESIGN.md's data rule)
 averaged, plus the loss after one AdamW step. Then, per case: a fresh model with the techniques applied on the real
-mesh, one forward + backward (``trials.step.forward_backward``), full gradients gathered (``DTensor.full_tensor()``
+mesh, one forward + backward (``trials.training.step.forward_backward``), full gradients gathered (``DTensor.full_tensor()``
 under FSDP) and compared with the reference; with ``"step": true`` also one optimizer step and the loss after it.
 
-The model is ``trials.model.build_model``'s (seeded random weights), or with ``"pretrained"`` a Hugging Face model
+The model is ``trials.models.model.build_model``'s (seeded random weights), or with ``"pretrained"`` a Hugging Face model
 folder (``dir``, saved by ``transformers``) through the plugin ``trials.hf``: ``via`` ``"from_pretrained"``
 (``trials.hf.from_pretrained``: built on meta, each rank reads its shards) or ``"apply"`` (``trials.hf.apply`` on
 ``AutoModelForCausalLM.from_pretrained``); its reference is then the plain ``transformers`` model of that folder
@@ -57,11 +57,11 @@ def full_grads(model) -> dict[str, torch.Tensor]:
 
 
 def counted_grad_norm(model, mesh) -> tuple[float, list[str]]:
-    """``trials.step.grad_norm`` and the device of every all-reduce it made (NCCL groups take device tensors
+    """``trials.training.step.grad_norm`` and the device of every all-reduce it made (NCCL groups take device tensors
     only, so with optimizer offload a host-tensor collective would fail on a GPU node)."""
     import torch.distributed as dist
 
-    from trials.step import grad_norm
+    from trials.training.step import grad_norm
 
     calls, real = [], dist.all_reduce
 
@@ -80,7 +80,7 @@ def plain_pretrained(folder: str):
     """The plain ``transformers`` model of ``folder`` (fp32, torch SDPA), wrapped for the same loss sum."""
     from transformers import AutoModelForCausalLM
 
-    from trials.model import TrainingModel
+    from trials.models.model import TrainingModel
 
     return TrainingModel(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa"))
 
@@ -100,10 +100,10 @@ def stacked_pretrained(pretrained: dict, techniques, mesh):
 
 def reference(model_config: dict, seq_len: int, dp: int, pretrained_dir: str | None = None) -> dict:
     """Plain model, one process: dp replicas' mean gradients, mean loss, and mean loss after one AdamW step."""
-    from trials.data import make_batch, synthetic_sample
-    from trials.dist import Mesh
-    from trials.model import build_model
-    from trials.step import forward_backward
+    from trials.core.dist import Mesh
+    from trials.models.model import build_model
+    from trials.training.data import make_batch, synthetic_sample
+    from trials.training.step import forward_backward
 
     mesh = Mesh.single()
     model = plain_pretrained(pretrained_dir) if pretrained_dir else build_model(model_config)
@@ -124,13 +124,13 @@ def reference(model_config: dict, seq_len: int, dp: int, pretrained_dir: str | N
 def run_case(case: dict, seq_len: int, refs: dict, meshes: dict) -> dict:
     import torch.distributed as dist
 
-    from trials.data import make_batch, synthetic_sample
-    from trials.dist import build_mesh
-    from trials.model import build_model
-    from trials.model_config import load_model_config
+    from trials.core.dist import build_mesh
+    from trials.models.config import load_model_config
+    from trials.models.model import build_model
     from trials.stack import apply
-    from trials.step import forward_backward, global_loss
-    from trials.techniques import Techniques
+    from trials.stack.techniques import Techniques
+    from trials.training.data import make_batch, synthetic_sample
+    from trials.training.step import forward_backward, global_loss
 
     start = time.perf_counter()
     model_config = load_model_config(case["model"])
@@ -139,7 +139,7 @@ def run_case(case: dict, seq_len: int, refs: dict, meshes: dict) -> dict:
     techniques.validate(model_config, world, seq_len)
     sp = techniques.ulysses_degree
     if sp not in meshes:
-        from trials.dist import init_mesh
+        from trials.core.dist import init_mesh
 
         meshes[sp] = build_mesh(sp, torch.device("cpu")) if dist.is_initialized() else init_mesh(sp)
     mesh = meshes[sp]
@@ -198,7 +198,7 @@ def main(argv: list[str]) -> int:
     results, refs, meshes = [], {}, {}
     try:
         if world > 1:
-            from trials.dist import init_mesh
+            from trials.core.dist import init_mesh
 
             meshes[world] = init_mesh(world, timeout_s=300)
         for case in spec["cases"]:

@@ -22,13 +22,13 @@ import torch  # noqa: E402
 
 
 def one_step(model_config: dict, techniques: dict, seq_len: int, mesh) -> dict:
-    from trials.data import make_batch, synthetic_sample
-    from trials.fsdp import allreduce_grads
-    from trials.memory import DeviceMemoryTracker
-    from trials.model import build_model
+    from trials.core.memory import DeviceMemoryTracker
+    from trials.models.model import build_model
     from trials.stack import apply
-    from trials.step import loss_scale
-    from trials.techniques import Techniques
+    from trials.stack.fsdp import allreduce_grads
+    from trials.stack.techniques import Techniques
+    from trials.training.data import make_batch, synthetic_sample
+    from trials.training.step import loss_scale
 
     with DeviceMemoryTracker() as tracker:
         model = build_model(model_config)
@@ -64,8 +64,8 @@ def one_step(model_config: dict, techniques: dict, seq_len: int, mesh) -> dict:
 def main(argv: list[str]) -> int:
     import torch.distributed as dist
 
-    from trials.dist import build_mesh, init_mesh
-    from trials.model_config import load_model_config
+    from trials.core.dist import build_mesh, init_mesh
+    from trials.models.config import load_model_config
 
     spec = json.loads(Path(argv[0]).read_text())
     world = int(os.environ.get("WORLD_SIZE", 1))

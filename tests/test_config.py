@@ -5,10 +5,10 @@ import pytest
 from conftest import run_cli
 
 from autotune.core.hardware import load_hardware
-from trials.config_file import SCHEMA, load_config_file, parse_config
-from trials.errors import ConfigError
-from trials.model_config import load_model_config
-from trials.techniques import Techniques
+from trials.core.errors import ConfigError
+from trials.models.config import load_model_config
+from trials.stack.techniques import Techniques
+from trials.training.config_file import SCHEMA, load_config_file, parse_config
 
 
 def full_stack(**overrides):
@@ -213,6 +213,6 @@ def test_a_config_transformers_refuses_is_bad_input(tmp_path):
 
 
 def _preset_path_of(name: str) -> Path:
-    from trials.model_config import _preset_path
+    from trials.models.config import _preset_path
 
     return _preset_path(name)

@@ -43,7 +43,7 @@ WINDOW = SEQ // 4  # the windowed model's sliding_window (a Mistral of the same 
 def _config(window: int | None = None) -> dict:
     """A small Llama with flash-attn's usual head size (64) and GQA (4 query heads per kv head); with ``window``,
     the same shape as a Mistral attending through that sliding window."""
-    from trials.model_config import load_model_config
+    from trials.models.config import load_model_config
 
     config = dict(
         load_model_config("tiny-llama"),
@@ -58,8 +58,8 @@ def _config(window: int | None = None) -> dict:
 
 
 def _flash_skip(kernel: str = "flash"):
-    from trials.attention import flash_available
-    from trials.kernels import kernel_problem
+    from trials.kernels.attention import flash_available
+    from trials.kernels.registry import kernel_problem
 
     device = torch.device("cuda", 0)
     if not flash_available(device, kernel):
@@ -74,9 +74,9 @@ def run(
     (sample 0: a mesh of one Ulysses group holds one replica, the reference's data)."""
     from stack_harness import full_grads
 
-    from trials.data import make_batch, synthetic_sample
-    from trials.step import build_training, forward_backward, global_loss
-    from trials.techniques import Techniques
+    from trials.stack.techniques import Techniques
+    from trials.training.data import make_batch, synthetic_sample
+    from trials.training.step import build_training, forward_backward, global_loss
 
     config = _config(window)
     techniques = Techniques.from_dict(techniques, config["num_hidden_layers"])
@@ -101,7 +101,7 @@ def compare(cases: dict, mesh, reference_mesh, window: int | None = None) -> dic
     ``window``, SDPA runs on the CPU (it runs windows on the CPU kernel only): the fp32 reference and the bf16
     yardstick both."""
     if window:
-        from trials.dist import Mesh
+        from trials.core.dist import Mesh
 
         cpu = Mesh.single(torch.device("cpu"))
         ref_loss, ref_grads = run({"attention": "sdpa"}, cpu, torch.float32, window)
@@ -144,7 +144,7 @@ def _one_gpu_cases(kernel: str) -> dict:
 @pytest.mark.parametrize("kernel", ["flash", "flash3", "flash4"])
 def test_flash_kernel_and_head_chunks_match_sdpa_on_one_gpu(kernel):
     _flash_skip(kernel)
-    from trials.dist import Mesh
+    from trials.core.dist import Mesh
 
     mesh = Mesh.single(torch.device("cuda", 0))
     check(compare({**_one_gpu_cases(kernel), "sdpa, head_chunk=2": {"attention": "sdpa", "head_chunk": 2}}, mesh, mesh))
@@ -154,7 +154,7 @@ def test_flash_kernel_and_head_chunks_match_sdpa_on_one_gpu(kernel):
 def test_flash_kernel_with_a_sliding_window_matches_sdpa_on_one_gpu(kernel):
     """The window's (left, right) form each kernel takes, whole layers and head chunks."""
     _flash_skip(kernel)
-    from trials.dist import Mesh
+    from trials.core.dist import Mesh
 
     mesh = Mesh.single(torch.device("cuda", 0))
     check(compare(_one_gpu_cases(kernel), mesh, mesh, window=WINDOW))
@@ -180,7 +180,7 @@ def test_flash_through_ulysses_and_head_chunks_matches_sdpa_on_two_gpus(tmp_path
 
 def _two_gpu_main(out_path: str) -> int:
     """One rank of the two-GPU launch: Ulysses degree 2 (one replica, the reference's data), rank 0 writes."""
-    from trials.dist import Mesh, init_mesh
+    from trials.core.dist import Mesh, init_mesh
 
     rank = int(os.environ["RANK"])
     try:

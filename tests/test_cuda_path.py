@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from trials import attention
-from trials.dist import Mesh
-from trials.model_config import load_model_config
-from trials.techniques import Techniques
+from trials.core.dist import Mesh
+from trials.kernels import attention
+from trials.models.config import load_model_config
+from trials.stack.techniques import Techniques
 
 
 def _flash_stand_in(seen: list):
@@ -31,8 +31,8 @@ def _flash_stand_in(seen: list):
 
 
 def _one_step(techniques: Techniques, compute_dtype=torch.bfloat16) -> float:
-    from trials.data import make_batch, synthetic_sample
-    from trials.step import build_training, train_step
+    from trials.training.data import make_batch, synthetic_sample
+    from trials.training.step import build_training, train_step
 
     mesh = Mesh.single("cpu")
     model, optimizer = build_training(
@@ -93,7 +93,7 @@ def test_flash_configs_without_fsdp_get_a_prediction_on_a_gpu_preset():
 
 def test_loss_tiles_accumulate_the_lm_head_gradient_in_fp32():
     # bf16 lm_head (FSDP's unsharded parameter) over 128 tiles: one rounding, not one per tile
-    from trials.tiling import tiled_loss
+    from trials.stack.tiling import tiled_loss
 
     torch.manual_seed(0)
     tokens, hidden_size, vocab = 4096, 64, 256
@@ -113,7 +113,7 @@ def test_loss_tiles_accumulate_the_lm_head_gradient_in_fp32():
 
 
 def test_allocator_settings_are_merged_into_the_trial_environment_and_known_to_torch():
-    from trials.allocator import SETTINGS, configure, trial_environment
+    from trials.core.allocator import SETTINGS, configure, trial_environment
 
     env = trial_environment({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128,expandable_segments:False", "X": "1"})
     assert "PYTORCH_CUDA_ALLOC_CONF" not in env and env["X"] == "1"
@@ -158,7 +158,7 @@ def _evaluation(**knobs):
 
 
 def test_the_tracker_counts_host_storages_as_host_on_a_real_accelerator():
-    from trials.memory import DeviceMemoryTracker
+    from trials.core.memory import DeviceMemoryTracker
 
     with DeviceMemoryTracker(device_type="cuda") as tracker:
         host = torch.empty(1000, dtype=torch.float32)  # a CPU storage beside a GPU step: host memory
@@ -170,8 +170,8 @@ def test_the_tracker_counts_host_storages_as_host_on_a_real_accelerator():
 
 
 def test_a_measured_record_has_the_predicted_quantities():
-    from trials.runner import run_trial
-    from trials.spec import TrialSpec
+    from trials.trial.runner import run_trial
+    from trials.trial.spec import TrialSpec
 
     spec = TrialSpec(
         model_config=load_model_config("tiny-llama"),

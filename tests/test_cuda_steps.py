@@ -21,17 +21,17 @@ SEQ = 16384
 def _config(layers: int) -> dict:
     """tiny-llama with the given depth: small layers, so the host copies are long beside the compute (a copy that
     is read before it ends shows)."""
-    from trials.model_config import load_model_config
+    from trials.models.config import load_model_config
 
     return dict(load_model_config("tiny-llama"), num_hidden_layers=layers)
 
 
 def _grads(techniques: dict, layers: int = 6) -> tuple[float, dict[str, torch.Tensor]]:
     """One forward + backward of the seeded model on cuda:0 in bf16: (loss, fp32 gradients by parameter name)."""
-    from trials.data import make_batch, synthetic_sample
-    from trials.dist import Mesh
-    from trials.step import build_training, forward_backward, global_loss
-    from trials.techniques import Techniques
+    from trials.core.dist import Mesh
+    from trials.stack.techniques import Techniques
+    from trials.training.data import make_batch, synthetic_sample
+    from trials.training.step import build_training, forward_backward, global_loss
 
     mesh = Mesh.single(torch.device("cuda", 0))
     model, _ = build_training(_config(layers), Techniques.from_dict(techniques, layers), mesh, seed=0)
@@ -47,10 +47,10 @@ def _grads(techniques: dict, layers: int = 6) -> tuple[float, dict[str, torch.Te
 
 
 def _trial(techniques: dict, layers: int = 6, **spec):
-    from trials.dist import Mesh
-    from trials.runner import run_trial
-    from trials.spec import TrialSpec
-    from trials.techniques import Techniques
+    from trials.core.dist import Mesh
+    from trials.stack.techniques import Techniques
+    from trials.trial.runner import run_trial
+    from trials.trial.spec import TrialSpec
 
     trial = TrialSpec(
         model_config=_config(layers),
@@ -90,12 +90,12 @@ def test_offload_moves_the_layer_inputs_to_pinned_host_memory():
 
 
 def test_the_layer_clock_splits_a_cuda_step_along_its_layers():
-    from trials.data import make_batch, synthetic_sample
-    from trials.dist import Mesh
-    from trials.layer_clock import LayerClock
-    from trials.memory import DeviceMemoryTracker
-    from trials.step import build_training, train_step
-    from trials.techniques import Techniques
+    from trials.core.dist import Mesh
+    from trials.core.memory import DeviceMemoryTracker
+    from trials.stack.techniques import Techniques
+    from trials.training.data import make_batch, synthetic_sample
+    from trials.training.step import build_training, train_step
+    from trials.trial.layer_clock import LayerClock
 
     layers, device = 6, torch.device("cuda", 0)
     mesh = Mesh.single(device)

@@ -31,7 +31,7 @@ def _hardware():
 
 def _config(layers: int) -> dict:
     """A small Llama (head size 128, GQA), big enough that its memory is GiBs, not the runtime's MiBs."""
-    from trials.model_config import load_model_config
+    from trials.models.config import load_model_config
 
     return dict(
         load_model_config("llama3-8b"),
@@ -54,7 +54,7 @@ def test_the_device_calibration_measures_rates_a_gpu_can_have(gpus):
     synchronize) reports rates above the card's peak; one that fails on CUDA raises here."""
     from autotune.timing.calibration.device_bench import device_rates
     from autotune.timing.calibration.preset import measure_device
-    from trials.attention import flash_available
+    from trials.kernels.attention import flash_available
 
     base = _hardware()
     measured = measure_device(gpus, _config(2), "small llama", base, small=True)
@@ -93,7 +93,7 @@ def test_a_reduced_depth_trial_extends_to_the_full_trials_memory_and_time():
     trial's peaks, and its layer clock's split the step time."""
     from autotune.backends import Evaluation
     from autotune.backends.local import LocalBackend
-    from trials.techniques import Techniques
+    from trials.stack.techniques import Techniques
 
     layers, seq = 8, 16384
     techniques = Techniques.from_dict({"activation_checkpointing": True, "attention": "sdpa"}, layers)
@@ -119,7 +119,7 @@ def test_an_oom_on_one_rank_of_two_is_an_oom_trial_and_leaves_no_rank():
     collective timeout -- with no rank left running."""
     from autotune.backends import Evaluation
     from autotune.backends.local import LocalBackend
-    from trials.techniques import Techniques
+    from trials.stack.techniques import Techniques
 
     free, _ = torch.cuda.mem_get_info(1)
     hog = torch.empty(free - (2 << 30), dtype=torch.uint8, device="cuda:1")

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotune.timing.calibration import _free_port
 from autotune.timing.calibration.device_bench import measure_attention
-from trials.attention import attention_backward, attention_forward, causal_attention
+from trials.kernels.attention import attention_backward, attention_forward, causal_attention
 
 # One rank of ``measure_collectives`` over a gloo group. Rank 1's clock runs 4x fast, so its first call of each
 # collective seems 4x longer than rank 0's and its own repetition count comes out lower: ranks that each picked
@@ -164,8 +164,8 @@ def test_the_time_model_uses_the_chunked_sdpa_rate_for_head_chunked_sdpa_only():
     from autotune.backends import Evaluation
     from autotune.backends.plan import PlanBackend
     from autotune.core.hardware import load_hardware
-    from trials.model_config import load_model_config
-    from trials.techniques import Techniques
+    from trials.models.config import load_model_config
+    from trials.stack.techniques import Techniques
 
     base = load_hardware("h100-sxm")
     slow = replace(base, rates=replace(base.rates, chunked_sdpa_efficiency=0.01, chunked_sdpa_backward_efficiency=0.01))

@@ -78,7 +78,7 @@ def write_config(path: Path, model: str = "tiny-llama", seq_len: int = 512) -> P
 def unbuildable_model(folder: Path) -> Path:
     """A config.json that passes every check before launching but that transformers cannot build (its activation
     does not exist): a prediction or a training that fails while it runs."""
-    config = json.loads((ROOT / "trials/models/tiny-llama.json").read_text())
+    config = json.loads((ROOT / "trials/models/presets/tiny-llama.json").read_text())
     path = folder / "unbuildable-config.json"
     path.write_text(json.dumps({**config, "hidden_act": "no-such-activation"}))
     return path
@@ -205,7 +205,7 @@ def _analytic_search(tmp_path):
     from autotune.core.hardware import load_hardware
     from autotune.core.record import ResultRecord
     from autotune.search.space import SPACES_DIR, load_space
-    from trials.model_config import load_model_config
+    from trials.models.config import load_model_config
 
     class Analytic(Backend):
         """Memory and speed from the length alone; raises KeyboardInterrupt on its ``interrupt_at``-th call."""
@@ -417,7 +417,7 @@ def _stop_a_running_trial(gpus: int, settle_s: float) -> tuple[int, list]:
             ranks = [
                 p
                 for p in trial_processes
-                if "trials.runner" in p.cmdline()  # not torchrun, which names it
+                if "trials.trial.runner" in p.cmdline()  # not torchrun, which names it
                 and "torch.distributed.run" not in p.cmdline()
             ]
             if len(ranks) == gpus:
@@ -495,7 +495,7 @@ def test_export_show_plot_exit_0_on_a_search_folder_and_2_on_another(reached, tm
 
 def test_export_exits_1_when_the_format_expresses_no_config_at_the_target(tmp_path):
     """ArcticTraining has no tiled loss without Ulysses: a front of only that config has nothing it runs in full."""
-    from trials.techniques import Techniques
+    from trials.stack.techniques import Techniques
 
     record = {"status": "ok", "source": "predicted", "seq_len": 1024, "tokens_per_s": 1000.0}
     techniques = Techniques(activation_checkpointing=True, loss_tile_tokens=512).to_dict()
@@ -674,13 +674,13 @@ def test_an_interrupt_while_the_outputs_are_written_is_deferred_until_they_are(t
 
 def test_a_command_that_saves_nothing_says_it_was_interrupted(monkeypatch, capsys):
     """Typer turns a KeyboardInterrupt a command does not handle into exit 130 without a word; ours says so."""
-    import trials.model_config
+    import trials.models.config
     from autotune import cli
 
     def interrupted(name):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(trials.model_config, "load_model_config", interrupted)
+    monkeypatch.setattr(trials.models.config, "load_model_config", interrupted)
     code = cli.main(["estimate", "--model", "tiny-llama", "--seq", "1K", "--config", "baseline"])
     assert code == 130
     assert capsys.readouterr().err.splitlines()[-1] == "autotune: interrupted"

@@ -26,9 +26,9 @@ from autotune.cli import main
 from autotune.core.trainers import TRAINERS, ExportJob, Trainer, exactly
 from autotune.outputs.exporters import EXPORTERS, make_exporter
 from autotune.outputs.exporters.selection import export_entry
-from trials.config_file import load_config_file
-from trials.model_config import load_model_config
-from trials.techniques import Techniques, knob_names
+from trials.models.config import load_model_config
+from trials.stack.techniques import Techniques, knob_names
+from trials.training.config_file import load_config_file
 
 TECHNIQUES = {
     "fsdp": False,
@@ -252,7 +252,7 @@ def test_accelerate_launch_trains_the_export_like_the_plain_model_in_the_estimat
 
     from autotune.backends import Evaluation, make_backend
     from autotune.core.hardware import load_hardware
-    from trials.data import synthetic_sample
+    from trials.training.data import synthetic_sample
 
     knobs, seq_len = PLUGIN_RUN
     values = {k: v for k, v in load_model_config("tiny-llama").items() if not k.startswith("_")}

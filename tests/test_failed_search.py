@@ -27,8 +27,8 @@ from autotune.core.record import ResultRecord
 from autotune.outputs import report
 from autotune.search.front import root_cause, what_failed
 from autotune.search.job import SearchJob
-from trials.model_config import load_model_config
-from trials.techniques import BASELINE
+from trials.models.config import load_model_config
+from trials.stack.techniques import BASELINE
 
 AUTOTUNE = Path(sys.executable).with_name("autotune")  # the console script pip installed
 CAUSE = "AssertionError: Padding_idx must be within num_embeddings"
@@ -52,7 +52,7 @@ def last_line(done: subprocess.CompletedProcess) -> str:
 
 @pytest.fixture(scope="module")
 def failing_model(tmp_path_factory) -> Path:
-    config = json.loads((ROOT / "trials/models/tiny-llama.json").read_text())
+    config = json.loads((ROOT / "trials/models/presets/tiny-llama.json").read_text())
     path = tmp_path_factory.mktemp("model") / "config.json"
     path.write_text(json.dumps({**config, "pad_token_id": config["vocab_size"] + 10}))
     return path

@@ -1,6 +1,6 @@
-"""Model families (issue 37): every family ``trials.families`` declares runs exactly what ``transformers`` runs.
+"""Model families (issue 37): every family ``trials.models.families`` declares runs exactly what ``transformers`` runs.
 
-- Semantics: a tiny model of each family built by ``trials.model.build_model`` (autotune's attention, windows,
+- Semantics: a tiny model of each family built by ``trials.models.model.build_model`` (autotune's attention, windows,
   softcaps, fused q/k/v, Gemma norms, experts) gives the loss and gradients of ``transformers``' own eager model.
 - Windows: ``Family.layer_windows`` is what the model's attention modules pass, layer by layer.
 - The stack: under Ulysses, head chunking, checkpointing, offload and every tile, each tiny family equals its plain
@@ -40,8 +40,8 @@ def _loss_and_grads(model, ids):
 def test_each_family_equals_transformers_eager_model(name, tiny_paths):
     from transformers import AutoModelForCausalLM
 
-    from trials.model import TrainingModel, build_model, hf_config
-    from trials.model_config import load_model_config
+    from trials.models.config import load_model_config
+    from trials.models.model import TrainingModel, build_model, hf_config
 
     config = load_model_config(tiny_paths[name])
     ours = build_model(config)
@@ -63,8 +63,8 @@ def test_each_family_equals_transformers_eager_model(name, tiny_paths):
 
 def test_a_window_changes_the_model(tiny_paths):
     """The windowed family's loss differs from the same weights attending the whole causal triangle."""
-    from trials.model import build_model
-    from trials.model_config import load_model_config
+    from trials.models.config import load_model_config
+    from trials.models.model import build_model
 
     config = load_model_config(tiny_paths["tiny-mistral"])
     ids = torch.randint(0, config["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(0))
@@ -75,9 +75,9 @@ def test_a_window_changes_the_model(tiny_paths):
 
 @pytest.mark.parametrize("name", DENSE + EXPERTS)
 def test_layer_windows_are_what_the_attention_modules_pass(name, tiny_paths):
-    from trials import attention
-    from trials.model import build_model
-    from trials.model_config import layer_windows, load_model_config
+    from trials.kernels import attention
+    from trials.models.config import layer_windows, load_model_config
+    from trials.models.model import build_model
 
     config = load_model_config(tiny_paths[name])
     model = build_model(config)
@@ -182,7 +182,7 @@ def test_pretrained_weights_of_new_families_load_through_the_plugin(tmp_path):
     gradients of the plain ``transformers`` model of the folder (one rank)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trials.model_config import load_model_config
+    from trials.models.config import load_model_config
 
     models = {
         name: AutoConfig.for_model(**{k: v for k, v in load_model_config(name).items() if not k.startswith("_")})

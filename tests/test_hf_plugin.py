@@ -4,7 +4,7 @@ Models are saved by ``transformers`` itself (``save_pretrained``; tiny-qwen3 in 
 index), with weights of their own (not the seeded ones trials draw), so a tensor the plugin fails to load shows.
 
 - In this process, one rank: a plain ``transformers`` loop (the model's own ``labels=`` loss, AdamW) against the
-  plugin's model in ``trials.step.train_step``: the same loss, gradients and loss after two steps.
+  plugin's model in ``trials.training.step.train_step``: the same loss, gradients and loss after two steps.
 - The stack tests' matrix (``tests/test_stack.py``'s cases: every knob alone, pairs, the full stack, data
   parallel) through ``tests/stack_harness.py`` on 1 and 2 ranks, the model loaded by ``trials.hf.from_pretrained``
   (and a few by ``trials.hf.apply``), against the plain ``transformers`` model of the same folder.
@@ -18,7 +18,7 @@ import pytest
 import torch
 from test_stack import GRAD_RTOL, HARNESS, LOSS_RTOL, SEQ, _cases, _check_exact, _launch
 
-from trials.model_config import load_model_config
+from trials.models.config import load_model_config
 
 MODELS = ("tiny-llama", "tiny-qwen3")
 APPLY_CASES = ("full", "fsdp", "head_chunk=1+checkpointing", "dp2+full")  # also run through ``trials.hf.apply``
@@ -83,16 +83,16 @@ LOOP_TECHNIQUES = {  # every knob that needs no process group (fsdp starts one: 
 @pytest.mark.parametrize("via", ["from_pretrained", "apply"])
 def test_the_plugin_trains_like_a_plain_transformers_loop(pretrained, via):
     """Two AdamW steps on one window: the model's own ``labels=`` loss on ``tokens`` (seq + 1 ids: the last one only
-    a label) against ``trials.step.train_step`` on the plugin's model; first-step loss and gradients, second-step
+    a label) against ``trials.training.step.train_step`` on the plugin's model; first-step loss and gradients, second-step
     loss (after the optimizer step)."""
     from stack_harness import full_grads
     from transformers import AutoModelForCausalLM
 
     from trials import hf
-    from trials.data import make_batch, synthetic_sample
-    from trials.dist import Mesh
-    from trials.step import forward_backward, global_loss, make_optimizer, train_step
-    from trials.techniques import Techniques
+    from trials.core.dist import Mesh
+    from trials.stack.techniques import Techniques
+    from trials.training.data import make_batch, synthetic_sample
+    from trials.training.step import forward_backward, global_loss, make_optimizer, train_step
 
     folder, mesh = pretrained["tiny-qwen3"], Mesh.single()
     techniques = Techniques(**LOOP_TECHNIQUES)
@@ -134,8 +134,8 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_refused(pretrained, tmp_pat
     from safetensors.torch import load_file, save_file
 
     from trials import hf
-    from trials.dist import Mesh
-    from trials.techniques import Techniques
+    from trials.core.dist import Mesh
+    from trials.stack.techniques import Techniques
 
     source = pretrained["tiny-llama"]
     tensors = load_file(f"{source}/model.safetensors")

@@ -20,25 +20,25 @@ from autotune.search.request import search_kernels
 from autotune.search.space import load_space
 from autotune.timing.counts import StepCounts, attention_key
 from autotune.timing.model import attention_time, predict_step_time
-from trials.config_file import TrialConfig
-from trials.kernels import KERNEL_NAMES, KERNELS
-from trials.model_config import load_model_config
-from trials.techniques import Techniques, knobs
+from trials.kernels.registry import KERNEL_NAMES, KERNELS
+from trials.models.config import load_model_config
+from trials.stack.techniques import Techniques, knobs
+from trials.training.config_file import TrialConfig
 
 M = 1 << 20
 
 
 @pytest.fixture
 def every_kernel(monkeypatch):
-    """The ``attention`` knob taking every kernel ``trials.kernels`` declares (nothing to do once the knob's choices
+    """The ``attention`` knob taking every kernel ``trials.kernels.registry`` declares (nothing to do once the knob's choices
     derive from the declarations)."""
     import autotune.search.space as space
-    import trials.rules
+    import trials.stack.rules
 
-    if set(KERNEL_NAMES) <= set(trials.rules.ATTENTION_KERNELS):
+    if set(KERNEL_NAMES) <= set(trials.stack.rules.ATTENTION_KERNELS):
         return
     table = tuple(replace(k, choices=KERNEL_NAMES) if k.name == "attention" else k for k in knobs())
-    monkeypatch.setattr(trials.rules, "ATTENTION_KERNELS", KERNEL_NAMES)
+    monkeypatch.setattr(trials.stack.rules, "ATTENTION_KERNELS", KERNEL_NAMES)
     monkeypatch.setattr(Techniques, "_knob_table", table)
     monkeypatch.setitem(space._TABLE, "attention", next(k for k in table if k.name == "attention"))
 
@@ -298,7 +298,7 @@ def test_each_trainer_names_each_kernel_by_its_transformers_name():
 def test_accelerates_sequence_parallelism_runs_fa2_for_flash4_and_the_export_says_so():
     """Accelerate's own ``DeepSpeedSequenceParallelConfig`` judges: it takes flash_attention_3, refuses
     flash_attention_4; under its sequence parallelism FA2 stands in (flash-attn 2 builds for every generation FA4
-    runs on, ``trials.kernels``); without sequence parallelism the model's own attn_implementation runs FA4."""
+    runs on, ``trials.kernels.registry``); without sequence parallelism the model's own attn_implementation runs FA4."""
     from accelerate.utils import DeepSpeedSequenceParallelConfig
 
     DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="flash_attention_3")

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from tests.model_families import TINY_WINDOW, save, tiny_configs
-from trials import attention
-from trials.kernels import FLASH_KERNELS, KERNELS
+from trials.kernels import attention
+from trials.kernels.registry import FLASH_KERNELS, KERNELS
 
 # -- the real signatures ---------------------------------------------------------------------------------------------
 # Dao-AILab/flash-attention at commit 0251105a2fb19d2957484b7f023cd8c115286ced (annotations dropped):
@@ -323,7 +323,7 @@ SEQ = 256  # above TINY_WINDOW: windowed layers attend a band
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory) -> dict[str, dict]:
-    from trials.model_config import load_model_config
+    from trials.models.config import load_model_config
 
     root, configs = tmp_path_factory.mktemp("kernels"), tiny_configs()
     return {name: load_model_config(str(save(configs[name], root / name))) for name in ("tiny-qwen2", "tiny-mistral")}
@@ -331,10 +331,10 @@ def tiny_models(tmp_path_factory) -> dict[str, dict]:
 
 def _loss_and_grads(config: dict, techniques: dict) -> tuple[float, dict[str, torch.Tensor]]:
     from tests.stack_harness import full_grads
-    from trials.data import make_batch, synthetic_sample
-    from trials.dist import Mesh
-    from trials.step import build_training, forward_backward
-    from trials.techniques import Techniques
+    from trials.core.dist import Mesh
+    from trials.stack.techniques import Techniques
+    from trials.training.data import make_batch, synthetic_sample
+    from trials.training.step import build_training, forward_backward
 
     mesh = Mesh.single("cpu")
     model, _ = build_training(config, Techniques(**techniques), mesh, seed=0, compute_dtype=torch.bfloat16)
@@ -413,9 +413,9 @@ def test_the_oracle_traces_each_flash_kernel_with_its_footprint(kernel, monkeypa
     of any block, so the rounding shows."""
     from autotune import oracle
     from autotune.oracle import fake_world
-    from trials.memory import TrackerListener
-    from trials.model_config import load_model_config
-    from trials.techniques import Techniques
+    from trials.core.memory import TrackerListener
+    from trials.models.config import load_model_config
+    from trials.stack.techniques import Techniques
 
     seq, hq, hkv, d = 1060, 4, 2, 128
     config = dict(load_model_config("tiny-llama"), num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d)
@@ -510,7 +510,7 @@ def test_the_oracle_traces_each_flash_kernel_with_its_footprint(kernel, monkeypa
 def test_a_kernel_not_installed_is_refused_in_one_line(kernel):
     from autotune.backends.setup import check_local_node
     from autotune.core.errors import UserError
-    from trials.kernels import usable_here
+    from trials.kernels.registry import usable_here
 
     package = KERNELS[kernel].package
     q, k, v = _qkv(seq=16)
@@ -529,7 +529,7 @@ def test_a_kernel_not_installed_is_refused_in_one_line(kernel):
 
 
 def test_an_installed_kernel_on_another_gpu_generation_is_refused(monkeypatch):
-    from trials import kernels
+    from trials.kernels import registry as kernels
 
     monkeypatch.setattr(kernels.AttentionKernel, "import_error", lambda self: None)  # as if every one imported
     assert kernels.refusal("flash3", 10) == (

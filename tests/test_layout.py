@@ -1,5 +1,5 @@
 """The code's layout holds: imports run one way (import-linter's contracts in pyproject.toml), the library never
-imports the tuner, and every knob's facts come from its one declaration in ``trials.techniques``."""
+imports the tuner, and every knob's facts come from its one declaration in ``trials.stack.techniques``."""
 
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ def test_every_knob_reaches_config_space_parquet_and_labels():
     from autotune.outputs.plots import knob_label
     from autotune.outputs.report import _SCHEMA
     from autotune.search.space import load_space
-    from trials.model_config import load_model_config
-    from trials.techniques import Techniques, knobs
+    from trials.models.config import load_model_config
+    from trials.stack.techniques import Techniques, knobs
 
     model = load_model_config("llama3-8b")
     space = load_space(None, model, 8, 1024**2)

@@ -12,7 +12,7 @@ from conftest import run_cli
 from autotune.backends import Evaluation
 from autotune.backends.local import LocalBackend
 from autotune.core.hardware import load_hardware
-from trials.techniques import Techniques
+from trials.stack.techniques import Techniques
 
 
 def evaluation(model_config, gpus=1, seq_len=1024, **techniques):
@@ -185,7 +185,7 @@ def _freed_bytes_given_back(tmp_path, environ=None) -> tuple[int, str]:
     not os.path.exists("/proc/self/statm") or os.confstr("CS_GNU_LIBC_VERSION") is None, reason="glibc on Linux"
 )
 def test_a_cpu_trial_keeps_the_memory_it_frees_as_cudas_caching_allocator_does(tmp_path):
-    from trials.allocator import HOST_MALLOC_TUNABLES, trial_environment
+    from trials.core.allocator import HOST_MALLOC_TUNABLES, trial_environment
 
     # without the settings glibc unmaps a freed large block at once (so a long CPU step would page-fault its
     # activations in at every step) -- so the check below can fail

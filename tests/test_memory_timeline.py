@@ -15,11 +15,11 @@ from autotune.backends import Evaluation
 from autotune.backends.local import LocalBackend
 from autotune.core.hardware import load_hardware
 from autotune.oracle.timeline import predicted_timeline
-from trials import memory_timeline
-from trials.memory import DeviceMemoryTracker
-from trials.memory_timeline import replay_peak, snapshots_in_html
-from trials.model_config import load_model_config
-from trials.techniques import Techniques
+from trials.core.memory import DeviceMemoryTracker
+from trials.models.config import load_model_config
+from trials.stack.techniques import Techniques
+from trials.trial import memory_timeline
+from trials.trial.memory_timeline import replay_peak, snapshots_in_html
 
 K = 1024
 FULL_STACK = {
@@ -126,7 +126,7 @@ def test_every_allocation_names_its_op_module_technique_and_category():
     assert any(m.endswith(".mlp") for m in modules) and any(m.endswith("(backward)") for m in modules)
     # the optimizer's states live on the host with optimizer offload: none of them is on the device trace
     assert "optimizer" not in categories
-    # colours by category, and the "unknown" category the viewer needs to load (see trials.memory_timeline)
+    # colours by category, and the "unknown" category the viewer needs to load (see trials.trial.memory_timeline)
     events = timeline.snapshot["device_traces"][0]
     assert events[-1]["action"] == "snapshot" and events[-1]["category"] == "unknown"
 

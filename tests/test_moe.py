@@ -1,4 +1,4 @@
-"""MoE experts (``trials.moe``): HF's eager values, static shapes under FakeTensorMode whatever the routing,
+"""MoE experts (``trials.models.moe``): HF's eager values, static shapes under FakeTensorMode whatever the routing,
 one weight gradient per projection, the routing a trial saw, the step counter's FLOPs, tiling."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trials import moe
-from trials.model import build_model
+from trials.models import moe
+from trials.models.model import build_model
 
 QWEN3_MOE = {
     "model_type": "qwen3_moe",
@@ -109,7 +109,7 @@ def test_other_expert_layouts_equal_hf_and_expert_parallel_is_refused():
 def test_expert_and_router_weights_are_the_same_whole_or_sharded(monkeypatch):
     """``init_weights`` on a rank holding experts 3..5 (a dim-0 shard) gives the whole model's values there, with
     init blocks that cut across experts; experts and router ~ N(0, initializer_range)."""
-    import trials.model as model_module
+    import trials.models.model as model_module
 
     monkeypatch.setattr(model_module, "INIT_BLOCK_ROWS", 40)
     whole = build_model(QWEN3_MOE)
@@ -128,7 +128,7 @@ def _fake_peak(config, route) -> int:
     """Peak live bytes of a forward + backward under FakeTensorMode with the routers' top-k replaced by ``route``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from trials.memory import DeviceMemoryTracker
+    from trials.core.memory import DeviceMemoryTracker
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = build_model(config)
@@ -214,10 +214,10 @@ def test_routing_stats_report_the_real_max_tokens_per_expert():
 
 def test_trial_record_carries_the_routing():
     """A one-rank CPU trial of the MoE model: its rank record holds ``moe_routing``."""
-    from trials.dist import Mesh
-    from trials.runner import run_trial
-    from trials.spec import RankRecord, TrialSpec
-    from trials.techniques import Techniques
+    from trials.core.dist import Mesh
+    from trials.stack.techniques import Techniques
+    from trials.trial.runner import run_trial
+    from trials.trial.spec import RankRecord, TrialSpec
 
     record = run_trial(TrialSpec(QWEN3_MOE, Techniques(), SEQ, steps=1, warmup=0), Mesh.single("cpu"))
     assert record.status == "ok", record.error
@@ -230,7 +230,7 @@ def test_the_step_counter_counts_the_grouped_gemms_of_the_active_experts():
     """The time model's FLOPs of an MoE step: tokens x top-k rows through each projection, forward and backward."""
     from autotune.oracle.tracing import trace
     from autotune.timing.counting import StepCounter
-    from trials.techniques import Techniques
+    from trials.stack.techniques import Techniques
 
     counters = []
 
@@ -251,7 +251,7 @@ def test_the_step_counter_counts_the_grouped_gemms_of_the_active_experts():
 
 
 def test_mlp_tiling_of_moe_layers_keeps_loss_and_gradients():
-    from trials.tiling import apply_mlp_tiling
+    from trials.stack.tiling import apply_mlp_tiling
 
     model = build_model(QWEN3_MOE)
     untiled = _loss_and_grads(model)

@@ -21,9 +21,9 @@ from autotune.outputs.exporters import make_exporter
 from autotune.search.space import load_space
 from autotune.timing.counts import CollectiveCounts, StepCounts
 from autotune.timing.model import group_layout, predict_step_time
-from trials.config_file import parse_config
-from trials.model_config import load_model_config
-from trials.techniques import Techniques
+from trials.models.config import load_model_config
+from trials.stack.techniques import Techniques
+from trials.training.config_file import parse_config
 
 GB = 1e9
 

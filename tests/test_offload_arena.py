@@ -1,4 +1,4 @@
-"""Activation offload's host arena (``trials.offload.HostArena``): one buffer per offloaded layer, allocated once and
+"""Activation offload's host arena (``trials.stack.offload.HostArena``): one buffer per offloaded layer, allocated once and
 reused every step, counted once as host bytes, and what the memory oracle predicts; its CUDA pinning outside
 torch's caching host allocator. Also the CUDA-path details of the trial's groups and layer clock that a CPU run can
 check: the Ulysses groups' collective timeout, the clock's events synchronized before they are read."""
@@ -16,13 +16,13 @@ import torch.distributed as dist
 from autotune import oracle
 from autotune.backends import Evaluation
 from autotune.core.hardware import load_hardware
-from trials.data import make_batch
-from trials.dist import Mesh, init_mesh
-from trials.memory import DeviceMemoryTracker
-from trials.model_config import load_model_config
-from trials.offload import HostArena, pinned_bytes
-from trials.step import build_training, forward_backward, train_step
-from trials.techniques import Techniques
+from trials.core.dist import Mesh, init_mesh
+from trials.core.memory import DeviceMemoryTracker
+from trials.models.config import load_model_config
+from trials.stack.offload import HostArena, pinned_bytes
+from trials.stack.techniques import Techniques
+from trials.training.data import make_batch
+from trials.training.step import build_training, forward_backward, train_step
 
 SEQ = 256
 
@@ -158,7 +158,7 @@ class _FakeEvent:
 
 
 def test_layer_clock_synchronizes_its_events_before_reading_them(monkeypatch):
-    from trials.layer_clock import LayerClock
+    from trials.trial.layer_clock import LayerClock
 
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     layers = torch.nn.Module()

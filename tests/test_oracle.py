@@ -17,9 +17,9 @@ from autotune.core.hardware import load_hardware
 from autotune.oracle.fake_world import FakeFlashAttn
 from autotune.outputs.plots import plot_memory
 from autotune.search.max_seq import find_max_seq
-from trials.model_config import load_model_config
-from trials.rules import length_unit
-from trials.techniques import Techniques
+from trials.models.config import load_model_config
+from trials.stack.rules import length_unit
+from trials.stack.techniques import Techniques
 
 sys.path.insert(0, str(ROOT / "bench"))
 from oracle_fidelity import Config, predict_config, run_real  # noqa: E402
@@ -233,7 +233,7 @@ def test_a_sharded_model_is_never_whole_on_the_device():
     """FSDP builds on the meta device and materialises shards only: at setup each of 4 ranks holds about a
     quarter of the weights, not the whole model first (which no 70B run could survive); with optimizer offload,
     none on the device."""
-    from trials.model import build_model
+    from trials.models.model import build_model
 
     config = model()
     whole = sum(p.numel() * 4 for p in build_model(config).parameters())
@@ -294,7 +294,7 @@ def test_flash_attention_has_no_kv_repeat():
 def test_fake_flash_op_footprint():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from trials.memory import DeviceMemoryTracker
+    from trials.core.memory import DeviceMemoryTracker
 
     b, s, hq, hkv, d = 1, 4096, 8, 2, 64
     with FakeTensorMode():
@@ -365,7 +365,7 @@ def test_a_trace_stopped_inside_a_custom_function_ends_in_oom_not_an_abort():
     C++ asks around it (fake tensors, as the oracle traces) must not be where the OOM is raised."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from trials.memory import DeviceMemoryTracker
+    from trials.core.memory import DeviceMemoryTracker
 
     class Scale(torch.autograd.Function):
         @staticmethod

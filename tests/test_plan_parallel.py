@@ -20,9 +20,9 @@ from autotune.core.hardware import load_hardware
 from autotune.search.max_seq import find_max_seq
 from autotune.search.policy import WALL_TOLERANCE
 from autotune.search.space import SPACES_DIR, WALL_PARAM, load_space
-from trials.model_config import load_model_config
-from trials.rules import length_unit
-from trials.techniques import Techniques
+from trials.models.config import load_model_config
+from trials.stack.rules import length_unit
+from trials.stack.techniques import Techniques
 
 K = 1024
 REDUCED = SPACES_DIR / "reduced-tiny.yaml"

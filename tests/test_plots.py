@@ -367,7 +367,7 @@ def test_a_searchs_plots_are_pngs_of_a_sensible_size(search_dir):
 def test_a_search_writes_the_front_peak_configs_memory_timeline(search_dir):
     """front-memory.html beside memory.png: the predicted timeline of the front point with the highest peak; on the
     cpu preset its replay peak is that point's predicted peak to the byte."""
-    from trials.memory_timeline import replay_peak, snapshots_in_html
+    from trials.trial.memory_timeline import replay_peak, snapshots_in_html
 
     front = json.loads((search_dir / "pareto.json").read_text())["front"]
     peak = max(f["record"]["peak_device_bytes"] for f in front if f["record"]["status"] == "ok")

@@ -344,7 +344,7 @@ def test_a_point_being_evaluated_is_waited_for_not_evaluated_again(tmp_path):
     from autotune.core.record import ResultRecord
     from autotune.search.sharing import CLAIM_ATTR, claim_or_answer
     from autotune.search.storage import open_storage
-    from trials.techniques import BASELINE
+    from trials.stack.techniques import BASELINE
 
     study = optuna.create_study(storage=open_storage(None, tmp_path), directions=["maximize", "maximize"])
     first, second = study.ask(), study.ask()

@@ -2,7 +2,7 @@
 log or CI, stdout and stderr pipes (not a terminal), with a fresh plan store and a fresh torch extensions folder.
 
 - no stderr line comes from DeepSpeed or torch: the accelerator banner (``autotune.core.quiet``), the JIT build of
-  DeepSpeed's shared-memory comm op (``trials.patches.deepspeed_shm_comm_op_skipped``; the extensions folder stays
+  DeepSpeed's shared-memory comm op (``trials.core.patches.deepspeed_shm_comm_op_skipped``; the extensions folder stays
   empty), Python warnings; in the search's plan workers as much as in the command's own process;
 - ``$AUTOTUNE_VERBOSE=1`` (what ``-v`` sets) shows DeepSpeed's banner again: the patterns below do see it;
 - the search's progress is whole lines (``autotune.outputs.progress``): one per trial and a summary, never a bar

@@ -8,8 +8,8 @@ import pytest
 from autotune.backends import Evaluation
 from autotune.backends.local import LocalBackend, extend_step_time
 from autotune.core.hardware import load_hardware
-from trials.model_config import load_model_config
-from trials.techniques import Techniques
+from trials.models.config import load_model_config
+from trials.stack.techniques import Techniques
 
 
 def _evaluation(layers: int, seq: int = 512, gpus: int = 1, **knobs) -> Evaluation:
@@ -53,11 +53,11 @@ def test_the_step_time_extends_by_middle_layers_and_the_tail_by_parameters():
 def test_the_layer_clock_splits_a_real_step():
     import torch
 
-    from trials.data import make_batch, synthetic_sample
-    from trials.dist import Mesh
-    from trials.layer_clock import LayerClock
-    from trials.memory import DeviceMemoryTracker
-    from trials.step import build_training, train_step
+    from trials.core.dist import Mesh
+    from trials.core.memory import DeviceMemoryTracker
+    from trials.training.data import make_batch, synthetic_sample
+    from trials.training.step import build_training, train_step
+    from trials.trial.layer_clock import LayerClock
 
     config = dict(load_model_config("tiny-llama"), num_hidden_layers=3)
     mesh = Mesh.single(torch.device("cpu"))

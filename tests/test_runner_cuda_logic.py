@@ -10,14 +10,14 @@ import weakref
 import pytest
 import torch
 
-from trials import runner
-from trials.dist import Mesh
-from trials.memory import DeviceMemoryTracker, active_tracker
-from trials.model_config import load_model_config
-from trials.segments import AllocatorPeaks, SegmentPeaks
-from trials.spec import RankRecord, TrialSpec
-from trials.step import build_training, train_step
-from trials.techniques import Techniques
+from trials.core.dist import Mesh
+from trials.core.memory import DeviceMemoryTracker, active_tracker
+from trials.models.config import load_model_config
+from trials.stack.techniques import Techniques
+from trials.training.step import build_training, train_step
+from trials.trial import runner
+from trials.trial.segments import AllocatorPeaks, SegmentPeaks
+from trials.trial.spec import RankRecord, TrialSpec
 
 SCRATCH = 3 << 20  # bytes a fake backward kernel allocates inside itself: the allocator sees them, the tracker not
 

@@ -21,8 +21,8 @@ from autotune.core.hardware import load_hardware
 from autotune.outputs import report
 from autotune.search.policy import seed_params
 from autotune.search.space import load_space
-from trials.model_config import load_model_config
-from trials.techniques import knob_names
+from trials.models.config import load_model_config
+from trials.stack.techniques import knob_names
 
 TINY = tiny_plan_search()
 

@@ -16,8 +16,8 @@ from autotune.backends.plan import PlanBackend
 from autotune.core.hardware import load_hardware
 from autotune.core.record import ResultRecord
 from autotune.search.space import DEFAULT_SPACE, SPACES_DIR, load_space
-from trials.model_config import load_model_config
-from trials.techniques import Techniques
+from trials.models.config import load_model_config
+from trials.stack.techniques import Techniques
 
 ROOT = Path(__file__).resolve().parents[1]
 REDUCED = SPACES_DIR / "reduced-tiny.yaml"

@@ -198,7 +198,7 @@ def test_exact_four_ranks_with_replicated_kv_heads(tmp_path):
     ],
 )
 def test_chunk_plan_gives_every_query_its_kv_head(heads, kv_heads, degree, chunk):
-    from trials.upipe import ChunkPlan
+    from trials.stack.upipe import ChunkPlan
 
     plan = ChunkPlan.build(heads, kv_heads, 16, degree, chunk)
     group, kc = heads // kv_heads, plan.kv_slots_per_rank
@@ -217,7 +217,7 @@ def test_chunk_plan_gives_every_query_its_kv_head(heads, kv_heads, degree, chunk
 
 
 def test_chunk_plan_refuses_what_cannot_be_chunked():
-    from trials.upipe import ChunkPlan
+    from trials.stack.upipe import ChunkPlan
 
     with pytest.raises(ValueError):
         ChunkPlan.build(8, 2, 2, 16, 3)  # 3 does not divide the 4 local heads
@@ -268,8 +268,8 @@ def test_each_knob_moves_the_peak_as_theory_says(tmp_path):
 
 
 def _shard_elements(preset: str, world: int) -> int:
-    from trials.model import build_model
-    from trials.model_config import load_model_config
+    from trials.models.config import load_model_config
+    from trials.models.model import build_model
 
     return sum(p.numel() for p in build_model(load_model_config(preset)).parameters()) // world
 
@@ -278,18 +278,18 @@ def _shard_elements(preset: str, world: int) -> int:
 
 
 def test_bf16_autocast_stack_is_as_close_to_fp32_as_plain_autocast():
-    """Unsharded bf16 runs under autocast (``trials.model.set_compute_dtype``); the custom autograd Functions
+    """Unsharded bf16 runs under autocast (``trials.models.model.set_compute_dtype``); the custom autograd Functions
     (head chunking, tiled MLP recompute, tiled loss) must compute in bf16 like the plain model, not crash on
     mixed dtypes, and land as close to the fp32 gradients as plain autocast does."""
     import torch
 
-    from trials.data import make_batch, synthetic_sample
-    from trials.dist import Mesh
-    from trials.model import build_model, set_compute_dtype
-    from trials.model_config import load_model_config
+    from trials.core.dist import Mesh
+    from trials.models.config import load_model_config
+    from trials.models.model import build_model, set_compute_dtype
     from trials.stack import apply
-    from trials.step import forward_backward
-    from trials.techniques import Techniques
+    from trials.stack.techniques import Techniques
+    from trials.training.data import make_batch, synthetic_sample
+    from trials.training.step import forward_backward
 
     config, mesh = load_model_config("tiny-qwen3"), Mesh.single()
     batch = make_batch(synthetic_sample(0, 256, config["vocab_size"], 0), 0, 1, "cpu")

@@ -25,8 +25,8 @@ from autotune.backends.plan import PlanBackend
 from autotune.backends.plan_store import PlanStore
 from autotune.core.evaluation import Evaluation
 from autotune.core.hardware import load_hardware
-from trials.model_config import load_model_config
-from trials.techniques import BASELINE
+from trials.models.config import load_model_config
+from trials.stack.techniques import BASELINE
 
 AUTOTUNE = Path(sys.executable).with_name("autotune")  # the console script pip installed
 SIX_LAYERS = dict(load_model_config("tiny-llama"), num_hidden_layers=6)  # deep enough for 3- and 4-layer copies

@@ -22,8 +22,8 @@ from autotune.timing.counting import StepCounter, record_attention
 from autotune.timing.counts import PhaseCounts, StepCounts
 from autotune.timing.harness import count_real_step
 from autotune.timing.model import predict_step_time
-from trials.model_config import load_model_config
-from trials.techniques import Techniques
+from trials.models.config import load_model_config
+from trials.stack.techniques import Techniques
 
 
 def rates(name: str, world_size: int = 1):
@@ -88,7 +88,7 @@ def test_matmul_flops_are_exactly_6n_per_token(llama, baseline_counts):
 
 
 def _params(cfg):
-    from trials.model import build_model
+    from trials.models.model import build_model
 
     return list(build_model(cfg).parameters())
 

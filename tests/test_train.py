@@ -179,7 +179,7 @@ def test_init_from_another_model_or_a_checkpoint_missing_a_tensor_is_bad_input(w
     from safetensors.torch import load_file, save_file
 
     from trials.hf import pretrained_problem
-    from trials.model_config import load_model_config
+    from trials.models.config import load_model_config
 
     # a config may name the folder itself as its model
     assert pretrained_problem(work / "pretrained", load_model_config(str(work / "pretrained"))) is None

@@ -18,8 +18,8 @@ from autotune.search.front import BEST_SPEED_TOLERANCE, best_choice, best_point
 from autotune.search.job import SearchJob
 from autotune.search.max_seq import find_max_seq
 from autotune.search.space import load_space
-from trials.model_config import load_model_config
-from trials.techniques import Techniques
+from trials.models.config import load_model_config
+from trials.stack.techniques import Techniques
 
 K = 1024
 

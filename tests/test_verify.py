@@ -19,9 +19,9 @@ from autotune.core.record import ResultRecord
 from autotune.outputs import report, verify
 from autotune.search.front import front_points, measurements
 from autotune.search.job import SearchJob
-from trials.config_file import load_config_file
-from trials.model_config import load_model_config
-from trials.techniques import BASELINE
+from trials.models.config import load_model_config
+from trials.stack.techniques import BASELINE
+from trials.training.config_file import load_config_file
 
 SEARCH = [
     "search",

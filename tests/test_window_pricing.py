@@ -23,7 +23,7 @@ from autotune.timing.attention_cost import (
 from autotune.timing.counting import StepCounter
 from autotune.timing.counts import COMPUTE_PHASES, StepCounts, attention_key_parts
 from autotune.timing.model import attention_time
-from trials.memory import DeviceMemoryTracker
+from trials.core.memory import DeviceMemoryTracker
 
 
 def band_mask(sq: int, sk: int, causal: bool, window: int | None) -> torch.Tensor:
@@ -104,7 +104,7 @@ def windowed_flash_counts(seq: int, window: int | None, wrapped: bool = False) -
         tracker = DeviceMemoryTracker()
         counter = StepCounter(tracker)
         with tracker, counter:
-            if wrapped:  # flash-attn >= 2.7's entry points, as trials.attention drives them
+            if wrapped:  # flash-attn >= 2.7's entry points, as trials.kernels.attention drives them
                 with tracker.in_phase("forward"):
                     out, lse, _, _ = _fake_wrapped_flash_attn_forward(q, k, v, 0.0, None, True, left, 0)
                 with tracker.in_phase("backward"):

@@ -44,8 +44,8 @@ def write_pretrained(folder: Path) -> None:
     """tiny-llama with seeded random weights, saved by ``transformers`` in bf16."""
     from transformers import AutoModelForCausalLM
 
-    from trials.model import hf_config
-    from trials.model_config import load_model_config
+    from trials.models.config import load_model_config
+    from trials.models.model import hf_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(hf_config(load_model_config("tiny-llama")), attn_implementation="eager")

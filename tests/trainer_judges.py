@@ -75,7 +75,7 @@ def judge_accelerate(configs: list[str]) -> None:
     from accelerate.commands.config.config_args import load_config_from_file
     from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
 
-    from trials.config_file import parse_config
+    from trials.training.config_file import parse_config
 
     for path in configs:
         loaded = load_config_from_file(path)

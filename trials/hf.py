@@ -3,9 +3,9 @@ your own loop.
 
     import torch
     from trials import hf
-    from trials.config_file import load_config_file
-    from trials.data import make_batch
-    from trials.step import make_optimizer, train_step
+    from trials.training.config_file import load_config_file
+    from trials.training.data import make_batch
+    from trials.training.step import make_optimizer, train_step
 
     cfg = load_config_file("best.json")                            # what autotune found
     model = hf.from_pretrained("path/to/hf-model", cfg.techniques)  # joins the torchrun / accelerate job
@@ -16,12 +16,12 @@ your own loop.
         result = train_step(model, optimizer, batch, mesh)        # forward, backward, reduce, step
         print(result.loss)
 
-Two entry points, both returning a ``trials.model.TrainingModel`` (its forward returns this rank's scaled loss;
-``trials.step`` scales, reduces and steps so that every rank trains the plain single-process model's loss and
+Two entry points, both returning a ``trials.models.model.TrainingModel`` (its forward returns this rank's scaled loss;
+``trials.training.step`` scales, reduces and steps so that every rank trains the plain single-process model's loss and
 gradients) with ``.mesh`` set:
 
 - ``apply(model, techniques, mesh=None)``: a model you already hold (``AutoModelForCausalLM.from_pretrained``).
-  Its attention is switched to ``attn_implementation="autotune"`` (``trials.attention``), then
+  Its attention is switched to ``attn_implementation="autotune"`` (``trials.kernels.attention``), then
   ``trials.stack.apply`` adds the techniques. With ``fsdp`` the whole model exists on every rank before it is
   sharded.
 - ``from_pretrained(path, techniques, mesh=None)``: a model folder (``config.json`` + safetensors) built the way
@@ -30,7 +30,7 @@ gradients) with ``.mesh`` set:
   model; this is the path whose memory ``autotune estimate`` predicts.
 
 Precision is trials': fp32 master weights, compute in ``compute_dtype`` (None = bf16 on CUDA, fp32 on CPU;
-``trials.model.set_compute_dtype``).
+``trials.models.model.set_compute_dtype``).
 """
 
 from __future__ import annotations
@@ -41,10 +41,12 @@ from pathlib import Path
 
 import torch
 
-from trials import attention, moe, stack
-from trials.dist import Mesh, init_mesh
-from trials.memory import active_tracker
-from trials.model import (
+from trials import stack
+from trials.core.dist import Mesh, init_mesh
+from trials.core.memory import active_tracker
+from trials.kernels import attention
+from trials.models import moe
+from trials.models.model import (
     TrainingModel,
     _canonical,
     _local_rows,
@@ -52,7 +54,7 @@ from trials.model import (
     materialize,
     set_compute_dtype,
 )
-from trials.techniques import Techniques
+from trials.stack.techniques import Techniques
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -62,7 +64,7 @@ def apply(
     model, techniques: Techniques, mesh: Mesh | None = None, compute_dtype: torch.dtype | None = None
 ) -> TrainingModel:
     """Apply ``techniques`` to a ``transformers`` causal LM (``PreTrainedModel``) in place; returns the
-    ``TrainingModel`` that wraps it, with ``.mesh``. ``mesh``: default ``trials.dist.init_mesh(ulysses_degree)``."""
+    ``TrainingModel`` that wraps it, with ``.mesh``. ``mesh``: default ``trials.core.dist.init_mesh(ulysses_degree)``."""
     mesh = mesh or init_mesh(techniques.ulysses_degree)
     attention.register()
     model.config.use_cache = False
@@ -111,9 +113,9 @@ def pretrained_problem(folder: str | Path, model_config: dict) -> str | None:
     """Why the pretrained folder cannot start a run tuned for ``model_config`` (None: it can), read from its
     ``config.json`` and the safetensors headers only: not a model folder, another architecture or shape than the
     tuned model's, or a checkpoint whose tensors (names, shapes) are not the model's parameters."""
-    from trials.errors import ConfigError
-    from trials.model import build_model
-    from trials.model_config import layer_windows, load_model_config
+    from trials.core.errors import ConfigError
+    from trials.models.config import layer_windows, load_model_config
+    from trials.models.model import build_model
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():

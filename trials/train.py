@@ -12,7 +12,7 @@
   a Parquet/Arrow file: a column ``input_ids`` (list of ints per row) or ``tokens`` (ints), read as one stream of
   windows of seq_len + 1 tokens. A step takes ``accumulate * dp`` consecutive windows (replica r, micro-batch m:
   window ``consumed + m * dp + r``), wrapping around; ``consumed`` is kept in checkpoints.
-- Checkpoints (``trials.checkpoint``): every ``--save-every`` steps and at the end, atomically; ``--resume``
+- Checkpoints (``trials.training.checkpoint``): every ``--save-every`` steps and at the end, atomically; ``--resume``
   continues from the newest complete one, on any world size; ``--steps`` is the run's total.
 - Log: rank 0 prints each step (a progress bar on a terminal), appends one JSON object per step to ``--log-file``
   (not ``--log``: torchrun's parser takes that for an abbreviation of its own ``--log-dir``) and to TensorBoard
@@ -34,14 +34,15 @@ from pathlib import Path
 
 import torch
 
-from trials import allocator, checkpoint
-from trials.config_file import load_config_file
-from trials.data import make_batch, synthetic_sample
-from trials.dist import init_mesh
-from trials.errors import ConfigError
-from trials.memory import DeviceMemoryTracker
-from trials.model_config import load_model_config
-from trials.step import build_training, forward_backward, global_loss, grad_norm, make_optimizer
+from trials.core import allocator
+from trials.core.dist import init_mesh
+from trials.core.errors import ConfigError
+from trials.core.memory import DeviceMemoryTracker
+from trials.models.config import load_model_config
+from trials.training import checkpoint
+from trials.training.config_file import load_config_file
+from trials.training.data import make_batch, synthetic_sample
+from trials.training.step import build_training, forward_backward, global_loss, grad_norm, make_optimizer
 
 SCHEDULES = ("constant", "cosine")
 LOG_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_device_gib", "host_gib", "elapsed_s")

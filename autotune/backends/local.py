@@ -1,4 +1,4 @@
-"""The ``local`` backend: a real trial, ``torchrun --nproc-per-node N -m trials.runner`` on this node (on several
+"""The ``local`` backend: a real trial, ``torchrun --nproc-per-node N -m trials.trial.runner`` on this node (on several
 nodes: the same on every node through torchrun's c10d rendezvous, one agent per node, ``autotune.backends.nodes``).
 
 Every trial runs in its own process group (session) with a deadline; on timeout the whole group is killed,
@@ -30,11 +30,11 @@ from autotune.backends.nodes import NodeGroup, NodeResult
 from autotune.core.record import ResultRecord
 from autotune.oracle import EXTRAPOLATE_FROM, Trace, extend_value
 from autotune.oracle.extrapolation import extrapolate, plan_traces
-from trials import allocator
-from trials.errors import ConfigError
-from trials.model_config import copy_for_runs
-from trials.segments import Segment, layer_positions, model_runs, techniques_for_runs
-from trials.spec import RankRecord, TrialSpec, timeline_path
+from trials.core import allocator
+from trials.core.errors import ConfigError
+from trials.models.config import copy_for_runs
+from trials.trial.segments import Segment, layer_positions, model_runs, techniques_for_runs
+from trials.trial.spec import RankRecord, TrialSpec, timeline_path
 
 DEPTHS = ("full", "reduced")
 
@@ -95,7 +95,7 @@ class LocalBackend(Backend):
         with the trial's latest progress line and the seconds elapsed, every few seconds. ``group``: the agents of
         a job over several nodes (``NodeGroup``), which evaluations with ``nodes`` > 1 need; only its driver
         evaluates, its followers ``follow``. ``timeline_rank``: that rank records its memory timeline
-        (``trials.spec.TrialSpec.timeline_rank``), kept after each evaluation in ``last_timeline`` (a torch memory
+        (``trials.trial.spec.TrialSpec.timeline_rank``), kept after each evaluation in ``last_timeline`` (a torch memory
         snapshot; None where the rank runs on another node or wrote none)."""
         if depth not in DEPTHS:
             raise ConfigError(f"depth must be one of {', '.join(DEPTHS)}, got {depth!r}")
@@ -111,7 +111,7 @@ class LocalBackend(Backend):
     ) -> list[str]:
         """The trial's launch on this node: one process, ``torchrun --standalone``, or (``nodes`` > 1) torchrun
         joining the c10d rendezvous at the group's endpoint under ``rdzv_id`` (``autotune.backends.nodes``)."""
-        runner = ["-m", "trials.runner", str(spec_path), str(out_dir)]
+        runner = ["-m", "trials.trial.runner", str(spec_path), str(out_dir)]
         if nodes > 1:
             if self.group is None or rdzv_id is None:
                 raise ConfigError(
@@ -323,7 +323,7 @@ def _read_timeline(work: Path, rank: int) -> dict | None:
 
 
 def _copy_evaluation(evaluation: Evaluation, copy: dict) -> Evaluation:
-    from trials.techniques import Techniques
+    from trials.stack.techniques import Techniques
 
     return Evaluation(
         copy_for_runs(evaluation.model_config, copy["runs"]),
@@ -403,7 +403,7 @@ def extend_to_depth(
 
 def extend_step_time(timed: dict, timed_runs: list, runs: list, parameters: int) -> float:
     """The model's step time from the timed copy's (a ``RankRecord`` dict of ``timed_runs``): its step, plus a
-    middle layer's time (its layer clock's mean over the copy's middle layers of that run, ``trials.layer_clock``)
+    middle layer's time (its layer clock's mean over the copy's middle layers of that run, ``trials.trial.layer_clock``)
     for each layer a run has beyond the copy's, plus its tail scaled to the model's ``parameters`` (the tail --
     gradient reduction, norm, optimizer -- is elementwise over the parameters)."""
     labels = layer_positions(timed_runs)

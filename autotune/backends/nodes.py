@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
-from trials.errors import ConfigError
+from trials.core.errors import ConfigError
 
 PREFIX = "autotune/"
 POLL_S = 0.5

@@ -31,9 +31,9 @@ from autotune.oracle.extrapolation import plan_traces
 from autotune.timing.counting import StepCounter
 from autotune.timing.counts import StepCounts
 from autotune.timing.model import TimeBreakdown, predict_step_time
-from trials.errors import ConfigError
-from trials.model_config import copy_for_runs
-from trials.segments import techniques_for_runs
+from trials.core.errors import ConfigError
+from trials.models.config import copy_for_runs
+from trials.trial.segments import techniques_for_runs
 
 
 def record_key(evaluation: Evaluation) -> str:

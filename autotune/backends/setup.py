@@ -34,14 +34,14 @@ def check_depth(depth: str) -> str:
 
 def check_local_node(gpus: int, attention: str | None = None) -> None:
     """What a real trial on this node needs before it starts: enough visible devices, and its ``attention`` kernel
-    installed and built for this node's GPU generation (``trials.kernels``; torch's SDPA runs anywhere)."""
+    installed and built for this node's GPU generation (``trials.kernels.registry``; torch's SDPA runs anywhere)."""
     visible = visible_devices()
     if visible and gpus > visible:
         raise UserError(
             f"--gpus {gpus} but this node shows {visible} CUDA device(s) (CUDA_VISIBLE_DEVICES limits them)"
         )
     if attention:
-        from trials.kernels import refusal, this_node_compute_capability
+        from trials.kernels.registry import refusal, this_node_compute_capability
 
         line = refusal(attention, this_node_compute_capability() if visible else None)
         if line:
@@ -76,7 +76,7 @@ def open_node_group(nodes: int, rdzv_endpoint: str | None, backend_name: str = "
 def broken_flash_warning() -> str | None:
     """flash-attn installed but not importable (an ABI mismatch with torch, a missing CUDA library) makes
     ``flash`` vanish from a search on a GPU node: the warning that says so, with the import error; else None."""
-    from trials.kernels import broken_import
+    from trials.kernels.registry import broken_import
 
     error = broken_import("flash")
     if error:

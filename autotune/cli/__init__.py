@@ -25,7 +25,7 @@ from autotune.cli import search, estimate, export, verify, run, plots, presets  
 
 # isort: on
 from autotune.cli.interrupts import interrupts_at_safe_points
-from trials.errors import ConfigError
+from trials.core.errors import ConfigError
 
 __all__ = ["app", "main"]
 

@@ -39,7 +39,7 @@ RANK_HELP = "the rank the timeline shows (default 0, the rank the oracle predict
 
 def _say_routing(model_config: dict) -> None:
     """What the prediction of a mixture-of-experts model assumes of its routing (a router's depends on the data)."""
-    from trials.model_config import experts
+    from trials.models.config import experts
 
     moe = experts(model_config)
     if moe:

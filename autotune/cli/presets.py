@@ -18,7 +18,7 @@ from autotune.cli.options import ranged_option
 def models():
     """List model presets."""
     from autotune.core.sizes import format_count
-    from trials.model_config import load_model_config, model_names, parameter_count
+    from trials.models.config import load_model_config, model_names, parameter_count
 
     table = Table(title="model presets (or pass a path to a Hugging Face config.json)")
     for column in ("name", "type", "layers", "hidden", "heads", "kv heads", "vocab", "params", "window", "source"):
@@ -42,7 +42,7 @@ def models():
 
 def _windows(model_config: dict) -> str:
     """The sliding windows of a preset's layers, e.g. ``4096`` or ``1024 (5 of 6)``; empty for full attention."""
-    from trials.model_config import layer_windows
+    from trials.models.config import layer_windows
 
     windows = layer_windows(model_config)
     sizes = sorted({w for w in windows if w})
@@ -155,7 +155,7 @@ def calibrate(
     from autotune.backends.local import visible_devices
     from autotune.core.hardware import load_hardware
     from autotune.timing.calibration import preset as preset_mod
-    from trials.model_config import load_model_config
+    from trials.models.config import load_model_config
 
     if check:
         _check_preset(hardware, name, output)

@@ -47,9 +47,9 @@ def run(
     the rest that docs/training.md lists. Exit 1 when training fails, its root cause on the last line of stderr."""
     from autotune.backends.setup import check_local_node
     from autotune.outputs.exporters import torchrun_command
-    from trials.config_file import load_config_file
-    from trials.model_config import load_model_config
+    from trials.models.config import load_model_config
     from trials.train import OptionsError, options_problem, parse_options
+    from trials.training.config_file import load_config_file
 
     loaded = load_config_file(config)
     if loaded.seq_len is None:

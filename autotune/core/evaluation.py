@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autotune.core.hardware import Hardware
-from trials.techniques import Techniques
+from trials.stack.techniques import Techniques
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 A preset holds the memory facts of one accelerator of a node (capacity, runtime overheads no tensor shows, the
 host RAM per device, the oracle's error band) and the time model's rates (``Rates``: peaks, efficiencies,
 overheads; each YAML value says where it comes from), among them the attention kernels the device runs, each at
-its own rates (``attention_kernels``: ``KernelRates``; ``trials.kernels`` declares the kernels themselves).
+its own rates (``attention_kernels``: ``KernelRates``; ``trials.kernels.registry`` declares the kernels themselves).
 Presets whose device is simulated in host memory
 (``device_is_host``: the ``cpu`` preset of CPU trials) also carry a calibration of a typical machine in the YAML
 (``calibration:``), replaced by this machine's own when one is cached (``autotune.core.calibration_store``;
@@ -29,7 +29,7 @@ HOST_PRESET = "cpu"  # the preset of real trials on a machine without CUDA devic
 
 @dataclass(frozen=True)
 class KernelRates:
-    """One attention kernel of a preset (``trials.kernels`` declares it) at its rates on the preset's device.
+    """One attention kernel of a preset (``trials.kernels.registry`` declares it) at its rates on the preset's device.
 
     The efficiencies are fractions of ``bf16_flops`` at causal attention, head dim 128 and long sequences (what
     millions of tokens run at); the tiles are the query / key tiles a causal kernel computes whole on the
@@ -68,7 +68,7 @@ class Rates:
     matmul_efficiency: float = 0.7  # achieved fraction of bf16_flops for the step's GEMMs
     attention_efficiency: float = 0.35  # achieved fraction of bf16_flops, attention forward (computed FLOPs)
     attention_backward_efficiency: float = 0.3
-    # SDPA under head chunking (UPipe) calls one CUDA kernel explicitly (``trials.attention``: memory-efficient),
+    # SDPA under head chunking (UPipe) calls one CUDA kernel explicitly (``trials.kernels.attention``: memory-efficient),
     # where a whole layer's SDPA picks its own (flash or cuDNN): its efficiencies when calibrated (0: as above)
     chunked_sdpa_efficiency: float = 0.0
     chunked_sdpa_backward_efficiency: float = 0.0
@@ -374,9 +374,9 @@ def load_hardware(name: str) -> Hardware:
 def _kernel_table(raw, compute_capability: int, data: dict) -> tuple[KernelRates, ...]:
     """A preset's ``attention_kernels``: a mapping of kernel name -> its figures (``KernelRates``' fields), or a
     list of names that run at the preset's own attention rates. Each kernel must be declared in
-    ``trials.kernels`` and run on the preset's device (its ``compute_capability``; a host device runs only the
+    ``trials.kernels.registry`` and run on the preset's device (its ``compute_capability``; a host device runs only the
     kernels that need no GPU); ``ValueError`` says which does not."""
-    from trials.kernels import KERNELS
+    from trials.kernels.registry import KERNELS
 
     if raw is None:
         return ()
@@ -387,10 +387,10 @@ def _kernel_table(raw, compute_capability: int, data: dict) -> tuple[KernelRates
     table = []
     for name, entry in entries.items():
         if name not in KERNELS:
-            raise ValueError(f"attention kernel {name!r} is not one of {', '.join(KERNELS)} (trials.kernels)")
+            raise ValueError(f"attention kernel {name!r} is not one of {', '.join(KERNELS)} (trials.kernels.registry)")
         if (on_host or compute_capability) and not KERNELS[name].runs_on(None if on_host else compute_capability):
             where = "a host device" if on_host else f"compute capability {compute_capability}"
-            raise ValueError(f"attention kernel {name!r} does not run on {where} (trials.kernels)")
+            raise ValueError(f"attention kernel {name!r} does not run on {where} (trials.kernels.registry)")
         entry = entry or {}
         if not isinstance(entry, dict):
             raise ValueError(f"attention kernel {name!r}: its rates must be a mapping")

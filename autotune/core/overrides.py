@@ -16,9 +16,9 @@ from pathlib import Path
 
 from autotune.core.errors import UserError
 from autotune.core.sizes import parse_tokens, short_tokens
-from trials import config_file
 from trials import model_config as model_configs  # looked up at call time: tests replace load_model_config
-from trials.techniques import BASELINE, Techniques
+from trials.stack.techniques import BASELINE, Techniques
+from trials.training import config_file
 
 # the fields of a Hugging Face config.json that make a config's techniques another model's when they differ
 ARCHITECTURE = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size")

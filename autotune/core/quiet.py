@@ -15,7 +15,7 @@ stdout handler), Python warnings from torch, library log records without a handl
 What stays: errors (DeepSpeed's logger at ERROR and above, any library's log records at ERROR and above through
 logging's last-resort handler) and all that autotune itself prints. Nothing here changes what a trial computes.
 The other half of the noise, DeepSpeed's JIT build of its shared-memory comm op, is not built at all
-(``trials.patches.deepspeed_shm_comm_op_skipped``).
+(``trials.core.patches.deepspeed_shm_comm_op_skipped``).
 """
 
 from __future__ import annotations

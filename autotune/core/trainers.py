@@ -2,7 +2,7 @@
 --trainer T`` (``autotune.search.space``), the export to that trainer and the re-estimate of what it runs
 (``autotune.outputs.exporters``) all read this one declaration.
 
-A ``Trainer`` says, for every knob of ``trials.techniques.Techniques`` (each exactly once, checked when it is
+A ``Trainer`` says, for every knob of ``trials.stack.techniques.Techniques`` (each exactly once, checked when it is
 declared), how the trainer is told (``Expression.how``) and which value it then runs for the value asked
 (``Expression.runs``; ``not_expressed``: it has no such technique and runs the knob's default). Everything else
 derives from that: the techniques the trainer runs (``Trainer.runs``), where they differ from a config
@@ -16,9 +16,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from trials.kernels import FLASH_KERNELS, KERNELS
-from trials.knobs import Knob
-from trials.techniques import Techniques, knobs
+from trials.kernels.registry import FLASH_KERNELS, KERNELS
+from trials.stack.knobs import Knob
+from trials.stack.techniques import Techniques, knobs
 
 
 @dataclass(frozen=True)
@@ -206,7 +206,7 @@ def _hidden_size_if_on(tile, job: ExportJob) -> int:
 def stand_in_kernel(asked: str, takes: Callable[[str], bool]) -> str:
     """The attention kernel a trainer runs in place of ``asked`` when it cannot run that one: the first
     flash-attn kernel it takes (``takes(name)``) that runs on every GPU generation ``asked`` runs on
-    (``trials.kernels``), else SDPA, which runs everywhere."""
+    (``trials.kernels.registry``), else SDPA, which runs everywhere."""
     generations = KERNELS[asked].compute_capabilities
     for name in FLASH_KERNELS:
         if name != asked and takes(name) and generations and all(KERNELS[name].runs_on(g) for g in generations):

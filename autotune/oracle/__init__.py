@@ -1,15 +1,15 @@
 """The memory oracle: peak device memory per rank of one training step, predicted without a GPU.
 
-It runs the *same* trial code as a real trial (``trials.step.build_training`` -> ``trials.stack.apply``,
-AdamW, ``trials.data.make_batch``, ``trials.step.train_step``) under ``FakeTensorMode`` with a fake process
+It runs the *same* trial code as a real trial (``trials.training.step.build_training`` -> ``trials.stack.apply``,
+AdamW, ``trials.training.data.make_batch``, ``trials.training.step.train_step``) under ``FakeTensorMode`` with a fake process
 group of the node's world size, and accounts every tensor with the trial's own tracker
-(``trials.memory.DeviceMemoryTracker``): the same categories, the same rules, the same code path as a real
+(``trials.core.memory.DeviceMemoryTracker``): the same categories, the same rules, the same code path as a real
 CPU trial, so oracle == real CPU trial by construction and the checks in bench/oracle_fidelity.py measure
 the remaining differences.
 
 What a fake trace needs that a real trial does not:
 - a CPU-only torch cannot fake ``cuda`` training, so the fake device is ``cpu``; the GPU run's precision is
-  modelled by running the same mixed-precision scheme (``trials.model.set_compute_dtype``): bf16 compute with
+  modelled by running the same mixed-precision scheme (``trials.models.model.set_compute_dtype``): bf16 compute with
   fp32 master weights on GPU presets, fp32 on the ``cpu`` preset (what CPU trials run);
 - GPU kernels whose memory differs from the CPU kernels are modelled (``gpu_kernels``):
   ``attention='flash'`` runs a fake flash-attn op with flash-attn 2's footprint (saves q, k, v, out and the
@@ -62,7 +62,7 @@ from autotune.core.record import BREAKDOWN_CATEGORIES
 from autotune.oracle.extrapolation import extend_value, extension_limits, extrapolate, plan_traces
 from autotune.oracle.results import EXTRAPOLATE_FROM, Prediction, Segment, Trace
 from autotune.oracle.tracing import compute_dtype_for, trace
-from trials.segments import layer_runs, model_runs
+from trials.trial.segments import layer_runs, model_runs
 
 __all__ = [
     "EXTRAPOLATE_FROM",
@@ -100,7 +100,7 @@ def _trace_to_full_depth(
     of layers, the 4-layer copy also stops as soon as its extension is known to cross them
     (``extension_limits``), and the result is then the extension of what it reached, a lower bound. Returns
     (the full-depth trace, the traces run, layers added per extended run). ``timeline``: a
-    ``trials.memory_timeline.TimelineRecorder`` for the first trace (the model, or its base copy)."""
+    ``trials.trial.memory_timeline.TimelineRecorder`` for the first trace (the model, or its base copy)."""
     args = (evaluation.model_config, evaluation.techniques, evaluation.seq_len, evaluation.world_size)
     runs = model_runs(evaluation.techniques, evaluation.model_config)
     base, varied = plan_traces(runs)
@@ -152,7 +152,7 @@ def predict(
     4-layer copy was stopped). ``stop_host_bytes`` (with ``stop_above_bytes``): the same for host bytes per rank
     (``stop_reason`` "host": ``host_bytes`` is then the lower bound).
 
-    ``timeline``: a ``trials.memory_timeline.TimelineRecorder`` that records the first trace (``traces[0]``: the
+    ``timeline``: a ``trials.trial.memory_timeline.TimelineRecorder`` that records the first trace (``traces[0]``: the
     model, or its base copy) at no extra trace (``autotune.oracle.timeline``).
     """
     started = time.perf_counter()

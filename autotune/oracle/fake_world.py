@@ -11,7 +11,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotune.timing.counting import flash_window, record_attention
-from trials import attention
+from trials.kernels import attention
 
 
 @contextlib.contextmanager
@@ -65,7 +65,7 @@ def oracle_mode(gpu_kernels: bool):
 
 
 # -- the flash kernels' memory footprints -------------------------------------------------------------------------
-# Each fake takes the real entry point's arguments (the ones trials.attention passes; tests/test_kernels.py holds
+# Each fake takes the real entry point's arguments (the ones trials.kernels.attention passes; tests/test_kernels.py holds
 # the real signatures) and allocates what the real one allocates, from Dao-AILab/flash-attention at commit
 # 0251105a2fb19d2957484b7f023cd8c115286ced (FA2: csrc/flash_attn/flash_api.cpp ``mha_fwd`` / ``mha_bwd``; FA3:
 # hopper/flash_api.cpp ``mha_fwd`` / ``mha_bwd``; FA4: flash_attn/cute/interface.py ``_flash_attn_fwd`` /
@@ -438,7 +438,7 @@ def _fake_fa4_backward(
     return _fa4_backward(q, k, v, dq, dk, dv, causal, window_size_left, window_size_right)
 
 
-FAKE_KERNELS = {  # kernel -> its fakes (layer, forward, backward), the entry points trials.kernels declares
+FAKE_KERNELS = {  # kernel -> its fakes (layer, forward, backward), the entry points trials.kernels.registry declares
     "flash": (_fake_flash_attn_func, _fake_wrapped_flash_attn_forward, _fake_wrapped_flash_attn_backward),
     "flash3": (_fake_fa3_flash_attn_func, _fake_fa3_forward, _fake_fa3_backward),
     "flash4": (_fake_fa4_flash_attn_func, _fake_fa4_forward, _fake_fa4_backward),
@@ -446,7 +446,7 @@ FAKE_KERNELS = {  # kernel -> its fakes (layer, forward, backward), the entry po
 
 
 def fake_flash_kernels(enabled: bool, kernel: str = "flash"):
-    """Make ``trials.attention``'s path for flash kernel ``kernel`` use fake ops with that kernel's memory
+    """Make ``trials.kernels.attention``'s path for flash kernel ``kernel`` use fake ops with that kernel's memory
     footprint, on the (fake) cpu device, through its public hook (restored on exit); a no-op for other kernels."""
     if not enabled or kernel not in FAKE_KERNELS:
         return contextlib.nullcontext()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autotune.core.record import BREAKDOWN_CATEGORIES
-from trials.segments import Segment
+from trials.trial.segments import Segment
 
 EXTRAPOLATE_FROM = (3, 4)  # traced depths when a model is deeper than the larger one
 

@@ -1,4 +1,4 @@
-"""A predicted step's memory timeline: one fake trace of a config with a ``trials.memory_timeline.TimelineRecorder``,
+"""A predicted step's memory timeline: one fake trace of a config with a ``trials.trial.memory_timeline.TimelineRecorder``,
 as a torch memory snapshot that torch's viewer draws.
 
 The trace is the one the oracle's prediction starts from: the model itself when it has at most
@@ -16,15 +16,15 @@ from autotune.core.sizes import format_tokens
 from autotune.oracle.extrapolation import plan_traces
 from autotune.oracle.results import Trace
 from autotune.oracle.tracing import compute_dtype_for, trace
-from trials.memory_timeline import TimelineRecorder
-from trials.segments import model_runs, segment_label
+from trials.trial.memory_timeline import TimelineRecorder
+from trials.trial.segments import model_runs, segment_label
 
 
 @dataclass
 class PredictedTimeline:
     """One rank's predicted step as a snapshot, and what it shows."""
 
-    snapshot: dict  # torch's memory snapshot format (``trials.memory_timeline``)
+    snapshot: dict  # torch's memory snapshot format (``trials.trial.memory_timeline``)
     rank: int
     world_size: int
     layers: int  # decoder layers of the traced copy

@@ -14,15 +14,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from autotune.core.record import BREAKDOWN_CATEGORIES
 from autotune.oracle.fake_world import fake_flash_kernels, fake_process_group, oracle_mode
 from autotune.oracle.results import Segment, Trace, full_breakdown
-from trials import patches
-from trials.data import make_batch
-from trials.dist import Mesh, build_mesh, ensure_device_mesh
-from trials.memory import DeviceMemoryTracker, TrackerListener
-from trials.memory_timeline import TimelineRecorder
-from trials.model_config import copy_for_runs
-from trials.segments import SegmentPeaks, install_segment_hooks, model_runs, segment_label, techniques_for_runs
-from trials.step import build_training, train_step
-from trials.step import prime_optimizer as prime_optimizer_states
+from trials.core import patches
+from trials.core.dist import Mesh, build_mesh, ensure_device_mesh
+from trials.core.memory import DeviceMemoryTracker, TrackerListener
+from trials.models.config import copy_for_runs
+from trials.training.data import make_batch
+from trials.training.step import build_training, train_step
+from trials.training.step import prime_optimizer as prime_optimizer_states
+from trials.trial.memory_timeline import TimelineRecorder
+from trials.trial.segments import SegmentPeaks, install_segment_hooks, model_runs, segment_label, techniques_for_runs
 
 
 def compute_dtype_for(hardware) -> torch.dtype:
@@ -68,7 +68,7 @@ def trace(
     ``segment_limits`` ({segment: tensor bytes}) and ``host_limit`` (host bytes) stop it the same way, as soon
     as the current segment's live bytes, or the host bytes, go above their limit (``Limits``); they need
     ``stop_above_bytes``. The trace's ``stop_reason`` says which limit stopped it.
-    ``timeline``: a ``trials.memory_timeline.TimelineRecorder`` that records every device allocation and free of
+    ``timeline``: a ``trials.trial.memory_timeline.TimelineRecorder`` that records every device allocation and free of
     the trace, each labelled with its segment and module. ``rank``: the rank of the fake world this process is
     (rank 0 unless asked: the most loaded one).
     """

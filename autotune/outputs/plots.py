@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from autotune.core.record import BREAKDOWN_CATEGORIES
 from autotune.core.sizes import format_tokens, short_tokens
-from trials.techniques import knobs
+from trials.stack.techniques import knobs
 
 
 def knob_label(techniques: dict) -> str:

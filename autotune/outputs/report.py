@@ -6,7 +6,7 @@ beside it as ``best-<target>.json`` (the target's short form: ``best-4M.json``),
 
 ``trials.parquet`` schema — one row per finished trial, one column per knob and per record field:
     trial (int), answered_by (str: local | plan | cache | monotone | oracle),
-    one column per knob of ``trials.techniques.Techniques`` (bool, int -- head_chunk null = plain Ulysses -- or
+    one column per knob of ``trials.stack.techniques.Techniques`` (bool, int -- head_chunk null = plain Ulysses -- or
     str, from the knob's kind), seq_len (int), status, source (str), tokens_per_s, step_time_s (float),
     peak_device_bytes, peak_allocated_bytes, peak_reserved_bytes, host_bytes (int), breakdown_<category> (int, one per category of
     autotune.core.record.BREAKDOWN_CATEGORIES), loss, grad_norm (float), device, error (str), reduced_layers (int:
@@ -45,8 +45,8 @@ from autotune.outputs.exporters import FRONT_SCHEMA
 from autotune.outputs.plots import knob_label, plot_memory, plot_pareto, write_pareto_html
 from autotune.outputs.timeline import FRONT_TIMELINE, write_front_timeline
 from autotune.search.front import Point, best_choice, best_point, front_points, points, what_failed
-from trials.config_file import TrialConfig
-from trials.techniques import BASELINE, Techniques, knob_names, knobs
+from trials.stack.techniques import BASELINE, Techniques, knob_names, knobs
+from trials.training.config_file import TrialConfig
 
 _ARROW_TYPES = {"bool": pa.bool_(), "int": pa.int64(), "tokens": pa.int64(), "choice": pa.string()}
 KNOBS = knob_names()

@@ -2,7 +2,7 @@
 (``--memory-snapshot FILE.pickle``, which pytorch.org/memory_viz opens), for a prediction (``estimate``), a
 measured trial beside its prediction (``trial``), and the front's peak config of a search (``front-memory.html``).
 
-The snapshots come from ``trials.memory_timeline`` (the tracker's events, or CUDA's recorded history) and
+The snapshots come from ``trials.trial.memory_timeline`` (the tracker's events, or CUDA's recorded history) and
 ``autotune.oracle.timeline`` (a fake trace of the config)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from autotune.core.errors import UserError
 from autotune.oracle.timeline import PredictedTimeline, predicted_timeline, recorded_timeline, timeline_title
-from trials import memory_timeline
+from trials.trial import memory_timeline
 
 FRONT_TIMELINE = "front-memory.html"
 
@@ -145,7 +145,7 @@ def write_front_timeline(job, front: list[dict], out: Path) -> Path | None:
     """``front-memory.html`` beside ``memory.png``: the predicted timeline of the front's peak config
     (``peak_front_entry``) on rank 0, from one more trace of that config. None (and no file) without a front."""
     from autotune.core.evaluation import Evaluation
-    from trials.techniques import Techniques
+    from trials.stack.techniques import Techniques
 
     path = out / FRONT_TIMELINE
     path.unlink(missing_ok=True)  # a previous front's

@@ -43,7 +43,7 @@ from autotune.outputs.plots import knob_label
 from autotune.search.front import Point, best_point, config_key, front_points, measured_attr, points
 from autotune.search.job import SearchJob
 from autotune.search.study import open_storage
-from trials.techniques import Techniques
+from trials.stack.techniques import Techniques
 
 RESULTS = ("ok", "oom")  # what a verified trial may end with and still count as a measurement (not a failure)
 
@@ -185,8 +185,8 @@ def check_node(folder: Folder, chosen: list[Point]) -> None:
 
 
 def _kernel_refusal(point: Point) -> str | None:
-    """Why the point's attention kernel cannot run on this node (``trials.kernels.refusal``), or None."""
-    from trials.kernels import refusal, this_node_compute_capability
+    """Why the point's attention kernel cannot run on this node (``trials.kernels.registry.refusal``), or None."""
+    from trials.kernels.registry import refusal, this_node_compute_capability
 
     return refusal(point.techniques.get("attention", "sdpa"), this_node_compute_capability())
 

@@ -12,8 +12,8 @@ from autotune.backends.plan_store import default_store
 from autotune.core.evaluation import Evaluation
 from autotune.core.record import ResultRecord
 from autotune.core.trainers import ExportJob, Trainer
-from trials.rules import length_unit
-from trials.techniques import Techniques, knobs
+from trials.stack.rules import length_unit
+from trials.stack.techniques import Techniques, knobs
 
 
 def find_max_seq(
@@ -26,7 +26,7 @@ def find_max_seq(
     Peak memory grows with the sequence (nearly affinely: every activation is linear in it), so the search
     brackets the capacity crossing and then steps to where the line through the two nearest points meets
     the capacity (bisecting when that makes no progress); ~5-10 evaluations on a grid of
-    ``trials.rules.length_unit`` multiples. ``backend``: a plan backend (default: a new one, with the on-disk
+    ``trials.stack.rules.length_unit`` multiples. ``backend``: a plan backend (default: a new one, with the on-disk
     ``plan_store``: records a search or an earlier run already has are read back, not traced).
     """
 

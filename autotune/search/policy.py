@@ -13,8 +13,8 @@ from autotune.core.record import ResultRecord
 from autotune.search.job import SearchJob
 from autotune.search.space import param_name
 from autotune.search.study import FINISHED
-from trials.rules import length_unit
-from trials.techniques import Techniques, knobs
+from trials.stack.rules import length_unit
+from trials.stack.techniques import Techniques, knobs
 
 
 def seed_params(job: SearchJob) -> list[dict]:

@@ -66,7 +66,7 @@ class PreparedSearch:
 
 def prepare_search(request: SearchRequest) -> PreparedSearch:
     """Check ``request`` and build its job, backends and study; ``UserError`` (one line) for bad input."""
-    from trials.model_config import load_model_config
+    from trials.models.config import load_model_config
 
     model_config = load_model_config(request.model)
     trainer = trainer_named(request.trainer)
@@ -138,7 +138,7 @@ def search_kernels(backend_name: str, hw: Hardware) -> tuple[str, ...]:
     prices them on that GPU); a local search, those of them this node runs."""
     if backend_name != "local":
         return hw.kernels
-    from trials.kernels import usable_here
+    from trials.kernels.registry import usable_here
 
     return tuple(kernel for kernel in hw.kernels if kernel in usable_here())
 

@@ -24,7 +24,7 @@ from autotune.search.front import config_key
 from autotune.search.policy import infer_record
 from autotune.search.storage import has_heartbeat, study_lock
 from autotune.search.study import FINISHED, queue_again, reap_dead_trials
-from trials.techniques import Techniques
+from trials.stack.techniques import Techniques
 
 CLAIM_ATTR = "autotune:evaluating"  # trial system attribute: the config_key this trial evaluates
 POLL_S = 0.5

@@ -2,8 +2,8 @@
 README.md describes the format): knob choices, the sequence-length grid, and the constraints of the model and node
 applied before sampling.
 
-Everything per knob derives from its declaration in ``trials.techniques.Techniques`` (kind, words, conditions,
-which change needs less memory); the rules of what fits a model and node are ``trials.rules``'. Conditional
+Everything per knob derives from its declaration in ``trials.stack.techniques.Techniques`` (kind, words, conditions,
+which change needs less memory); the rules of what fits a model and node are ``trials.stack.rules``'. Conditional
 knobs (define-by-run, so Optuna's TPE learns each branch) are those with a ``sampled_when`` or ``requires``:
     optimizer_offload       only with fsdp
     head_chunk              only when ulysses_degree > 1 (choices depend on the degree, so each degree
@@ -31,9 +31,10 @@ from optuna.trial import TrialState
 from autotune.core.errors import UserError
 from autotune.core.sizes import parse_tokens
 from autotune.core.trainers import AUTOTUNE, ExportJob, Trainer, memory_rank
-from trials.model_config import attention_features
-from trials.rules import attention_kernel_problem, ulysses_degree_problem
-from trials.techniques import ALL_LAYERS, Knob, Techniques, knob_names, knobs
+from trials.kernels.registry import attention_kernel_problem
+from trials.models.config import attention_features
+from trials.stack.rules import ulysses_degree_problem
+from trials.stack.techniques import ALL_LAYERS, Knob, Techniques, knob_names, knobs
 
 SPACE_SCHEMA = "autotune/space-v1"
 # a trial between two grid lengths or above the grid (``policy``: reaching a config's memory wall) keeps ``seq_len``

@@ -25,7 +25,7 @@ Two pieces, used in this order:
      and copies out of such tensors;
    - the optimizer step's bytes (output bytes of its ops) and parameters (elements ``addcdiv`` touches).
 
-   Phases: the memory tracker's ``phase`` attribute (``trials.memory.DeviceMemoryTracker``) when one is given,
+   Phases: the memory tracker's ``phase`` attribute (``trials.core.memory.DeviceMemoryTracker``) when one is given,
    refined by autograd state: an op inside a backward graph task with grad mode on (or under
    ``torch.utils.checkpoint``'s recomputation hook) is *recompute* (activation checkpointing, tiled MLP
    recompute); an op in a graph task with grad off is *backward*, even when it runs during the tracker's
@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotune.timing.attention_cost import attention_flops
 from autotune.timing.counts import PHASES, CollectiveCounts, PhaseCounts, StepCounts, attention_key
-from trials.memory import TrackerListener
+from trials.core.memory import TrackerListener
 
 _DEBUG = bool(os.environ.get("AUTOTUNE_COUNTER_DEBUG"))
 
@@ -114,7 +114,7 @@ NO_WORK_OPS = {
     "lift_fresh_copy",
     "_foreach_empty",
 }
-# grouped GEMMs of mixture-of-experts layers (``trials.moe``): one GEMM per expert over its block of rows
+# grouped GEMMs of mixture-of-experts layers (``trials.models.moe``): one GEMM per expert over its block of rows
 GROUPED_MATMUL_OPS = {
     ("aten", "_grouped_mm"),
     ("transformers", "grouped_mm_fallback"),
@@ -246,7 +246,7 @@ def _group_size(bound: dict[str, Any], fallback: int) -> int:
 class StepCounter(TorchDispatchMode):
     """Count FLOPs, bytes and collectives of what runs under it (see module docstring).
 
-        counter = StepCounter(tracker)           # tracker: trials.memory.DeviceMemoryTracker or None
+        counter = StepCounter(tracker)           # tracker: trials.core.memory.DeviceMemoryTracker or None
         with tracker, counter:
             train_step(...)
         counts = counter.counts                  # StepCounts

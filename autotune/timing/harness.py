@@ -7,20 +7,20 @@ import torch
 
 from autotune.timing.counting import StepCounter
 from autotune.timing.counts import StepCounts
-from trials.data import make_batch, synthetic_sample
-from trials.dist import Mesh
-from trials.memory import DeviceMemoryTracker
-from trials.model import build_model
+from trials.core.dist import Mesh
+from trials.core.memory import DeviceMemoryTracker
+from trials.models.model import build_model
 from trials.stack import apply
-from trials.step import train_step
-from trials.techniques import Techniques
+from trials.stack.techniques import Techniques
+from trials.training.data import make_batch, synthetic_sample
+from trials.training.step import train_step
 
 
 def count_real_step(
     model_config: dict, techniques, seq_len: int, mesh=None, steps: int = 1, seed: int = 0
 ) -> StepCounts:
     """Build the trial's model, apply the stack and count ``steps`` training steps (after one uncounted
-    warm-up step, as the trial runner does) with real tensors in this process. ``mesh``: a ``trials.dist.Mesh``
+    warm-up step, as the trial runner does) with real tensors in this process. ``mesh``: a ``trials.core.dist.Mesh``
     (default: one rank)."""
 
     if not isinstance(techniques, Techniques):

@@ -31,7 +31,7 @@ from typing import Any
 from autotune.core.hardware import Rates
 from autotune.timing.attention_cost import tiled_pairs
 from autotune.timing.counts import COMPUTE_PHASES, CollectiveCounts, PhaseCounts, StepCounts, attention_key_parts
-from trials.techniques import Techniques
+from trials.stack.techniques import Techniques
 
 
 @dataclass
@@ -115,7 +115,7 @@ def _combine(work: float, overhead: float, r: Rates) -> float:
 def group_layout(group_size: int | None, world_size: int, gpus_per_node: int | None) -> tuple[int, int]:
     """(nodes, fewest ranks on one node) of the worst-placed process group of ``group_size`` ranks.
 
-    Groups are consecutive ranks starting at multiples of their size (``trials.dist``: Ulysses groups; the FSDP /
+    Groups are consecutive ranks starting at multiples of their size (``trials.core.dist``: Ulysses groups; the FSDP /
     data-parallel group is every rank), ranks fill nodes of ``gpus_per_node`` in order (torchrun), and ranks run
     in lockstep, so the group that spans most nodes with fewest ranks on one of them sets the pace. (1, size)
     when the job is one node, or the group size is unknown (counts from before sizes were kept)."""

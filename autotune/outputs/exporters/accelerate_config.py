@@ -4,10 +4,10 @@ them the autotune config itself (``.autotune.json``, for ``autotune estimate --c
 
 Accelerate only starts the processes: ``distributed_type: MULTI_GPU`` (``NO`` for one process) is
 ``torch.distributed.run`` underneath, on CUDA and on CPU alike (Accelerate's ``MULTI_CPU`` starts one process
-unless it is given an MPI host file). The script joins that job with ``trials.dist.init_mesh`` (NCCL + gloo on
+unless it is given an MPI host file). The script joins that job with ``trials.core.dist.init_mesh`` (NCCL + gloo on
 CUDA, gloo on CPU), builds the Hugging Face model of ``--model`` with ``trials.hf.from_pretrained`` (on meta, the
 techniques applied, each rank reading only its shards of the safetensors weights) and trains it with
-``trials.step.train_step``. Sharding is the plugin's own FSDP2 (``fully_shard`` per decoder layer + root), not
+``trials.training.step.train_step``. Sharding is the plugin's own FSDP2 (``fully_shard`` per decoder layer + root), not
 Accelerate's ``FSDP`` plugin: that is the code autotune's memory oracle traced. Precision is trials' too (fp32
 master weights, bf16 compute on CUDA), so the YAML says ``mixed_precision: 'no'``.
 
@@ -23,7 +23,7 @@ import yaml
 from autotune.core.hardware import load_hardware
 from autotune.core.trainers import TRAINERS
 from autotune.outputs.exporters.base import Exporter, Rendered, beside, comment_block, hf_model_name
-from trials.config_file import TrialConfig
+from trials.training.config_file import TrialConfig
 
 FIRST_NODE_PLACEHOLDER = "REPLACE-WITH-THE-FIRST-NODE"
 
@@ -37,7 +37,7 @@ class AccelerateConfigExporter(Exporter):
         processes = config.gpus * config.nodes
         doc: dict = {
             "compute_environment": "LOCAL_MACHINE",
-            # torch.distributed.run starts the processes; trials.dist picks NCCL on CUDA, gloo on CPU
+            # torch.distributed.run starts the processes; trials.core.dist picks NCCL on CUDA, gloo on CPU
             "distributed_type": "MULTI_GPU" if processes > 1 else "NO",
             "downcast_bf16": "no",
             "gpu_ids": "all",
@@ -79,7 +79,7 @@ class AccelerateConfigExporter(Exporter):
 
 
 def training_script(config: TrialConfig, notes: list[str], accelerate_path: str) -> str:
-    """The ``.train.py`` the YAML launches: the config inline, ``trials.hf`` for the model, ``trials.step`` for the
+    """The ``.train.py`` the YAML launches: the config inline, ``trials.hf`` for the model, ``trials.training.step`` for the
     step, a loss line per step and (``--summary``) a JSON summary with each rank's measured peak."""
     script = beside(accelerate_path, ".train.py")
     return f'''{comment_block(notes)}
@@ -106,12 +106,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from trials import allocator, hf
-from trials.config_file import parse_config
-from trials.data import make_batch
-from trials.dist import init_mesh
-from trials.memory import DeviceMemoryTracker
-from trials.step import make_optimizer, train_step
+from trials import hf
+
+from trials.core import allocator
+from trials.training.config_file import parse_config
+from trials.training.data import make_batch
+from trials.core.dist import init_mesh
+from trials.core.memory import DeviceMemoryTracker
+from trials.training.step import make_optimizer, train_step
 from trials.train import TokenSource
 
 CONFIG = json.loads(

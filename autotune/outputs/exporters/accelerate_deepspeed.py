@@ -29,7 +29,7 @@ from autotune.outputs.exporters.base import (
     hf_model_name,
 )
 from autotune.outputs.exporters.deepspeed_config import deepspeed_json
-from trials.config_file import TrialConfig
+from trials.training.config_file import TrialConfig
 
 
 class AccelerateDeepSpeedExporter(Exporter):

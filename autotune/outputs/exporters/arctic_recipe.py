@@ -25,7 +25,7 @@ from autotune.outputs.exporters.base import (
     hf_attention,
     hf_model_name,
 )
-from trials.config_file import TrialConfig
+from trials.training.config_file import TrialConfig
 
 DATA_PLACEHOLDER = "REPLACE-WITH-YOUR-DATASET"
 

@@ -7,7 +7,7 @@ import json
 
 from autotune.core.trainers import AUTOTUNE
 from autotune.outputs.exporters.base import Exporter, Rendered
-from trials.config_file import TrialConfig
+from trials.training.config_file import TrialConfig
 
 
 class AutotuneConfigExporter(Exporter):

@@ -43,9 +43,9 @@ from autotune.core.trainers import (  # noqa: F401 -- the exporters' vocabulary,
     not_expressed,
     runs_as,
 )
-from trials.config_file import TrialConfig
-from trials.kernels import KERNELS
-from trials.techniques import Techniques
+from trials.kernels.registry import KERNELS
+from trials.stack.techniques import Techniques
+from trials.training.config_file import TrialConfig
 
 
 @dataclass
@@ -96,7 +96,7 @@ def comment_block(notes: list[str], prefix: str = "# ") -> str:
 
 
 def hf_attention(techniques: Techniques) -> str:
-    """The Hugging Face ``attn_implementation`` of the config's attention kernel (its ``trials.kernels``
+    """The Hugging Face ``attn_implementation`` of the config's attention kernel (its ``trials.kernels.registry``
     declaration's ``hf_implementation``: ``flash_attention_2``, ``flash_attention_3``, ``flash_attention_4``,
     ``sdpa``)."""
     return KERNELS[techniques.attention].hf_implementation
@@ -110,7 +110,7 @@ def hf_model_name(model: str) -> str:
     """What a trainer's ``from_pretrained`` takes for autotune's ``--model``: a preset's hub id (from the config it
     copies, its ``_source``), the folder of a config.json path, or a placeholder the user replaces (the tiny test
     presets are no released model)."""
-    from trials.model_config import load_model_config, model_names
+    from trials.models.config import load_model_config, model_names
 
     if model in model_names():
         match = HUB_SOURCE.match(load_model_config(model).get("_source", ""))

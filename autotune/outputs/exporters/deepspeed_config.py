@@ -23,15 +23,15 @@ from autotune.outputs.exporters.base import (
     hf_attention,
     hf_model_name,
 )
-from trials.config_file import TrialConfig
-from trials.model_config import load_model_config
-from trials.techniques import Techniques
+from trials.models.config import load_model_config
+from trials.stack.techniques import Techniques
+from trials.training.config_file import TrialConfig
 
 
 def mlp_classes(model_config: dict) -> list[tuple[str, str]]:
     """(module, class name) of the model's decoder-layer MLPs (``LlamaMLP``; an MoE model's sparse block, and its
     dense MLP where some layers have one), read off the model ``transformers`` builds (on meta: no memory)."""
-    from trials.model import build_model
+    from trials.models.model import build_model
 
     model = build_model(model_config, device="meta")
     return sorted({(type(layer.mlp).__module__, type(layer.mlp).__name__) for layer in model.layers})

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from autotune.core.errors import UserError
-from trials.config_file import TrialConfig
-from trials.techniques import Techniques
+from trials.stack.techniques import Techniques
+from trials.training.config_file import TrialConfig
 
 FRONT_SCHEMA = "autotune/pareto-v1"  # what ``autotune.outputs.report`` writes
 

@@ -20,8 +20,8 @@ from autotune.core.errors import UserError
 from autotune.core.record import ResultRecord
 from autotune.outputs.exporters.base import Exporter, ExportJob, Gap, Rendered
 from autotune.outputs.exporters.front import entry_config, entry_techniques, load_front
-from trials.config_file import TrialConfig
-from trials.model_config import load_model_config
+from trials.models.config import load_model_config
+from trials.training.config_file import TrialConfig
 
 GIB = 2**30
 

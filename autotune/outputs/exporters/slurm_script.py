@@ -15,7 +15,7 @@ from pathlib import Path
 
 from autotune.core.trainers import AUTOTUNE
 from autotune.outputs.exporters.base import Exporter, Rendered, comment_block
-from trials.config_file import TrialConfig
+from trials.training.config_file import TrialConfig
 
 CONFIG_ENV = "AUTOTUNE_CONFIG_JSON"  # the config, handed to every node's task through srun's environment
 

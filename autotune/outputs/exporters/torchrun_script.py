@@ -9,7 +9,7 @@ import json
 from autotune.core.trainers import AUTOTUNE
 from autotune.outputs.exporters.base import Exporter, Rendered, comment_block
 from autotune.outputs.exporters.slurm_script import multi_node_command
-from trials.config_file import TrialConfig
+from trials.training.config_file import TrialConfig
 
 
 def torchrun_command(config_path: str, gpus: int, steps: str = "${STEPS:-10}") -> str:

@@ -1,6 +1,6 @@
 """Calibrate the ``cpu`` hardware preset on this machine: measured rates for the time model.
 
-CPU trials (``trials.runner`` on gloo, fp32) run ``world_size`` processes that share this machine's cores,
+CPU trials (``trials.trial.runner`` on gloo, fp32) run ``world_size`` processes that share this machine's cores,
 each with ``cpus // world_size`` threads (what the local backend sets). So the calibration is per world size:
 for each world size ``w`` (1 and, when there are at least two cores, 2 and 4), ``w`` worker processes run the same
 microbenchmarks at the same time, with the same thread count a trial rank gets, and rank 0's numbers are kept:
@@ -44,7 +44,7 @@ from pathlib import Path
 
 from autotune.core import calibration_store
 from autotune.timing.calibration.sampling import wait_for_idle
-from trials import allocator
+from trials.core import allocator
 
 
 def world_sizes() -> list[int]:
@@ -140,7 +140,7 @@ def _spread_of(runs: list[dict]) -> dict:
 def _run_workers(world: int, threads: int) -> dict:
     """``world`` concurrent worker processes (gloo group when world > 1); rank 0's measurements."""
     with tempfile.TemporaryDirectory(prefix="autotune-calibrate-") as tmp:
-        # the workers run as a CPU trial's ranks do: same threads, same malloc settings (trials.allocator)
+        # the workers run as a CPU trial's ranks do: same threads, same malloc settings (trials.core.allocator)
         env = dict(
             allocator.trial_environment(dict(os.environ), cpu=True),
             OMP_NUM_THREADS=str(threads),

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from autotune.core import calibration_store
 from autotune.core.errors import UserError
 from autotune.core.hardware import Hardware
-from trials import allocator
+from trials.core import allocator
 
 # Within this factor either way the preset holds: about the time model's own scatter between configs
 # (docs/validation.md, "Time model"), well inside the fidelity band [0.8, 1.25]
@@ -127,7 +127,7 @@ def check_host(calibration: dict, samples: int = 7, announce=None) -> SpeedCheck
 def _time_reference_step(threads: int, samples: int) -> tuple[list[float], bool]:
     """(seconds of each sample, whether every sample was contended) of the in-step step, timed in a child process
     with a CPU trial's environment: the calibration's workers timed it under the trials' malloc settings
-    (``trials.allocator``), which glibc reads only when a process starts; without them the same step runs
+    (``trials.core.allocator``), which glibc reads only when a process starts; without them the same step runs
     slower."""
     env = dict(allocator.trial_environment(dict(os.environ), cpu=True), OMP_NUM_THREADS=str(threads))
     proc = subprocess.run(

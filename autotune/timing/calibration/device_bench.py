@@ -7,7 +7,7 @@ preset's efficiency by one division (``device_rates``):
 - GEMMs at the model's shapes (a tile of tokens times each projection, forward and the two backward GEMMs):
   FLOP/s per shape and in total -> ``matmul_efficiency`` = total FLOPs / total time / ``bf16_flops``;
 - fused causal attention, forward and backward, across lengths and head counts, through the calls the trials
-  make (``trials.attention``): every flash-attn kernel of ``trials.kernels`` this device runs (FlashAttention-2,
+  make (``trials.kernels.attention``): every flash-attn kernel of ``trials.kernels.registry`` this device runs (FlashAttention-2,
   -3, -4: installed, built for its generation), torch's SDPA as a whole layer runs it, and the SDPA kernel
   head-chunked attention runs: the FLOPs of the tiles each kernel computes (``tiled_pairs`` at the kernel's own
   tiles) per second -> each kernel's forward / backward efficiency at the longest length (what millions of
@@ -39,8 +39,14 @@ from torch.nn.attention import SDPBackend
 from autotune.core.hardware import KernelRates
 from autotune.timing.attention_cost import tiled_pairs
 from autotune.timing.calibration.sampling import relative_spread
-from trials.attention import attention_backward, attention_forward, causal_attention, flash_available, head_layout
-from trials.kernels import FLASH_KERNELS, KERNELS
+from trials.kernels.attention import (
+    attention_backward,
+    attention_forward,
+    causal_attention,
+    flash_available,
+    head_layout,
+)
+from trials.kernels.registry import FLASH_KERNELS, KERNELS
 
 ATTENTION_LENGTHS = (4096, 16384, 65536)
 ATTENTION_HEADS = (1, 4, 16)
@@ -138,9 +144,9 @@ class AttentionKernel(NamedTuple):
 
 
 def flash_kernels_here(device: torch.device) -> list[str]:
-    """The flash-attn kernels (``trials.kernels.FLASH_KERNELS``) the trials run on ``device``: FlashAttention-2
-    where ``trials.attention`` can call it (installed, or its stand-ins), the others where their package imports,
-    the device's generation runs them and ``trials.attention`` lays their inputs out as they take them."""
+    """The flash-attn kernels (``trials.kernels.registry.FLASH_KERNELS``) the trials run on ``device``: FlashAttention-2
+    where ``trials.kernels.attention`` can call it (installed, or its stand-ins), the others where their package imports,
+    the device's generation runs them and ``trials.kernels.attention`` lays their inputs out as they take them."""
     if device.type != "cuda":
         return [name for name in FLASH_KERNELS if name == "flash" and flash_available(device)]
     major = torch.cuda.get_device_capability(device)[0]

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from autotune.timing.calibration import device_bench as bench
-from trials.dist import process_group_backend
+from trials.core.dist import process_group_backend
 
 
 def _say(rank: int, message: str) -> None:

@@ -16,11 +16,11 @@ from autotune.timing.attention_cost import tiled_pairs
 from autotune.timing.calibration.sampling import barrier, median_time, sample
 from autotune.timing.counting import MATMUL_OPS, NO_WORK_OPS, StepCounter, op_name
 from autotune.timing.model import attention_time, predict_step_time
-from trials.data import make_batch, synthetic_sample
-from trials.dist import Mesh, build_mesh
-from trials.memory import DeviceMemoryTracker
-from trials.step import build_training, train_step
-from trials.techniques import Techniques
+from trials.core.dist import Mesh, build_mesh
+from trials.core.memory import DeviceMemoryTracker
+from trials.stack.techniques import Techniques
+from trials.training.data import make_batch, synthetic_sample
+from trials.training.step import build_training, train_step
 
 HEAD_DIMS = (16, 64, 128)
 MATMUL_SHAPES = (
@@ -108,7 +108,7 @@ def measure_dispatch_overhead(partial_rates: dict) -> tuple[float, float]:
     """Host seconds per dispatched op of an eager training step as a trial runs it, *outside* the kernels: Python
     module code, autograd, the optimizer's per-parameter loop and the trials' memory tracker.
 
-    ``trials.step.train_step`` of ``CALIBRATION_MODEL`` at 16 tokens per rank on this worker's world (data
+    ``trials.training.step.train_step`` of ``CALIBRATION_MODEL`` at 16 tokens per rank on this worker's world (data
     parallel over the gloo group when there are several workers): a plain step's wall time minus the kernels'
     own seconds in a step timed by ``_kernel_timer`` (``_wall_and_kernels``) minus what ``predict_step_time``
     gives the collectives, divided by the dispatches ``StepCounter`` counts. The kernels' time is measured, not

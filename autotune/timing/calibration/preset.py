@@ -25,7 +25,7 @@ import yaml
 
 from autotune.core.errors import UserError
 from autotune.core.hardware import Hardware, is_shipped, load_hardware, preset_path, user_preset_dir
-from trials.kernels import KERNELS
+from trials.kernels.registry import KERNELS
 
 CPU_HOW = {
     "bf16_flops": "fp32 GEMMs inside one training step of a small Llama, per world size (in_step.matmul_flops)",

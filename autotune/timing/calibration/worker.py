@@ -20,7 +20,7 @@ from autotune.timing.calibration import microbench as bench
 from autotune.timing.calibration import sampling
 from autotune.timing.counts import StepCounts
 from autotune.timing.model import predict_step_time
-from trials.techniques import Techniques
+from trials.stack.techniques import Techniques
 
 
 def _model_rates(result: dict, world: int) -> dict:

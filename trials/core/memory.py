@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
-from trials import patches
+from trials.core import patches
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries", "other")
 _PHASE_CATEGORY = {"forward": "activations", "backward": "temporaries", "optimizer": "optimizer"}

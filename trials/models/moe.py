@@ -26,8 +26,8 @@ EXPERTS_IMPLEMENTATION = "autotune"
 
 
 def is_moe_config(config) -> bool:
-    """An HF config with routed experts: its family's expert count (``trials.families.Family.experts``) above 0."""
-    from trials.families import family_of
+    """An HF config with routed experts: its family's expert count (``trials.models.families.Family.experts``) above 0."""
+    from trials.models.families import family_of
 
     return family_of(config.model_type).experts(config) > 0
 

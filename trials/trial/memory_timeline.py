@@ -2,7 +2,7 @@
 the format of torch's CUDA memory snapshots (``torch.cuda.memory._snapshot()``), which torch's own viewer draws
 (``torch.cuda._memory_viz.trace_plot``; pytorch.org/memory_viz opens the pickle).
 
-``TimelineRecorder`` is a ``TrackerListener`` (``trials.memory``). Per device storage it records an ``alloc`` when
+``TimelineRecorder`` is a ``TrackerListener`` (``trials.core.memory``). Per device storage it records an ``alloc`` when
 the tracker first sees it (or when a resize grows it from nothing) and a free when it is freed, moved to the host
 (an offload) or resized (then a new ``alloc`` at the new size). Each allocation carries, as its stack (innermost
 first, the way torch lists a block's frames), what made it:
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from trials.memory import DeviceMemoryTracker, StorageInfo, TrackerListener
+from trials.core.memory import DeviceMemoryTracker, StorageInfo, TrackerListener
 
 ALIGNMENT = 512  # the CUDA caching allocator's block rounding: addresses are laid out on it
 # The viewer lists the categories it sees and, when "unknown" is not among them, adds it through a misspelt
@@ -53,21 +53,21 @@ TECHNIQUE_CODE = (
     (FSDP_PARAM, "FSDPParam.init_all_gather_outputs", "FSDP (fsdp): unsharded parameters"),
     (FSDP_PARAM, "FSDPParam.alloc_all_gather_outputs", "FSDP (fsdp): unsharded parameters"),
     (FSDP_PARAM, "FSDPParam.init_unsharded_param", "FSDP (fsdp): unsharded parameters"),
-    ("trials/tiling.py", "TiledLogitsLoss", "loss tile (loss_tile_tokens)"),
-    ("trials/tiling.py", "tiled_loss", "loss tile (loss_tile_tokens)"),
-    ("trials/tiling.py", "TiledRMSNorm", "RMSNorm tile (norm_tile_tokens)"),
-    ("trials/tiling.py", "_norm_body", "RMSNorm tile (norm_tile_tokens)"),
-    ("trials/tiling.py", "_tiled_norm", "RMSNorm tile (norm_tile_tokens)"),
-    ("trials/tiling.py", "_mlp_body", "MLP tile (mlp_tile_tokens)"),
-    ("trials/tiling.py", "_tiled_mlp", "MLP tile (mlp_tile_tokens)"),
-    ("trials/upipe.py", "", "UPipe head chunk (head_chunk)"),
+    ("trials/stack/tiling.py", "TiledLogitsLoss", "loss tile (loss_tile_tokens)"),
+    ("trials/stack/tiling.py", "tiled_loss", "loss tile (loss_tile_tokens)"),
+    ("trials/stack/tiling.py", "TiledRMSNorm", "RMSNorm tile (norm_tile_tokens)"),
+    ("trials/stack/tiling.py", "_norm_body", "RMSNorm tile (norm_tile_tokens)"),
+    ("trials/stack/tiling.py", "_tiled_norm", "RMSNorm tile (norm_tile_tokens)"),
+    ("trials/stack/tiling.py", "_mlp_body", "MLP tile (mlp_tile_tokens)"),
+    ("trials/stack/tiling.py", "_tiled_mlp", "MLP tile (mlp_tile_tokens)"),
+    ("trials/stack/upipe.py", "", "UPipe head chunk (head_chunk)"),
     ("sequence_parallel/ulysses_sp.py", "", "Ulysses (ulysses_degree)"),
     ("deepspeed/sequence/", "", "Ulysses (ulysses_degree)"),
-    ("trials/offload.py", "", "activation offload copy (activation_offload_layers)"),
+    ("trials/stack/offload.py", "", "activation offload copy (activation_offload_layers)"),
     ("torch/distributed/fsdp/", "", "FSDP (fsdp)"),
     ("torch/optim/", "", "optimizer step"),
     ("torch/utils/checkpoint.py", "", "checkpoint recompute (activation_checkpointing)"),
-    ("trials/attention.py", "", "attention kernel"),
+    ("trials/kernels/attention.py", "", "attention kernel"),
 )
 # Collectives by the op's name: their outputs are the technique's communication buffers.
 COLLECTIVES = (

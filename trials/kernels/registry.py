@@ -7,7 +7,7 @@ hardware preset offers, what an export writes) derives from these declarations.
 
 A flash kernel has three entry points (``EntryPoints``), each ``"module:attribute"``: the autograd function of a
 whole layer, and the low-level forward (returning the logsumexp) and backward (taking it) that head-chunked
-attention drives. How each is called (argument names and forms) is code, in ``trials.attention``. The names and
+attention drives. How each is called (argument names and forms) is code, in ``trials.kernels.attention``. The names and
 signatures are those of Dao-AILab/flash-attention at commit 0251105a2fb19d2957484b7f023cd8c115286ced:
     FA2  flash_attn/flash_attn_interface.py  flash_attn_func (l. 1156), _flash_attn_forward (l. 85, exported as
          _wrapped_flash_attn_forward), _flash_attn_backward (l. 253, _wrapped_flash_attn_backward)
@@ -195,3 +195,23 @@ def usable_here() -> tuple[str, ...]:
     SDPA everywhere). What a search of real trials on this node may propose."""
     major = this_node_compute_capability()
     return tuple(name for name in KERNEL_NAMES if kernel_problem(name, major) is None)
+
+
+def attention_kernel_problem(attention: str, features: dict, on_gpu: bool) -> str | None:
+    """Why kernel ``attention`` cannot run a model whose attention needs ``features``
+    (``trials.models.families.Family.attention_features``: ``window``, ``softcap``) on a GPU or on the CPU (None: it can).
+    Every flash kernel (``trials.kernels.registry.FLASH_KERNELS``) runs both; torch's SDPA runs a window on the CPU kernel only
+    (as masked blocks) and no softcap."""
+    if attention in FLASH_KERNELS or attention not in KERNEL_NAMES:  # unknown names: ``problems`` says so
+        return None
+    if features.get("softcap"):
+        return (
+            f"attention 'sdpa' cannot softcap attention logits (attn_logit_softcapping {features['softcap']:g}): "
+            f"use a flash kernel ({', '.join(FLASH_KERNELS)})"
+        )
+    if features.get("window") and on_gpu:
+        return (
+            f"attention 'sdpa' runs sliding windows (sliding_window {features['window']:,}) on the CPU only: "
+            f"use a flash kernel ({', '.join(FLASH_KERNELS)}) on GPUs"
+        )
+    return None

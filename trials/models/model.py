@@ -11,10 +11,10 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from trials import attention
-from trials.families import family_of
-from trials.fsdp import is_sharded
-from trials.memory import active_tracker
+from trials.core.dist import is_sharded
+from trials.core.memory import active_tracker
+from trials.kernels import attention
+from trials.models.families import family_of
 
 _CONFIG_ONLY_KEYS = ("_name", "_source")  # autotune's own keys, not transformers'
 
@@ -42,7 +42,7 @@ def build_model(
     """
     from transformers import AutoModelForCausalLM
 
-    from trials import moe
+    from trials.models import moe
 
     attention.register()
     config = hf_config(model_config)
@@ -133,7 +133,7 @@ def init_weights(model: TrainingModel, seed: int = 0) -> None:
     experts' biases 0; a 3-D weight's rows are its leading dims flattened ([E, out, in] -> [E * out, in]), so a
     dim-0 shard (whole experts) is a contiguous range of them and a block stays ``INIT_BLOCK_ROWS`` x ``in``.
     """
-    from trials import moe
+    from trials.models import moe
 
     std = getattr(model.config, "initializer_range", None) or 0.02
     norm_init = family_of(model.config.model_type).norm_weight_init
@@ -230,7 +230,7 @@ class TrainingModel(nn.Module):
     """A causal LM whose forward returns ``loss_sum * scale`` for this rank's tokens.
 
     ``scale`` is chosen by the caller so that gradients summed (or averaged) over ranks equal those of the
-    plain single-process mean loss; see ``trials.step``. ``loss_fn`` is swapped by loss tiling.
+    plain single-process mean loss; see ``trials.training.step``. ``loss_fn`` is swapped by loss tiling.
     """
 
     def __init__(self, lm: nn.Module):
@@ -269,7 +269,7 @@ def set_compute_dtype(model: TrainingModel, compute_dtype: torch.dtype) -> None:
     """Mixed precision, one scheme for every configuration: fp32 master weights, fp32 gradients, fp32 AdamW
     states; matmuls and activations in ``compute_dtype``.
 
-    - FSDP-sharded model: ``trials.fsdp.apply_fsdp(param_dtype=compute_dtype)`` already gives FSDP2's
+    - FSDP-sharded model: ``trials.stack.fsdp.apply_fsdp(param_dtype=compute_dtype)`` already gives FSDP2's
       ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: fp32 shards, bf16 all-gathered
       parameters, fp32 reduce-scatter into fp32 sharded gradients. Nothing to add here.
     - Not sharded (one rank, or replicated): the fp32 model runs its forward (loss included) under

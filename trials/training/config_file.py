@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trials.errors import ConfigError
-from trials.model_config import load_model_config
-from trials.techniques import Techniques
+from trials.core.errors import ConfigError
+from trials.models.config import load_model_config
+from trials.stack.techniques import Techniques
 
 SCHEMA = "autotune/config-v1"
 _KEYS = {"schema", "model", "hardware", "gpus", "nodes", "seq_len", "techniques", "predicted", "measured", "trainer"}

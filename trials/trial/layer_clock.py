@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from trials.memory import DeviceMemoryTracker
-from trials.segments import hidden_of, layer_input
+from trials.core.memory import DeviceMemoryTracker
+from trials.trial.segments import hidden_of, layer_input
 
 
 @dataclass

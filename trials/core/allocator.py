@@ -15,7 +15,7 @@ the process holds.
   when allocated and released when freed. What still pins through this allocator is FSDP2's CPU offload: its
   shards, once, and its gradients, each step (their shard sizes differ, and can share a power-of-two bucket);
   re-pinning those each step is a cost the trial measures. Activation offload does not use it: its host buffers
-  are an arena of their own, allocated once (``trials.offload.HostArena``). Blocks up to 1 MiB are rounded and
+  are an arena of their own, allocated once (``trials.stack.offload.HostArena``). Blocks up to 1 MiB are rounded and
   cached, each bucket then holding one size.
 
 A user's own value for a key wins over ours except for these keys, which the oracle's numbers rest on.

@@ -1,6 +1,6 @@
-"""The typed contract between a trial's launcher (``autotune``'s local backend) and ``trials.runner``.
+"""The typed contract between a trial's launcher (``autotune``'s local backend) and ``trials.trial.runner``.
 
-The launcher writes a ``TrialSpec`` as JSON and starts ``python -m trials.runner SPEC OUT_DIR`` (under torchrun
+The launcher writes a ``TrialSpec`` as JSON and starts ``python -m trials.trial.runner SPEC OUT_DIR`` (under torchrun
 for several ranks); each rank writes a ``RankRecord`` as ``OUT_DIR/rank{r}.json``. Both sides import these
 classes, so a field added on one side is known to the other.
 """
@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from trials.techniques import Techniques
+from trials.stack.techniques import Techniques
 
 
 @dataclass
@@ -30,10 +30,10 @@ class TrialSpec:
     compute_dtype: str | None = None  # "bf16" | "fp32"; None = the device's default (bf16 CUDA, fp32 CPU)
     collective_timeout_s: float = 600.0  # the process group's (NCCL watchdog's) timeout: above the longest step
     # reduced depth: shallower copies of the model to run instead of it, in order, each
-    # {"runs": [[kind, layers], ...], "techniques": {...}, "timed": bool} (``trials.segments.layer_runs``); a copy
+    # {"runs": [[kind, layers], ...], "techniques": {...}, "timed": bool} (``trials.trial.segments.layer_runs``); a copy
     # not timed runs one step after priming the optimizer states (memory only), a timed one warm-up + steps too
     copies: list[dict] = field(default_factory=list)
-    # the rank that records its memory timeline (``trials.memory_timeline``) as OUT_DIR/timeline{rank}.pickle:
+    # the rank that records its memory timeline (``trials.trial.memory_timeline``) as OUT_DIR/timeline{rank}.pickle:
     # on CUDA the allocator's history of the first measured step, on the CPU the tracker's events of the whole
     # run (the model's, or the first copy's); None: no rank records one
     timeline_rank: int | None = None
@@ -83,11 +83,11 @@ class RankRecord:
     layers: int | None = None  # decoder layers of the model that ran
     segments: list = field(default_factory=list)  # with runs: [phase, position, device_bytes, breakdown, host_bytes]
     copies: list[dict] = field(default_factory=list)  # reduced depth: one record (as a dict) per copy
-    # a timed copy's step split along its layers (``trials.layer_clock``), means over the measured steps:
+    # a timed copy's step split along its layers (``trials.trial.layer_clock``), means over the measured steps:
     layer_times_s: list[float] = field(default_factory=list)  # forward + backward of each decoder layer
     tail_time_s: float | None = None  # gradient reduction, norm, optimizer: scales with the parameters
     parameters: int | None = None  # parameters this rank holds
-    moe_routing: dict | None = None  # MoE models: the routing the steps saw (``trials.moe.routing_stats``)
+    moe_routing: dict | None = None  # MoE models: the routing the steps saw (``trials.models.moe.routing_stats``)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

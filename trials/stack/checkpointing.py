@@ -2,13 +2,13 @@
 
 Uses torch's non-reentrant checkpoint through ``checkpoint_wrapper`` (the torchtitan way), which composes
 with FSDP2 (shard the wrapper after wrapping). With ``offload_layers = N > 0`` the first N layers' kept inputs
-live on the host (``trials.offload``); layer N's wrapper also takes part, to prefetch layer N-1's input one layer
+live on the host (``trials.stack.offload``); layer N's wrapper also takes part, to prefetch layer N-1's input one layer
 ahead in backward.
 """
 
 from __future__ import annotations
 
-from trials.offload import ActivationOffload
+from trials.stack.offload import ActivationOffload
 
 
 def apply_activation_checkpointing(model, offload_layers: int = 0) -> None:

@@ -19,13 +19,13 @@ Host buffers (``HostArena``): one per offloaded layer, allocated at its first fo
 step, so the host memory activation offload holds is exactly the offloaded inputs' bytes, allocated once. On CUDA
 a buffer is an anonymous ``mmap`` page-locked with ``cudaHostRegister`` (unregistered when its storage is freed),
 not a block of torch's caching host allocator (``torch.empty(pin_memory=True)``), whose block sizes and reuse
-follow its settings and, in torch 2.13, can hand a request a smaller cached block (``trials.allocator``). Both copies of a buffer
+follow its settings and, in torch 2.13, can hand a request a smaller cached block (``trials.core.allocator``). Both copies of a buffer
 (D2H in forward, H2D in backward) run on the one side stream, so the next step's write into it starts after this
 step's read. A buffer holds the input of the latest forward: that forward's backward must run before the next
 forward of the model (as in a training step); a backward of an older graph raises instead of reading the newer
 input.
 
-On a CPU-only machine the "device" is simulated (``trials.memory.DeviceMemoryTracker``): the host buffers are
+On a CPU-only machine the "device" is simulated (``trials.core.memory.DeviceMemoryTracker``): the host buffers are
 made inside ``tracker.on_host()``, so the tracker counts them as host bytes once, from their allocation on, and
 sees the layer inputs' bytes leave the device and come back one layer ahead in backward. The memory oracle traces
 this same code on fake tensors, so its host bytes are the arena's. Nothing here depends on tensor values (runs
@@ -44,7 +44,7 @@ import weakref
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from trials.memory import active_tracker
+from trials.core.memory import active_tracker
 
 _CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, as torch's own pinning
 

@@ -15,7 +15,7 @@ replacing the process-wide HF registry, so several models can live in one proces
 
 from __future__ import annotations
 
-from trials.attention import causal_attention
+from trials.kernels.attention import causal_attention
 
 
 def _core_attention(kernel: str):

@@ -1,7 +1,7 @@
-"""What a knob declaration holds (``Knob``) and how ``trials.techniques.Techniques`` declares one (``knob``).
+"""What a knob declaration holds (``Knob``) and how ``trials.stack.techniques.Techniques`` declares one (``knob``).
 
-See ``trials.techniques`` for the meaning of each field; this module only defines the shapes, so that
-``trials.rules`` can read any declared table without importing the technique set itself."""
+See ``trials.stack.techniques`` for the meaning of each field; this module only defines the shapes, so that
+``trials.stack.rules`` can read any declared table without importing the technique set itself."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from trials.errors import ConfigError
-from trials.kernels import KERNEL_NAMES
+from trials.core.errors import ConfigError
+from trials.kernels.registry import KERNEL_NAMES
 
 ATTENTION_KERNELS = KERNEL_NAMES  # sdpa first (the default), then the flash kernels
 ALL_LAYERS = "all"  # the word for "every decoder layer" (resolved with the model's layer count)

@@ -8,10 +8,10 @@ sharded parameters, gradients and optimizer states live on the host and the opti
 
 On a CPU-only machine "host" and "device" are the same memory, so the tracker is told what would be on the host:
 FSDP2's sharded parameters and gradients of an offloaded module (the tracker hears of every tensor FSDP2 turns
-into a sharded DTensor through ``trials.patches.fsdp_shard_made``: the sharded parameters at ``fully_shard`` and
+into a sharded DTensor through ``trials.core.patches.fsdp_shard_made``: the sharded parameters at ``fully_shard`` and
 each new sharded gradient after the reduce-scatter) and everything the optimizer step allocates (its states).
 
-One rank with ``fsdp``: ``trials.dist.ensure_device_mesh`` gives the process a 1-rank group so ``fully_shard``
+One rank with ``fsdp``: ``trials.core.dist.ensure_device_mesh`` gives the process a 1-rank group so ``fully_shard``
 runs (shards are whole tensors; collectives are trivial). That is what ``optimizer_offload`` needs on one GPU.
 
 Without sharding but with several ranks, gradients are averaged with an all-reduce (``allreduce_grads``),
@@ -23,14 +23,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from trials.memory import active_tracker
+from trials.core.dist import is_sharded
+from trials.core.memory import active_tracker
 
 
 def apply_fsdp(model, mesh, optimizer_offload: bool = False, param_dtype: torch.dtype | None = None) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if mesh.device_mesh is None:
-        raise ValueError("apply_fsdp needs a mesh with a device mesh (trials.dist.ensure_device_mesh)")
+        raise ValueError("apply_fsdp needs a mesh with a device mesh (trials.core.dist.ensure_device_mesh)")
     offload = CPUOffloadPolicy(pin_memory=mesh.device.type == "cuda") if optimizer_offload else OffloadPolicy()
     if optimizer_offload:
         tracker = active_tracker()
@@ -40,12 +41,6 @@ def apply_fsdp(model, mesh, optimizer_offload: bool = False, param_dtype: torch.
     for layer in model.layers:
         fully_shard(layer, mesh=mesh.device_mesh, offload_policy=offload, mp_policy=precision)
     fully_shard(model, mesh=mesh.device_mesh, offload_policy=offload, mp_policy=precision)
-
-
-def is_sharded(model) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
 
 
 def allreduce_grads(model, mesh) -> None:

@@ -21,7 +21,7 @@ gradient is silently wrong if the loss is scaled after the call; here the weight
 its gradient flows through autograd like any other and scales correctly; (2) its backward branches on the value
 of the incoming gradient (``if grads[0] != 1.0``), which FakeTensorMode (the memory oracle) cannot evaluate.
 The loss scale is applied per tile inside (``TrainingModel.loss_fn(hidden, lm_head, labels, scale)`` contract):
-the result is ``sum of token cross-entropies * scale``, like ``trials.model.plain_loss``.
+the result is ``sum of token cross-entropies * scale``, like ``trials.models.model.plain_loss``.
 
 Tiled RMSNorm (``norm_tile_tokens``). HF's ``LlamaRMSNorm`` (and Qwen3's) upcasts its ``[b, s_l, h]`` input to
 fp32, and autograd keeps the fp32 input and the fp32 normalised tensor for backward, whose own temporaries are

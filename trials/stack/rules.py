@@ -2,7 +2,7 @@
 
 One place for every rule about which knob values fit a model and a world: config validation
 (``Techniques.validate``), the search space's filter (``autotune.search.space``) and ``trials.stack.apply``
-all call these, so a rule is stated once. ``techniques`` is a ``trials.techniques.Techniques``; its declared
+all call these, so a rule is stated once. ``techniques`` is a ``trials.stack.techniques.Techniques``; its declared
 knobs say which knob requires which, and which the length must divide. Nothing here imports torch.
 
     world     ranks of the job (``--gpus``)
@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import math
 
-from trials.kernels import FLASH_KERNELS
-from trials.knobs import ATTENTION_KERNELS, declared_knobs
+from trials.stack.knobs import ATTENTION_KERNELS, declared_knobs
 
 
 def ulysses_degree_problem(degree: int, world: int, heads: int, kv_heads: int) -> str | None:
@@ -48,26 +47,6 @@ def head_chunk_split_problem(chunk: int | None, degree: int, model_config: dict)
     """``head_chunk``'s ``split_by`` rule: why a chunk cannot run under Ulysses degree ``degree`` with the model's
     query heads (``head_chunk_problem``; None: it can)."""
     return head_chunk_problem(chunk, model_config["num_attention_heads"], degree)
-
-
-def attention_kernel_problem(attention: str, features: dict, on_gpu: bool) -> str | None:
-    """Why kernel ``attention`` cannot run a model whose attention needs ``features``
-    (``trials.families.Family.attention_features``: ``window``, ``softcap``) on a GPU or on the CPU (None: it can).
-    Every flash kernel (``trials.kernels.FLASH_KERNELS``) runs both; torch's SDPA runs a window on the CPU kernel only
-    (as masked blocks) and no softcap."""
-    if attention in FLASH_KERNELS or attention not in ATTENTION_KERNELS:  # unknown names: ``problems`` says so
-        return None
-    if features.get("softcap"):
-        return (
-            f"attention 'sdpa' cannot softcap attention logits (attn_logit_softcapping {features['softcap']:g}): "
-            f"use a flash kernel ({', '.join(FLASH_KERNELS)})"
-        )
-    if features.get("window") and on_gpu:
-        return (
-            f"attention 'sdpa' runs sliding windows (sliding_window {features['window']:,}) on the CPU only: "
-            f"use a flash kernel ({', '.join(FLASH_KERNELS)}) on GPUs"
-        )
-    return None
 
 
 def requirement_problems(techniques) -> list[str]:

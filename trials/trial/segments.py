@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from trials.memory import DeviceMemoryTracker, TrackerListener
+from trials.core.memory import DeviceMemoryTracker, TrackerListener
 
 
 @dataclass
@@ -46,10 +46,10 @@ def layer_runs(techniques, num_layers: int, layer_kinds: list[str] | None = None
     """The model's decoder layers as runs of identical layers: ``[(kind, count), ...]``.
 
     Layers differ with a partial activation offload (the first N layers' inputs live on the host,
-    ``trials.checkpointing``): an ``offload`` run and a ``device`` run; and by their attention (``layer_kinds``, one
+    ``trials.stack.checkpointing``): an ``offload`` run and a ``device`` run; and by their attention (``layer_kinds``, one
     per layer, e.g. Gemma's ``sliding_attention`` and ``full_attention``): within each of those runs, the layers of
     one kind form one run, ``"offload/sliding_attention"``, kinds in order of first appearance. A copy of the model
-    orders its layers that way (``trials.model_config.copy_for_runs``): a layer's cost does not depend on its place.
+    orders its layers that way (``trials.models.config.copy_for_runs``): a layer's cost does not depend on its place.
     """
     offload = techniques.activation_offload_layers
     parts = [("offload", 0, offload), ("device", offload, num_layers)] if 0 < offload < num_layers else None
@@ -65,7 +65,7 @@ def layer_runs(techniques, num_layers: int, layer_kinds: list[str] | None = None
 
 def model_runs(techniques, model_config: dict) -> list[tuple[str, int]]:
     """``layer_runs`` of the model ``model_config`` describes (its layers' attention kinds included)."""
-    from trials.model_config import layer_kinds
+    from trials.models.config import layer_kinds
 
     return layer_runs(techniques, model_config["num_hidden_layers"], layer_kinds(model_config))
 

@@ -1,7 +1,7 @@
 """Apply a tuned technique set to a model: one visible place where the stack is composed.
 
     from trials.stack import apply
-    apply(model, techniques, mesh)          # model: trials.model.TrainingModel
+    apply(model, techniques, mesh)          # model: trials.models.model.TrainingModel
 
 Order matters and mirrors torchtitan's ``parallelize``: attention swaps first (plain Ulysses, or head-chunked
 Ulysses which replaces the whole attention computation), then the sequence tiling of MLP, loss and RMSNorm (they replace
@@ -11,26 +11,26 @@ checkpointing and its offload per layer, then sharding, which must see the final
 Every knob is exact: the model trains the same loss and gradients (to rounding) as the plain single-process model.
 
     knob                        module              what it changes
-    ulysses_degree > 1          trials.ulysses      DeepSpeed UlyssesSPAttentionHF around the attention op
-    head_chunk                  trials.upipe        attention forward -> untied Ulysses (any degree, 1 included)
-    mlp_tile_tokens             trials.tiling       each MLP forward -> DeepSpeed TiledMLP
-    loss_tile_tokens            trials.tiling       model.loss_fn -> TiledLogitsLoss
-    norm_tile_tokens            trials.tiling       each RMSNorm forward -> TiledRMSNorm
-    activation_checkpointing    trials.checkpointing  checkpoint_wrapper per decoder layer
-    activation_offload_layers   trials.offload      the first N checkpointed inputs live on the host
-    fsdp / optimizer_offload    trials.fsdp         fully_shard per layer + root; CPUOffloadPolicy
+    ulysses_degree > 1          trials.stack.ulysses      DeepSpeed UlyssesSPAttentionHF around the attention op
+    head_chunk                  trials.stack.upipe        attention forward -> untied Ulysses (any degree, 1 included)
+    mlp_tile_tokens             trials.stack.tiling       each MLP forward -> DeepSpeed TiledMLP
+    loss_tile_tokens            trials.stack.tiling       model.loss_fn -> TiledLogitsLoss
+    norm_tile_tokens            trials.stack.tiling       each RMSNorm forward -> TiledRMSNorm
+    activation_checkpointing    trials.stack.checkpointing  checkpoint_wrapper per decoder layer
+    activation_offload_layers   trials.stack.offload      the first N checkpointed inputs live on the host
+    fsdp / optimizer_offload    trials.stack.fsdp         fully_shard per layer + root; CPUOffloadPolicy
 """
 
 from __future__ import annotations
 
-from trials.checkpointing import apply_activation_checkpointing
-from trials.dist import Mesh, ensure_device_mesh
-from trials.fsdp import apply_fsdp
-from trials.rules import requirement_problems
-from trials.techniques import Techniques
-from trials.tiling import apply_loss_tiling, apply_mlp_tiling, apply_norm_tiling
-from trials.ulysses import apply_ulysses, attention_modules
-from trials.upipe import apply_head_chunking
+from trials.core.dist import Mesh, ensure_device_mesh
+from trials.stack.checkpointing import apply_activation_checkpointing
+from trials.stack.fsdp import apply_fsdp
+from trials.stack.rules import requirement_problems
+from trials.stack.techniques import Techniques
+from trials.stack.tiling import apply_loss_tiling, apply_mlp_tiling, apply_norm_tiling
+from trials.stack.ulysses import apply_ulysses, attention_modules
+from trials.stack.upipe import apply_head_chunking
 
 
 def apply(model, techniques: Techniques, mesh: Mesh, param_dtype=None):

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from trials.data import Batch
-from trials.fsdp import allreduce_grads
-from trials.memory import active_tracker
-from trials.model import build_model, default_compute_dtype, materialize, set_compute_dtype
+from trials.core.memory import active_tracker
+from trials.models.model import build_model, default_compute_dtype, materialize, set_compute_dtype
 from trials.stack import apply
+from trials.stack.fsdp import allreduce_grads
+from trials.training.data import Batch
 
 
 @dataclass
@@ -40,7 +40,7 @@ def build_training(
     """Model from the preset (seeded), the technique stack applied, and its AdamW optimizer.
 
     ``compute_dtype``: None = bf16 on CUDA, fp32 on CPU; fp32 master weights either way (see
-    ``trials.model.set_compute_dtype``). ``tracker``: a ``DeviceMemoryTracker`` (default: the active one, if any),
+    ``trials.models.model.set_compute_dtype``). ``tracker``: a ``DeviceMemoryTracker`` (default: the active one, if any),
     as for ``forward_backward`` and ``train_step``. ``fused_optimizer``: AdamW's fused kernel, ``adamw`` its other options (``make_optimizer``)."""
     tracker = tracker if tracker is not None else active_tracker()
     compute_dtype = compute_dtype or default_compute_dtype(mesh.device)

@@ -1,6 +1,6 @@
 """Untied Ulysses (UPipe, arXiv 2602.21196): sequence-parallel attention processed a chunk of heads at a time.
 
-Plain DeepSpeed-Ulysses (``trials.ulysses``) projects q/k/v for *all* heads of this rank's sequence shard, swaps
+Plain DeepSpeed-Ulysses (``trials.stack.ulysses``) projects q/k/v for *all* heads of this rank's sequence shard, swaps
 the sequence shard for a head shard with one all-to-all per tensor, runs attention over the full sequence for
 ``H/P`` heads, and swaps back. Every intermediate is as large as the layer's full q/k/v: at 5M tokens that, not
 the weights, is what decides whether a layer fits. Untied Ulysses unties the projection from the all-to-all:
@@ -55,7 +55,7 @@ layer input, the output buffer (which ``o_proj`` saves anyway -- same storage) a
 (``[b, c, s]`` fp32, 1/d of an output). Backward walks the chunks again, per chunk: recompute q (and, once per
 kv group, k/v), exchange them and the chunk's output and output gradient, call the attention kernel's
 *backward* directly with the saved logsumexp (no attention recompute, see
-``trials.attention.attention_backward``), exchange dq/dk/dv back, then push them through rope (its explicit
+``trials.kernels.attention.attention_backward``), exchange dq/dk/dv back, then push them through rope (its explicit
 adjoint, so the pre-rope tensor need not be kept), the optional norm (autograd on a recomputed norm) and the
 projection (explicit matmuls accumulating into d_hidden and into the weight-gradient rows of the chunk). So the
 attention's working set in forward *and* backward is one chunk's, ``~c/L`` of plain Ulysses'. The price is
@@ -69,11 +69,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from trials.attention import attention_backward, attention_forward, head_layout
-from trials.families import family_of
-from trials.ulysses import attention_modules
+from trials.kernels.attention import attention_backward, attention_forward, head_layout
+from trials.models.families import family_of
+from trials.stack.ulysses import attention_modules
 
-# The attention modules of every family ``trials.families`` declares have this forward: q/k/v projections (separate,
+# The attention modules of every family ``trials.models.families`` declares have this forward: q/k/v projections (separate,
 # or one fused ``qkv_proj``), optional per-head q_norm/k_norm over head_dim, HF rotary (``x * cos + rotate_half(x) *
 # sin``), causal attention (optionally windowed, optionally softcapped), o_proj.
 

@@ -6,7 +6,7 @@ Shapes (Hugging Face convention at the call site):
 
 Causal masking is implied (training on whole sequences; position ids are not packed), so no [seq, seq] mask
 is ever built. A layer may attend through a sliding window ``W`` (Hugging Face's ``sliding_window``: query ``i``
-sees keys ``i-W+1 .. i``) and may softcap its logits (Gemma 2). Kernels (``trials.kernels``):
+sees keys ``i-W+1 .. i``) and may softcap its logits (Gemma 2). Kernels (``trials.kernels.registry``):
 - ``flash`` / ``flash3`` / ``flash4``: FlashAttention 2 / 3 / 4's ``flash_attn_func`` (CUDA, GQA natively, layout
   "bshd"; a window is its ``window_size`` -- (W - 1, 0), unlimited (-1, -1), FA4's (None, None) -- a softcap its
   ``softcap``). Head-chunked attention drives each one's low-level forward and backward (below);
@@ -15,7 +15,7 @@ sees keys ``i-W+1 .. i``) and may softcap its logits (Gemma 2). Kernels (``trial
   2 * seq * (q_heads - kv_heads) * head_dim elements per layer — part of the known footprint. A window runs as
   blocks of ``WINDOW_BLOCK`` queries, each over its band of keys with a [block, block + W - 1] mask: memory
   O(block * W), never O(seq^2). What SDPA cannot run (a window on CUDA, any softcap) is refused with the reason
-  (``trials.rules.attention_kernel_problem``).
+  (``trials.kernels.registry.attention_kernel_problem``).
 
 The model calls attention through the HF interface registered under the name ``autotune``; each
 attention module may carry ``module.autotune_attention`` (set by Ulysses / head chunking) that replaces
@@ -29,7 +29,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from trials.kernels import FLASH_KERNELS, KERNELS, install_problem, kernel_problem
+from trials.kernels.registry import FLASH_KERNELS, KERNELS, attention_kernel_problem, install_problem, kernel_problem
 
 ATTN_IMPLEMENTATION = "autotune"
 
@@ -44,7 +44,7 @@ _stand_ins: dict[str, dict] = {}  # kernel name -> {"layer", "forward", "backwar
 
 @contextlib.contextmanager
 def flash_kernels(layer, forward=None, backward=None, kernel: str = "flash"):
-    """Use stand-ins for flash kernel ``kernel``'s entry points (``trials.kernels.EntryPoints``: ``layer``,
+    """Use stand-ins for flash kernel ``kernel``'s entry points (``trials.kernels.registry.EntryPoints``: ``layer``,
     ``forward``, ``backward``; None keeps the real one) on any device while inside (restored on exit): the memory
     oracle runs the flash kernels under FakeTensorMode on a CPU-only torch with their memory footprints, and CPU
     tests run them through stand-ins with the real call signatures."""
@@ -115,8 +115,6 @@ def band(window: int | None, seq_len: int) -> int | None:
 
 
 def _refuse(kernel: str, device: torch.device, window, softcap) -> None:
-    from trials.rules import attention_kernel_problem
-
     features = {"window": window} if window else {}
     if softcap:
         features["softcap"] = softcap

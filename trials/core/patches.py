@@ -1,7 +1,7 @@
 """Every patch of torch and DeepSpeed internals the trials need, as context managers that restore what they
 change.
 
-torch offers no public hook for these events, and the CPU memory tracker (``trials.memory``) and the memory
+torch offers no public hook for these events, and the CPU memory tracker (``trials.core.memory``) and the memory
 oracle need them; DeepSpeed offers no switch to skip a set-up step whose result no trial uses. Each manager
 wraps one attribute, calls ``callback`` at the event (if it has one), and puts the original back on exit
 (nesting is fine: an inner manager wraps the outer one's wrapper and restores it).

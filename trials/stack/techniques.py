@@ -5,11 +5,11 @@ A knob is a field of ``Techniques`` whose metadata (``knob(...)``) says what the
     kind            bool | int | tokens (K/M suffixes in YAML) | choice (one of ``choices``)
     default         the value with the technique off (the plain model)
     nullable        ``None`` is a value (``head_chunk``: null = plain Ulysses)
-    minimum         the smallest value allowed (checked by ``trials.rules``)
+    minimum         the smallest value allowed (checked by ``trials.stack.rules``)
     requires        (knob, why): this one may be set (not its default) only with that one on
     sampled_when    (knob, predicate): a search samples it only when the other knob's value passes
     split_by        (knob, tag, rule): its choices depend on that knob's value: ``rule(choice, value,
-                    model_config)`` (``trials.rules``) says why a choice cannot run with it (None: it can), and
+                    model_config)`` (``trials.stack.rules``) says why a choice cannot run with it (None: it can), and
                     each value has its own search parameter ``{name}_{tag}{value}`` (Optuna learns each branch)
     words           YAML/CLI words for values: ``{"none": 0, "all": ALL_LAYERS}``
     less_memory     which change needs less memory: ``on`` (True), ``larger`` (the next larger choice),
@@ -21,7 +21,7 @@ A knob is a field of ``Techniques`` whose metadata (``knob(...)``) says what the
                     with a ``requires`` / ``sampled_when`` parent joins its parent's part of the label
     doc             one line: what it does
 
-``trials.rules`` holds the structural rules (divisibility by heads and ranks, ranges, requirements) as pure
+``trials.stack.rules`` holds the structural rules (divisibility by heads and ranks, ranges, requirements) as pure
 functions that config validation, the search space's filter and ``trials.stack.apply`` all call.
 Adding a knob = one field here + its technique module (``trials.stack``) + tests.
 """
@@ -31,9 +31,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from trials.errors import ConfigError
-from trials.knobs import ALL_LAYERS, ATTENTION_KERNELS, Knob, declared_knobs, knob
-from trials.rules import attention_kernel_problem, head_chunk_split_problem, problems
+from trials.core.errors import ConfigError
+from trials.kernels.registry import attention_kernel_problem
+from trials.stack.knobs import ALL_LAYERS, ATTENTION_KERNELS, Knob, declared_knobs, knob
+from trials.stack.rules import head_chunk_split_problem, problems
 
 __all__ = ["ALL_LAYERS", "ATTENTION_KERNELS", "BASELINE", "Knob", "Techniques", "knob_names", "knobs"]
 
@@ -163,10 +164,10 @@ class Techniques:
     ) -> Techniques:
         """Refuse (``ConfigError``, the first reason) what cannot run on ``gpus`` ranks; returns self. With
         ``on_gpu`` (the devices are GPUs, or the CPU), also an attention kernel that cannot run the model's
-        attention there (``trials.rules.attention_kernel_problem``)."""
+        attention there (``trials.kernels.registry.attention_kernel_problem``)."""
         found = problems(self, model_config, gpus, seq_len)
         if on_gpu is not None:
-            from trials.model_config import attention_features
+            from trials.models.config import attention_features
 
             kernel = attention_kernel_problem(self.attention, attention_features(model_config), on_gpu)
             found += [kernel] if kernel else []

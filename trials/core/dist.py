@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from trials.patches import deepspeed_shm_comm_op_skipped
+from trials.core.patches import deepspeed_shm_comm_op_skipped
 
 
 @dataclass
@@ -125,3 +125,9 @@ def build_mesh(sp_degree: int, device: torch.device, timeout_s: float | None = N
     return Mesh(
         rank=rank, world_size=world_size, sp_degree=sp_degree, device=device, sp_group=sp_group, device_mesh=device_mesh
     )
+
+
+def is_sharded(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)

@@ -1,14 +1,14 @@
 """Run one trial: build, apply the stack, train warm-up + measured steps, write this rank's record.
 
-Launched by the local backend as ``torchrun --nproc-per-node N -m trials.runner SPEC OUT_DIR`` (or plain
-``python -m trials.runner`` for one rank). SPEC is a ``trials.spec.TrialSpec`` as JSON. Each rank writes its
-``trials.spec.RankRecord`` as ``OUT_DIR/rank{r}.json``: status, timings, its peak device bytes and breakdown,
+Launched by the local backend as ``torchrun --nproc-per-node N -m trials.trial.runner SPEC OUT_DIR`` (or plain
+``python -m trials.trial.runner`` for one rank). SPEC is a ``trials.trial.spec.TrialSpec`` as JSON. Each rank writes its
+``trials.trial.spec.RankRecord`` as ``OUT_DIR/rank{r}.json``: status, timings, its peak device bytes and breakdown,
 and the loss / grad norm of the first step. A rank that fails writes its record and exits non-zero at once, so
 torchrun tears the job down instead of leaving peers blocked in a collective.
 
-Memory: on the CPU (the simulated device) the tracker (``trials.memory``) watches every step and is the
+Memory: on the CPU (the simulated device) the tracker (``trials.core.memory``) watches every step and is the
 measurement. On CUDA the caching allocator is: the run's peaks, and with ``runs`` each segment's peak
-(``trials.segments.AllocatorPeaks``); the tracker watches only the steps that are not timed (the warm-up, or the
+(``trials.trial.segments.AllocatorPeaks``); the tracker watches only the steps that are not timed (the warm-up, or the
 first step) for the breakdown by category and the host bytes, so the timed steps run without its dispatch mode.
 """
 
@@ -24,16 +24,18 @@ from pathlib import Path
 
 import torch
 
-from trials import allocator, memory_timeline, moe
-from trials.data import make_batch, synthetic_sample
-from trials.dist import init_mesh
-from trials.layer_clock import LayerClock, local_parameter_count, mean_step_times
-from trials.memory import DeviceMemoryTracker
-from trials.model_config import copy_for_runs
-from trials.segments import AllocatorPeaks, SegmentPeaks, install_segment_hooks, segment_label
-from trials.spec import RankRecord, TrialSpec, timeline_path
-from trials.step import build_training, prime_optimizer, train_step
-from trials.techniques import Techniques
+from trials.core import allocator
+from trials.core.dist import init_mesh
+from trials.core.memory import DeviceMemoryTracker
+from trials.models import moe
+from trials.models.config import copy_for_runs
+from trials.stack.techniques import Techniques
+from trials.training.data import make_batch, synthetic_sample
+from trials.training.step import build_training, prime_optimizer, train_step
+from trials.trial import memory_timeline
+from trials.trial.layer_clock import LayerClock, local_parameter_count, mean_step_times
+from trials.trial.segments import AllocatorPeaks, SegmentPeaks, install_segment_hooks, segment_label
+from trials.trial.spec import RankRecord, TrialSpec, timeline_path
 
 
 def _allocator_peaks(device: torch.device) -> AllocatorPeaks | None:
@@ -190,10 +192,10 @@ def _run_model(
 ) -> RankRecord:
     """Build ``model_config`` with ``techniques``, run warm-up + measured steps, record memory and time.
 
-    With ``runs`` (a shallower copy of the model, its decoder layers as runs, ``trials.segments.layer_runs``): the
+    With ``runs`` (a shallower copy of the model, its decoder layers as runs, ``trials.trial.segments.layer_runs``): the
     optimizer states are primed first (as the oracle traces) and each segment's peak is recorded; ``timed``
-    also splits the measured steps along the layers (``trials.layer_clock``), else one step runs, for memory.
-    ``timeline``: write this run's memory timeline there (``trials.memory_timeline``), whatever its outcome: on the
+    also splits the measured steps along the layers (``trials.trial.layer_clock``), else one step runs, for memory.
+    ``timeline``: write this run's memory timeline there (``trials.trial.memory_timeline``), whatever its outcome: on the
     CPU the tracker's every allocation and free from the model's build to the last step (its peak is the tracker's
     measured peak), on CUDA the allocator's history of the first measured step."""
     seq_len, steps, warmup, seed = spec.seq_len, spec.steps, spec.warmup, spec.seed

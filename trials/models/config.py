@@ -1,7 +1,7 @@
-"""Model configs: Hugging Face ``config.json`` files of the families ``trials.families`` declares, shipped presets or
+"""Model configs: Hugging Face ``config.json`` files of the families ``trials.models.families`` declares, shipped presets or
 a path.
 
-Presets live in ``trials/models/*.json`` (random weights are built from them; no hub, no downloads); each names the
+Presets live in ``trials/models/presets/*.json`` (random weights are built from them; no hub, no downloads); each names the
 published config it copies in ``_source``.
 """
 
@@ -12,8 +12,8 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from trials.errors import ConfigError
-from trials.families import FULL, MODEL_TYPES, SLIDING, Family, family_of
+from trials.core.errors import ConfigError
+from trials.models.families import FULL, MODEL_TYPES, SLIDING, Family, family_of
 
 _REQUIRED_MODEL_KEYS = (
     "hidden_size",
@@ -26,7 +26,7 @@ ATTENTION_LAYER_TYPES = (FULL, SLIDING)  # what the attention kernels run: full 
 
 
 def _preset_path(name: str) -> Path:
-    return Path(str(resources.files("trials") / "models")) / f"{name}.json"
+    return Path(str(resources.files("trials.models") / "presets")) / f"{name}.json"
 
 
 def model_names() -> list[str]:
@@ -125,7 +125,7 @@ def hf_config_of(model_config: dict):
 
 @functools.lru_cache(maxsize=64)
 def _hf_config_cached(config_json: str):
-    from trials.model import hf_config
+    from trials.models.model import hf_config
 
     return hf_config(json.loads(config_json))
 
@@ -140,7 +140,7 @@ def with_layers(model_config: dict, layers: int) -> dict:
 
 
 def copy_for_runs(model_config: dict, runs) -> dict:
-    """The config of the copy of the model whose decoder layers are ``runs`` (``trials.segments.layer_runs``): as
+    """The config of the copy of the model whose decoder layers are ``runs`` (``trials.trial.segments.layer_runs``): as
     deep as the runs, its layers' attention kinds in the runs' order where the runs name them."""
     depth = sum(int(n) for _, n in runs)
     kinds = [kind.split("/", 1)[1] for kind, n in runs for _ in range(int(n)) if "/" in kind]
@@ -174,7 +174,7 @@ def experts(model_config: dict) -> tuple[int, int] | None:
 
 def parameter_count(config: dict) -> int:
     """Parameters of the model, counted on the model ``transformers`` builds (on the meta device: no memory)."""
-    from trials.model import build_model
+    from trials.models.model import build_model
 
     model = build_model(config, device="meta")
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

@@ -1,0 +1,6 @@
+"""What every other room of ``trials`` builds on: ``ConfigError`` (``errors``), process groups and the mesh
+(``dist``), the device-memory tracker that techniques report their allocations to (``memory``), the allocator's
+settings (``allocator``) and patches of torch internals, each a context manager (``patches``).
+
+Imports nothing else from ``trials``. Nothing here knows about a model, a knob or a trial.
+"""
