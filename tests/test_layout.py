@@ -20,7 +20,44 @@ def test_import_contracts_hold():
         [str(lint), "--config", str(ROOT / "pyproject.toml")], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "3 kept, 0 broken" in done.stdout
+    assert "4 kept, 0 broken" in done.stdout
+
+
+ROOMS = ("core", "kernels", "models", "stack", "training", "trial")
+
+
+def test_trials_is_rooms_and_its_public_faces():
+    """``trials`` holds its rooms (each a package whose docstring says what belongs there) and, beside them, only
+    the public faces: the plugin ``trials.hf`` and the trainer ``trials.train``."""
+    top = ROOT / "trials"
+    assert sorted(p.name for p in top.glob("*.py")) == ["__init__.py", "hf.py", "train.py"]
+    packages = sorted(p.parent.name for p in top.glob("*/__init__.py"))
+    assert packages == sorted(ROOMS)
+    for room in ROOMS:
+        assert "May import" in ast.get_docstring(ast.parse((top / room / "__init__.py").read_text()))
+
+
+def _lint_copy(tmp_path, module: str, planted: str) -> subprocess.CompletedProcess:
+    """``lint-imports`` over a copy of the checkout's packages with ``planted`` appended to ``module``."""
+    import shutil
+
+    for package in ("trials", "autotune"):
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    target = tmp_path / module
+    target.write_text(target.read_text() + "\n" + planted + "\n")
+    lint = Path(sys.executable).with_name("lint-imports")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)}
+    return subprocess.run(
+        [str(lint), "--config", "pyproject.toml"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+def test_an_upward_import_between_rooms_fails_the_contracts(tmp_path):
+    """A model family reaching up into the stack, even inside a function, breaks the rooms' layers."""
+    done = _lint_copy(tmp_path, "trials/models/families.py", "def _up():\n    from trials.stack import rules  # noqa")
+    assert done.returncode != 0
+    assert "the library's rooms import downwards only BROKEN" in done.stdout, done.stdout[-3000:]
 
 
 def test_no_module_under_trials_imports_autotune():

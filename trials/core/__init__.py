@@ -2,5 +2,5 @@
 (``dist``), the device-memory tracker that techniques report their allocations to (``memory``), the allocator's
 settings (``allocator``) and patches of torch internals, each a context manager (``patches``).
 
-Imports nothing else from ``trials``. Nothing here knows about a model, a knob or a trial.
+May import nothing else from ``trials``: nothing here knows about a model, a knob or a trial.
 """

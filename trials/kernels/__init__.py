@@ -6,3 +6,18 @@ attention op that calls them (``attention``: the causal and windowed attention o
 A new kernel is a declaration in ``registry`` and its calling convention in ``attention``. May import
 ``trials.core`` only.
 """
+
+from __future__ import annotations
+
+import importlib
+
+
+def __getattr__(name: str):
+    """``trials.kernels.KERNELS`` and the other declarations, as the flat module of earlier releases held them."""
+    if name.startswith("__"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    registry = importlib.import_module("trials.kernels.registry")
+    try:
+        return getattr(registry, name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
