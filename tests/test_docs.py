@@ -75,3 +75,12 @@ def test_the_training_page_lists_every_option_of_the_trainer():
     flags = [flag for action in parser()._actions for flag in action.option_strings if flag.startswith("--")]
     missing = [flag for flag in flags if flag != "--help" and f"`{flag}" not in table]
     assert len(flags) > 20 and not missing, missing
+
+
+def test_the_readme_knob_table_names_every_attention_kernel():
+    """README's ``attention`` row names each kernel ``trials.kernels.registry`` declares, so a new kernel shows up
+    in the table users read."""
+    from trials.kernels.registry import KERNEL_NAMES
+
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `attention` |"))
+    assert [name for name in KERNEL_NAMES if f"`{name}`" not in row] == []

@@ -10,15 +10,15 @@ checkpointing and its offload per layer, then sharding, which must see the final
 
 Every knob is exact: the model trains the same loss and gradients (to rounding) as the plain single-process model.
 
-    knob                        module              what it changes
-    ulysses_degree > 1          trials.stack.ulysses      DeepSpeed UlyssesSPAttentionHF around the attention op
-    head_chunk                  trials.stack.upipe        attention forward -> untied Ulysses (any degree, 1 included)
-    mlp_tile_tokens             trials.stack.tiling       each MLP forward -> DeepSpeed TiledMLP
-    loss_tile_tokens            trials.stack.tiling       model.loss_fn -> TiledLogitsLoss
-    norm_tile_tokens            trials.stack.tiling       each RMSNorm forward -> TiledRMSNorm
-    activation_checkpointing    trials.stack.checkpointing  checkpoint_wrapper per decoder layer
-    activation_offload_layers   trials.stack.offload      the first N checkpointed inputs live on the host
-    fsdp / optimizer_offload    trials.stack.fsdp         fully_shard per layer + root; CPUOffloadPolicy
+    knob                        module                       what it changes
+    ulysses_degree > 1          trials.stack.ulysses         DeepSpeed UlyssesSPAttentionHF around the attention op
+    head_chunk                  trials.stack.upipe           attention forward -> untied Ulysses (any degree, 1 included)
+    mlp_tile_tokens             trials.stack.tiling          each MLP forward -> DeepSpeed TiledMLP
+    loss_tile_tokens            trials.stack.tiling          model.loss_fn -> TiledLogitsLoss
+    norm_tile_tokens            trials.stack.tiling          each RMSNorm forward -> TiledRMSNorm
+    activation_checkpointing    trials.stack.checkpointing   checkpoint_wrapper per decoder layer
+    activation_offload_layers   trials.stack.offload         the first N checkpointed inputs live on the host
+    fsdp / optimizer_offload    trials.stack.fsdp            fully_shard per layer + root; CPUOffloadPolicy
 """
 
 from __future__ import annotations
