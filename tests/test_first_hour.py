@@ -79,3 +79,17 @@ def test_the_cli_is_thin():
         if "typer._" in line
     ]
     assert not private, private
+
+
+def test_help_shows_flags_as_flags_and_no_markup(capsys, monkeypatch):
+    """Every command's ``--help``: a flag has no value type (not ``<bool>``), and a docstring's code is rendered,
+    not shown with its backticks."""
+    from autotune.cli import app, main
+
+    monkeypatch.setenv("COLUMNS", "200")
+    names = [command.name or command.callback.__name__ for command in app.registered_commands]
+    for argv in ([], *([name] for name in names)):
+        assert main([*argv, "--help"]) == 0
+        shown = capsys.readouterr().out
+        assert "--help" in shown, argv
+        assert "<bool>" not in shown and "`" not in shown, (argv, shown)

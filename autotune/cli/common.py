@@ -18,6 +18,21 @@ class CommandInterrupted(Exception):
     """A KeyboardInterrupt a command did not handle, carried past Typer (which would exit 130 without a word)."""
 
 
+def _flags_take_no_value(params: list) -> list:
+    """``params`` with no value type shown for a flag in ``--help`` (typer would show ``<bool>``)."""
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+class Command(typer.core.TyperCommand):
+    """Every command's class (``app.command`` gives it): its help shows a flag as a flag."""
+
+    def get_params(self, ctx):
+        return _flags_take_no_value(super().get_params(ctx))
+
+
 class _Commands(typer.core.TyperGroup):
     def invoke(self, ctx):
         try:
@@ -25,12 +40,21 @@ class _Commands(typer.core.TyperGroup):
         except KeyboardInterrupt as exc:
             raise CommandInterrupted from exc
 
+    def get_params(self, ctx):
+        return _flags_take_no_value(super().get_params(ctx))
 
-app = typer.Typer(
+
+class _App(typer.Typer):
+    def command(self, *args, cls: type[typer.core.TyperCommand] = Command, **kwargs):
+        return super().command(*args, cls=cls, **kwargs)
+
+
+app = _App(
     cls=_Commands,
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",  # a docstring's `code` renders as code, its lines are one paragraph
     help="Find the memory/throughput configuration for multi-million-token training.",
 )
 console = Console(stderr=True, soft_wrap=True)  # a line as written: a wrapped path or command breaks when pasted
