@@ -282,6 +282,16 @@ CASES += [
     ("--save-every without --save", ["run", "--config", "{d}/run-config.json", "--save-every", "10"], "need --save"),
     ("--schedule unknown", ["run", "--config", "{d}/run-config.json", "--schedule", "linear"], "invalid choice"),
     ("--min-lr above --lr", ["run", "--config", "{d}/run-config.json", "--min-lr", "1"], "--min-lr must lie in"),
+    (
+        "a trainer option abbreviated",
+        ["run", "--config", "{d}/run-config.json", "--log", "{d}/train.jsonl"],
+        "unrecognized arguments: --log",
+    ),
+    (
+        "an unknown trainer option",
+        ["run", "--config", "{d}/run-config.json", "--bogus-option", "3"],
+        "unrecognized arguments: --bogus-option 3",
+    ),
 ]
 
 # ``--memory-timeline`` / ``--memory-snapshot`` / ``--rank``: checked before any trace
