@@ -347,10 +347,13 @@ COMMAND_ARGV = {
 
 
 def numeric_options() -> list[tuple[str, str, type]]:
-    """(command, flag, int or float) for every numeric option of every command, read from the typer app."""
+    """(command, flag, int or float) for every numeric option of every command, read from the typer app; ``run``'s
+    are trials.train's (its parser declares them), of which those ``RANGES`` names (the trainer checks the rest)."""
     from autotune.cli import app
+    from autotune.cli.options import RANGES
+    from autotune.cli.run import trainer_options
 
-    found = []
+    found = [("run", flag, action.type) for flag, action in trainer_options() if flag in RANGES]
     for command in app.registered_commands:
         function = command.callback
         hints = typing.get_type_hints(function)

@@ -57,13 +57,13 @@ def test_run_prints_its_training_command_on_one_line(tmp_path):
     command = next(line for line in done.stderr.splitlines() if "torch.distributed.run" in line)
     words = shlex.split(command)
     assert words[1:3] == ["-m", "torch.distributed.run"] and words[-6:] == [
+        "-m",
+        "trials.train",
         "--config",
         str(config),
         "--steps",
         "1",
-        "--seed",
-        "0",
-    ], command
+    ], command  # the command line as given
     assert "step 1/1" in done.stdout
 
 
@@ -79,6 +79,22 @@ def test_the_cli_is_thin():
         if "typer._" in line
     ]
     assert not private, private
+
+
+def test_run_help_lists_every_option_of_the_trainer():
+    """``autotune run``'s options are trials.train's: ``--help`` shows each with its help, a flag without a value
+    type; a range autotune declares is shown and checked."""
+    from trials.train import parser
+
+    done = run_cli("run", "--help", env={"COLUMNS": "200"})
+    assert done.returncode == 0, done.stderr
+    actions = [action for action in parser()._actions if action.dest != "help"]
+    assert len(actions) > 20
+    for action in actions:
+        row = next((line for line in done.stdout.splitlines() if f" {action.option_strings[-1]} " in line), "")
+        assert action.help in row, (action.option_strings, row)
+        assert ("<" in row) == (action.nargs != 0), row
+    assert "(at least 1)" in next(line for line in done.stdout.splitlines() if " --steps " in line)
 
 
 def test_help_shows_flags_as_flags_and_no_markup(capsys, monkeypatch):
