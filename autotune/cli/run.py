@@ -34,6 +34,8 @@ _EXCEPTION_LINE = re.compile(r"^(?:\[rank(\d+)\]:\s*)?((?:[A-Za-z_]\w*\.)*[A-Za-
 # torchrun's own summary of a failed rank: a symptom, the rank's own exception is the cause
 _SYMPTOMS = ("ChildFailedError",)
 _STDERR_KEPT = 2000  # lines of the training's stderr searched for the root cause
+_RANK_PREFIX = re.compile(r"(\[rank\d+\]:\s?)?")
+_STOP_EXCEPTIONS = ("SignalException", "KeyboardInterrupt")  # how torchrun's agent and a rank report a stop
 _KEYWORD = inspect.Parameter.KEYWORD_ONLY
 
 
@@ -205,7 +207,29 @@ def _stop(process: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         _, rest = process.communicate()
-    sys.stderr.write(rest or "")
+    sys.stderr.writelines(line + "\n" for line in without_stop_tracebacks((rest or "").splitlines()))
+
+
+def without_stop_tracebacks(lines: list[str]) -> list[str]:
+    """The training's last output lines without the tracebacks of the stop itself: torchrun's agent raises
+    ``SignalException`` at the signal, a rank that got Ctrl-C ``KeyboardInterrupt``. A rank's lines, prefixed
+    ``[rankN]:``, are followed apart from the others'; every other traceback stays."""
+    kept: list[str] = []
+    reading: dict[str, list[str]] = {}  # the traceback each prefix is in, so far
+    for line in lines:
+        prefix = _RANK_PREFIX.match(line).group(0)
+        body = line[len(prefix) :]
+        if body.startswith("Traceback (most recent call last):"):
+            reading[prefix] = [line]
+        elif prefix in reading:
+            reading[prefix].append(line)
+            if body[:1].strip():  # the exception's line ends the traceback
+                block = reading.pop(prefix)
+                if body.split(":")[0].rsplit(".", 1)[-1] not in _STOP_EXCEPTIONS:
+                    kept += block
+        else:
+            kept.append(line)
+    return kept + [line for block in reading.values() for line in block]
 
 
 def _first_line(exc: BaseException) -> str:
