@@ -70,7 +70,9 @@ def estimate(
     ),
     other_model: bool = typer.Option(False, "--other-model", help=OTHER_MODEL_HELP),
     max_seq: bool = typer.Option(False, "--max-seq", help="bisect for the longest sequence that fits"),
-    plot: Path | None = typer.Option(None, help="write the memory (and time) breakdown as a PNG"),
+    plot: Path | None = typer.Option(
+        None, help="write the peak memory per rank by category as a PNG, the step time and tokens/s in its title"
+    ),
     memory_gib: float | None = ranged_option("--memory-gib", None, "per-rank capacity in GiB (overrides preset)"),
     memory_timeline: Path | None = typer.Option(None, "--memory-timeline", help=TIMELINE_HELP),
     memory_snapshot: Path | None = typer.Option(None, "--memory-snapshot", help=SNAPSHOT_HELP),
@@ -126,9 +128,11 @@ def estimate(
     else:
         record = make_backend("plan", store=default_store()).evaluate(evaluation)
     if plot is not None:
-        from autotune.outputs.plots import plot_memory
+        from autotune.outputs.plots import plot_memory, plot_title
 
-        plot_memory([record], hw.device_memory_bytes, plot)
+        plot_memory(
+            [record], hw.device_memory_bytes, plot, title=plot_title(record, run.model, run.gpus, hw.name, run.nodes)
+        )
     if wants_timeline and record.status in ("ok", "oom"):
         from dataclasses import replace
 
