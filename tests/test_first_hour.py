@@ -17,6 +17,7 @@ def test_tables_are_whole_when_piped():
     for column in ("from", "GiB", "TFLOP/s", "HBM TB/s", "link GB/s", "host GB/s", "rates"):
         assert column in header, header
     assert "…" not in done.stdout, done.stdout
+    assert "e+" not in done.stdout, done.stdout  # b200's 2,250 TFLOP/s as written
 
 
 def test_the_fronts_star_is_explained(monkeypatch):
@@ -34,6 +35,23 @@ def test_the_fronts_star_is_explained(monkeypatch):
     starred = [line for line in lines if "8,192 *" in line]
     assert len(starred) == 1 and not any("2,048 *" in line for line in lines), lines
     assert lines[-1].strip() == "* reaches the target", lines
+
+
+def test_a_records_table_shows_what_it_holds_in_one_number_format(monkeypatch):
+    """``estimate``'s and ``trial``'s table: no row for a field without a value (a prediction's loss), and every
+    figure in the same plain form (``14,350``, ``5,489``: no ``1.435e+04``)."""
+    from autotune.cli import common
+
+    buffer = io.StringIO()
+    monkeypatch.setattr(common.OUT, "file", buffer)
+    record = {"status": "ok", "loss": None, "grad_norm": None, "error": None, "measured_layers": None}
+    common.print_record({**record, "step_time_s": 14350.2, "first_s": 5489.3, "ratio": 0.402396, "n": 5489}, False, "t")
+    shown = buffer.getvalue()
+    assert "None" not in shown and "e+" not in shown, shown
+    assert "14,350" in shown and "5,489" in shown and "0.4024" in shown, shown
+    assert not any(key in shown for key in record if key != "status"), shown
+    common.print_record({**record, "step_time_s": 14350.2}, True, "t")
+    assert json.loads(buffer.getvalue().splitlines()[-1])["loss"] is None  # --json keeps every field
 
 
 def test_run_prints_its_training_command_on_one_line(tmp_path):

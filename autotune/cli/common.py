@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import typer
@@ -139,11 +140,15 @@ def follow(backend, what: str):
 
 
 def print_record(record: dict, as_json: bool, title: str) -> None:
+    """A record as one JSON object, or as a table of what it holds (a field without a value, such as a prediction's
+    loss, is left out of the table; ``--json`` keeps it as null)."""
     if as_json:
         OUT.print(json.dumps(record))
         return
     table = Table(title=title, show_header=False)
     for key, value in record.items():
+        if value is None:
+            continue
         if key == "breakdown":
             value = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in (value or {}).items())
         elif key.endswith("_bytes") and isinstance(value, int):
@@ -153,9 +158,19 @@ def print_record(record: dict, as_json: bool, title: str) -> None:
 
             value = format_tokens(value)
         elif isinstance(value, float):  # to a rate's or a time's precision, not 17 digits (--json keeps them)
-            value = f"{value:,.1f}" if key.endswith("_per_s") else f"{value:.4g}"
+            value = f"{value:,.1f}" if key.endswith("_per_s") else significant(value)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            value = f"{value:,}"
         table.add_row(key, str(value))
     OUT.rich(table)
+
+
+def significant(value: float, digits: int = 4) -> str:
+    """``value`` to ``digits`` significant digits, grouped, never in exponent form: ``14,350``, ``5,489``,
+    ``0.4024``."""
+    if value == 0 or not math.isfinite(value):
+        return f"{value:g}"
+    return f"{value:,.{max(0, digits - 1 - math.floor(math.log10(abs(value))))}f}"
 
 
 def print_front(front: list[dict], target: int) -> None:
