@@ -608,3 +608,20 @@ def test_export_to_where_no_folder_can_be_made_is_bad_input(search_dir, tmp_path
         assert main(["export", str(search_dir), "-o", str(output)]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and says in lines[0], lines
+
+
+def test_the_accelerate_launch_line_gives_the_script_a_model_folder():
+    """The ``.train.py`` reads ``--model`` as a folder (config.json + safetensors): the launch line names one, never
+    a hub id, and says which model to download into it."""
+    from trials.config_file import TrialConfig
+
+    def launch(model: str) -> str:
+        config = TrialConfig(
+            model=model, hardware="h100-sxm", gpus=8, nodes=1, seq_len=1024, techniques=Techniques(), predicted=None,
+            measured=None,
+        )  # fmt: skip
+        return make_exporter("accelerate").launch("acc.yaml", config)
+
+    line = launch("llama3-8b")
+    assert " --model HF_FOLDER " in line and "meta-llama/Meta-Llama-3-8B downloaded" in line, line
+    assert " --model /models/Qwen3-8B " in launch("/models/Qwen3-8B/config.json")
