@@ -625,3 +625,29 @@ def test_the_accelerate_launch_line_gives_the_script_a_model_folder():
     line = launch("llama3-8b")
     assert " --model HF_FOLDER " in line and "meta-llama/Meta-Llama-3-8B downloaded" in line, line
     assert " --model /models/Qwen3-8B " in launch("/models/Qwen3-8B/config.json")
+
+
+def test_exports_that_write_an_optimizer_write_autotune_runs_adamw():
+    """The DeepSpeed config's and the Arctic recipe's AdamW (lr, betas, weight decay) and the clipping are
+    ``autotune run``'s defaults (trials.train's options), so a config trains alike under either."""
+    from autotune.outputs.exporters.arctic_recipe import ArcticRecipeExporter
+    from autotune.outputs.exporters.deepspeed_config import deepspeed_json
+    from trials.config_file import TrialConfig
+    from trials.train import TrainOptions
+
+    run = TrainOptions(config="")
+    ds = deepspeed_json(Techniques(fsdp=True))
+    assert ds["optimizer"]["params"] == {
+        "lr": run.lr,
+        "betas": [run.beta1, run.beta2],
+        "weight_decay": run.weight_decay,
+    }
+    assert ds["gradient_clipping"] == run.max_grad_norm
+    config = TrialConfig(
+        model="tiny-llama", hardware="cpu", gpus=2, nodes=1, seq_len=1024, techniques=Techniques(fsdp=True),
+        predicted=None, measured=None,
+    )  # fmt: skip
+    optimizer = ArcticRecipeExporter().recipe(config)["optimizer"]
+    assert (optimizer["learning_rate"], optimizer["betas"], optimizer["weight_decay"]) == (
+        run.lr, [run.beta1, run.beta2], run.weight_decay
+    )  # fmt: skip
