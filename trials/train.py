@@ -313,6 +313,11 @@ def train(options: TrainOptions, print_fn=print) -> dict:
                     f"resumed from {resume_from} (step {state.step}, saved on {state.world_size} ranks, "
                     f"{state.windows_consumed:,} windows read)"
                 )
+            if state.step >= options.steps:  # a finished run resumed: --export-hf still exports its model
+                log.say(
+                    f"nothing to train: the run is at step {state.step} and --steps {options.steps} is its total "
+                    f"(a larger --steps trains on)"
+                )
             source = TokenSource(seq_len, model.config.vocab_size, options.seed, options.data)
             started = time.perf_counter() - state.elapsed_s
             while state.step < options.steps:
