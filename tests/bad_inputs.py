@@ -192,6 +192,16 @@ CASES: list[tuple[str, list[str], str]] = [
     ("export of a folder that is no search", ["export", "{d}"], "no pareto.json"),
     ("export format unknown", ["export", "{d}/finished-search", "--format", "megatron"], "'megatron'"),
     (
+        "export -o where no folder can be made",
+        ["export", "{d}/finished-search", "-o", "{d}/a-file/best.json"],
+        "is not a folder this user may write in",
+    ),
+    (
+        "unknown attention kernel",
+        ["estimate", "--config", "baseline", "--model", "tiny-llama", "--seq", "1K", "--attention", "flash9"],
+        "--attention 'flash9' must be one of",
+    ),
+    (
         "--storage that cannot be opened",
         [
             "search",
