@@ -11,7 +11,7 @@ torch's viewer drawing it in headless Chromium.
    timeline's title, and what is live at that moment by category, by technique and by module.
 3. The page in headless Chromium (Debian's ``chromium``): served on 127.0.0.1, a screenshot of the active memory
    timeline into docs/gallery/memory-timeline.png, and the console's errors (there must be none).
-   torch's page loads the viewer (``MemoryViz.js``, pytorch's main branch) and d3 5 from CDNs; with ``--viewer
+   torch's page loads the viewer (``MemoryViz.js``, at the installed torch's tag) and d3 5 from CDNs; with ``--viewer
    DIR`` an import map in the served copy points those URLs at DIR/MemoryViz.js and DIR/node_modules (``npm
    install d3@5`` there), for a machine that reaches no CDN. The page itself is unchanged.
 """
@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trials.trial.memory_timeline import replay_peak, snapshots_in_html  # noqa: E402
+from trials.trial.memory_timeline import VIEWER_URL, replay_peak, snapshots_in_html, viewer_ref  # noqa: E402
 
 GOAL_RATIO = 1.5
 SCREENSHOT = ROOT / "docs" / "gallery" / "memory-timeline.png"
@@ -60,7 +60,7 @@ CONFIG = {
         "attention": "flash3",
     },
 }
-CDN_VIEWER = "https://cdn.jsdelivr.net/gh/pytorch/pytorch@main/torch/utils/viz/MemoryViz.js"
+CDN_VIEWER = VIEWER_URL.format(ref=viewer_ref())  # the URL the page loads its viewer from
 CDN_D3 = {  # MemoryViz.js's imports -> the npm package that serves each
     "https://cdn.skypack.dev/d3@5": "d3",
     "https://cdn.skypack.dev/d3-axis@1": "d3-axis",

@@ -192,6 +192,16 @@ CASES: list[tuple[str, list[str], str]] = [
     ("export of a folder that is no search", ["export", "{d}"], "no pareto.json"),
     ("export format unknown", ["export", "{d}/finished-search", "--format", "megatron"], "'megatron'"),
     (
+        "export -o where no folder can be made",
+        ["export", "{d}/finished-search", "-o", "{d}/a-file/best.json"],
+        "is not a folder this user may write in",
+    ),
+    (
+        "unknown attention kernel",
+        ["estimate", "--config", "baseline", "--model", "tiny-llama", "--seq", "1K", "--attention", "flash9"],
+        "--attention 'flash9' must be one of",
+    ),
+    (
         "--storage that cannot be opened",
         [
             "search",
@@ -282,6 +292,16 @@ CASES += [
     ("--save-every without --save", ["run", "--config", "{d}/run-config.json", "--save-every", "10"], "need --save"),
     ("--schedule unknown", ["run", "--config", "{d}/run-config.json", "--schedule", "linear"], "invalid choice"),
     ("--min-lr above --lr", ["run", "--config", "{d}/run-config.json", "--min-lr", "1"], "--min-lr must lie in"),
+    (
+        "a trainer option abbreviated",
+        ["run", "--config", "{d}/run-config.json", "--log", "{d}/train.jsonl"],
+        "unrecognized arguments: --log",
+    ),
+    (
+        "an unknown trainer option",
+        ["run", "--config", "{d}/run-config.json", "--bogus-option", "3"],
+        "unrecognized arguments: --bogus-option 3",
+    ),
 ]
 
 # ``--memory-timeline`` / ``--memory-snapshot`` / ``--rank``: checked before any trace
@@ -339,10 +359,13 @@ COMMAND_ARGV = {
 
 
 def numeric_options() -> list[tuple[str, str, type]]:
-    """(command, flag, int or float) for every numeric option of every command, read from the typer app."""
+    """(command, flag, int or float) for every numeric option of every command, read from the typer app; ``run``'s
+    are trials.train's (its parser declares them), of which those ``RANGES`` names (the trainer checks the rest)."""
     from autotune.cli import app
+    from autotune.cli.options import RANGES
+    from autotune.cli.run import trainer_options
 
-    found = []
+    found = [("run", flag, action.type) for flag, action in trainer_options() if flag in RANGES]
     for command in app.registered_commands:
         function = command.callback
         hints = typing.get_type_hints(function)

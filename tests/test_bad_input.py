@@ -3,11 +3,18 @@ option's range, and the data file problems ``autotune run`` finds before launchi
 
 import pytest
 from bad_inputs import CASES, COMMAND_ARGV, argv_for, make_files, numeric_options, range_cases
+from conftest import ROOT
 
 from autotune.cli import main
 from autotune.cli.options import RANGES
 
 RANGE_CASES = range_cases()
+# what each case printed when bench/bad_inputs.py last ran (the files' folder shown as …): the table the docs quote
+STORED = {
+    row.split(" | ")[0][2:]: row.rsplit(" | ", 1)[1][: -len(" |")].replace("\\|", "|")
+    for row in (ROOT / "bench" / "results" / "bad_inputs.md").read_text().splitlines()
+    if row.startswith("| ") and not row.startswith("| what")
+}
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +34,12 @@ def test_bad_input_exits_2_with_one_line(what, argv, fragment, files, capsys):
     assert "Traceback" not in captured.err
     assert fragment in lines[0], (what, lines[0])
     assert captured.out == ""
+    if what in STORED:  # not a range case: bench/results/bad_inputs.md shows this very line
+        assert lines[0].replace(str(files), "…") == STORED[what], "run bench/bad_inputs.py again: the message changed"
+
+
+def test_the_stored_table_has_every_case():
+    assert [what for what, _, _ in CASES] == list(STORED), "run bench/bad_inputs.py again: the cases changed"
 
 
 def test_every_numeric_option_has_a_range():

@@ -85,6 +85,24 @@ def test_an_option_over_the_config_says_so_in_one_line(configs):
     assert json.loads(same.stdout)["seq_len"] == 512  # the config's length: --seq is optional with a config file
 
 
+def test_attention_names_the_kernel_over_the_config_and_the_baseline(configs):
+    """A windowed model on a GPU preset: the baseline's sdpa runs windows on the CPU only, and ``--attention`` names a
+    kernel that runs them; over a config file's kernel it says so in one line."""
+    baseline = ["estimate", "--config", "baseline", "--model", "tiny-mistral", "--seq", "8K", "--gpus", "1", "--json"]
+    refused = autotune(*baseline)
+    assert_exit(refused, 2)
+    assert "attention 'sdpa' runs sliding windows" in stderr_lines(refused)[0]
+    done = autotune(*baseline, "--attention", "flash")
+    assert_exit(done, 0)
+    assert json.loads(done.stdout)["status"] == "ok"
+    over = autotune("estimate", "--config", configs["llama3-8b"], "--attention", "flash3", "--json")
+    assert_exit(over, 0)
+    assert "autotune: --attention flash3 overrides the config's flash" in stderr_lines(over), over.stderr[-3000:]
+    unknown = autotune(*baseline, "--attention", "flash9")
+    assert_exit(unknown, 2)
+    assert stderr_lines(unknown) == ["autotune: error: --attention 'flash9' must be one of sdpa, flash, flash3, flash4"]
+
+
 @pytest.mark.parametrize(
     "command, model, config",
     [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -75,6 +76,46 @@ def test_the_training_page_lists_every_option_of_the_trainer():
     flags = [flag for action in parser()._actions for flag in action.option_strings if flag.startswith("--")]
     missing = [flag for flag in flags if flag != "--help" and f"`{flag}" not in table]
     assert len(flags) > 20 and not missing, missing
+
+
+def _backticked(text: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", text)
+
+
+def test_the_names_the_docs_list_are_the_codes():
+    """Where the docs list names the code declares -- the model presets, the model families, the attention
+    kernels -- they list exactly those: one added to (or dropped from) the code and not the docs fails here."""
+    from trials.kernels.registry import KERNEL_NAMES
+    from trials.models.config import model_names
+    from trials.models.families import MODEL_TYPES
+
+    guide = (ROOT / "docs" / "guide.md").read_text()
+    model_row = next(line for line in guide.splitlines() if line.startswith("| `--model M`"))
+    assert set(_backticked(model_row)) - {"--model M", "autotune models", "config.json"} == set(model_names())
+    table = (ROOT / "docs" / "models.md").read_text().split("| family (`model_type`)", 1)[1].split("\n\n", 1)[0]
+    assert [_backticked(row)[0] for row in table.splitlines()[2:]] == list(MODEL_TYPES)
+    readme = (ROOT / "README.md").read_text()
+    families = readme.split("`--model` takes a preset", 1)[1].split("Details and limits", 1)[0]
+    assert set(MODEL_TYPES) <= set(_backticked(families)), families
+    kernels = guide.split("`--attention KERNEL` (", 1)[1].split(")", 1)[0]
+    assert _backticked(kernels) == list(KERNEL_NAMES)
+
+
+def test_the_guides_bad_input_messages_are_the_stored_runs():
+    """Each message the guide's bad-input table quotes is one the CLI printed in bench/results/bad_inputs.md (its
+    ``...`` and ``…`` elisions aside); tests/test_bad_input.py holds that stored table to the code's messages."""
+    stored = [
+        row.rsplit(" | ", 1)[-1].replace("\\|", "|")
+        for row in (ROOT / "bench" / "results" / "bad_inputs.md").read_text().splitlines()
+        if row.startswith("| ")
+    ]
+    table = (ROOT / "docs" / "guide.md").read_text().split("\n## Bad input\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| what")]
+    assert len(rows) > 10
+    for row in rows:
+        message = _backticked(row.rsplit(" | ", 1)[-1])[0]
+        parts = [part for part in re.split(r"\.\.\.|…", message) if part.strip()]  # elisions, shortened paths
+        assert any(all(part in line for part in parts) for line in stored), message
 
 
 def test_the_readme_knob_table_names_every_attention_kernel():

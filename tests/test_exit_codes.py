@@ -57,14 +57,14 @@ def assert_bad_input(done, fragment: str) -> None:
     assert done.stdout == ""
 
 
-def write_config(path: Path, model: str = "tiny-llama", seq_len: int = 512) -> Path:
+def write_config(path: Path, model: str = "tiny-llama", seq_len: int = 512, gpus: int = 1) -> Path:
     path.write_text(
         json.dumps(
             {
                 "schema": "autotune/config-v1",
                 "model": model,
                 "hardware": "cpu",
-                "gpus": 1,
+                "gpus": gpus,
                 "seq_len": seq_len,
                 "techniques": TECHNIQUES,
                 "predicted": None,
@@ -575,11 +575,13 @@ def test_run_bad_data_exits_2_before_launching(tmp_path):
     assert_bad_input(done, "cannot be read as a Parquet or Arrow file")
 
 
-def test_run_stopped_by_sigterm_exits_130(tmp_path):
-    """A scheduler's SIGTERM to autotune (not to its training, which is another process) stops the training too."""
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_run_stopped_by_sigterm_exits_130(tmp_path, gpus):
+    """A scheduler's SIGTERM to autotune (not to its training, which is another process) stops the training too,
+    one rank or torchrun's, without a traceback of the stop."""
     import psutil
 
-    config = write_config(tmp_path / "cfg.json")
+    config = write_config(tmp_path / "cfg.json", gpus=gpus)
     process = subprocess.Popen(
         [str(AUTOTUNE), "run", "--config", str(config), "--steps", "100000"],
         stdout=subprocess.PIPE,
@@ -598,6 +600,7 @@ def test_run_stopped_by_sigterm_exits_130(tmp_path):
             process.kill()
     assert process.returncode == 130, stderr[-3000:]
     assert "interrupted" in stderr.splitlines()[-1], stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
     _, alive = psutil.wait_procs(training, timeout=30)
     assert training and not alive, (training, alive)
 

@@ -584,7 +584,70 @@ def test_export_beyond_the_front_fails_cleanly(search_dir, capsys):
     assert "longest reached is 1,024" in capsys.readouterr().err
 
 
-def test_export_to_a_missing_folder_is_bad_input(search_dir, tmp_path, capsys):
-    assert main(["export", str(search_dir), "-o", str(tmp_path / "no" / "such" / "best.json")]) == 2
+def test_export_makes_a_missing_folder_and_says_each_line_as_autotune(tmp_path, capsys):
+    """``-o`` into folders that do not exist yet makes them; what the export says (the trainer's ZeRO-3 buffers here)
+    is an ``autotune:`` line, as the rest of its output."""
+    techniques = {"fsdp": True, "optimizer_offload": True, "activation_checkpointing": True, "ulysses_degree": 2}
+    record = {"status": "ok", "source": "predicted", "seq_len": 4096, "peak_device_bytes": 2**20}
+    front = [{"trial": 3, "seq_len": 4096, "tokens_per_s": 5000.0, "techniques": techniques, "record": record}]
+    doc = {"model": "tiny-llama", "hardware": "cpu", "gpus": 2, "target": 4096, "front": front}
+    (tmp_path / "pareto.json").write_text(json.dumps(doc))
+    output = tmp_path / "no" / "such" / "ds.json"
+    assert main(["export", str(tmp_path), "--format", "deepspeed", "-o", str(output)]) == 0
     err = capsys.readouterr().err
-    assert "cannot be written" in err and "Traceback" not in err
+    assert (
+        json.loads(output.read_text())["zero_optimization"]["stage"] == 3 and output.with_suffix(".alst.py").is_file()
+    )
+    lines = err.strip().splitlines()
+    assert "ZeRO-3" in err and all(line.startswith("autotune: ") for line in lines), err
+
+
+def test_export_to_where_no_folder_can_be_made_is_bad_input(search_dir, tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    for output, says in ((tmp_path / "a-file" / "best.json", "cannot be written"), (tmp_path, "is a folder")):
+        assert main(["export", str(search_dir), "-o", str(output)]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and says in lines[0], lines
+
+
+def test_the_accelerate_launch_line_gives_the_script_a_model_folder():
+    """The ``.train.py`` reads ``--model`` as a folder (config.json + safetensors): the launch line names one, never
+    a hub id, and says which model to download into it."""
+    from trials.training.config_file import TrialConfig
+
+    def launch(model: str) -> str:
+        config = TrialConfig(
+            model=model, hardware="h100-sxm", gpus=8, nodes=1, seq_len=1024, techniques=Techniques(), predicted=None,
+            measured=None,
+        )  # fmt: skip
+        return make_exporter("accelerate").launch("acc.yaml", config)
+
+    line = launch("llama3-8b")
+    assert " --model HF_FOLDER " in line and "meta-llama/Meta-Llama-3-8B downloaded" in line, line
+    assert " --model /models/Qwen3-8B " in launch("/models/Qwen3-8B/config.json")
+
+
+def test_exports_that_write_an_optimizer_write_autotune_runs_adamw():
+    """The DeepSpeed config's and the Arctic recipe's AdamW (lr, betas, weight decay) and the clipping are
+    ``autotune run``'s defaults (trials.train's options), so a config trains alike under either."""
+    from autotune.outputs.exporters.arctic_recipe import ArcticRecipeExporter
+    from autotune.outputs.exporters.deepspeed_config import deepspeed_json
+    from trials.train import TrainOptions
+    from trials.training.config_file import TrialConfig
+
+    run = TrainOptions(config="")
+    ds = deepspeed_json(Techniques(fsdp=True))
+    assert ds["optimizer"]["params"] == {
+        "lr": run.lr,
+        "betas": [run.beta1, run.beta2],
+        "weight_decay": run.weight_decay,
+    }
+    assert ds["gradient_clipping"] == run.max_grad_norm
+    config = TrialConfig(
+        model="tiny-llama", hardware="cpu", gpus=2, nodes=1, seq_len=1024, techniques=Techniques(fsdp=True),
+        predicted=None, measured=None,
+    )  # fmt: skip
+    optimizer = ArcticRecipeExporter().recipe(config)["optimizer"]
+    assert (optimizer["learning_rate"], optimizer["betas"], optimizer["weight_decay"]) == (
+        run.lr, [run.beta1, run.beta2], run.weight_decay
+    )  # fmt: skip

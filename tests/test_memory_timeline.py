@@ -172,6 +172,18 @@ def test_torchs_viewer_takes_both_snapshots(tmp_path):
     assert snapshots_in_html(both) == [timeline.snapshot, timeline.snapshot]
 
 
+def test_the_page_loads_the_viewer_of_the_installed_torch():
+    """torch's page loads its viewer from pytorch's main branch, which changes under a saved page; ours is pinned to
+    the installed torch's release tag (its commit for a build without one)."""
+    import re
+
+    page = memory_timeline.html(predicted_timeline(_evaluation({}, 1)).snapshot)
+    base = torch.__version__.split("+")[0]
+    ref = f"v{base}" if re.fullmatch(r"\d+\.\d+\.\d+", base) else torch.version.git_version
+    assert f"https://cdn.jsdelivr.net/gh/pytorch/pytorch@{ref}/torch/utils/viz/MemoryViz.js" in page
+    assert "@main/" not in page
+
+
 def test_a_storage_moved_to_the_host_leaves_the_device_trace():
     """An offload (``mark_host``) frees the device block; a storage made on the host never enters the trace."""
     tracker = DeviceMemoryTracker()

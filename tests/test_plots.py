@@ -440,3 +440,54 @@ def test_the_capacity_line_crosses_no_bar_note(figures, tmp_path, tops, capacity
         assert frame.y0 < box.y0 and box.y1 < frame.y1
         assert (box.x0 + box.x1) / 2 == pytest.approx(ax.transData.transform((i, 0))[0], abs=1)
         assert box.y0 >= ax.transData.transform((0, top))[1]
+
+
+def test_labels_tell_apart_configs_that_differ_only_in_knobs_their_short_label_hides(figures, tmp_path):
+    """Front points whose short labels read alike (the tile sizes behind ``tiled``) are labelled with the knobs that
+    differ between them, in the Pareto plot and in the memory plot; configs that are the same read the same."""
+    from autotune.outputs.plots import knob_labels, plot_pareto
+    from autotune.outputs.report import plot_front_memory
+
+    base = {"fsdp": True, "ulysses_degree": 8, "activation_checkpointing": True, "attention": "flash3"}
+    configs = [
+        {**base, "mlp_tile_tokens": 16384},
+        {**base, "mlp_tile_tokens": 4096},
+        {**base, "loss_tile_tokens": 2048},
+    ]
+    assert knob_labels(configs + [configs[0]]) == [
+        "fsdp sp8 ac tiled flash3 mlp_tile_tokens=16K loss_tile_tokens=off",
+        "fsdp sp8 ac tiled flash3 mlp_tile_tokens=4K loss_tile_tokens=off",
+        "fsdp sp8 ac tiled flash3 mlp_tile_tokens=off loss_tile_tokens=2K",
+        "fsdp sp8 ac tiled flash3 mlp_tile_tokens=16K loss_tile_tokens=off",
+    ]
+    assert knob_labels([{"fsdp": True}, {}]) == ["fsdp", "baseline"]  # the short labels tell these apart
+    front = _front([(2**20 * 4**i, 1000.0 / (i + 1), c) for i, c in enumerate(configs)])
+    plot_pareto(_fits(front), front, 2**20, tmp_path / "p.png")
+    ax, _ = _pareto_axes(figures[0])
+    texts = sorted(text for text, _, _ in _assert_clear(figures[0], ax, front))
+    assert texts == sorted(knob_labels(configs))
+    for f in front:
+        f["record"] = {"seq_len": f["seq_len"], "status": "ok", "breakdown": {}, "peak_device_bytes": 2**30}
+    plot_front_memory(front, 8 * 2**30, tmp_path / "memory.png")
+    ticks = [t.get_text() for t in figures[1].axes[0].get_xticklabels()]
+    assert len(set(ticks)) == 3 and all(label in tick for tick, label in zip(ticks, knob_labels(configs)))
+
+
+def test_a_plots_title_names_the_model_not_the_path_of_its_config(tmp_path, monkeypatch):
+    """A model given as a config.json path is named by its folder; ``estimate --plot`` titles its figure with the
+    model, the length, the world, the step time and tokens/s (the "time" its help promises)."""
+    from autotune.cli import main
+    from autotune.outputs import plots
+
+    assert plots.model_title("/data/models/Qwen3-8B/config.json") == "Qwen3-8B"
+    assert plots.model_title("/data/qwen3.json") == "qwen3" and plots.model_title("llama3-8b") == "llama3-8b"
+    folder = tmp_path / "Tiny-Model"
+    folder.mkdir()
+    (folder / "config.json").write_text((ROOT / "trials/models/presets/tiny-llama.json").read_text())
+    titles = []
+    monkeypatch.setattr(plots, "plot_memory", lambda *args, title="", **kwargs: titles.append(title))
+    argv = ["estimate", "--model", str(folder / "config.json"), "--config", "baseline", "--seq", "1K"]
+    assert main([*argv, "--hardware", "cpu", "--gpus", "1", "--plot", str(tmp_path / "m.png")]) == 0
+    (title,) = titles
+    assert title.startswith("Tiny-Model, 1,024 (1K) tokens on 1x cpu") and str(tmp_path) not in title
+    assert " s, " in title and "tokens/s" in title

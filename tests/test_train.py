@@ -199,6 +199,17 @@ def test_init_from_another_model_or_a_checkpoint_missing_a_tensor_is_bad_input(w
     one_line_exit_2(done, "has no tensor 'model.layers.1.mlp.up_proj.weight'")
 
 
+def test_resuming_a_finished_run_says_there_is_nothing_to_train(work, tmp_path):
+    args = ["--config", str(work / "one.json"), "--steps", "2", "--save", "ck"]
+    summary_of(train(1, *args, cwd=tmp_path))
+    done = train(1, *args, "--resume", "--export-hf", "exported", cwd=tmp_path)
+    summary = summary_of(done)
+    said = [line for line in done.stdout.splitlines() if line.startswith("nothing to train")]
+    assert said == ["nothing to train: the run is at step 2 and --steps 2 is its total (a larger --steps trains on)"]
+    assert not any(line.startswith("step ") for line in done.stdout.splitlines()) and summary["first_loss"] is None
+    assert (tmp_path / "exported" / "config.json").is_file()  # a finished run's model still exports
+
+
 @pytest.mark.slow
 def test_a_full_disk_while_saving_keeps_the_previous_checkpoint_and_exits_1(work, tmp_path):
     """Checkpoints fit until the process may write no file over the size of a small one (RLIMIT_FSIZE: the write

@@ -15,15 +15,16 @@
 - Checkpoints (``trials.training.checkpoint``): every ``--save-every`` steps and at the end, atomically; ``--resume``
   continues from the newest complete one, on any world size; ``--steps`` is the run's total.
 - Log: rank 0 prints each step (a progress bar on a terminal), appends one JSON object per step to ``--log-file``
-  (not ``--log``: torchrun's parser takes that for an abbreviation of its own ``--log-dir``) and to TensorBoard
-  with ``--tensorboard``; a final ``summary {json}`` line.
-Bad options: one line on stderr, exit 2, before any step. A failed checkpoint save: exit 1 with the cause.
+  and to TensorBoard with ``--tensorboard``; a final ``summary {json}`` line.
+Bad options: one line on stderr, exit 2, before any step; an option is spelt in full (``--log`` is no
+``--log-file``). A failed checkpoint save: exit 1 with the cause.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import json
 import os
 import resource
@@ -313,6 +314,11 @@ def train(options: TrainOptions, print_fn=print) -> dict:
                     f"resumed from {resume_from} (step {state.step}, saved on {state.world_size} ranks, "
                     f"{state.windows_consumed:,} windows read)"
                 )
+            if state.step >= options.steps:  # a finished run resumed: --export-hf still exports its model
+                log.say(
+                    f"nothing to train: the run is at step {state.step} and --steps {options.steps} is its total "
+                    f"(a larger --steps trains on)"
+                )
             source = TokenSource(seq_len, model.config.vocab_size, options.seed, options.data)
             started = time.perf_counter() - state.elapsed_s
             while state.step < options.steps:
@@ -439,14 +445,24 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_options(argv: list[str] | None) -> TrainOptions:
-    """The options of a ``trials.train`` command line (``OptionsError`` when it does not parse); the one
-    declaration of every option, which ``autotune run`` and the exported scripts pass through."""
-    return TrainOptions(**vars(parser().parse_args(argv)))
+    """The options of a ``trials.train`` command line (``OptionsError`` when it does not parse: an unknown option
+    names the closest known one); the one declaration of every option, which ``autotune run`` and the exported
+    scripts pass through."""
+    options = parser()
+    parsed, unknown = options.parse_known_args(argv)
+    if unknown:
+        word, flags = unknown[0], [flag for action in options._actions for flag in action.option_strings]
+        close = [flag for flag in flags if flag.startswith(word)] or difflib.get_close_matches(word, flags, n=1)
+        hint = f" (did you mean {' or '.join(close)}?)" if close and word.startswith("--") else ""
+        raise OptionsError(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    return TrainOptions(**vars(parsed))
 
 
 def parser() -> argparse.ArgumentParser:
+    """Every option; none is matched by a prefix of its name (torchrun's parser, which sees the same command line,
+    would take a prefix for one of its own options)."""
     defaults = TrainOptions(config="")
-    parser = _Parser(prog="trials.train", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="trials.train", description=__doc__.splitlines()[0], allow_abbrev=False)
     add = parser.add_argument
     add("--config", required=True, help="autotune/config-v1 JSON (best.json)")
     add("--steps", type=int, default=defaults.steps, help="the run's total optimizer steps (a resumed run too)")

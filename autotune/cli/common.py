@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import typer
@@ -18,6 +19,21 @@ class CommandInterrupted(Exception):
     """A KeyboardInterrupt a command did not handle, carried past Typer (which would exit 130 without a word)."""
 
 
+def _flags_take_no_value(params: list) -> list:
+    """``params`` with no value type shown for a flag in ``--help`` (typer would show ``<bool>``)."""
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+class Command(typer.core.TyperCommand):
+    """Every command's class (``app.command`` gives it): its help shows a flag as a flag."""
+
+    def get_params(self, ctx):
+        return _flags_take_no_value(super().get_params(ctx))
+
+
 class _Commands(typer.core.TyperGroup):
     def invoke(self, ctx):
         try:
@@ -25,12 +41,21 @@ class _Commands(typer.core.TyperGroup):
         except KeyboardInterrupt as exc:
             raise CommandInterrupted from exc
 
+    def get_params(self, ctx):
+        return _flags_take_no_value(super().get_params(ctx))
 
-app = typer.Typer(
+
+class _App(typer.Typer):
+    def command(self, *args, cls: type[typer.core.TyperCommand] = Command, **kwargs):
+        return super().command(*args, cls=cls, **kwargs)
+
+
+app = _App(
     cls=_Commands,
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",  # a docstring's `code` renders as code, its lines are one paragraph
     help="Find the memory/throughput configuration for multi-million-token training.",
 )
 console = Console(stderr=True, soft_wrap=True)  # a line as written: a wrapped path or command breaks when pasted
@@ -115,11 +140,15 @@ def follow(backend, what: str):
 
 
 def print_record(record: dict, as_json: bool, title: str) -> None:
+    """A record as one JSON object, or as a table of what it holds (a field without a value, such as a prediction's
+    loss, is left out of the table; ``--json`` keeps it as null)."""
     if as_json:
         OUT.print(json.dumps(record))
         return
     table = Table(title=title, show_header=False)
     for key, value in record.items():
+        if value is None:
+            continue
         if key == "breakdown":
             value = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in (value or {}).items())
         elif key.endswith("_bytes") and isinstance(value, int):
@@ -129,9 +158,19 @@ def print_record(record: dict, as_json: bool, title: str) -> None:
 
             value = format_tokens(value)
         elif isinstance(value, float):  # to a rate's or a time's precision, not 17 digits (--json keeps them)
-            value = f"{value:,.1f}" if key.endswith("_per_s") else f"{value:.4g}"
+            value = f"{value:,.1f}" if key.endswith("_per_s") else significant(value)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            value = f"{value:,}"
         table.add_row(key, str(value))
     OUT.rich(table)
+
+
+def significant(value: float, digits: int = 4) -> str:
+    """``value`` to ``digits`` significant digits, grouped, never in exponent form: ``14,350``, ``5,489``,
+    ``0.4024``."""
+    if value == 0 or not math.isfinite(value):
+        return f"{value:g}"
+    return f"{value:,.{max(0, digits - 1 - math.floor(math.log10(abs(value))))}f}"
 
 
 def print_front(front: list[dict], target: int) -> None:

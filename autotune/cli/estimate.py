@@ -21,6 +21,7 @@ from autotune.cli.common import (
     say,
 )
 from autotune.cli.options import ranged_option
+from trials.kernels.registry import KERNEL_NAMES
 
 CONFIG_HELP = (
     "config file (config-v1 JSON: its model, gpus, nodes, hardware and seq_len are the defaults of the options "
@@ -35,6 +36,7 @@ TIMELINE_HELP = (
 )
 SNAPSHOT_HELP = "write that step's memory snapshot (pickle: pytorch.org/memory_viz opens it)"
 RANK_HELP = "the rank the timeline shows (default 0, the rank the oracle predicts: the most loaded)"
+ATTENTION_HELP = f"the attention kernel, over the config file's (baseline: sdpa): {' | '.join(KERNEL_NAMES)}"
 
 
 def _say_routing(model_config: dict) -> None:
@@ -69,8 +71,11 @@ def estimate(
         None, help="hardware preset (default: the config file's; h100-sxm with baseline)"
     ),
     other_model: bool = typer.Option(False, "--other-model", help=OTHER_MODEL_HELP),
+    attention: str | None = typer.Option(None, help=ATTENTION_HELP),
     max_seq: bool = typer.Option(False, "--max-seq", help="bisect for the longest sequence that fits"),
-    plot: Path | None = typer.Option(None, help="write the memory (and time) breakdown as a PNG"),
+    plot: Path | None = typer.Option(
+        None, help="write the peak memory per rank by category as a PNG, the step time and tokens/s in its title"
+    ),
     memory_gib: float | None = ranged_option("--memory-gib", None, "per-rank capacity in GiB (overrides preset)"),
     memory_timeline: Path | None = typer.Option(None, "--memory-timeline", help=TIMELINE_HELP),
     memory_snapshot: Path | None = typer.Option(None, "--memory-snapshot", help=SNAPSHOT_HELP),
@@ -94,6 +99,7 @@ def estimate(
         nodes=nodes,
         hardware=hardware,
         other_model=other_model,
+        attention=attention,
     )
     hw = load_hardware(run.hardware).with_memory_gib(memory_gib).for_nodes(run.nodes)
     check_node_size(hw, run.gpus, run.nodes)
@@ -126,9 +132,11 @@ def estimate(
     else:
         record = make_backend("plan", store=default_store()).evaluate(evaluation)
     if plot is not None:
-        from autotune.outputs.plots import plot_memory
+        from autotune.outputs.plots import plot_memory, plot_title
 
-        plot_memory([record], hw.device_memory_bytes, plot)
+        plot_memory(
+            [record], hw.device_memory_bytes, plot, title=plot_title(record, run.model, run.gpus, hw.name, run.nodes)
+        )
     if wants_timeline and record.status in ("ok", "oom"):
         from dataclasses import replace
 
@@ -155,6 +163,7 @@ def trial(
     gpus: int | None = ranged_option("--gpus", None, "ranks per node (default: the config file's; 1 with baseline)"),
     nodes: int | None = ranged_option("--nodes", None, NODES_HELP + " (default: the config file's)"),
     other_model: bool = typer.Option(False, "--other-model", help=OTHER_MODEL_HELP),
+    attention: str | None = typer.Option(None, help=ATTENTION_HELP),
     steps: int = ranged_option("--steps", 2, "measured steps after one warm-up"),
     depth: str = typer.Option("full", help="full | reduced (run the 3/4-layer copies, extend to full depth)"),
     memory_gib: float | None = ranged_option("--memory-gib", None, "per-rank capacity on CPU (GiB)"),
@@ -188,6 +197,7 @@ def trial(
         gpus=gpus,
         nodes=nodes,
         other_model=other_model,
+        attention=attention,
     )
     if run.seq_len is None:
         fail(f"--seq is required: {'--config baseline' if config == 'baseline' else 'the config file'} has no seq_len")

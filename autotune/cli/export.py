@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
 
-from autotune.cli.common import OUT, app, console, fail, say
+from autotune.cli.common import OUT, app, fail, say
 
 
 @app.command()
@@ -17,7 +18,9 @@ def export(
     format: str = typer.Option(
         "autotune", help="autotune | deepspeed | arctic | accelerate | accelerate-deepspeed | torchrun | slurm"
     ),
-    output: Path | None = typer.Option(None, "-o", "--output", help="write here instead of stdout"),
+    output: Path | None = typer.Option(
+        None, "-o", "--output", help="write here instead of stdout (missing folders are made)"
+    ),
     allow_partial: bool = typer.Option(
         False,
         "--allow-partial",
@@ -33,6 +36,8 @@ def export(
 
     exporter = make_exporter(format)
     length = parse_tokens(target, "--target") if target is not None else None
+    if output is not None:
+        _check_output(output)
     try:
         result = export_front(
             directory,
@@ -40,7 +45,7 @@ def export(
             exporter,
             allow_partial,
             str(output) if output is not None else exporter.default_file,
-            progress=say,
+            progress=lambda line: say(f"autotune: {line}"),
         )
     except NotExpressible as exc:
         say(f"autotune: {exc}")
@@ -52,10 +57,21 @@ def export(
             say(f"# ---- {Path(exporter.default_file).with_suffix(suffix)} ----\n{body}")
     else:
         for line in result.notes[1:-1]:  # what the trainer runs differently (the export carries them too)
-            say(line)
+            say(f"autotune: {line}")
+        output.parent.mkdir(parents=True, exist_ok=True)
         for path, body in [(output, text), *((output.with_suffix(s), b) for s, b in companions.items())]:
             try:
                 path.write_text(body + "\n")
             except OSError as exc:
                 fail(f"-o {str(path)!r} cannot be written: {exc.strerror}")
-            console.print(f"wrote {path}")
+            say(f"autotune: wrote {path}")
+
+
+def _check_output(output: Path) -> None:
+    """Refuse, before any work, an ``-o`` that names a folder or lies where no folder can be made (its nearest
+    existing parent is a file or not writable); missing folders are made when the export is written."""
+    if output.is_dir():
+        fail(f"-o {str(output)!r} is a folder; name the file to write")
+    existing = next(parent for parent in output.absolute().parents if parent.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        fail(f"-o {str(output)!r} cannot be written: {str(existing)!r} is not a folder this user may write in")

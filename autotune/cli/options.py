@@ -62,14 +62,25 @@ RANGES: dict[str, Range] = {
 def ranged_option(flag: str, default: Any, help: str) -> Any:
     """The typer option ``flag`` (a key of ``RANGES``) with ``default``: its range shown in ``--help`` and checked
     as the command line is parsed (None, an optional option left out, is not checked)."""
-    allowed = RANGES[flag]
 
     def refuse_outside_range(value):
-        if value is not None and not allowed.contains(value):
-            raise typer.BadParameter(f"must be {allowed.describe()}, got {_number(value)}")
+        check_range(flag, value)
         return value
 
-    return typer.Option(default, flag, help=f"{help} ({allowed.describe()})", callback=refuse_outside_range)
+    return typer.Option(default, flag, help=ranged_help(flag, help), callback=refuse_outside_range)
+
+
+def ranged_help(flag: str, help: str) -> str:
+    """``help`` with the range of ``flag`` (a key of ``RANGES``) appended."""
+    return f"{help} ({RANGES[flag].describe()})"
+
+
+def check_range(flag: str, value) -> None:
+    """Refuse a ``value`` of ``flag`` (a key of ``RANGES``) outside its range, as typer's ``BadParameter`` (None, an
+    optional option left out, is not checked)."""
+    allowed = RANGES[flag]
+    if value is not None and not allowed.contains(value):
+        raise typer.BadParameter(f"must be {allowed.describe()}, got {_number(value)}", param_hint=f"'{flag}'")
 
 
 def _number(value: float) -> str:

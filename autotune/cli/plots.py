@@ -15,12 +15,14 @@ def plot(directory: Path = typer.Argument(...), output: Path | None = typer.Opti
     import pyarrow.parquet as pq
 
     from autotune.outputs.exporters import load_front
-    from autotune.outputs.plots import plot_pareto
+    from autotune.outputs.plots import model_title, plot_pareto, where_title
 
     front_doc = load_front(directory)
     rows = pq.read_table(directory / "trials.parquet").to_pylist()
     path = output or directory / "pareto.png"
-    plot_pareto(rows, front_doc["front"], front_doc["target"], path, title=f"{front_doc['model']}")
+    where = where_title(front_doc["gpus"], front_doc["hardware"], front_doc.get("nodes", 1))
+    title = f"{model_title(front_doc['model'])} on {where}"  # the search's own
+    plot_pareto(rows, front_doc["front"], front_doc["target"], path, title=title)
     console.print(f"wrote {path}")
     if output is None and front_doc["front"] and "capacity_bytes" in front_doc:
         from autotune.outputs.report import plot_front_memory
@@ -29,7 +31,7 @@ def plot(directory: Path = typer.Argument(...), output: Path | None = typer.Opti
             front_doc["front"],
             front_doc["capacity_bytes"],
             directory / "memory.png",
-            title=f"memory per rank of the front, {front_doc['model']}",
+            title=f"memory per rank of the front, {title}",
         )
         console.print(f"wrote {directory / 'memory.png'}")
     if output is None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from autotune.cli.common import OUT, app, fail, fail_outcome
+from autotune.cli.common import OUT, app, fail, fail_outcome, significant
 from autotune.cli.options import ranged_option
 
 
@@ -81,7 +81,7 @@ def hardware():
             name,
             hw.source,
             f"{hw.device_memory_bytes / 2**30:.0f}",
-            f"{rates.bf16_flops / 1e12:.3g}",
+            significant(rates.bf16_flops / 1e12, 3),
             f"{rates.hbm_bytes_per_s / 1e12:.2f}",
             f"{rates.intra_node_bytes_per_s / 1e9:.0f}",
             f"{rates.host_bytes_per_s / 1e9:.0f}",
@@ -185,10 +185,10 @@ def calibrate(
     rates = hw.rates_for(world)
     OUT.print(f"wrote {written}")
     OUT.print(
-        f"  matmul {rates.matmul_flops_per_s / 1e12:.4g} TFLOP/s, attention fwd/bwd efficiency "
+        f"  matmul {significant(rates.matmul_flops_per_s / 1e12)} TFLOP/s, attention fwd/bwd efficiency "
         f"{rates.attention_eff(128, False):.3f}/{rates.attention_eff(128, True):.3f}, elementwise "
-        f"{rates.hbm_bytes_per_s * rates.elementwise_efficiency / 1e9:.4g} GB/s, host link "
-        f"{rates.host_bytes_per_s / 1e9:.3g} GB/s, host AdamW {rates.host_optimizer_bytes_per_s / 1e9:.3g} GB/s"
+        f"{significant(rates.hbm_bytes_per_s * rates.elementwise_efficiency / 1e9)} GB/s, host link "
+        f"{significant(rates.host_bytes_per_s / 1e9, 3)} GB/s, host AdamW {significant(rates.host_optimizer_bytes_per_s / 1e9, 3)} GB/s"
     )
     spread = data["calibrated"].get("spread")
     if spread:

@@ -1,17 +1,20 @@
 """``autotune run``: train with a tuned config through the same runner as trials; what it checks before it
 launches training, and how it reports the way training ended.
 
-Bad input it can find before launching is a ``UserError`` (exit 2, one line): a config it cannot train (no
-seq_len, several nodes), a ``--data`` file that cannot be read as Parquet/Arrow, has no token column of integers,
-holds ids outside the model's vocabulary, or fewer tokens than one sequence, and whatever
-``trials.train.options_problem`` finds in the trainer's options (an ``--init`` folder that is not the tuned model,
-``--resume`` without a checkpoint, ...). The data file is read with
-``trials.train.read_token_file``, exactly as the training reads it. Training that fails exits 1 with its root
-cause (the first exception a rank raised) on the last line of stderr."""
+Its options are ``trials.train``'s: that parser reads the command line (no option is matched by a prefix of its
+name) and ``--help`` lists every option from it. Bad input it can find before launching is a ``UserError`` (exit 2,
+one line): an option that does not parse, or outside the range ``autotune.cli.options`` gives it, a config it
+cannot train (no seq_len, several nodes), a ``--data`` file that cannot be read as Parquet/Arrow, has no token
+column of integers, holds ids outside the model's vocabulary, or fewer tokens than one sequence, and whatever
+``trials.train.options_problem`` finds in the options (an ``--init`` folder that is not the tuned model,
+``--resume`` without a checkpoint, ...). The data file is read with ``trials.train.read_token_file``, exactly as
+the training reads it. The command line is passed to the training as given. Training that fails exits 1 with its
+root cause (the first exception a rank raised) on the last line of stderr."""
 
 from __future__ import annotations
 
 import collections
+import inspect
 import re
 import shlex
 import signal
@@ -21,8 +24,8 @@ from pathlib import Path
 
 import typer
 
-from autotune.cli.common import OUT, app, console, fail
-from autotune.cli.options import ranged_option
+from autotune.cli.common import OUT, Command, app, console, fail
+from autotune.cli.options import RANGES, check_range, ranged_help
 from autotune.core.errors import UserError
 
 # the last line of a Python traceback ("ValueError: ...", "torch.OutOfMemoryError: ..."), as a rank prints it
@@ -31,26 +34,81 @@ _EXCEPTION_LINE = re.compile(r"^(?:\[rank(\d+)\]:\s*)?((?:[A-Za-z_]\w*\.)*[A-Za-
 # torchrun's own summary of a failed rank: a symptom, the rank's own exception is the cause
 _SYMPTOMS = ("ChildFailedError",)
 _STDERR_KEPT = 2000  # lines of the training's stderr searched for the root cause
+_RANK_PREFIX = re.compile(r"(\[rank\d+\]:\s?)?")
+_STOP_EXCEPTIONS = ("SignalException", "KeyboardInterrupt")  # how torchrun's agent and a rank report a stop
+_KEYWORD = inspect.Parameter.KEYWORD_ONLY
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def run(
-    ctx: typer.Context,
-    config: Path = typer.Option(..., help="config-v1 JSON (best.json) to train with"),
-    steps: int = ranged_option("--steps", 10, "the run's total training steps (a resumed run's too)"),
-    data: Path | None = typer.Option(None, help="Parquet/Arrow file of token ids (column input_ids or tokens)"),
-    seed: int = ranged_option("--seed", 0, "seed of the random weights and the synthetic tokens"),
-):
-    """Train with a tuned config through the same runner as trials (synthetic tokens or --data). Every other option
-    of `python -m trials.train --help` passes through, checked before launching: --init HF_FOLDER (pretrained
-    weights), --save FOLDER --save-every N --resume (checkpoints), --export-hf FOLDER, the schedule, the log, and
-    the rest that docs/training.md lists. Exit 1 when training fails, its root cause on the last line of stderr."""
+class TrainerCommand(Command):
+    """``autotune run``: ``trials.train``'s parser reads the command line (the one declaration of its options, which
+    the exported scripts pass through too), and ``--help`` lists every option of it."""
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        if "--help" in args or "-h" in args:
+            typer.echo(ctx.get_help(), color=ctx.color)
+            ctx.exit()
+        ctx.args = list(args)
+        return []
+
+    def get_params(self, ctx: typer.Context) -> list:
+        return [*trainer_params(), *super().get_params(ctx)]
+
+
+def trainer_options() -> list[tuple[str, object]]:
+    """(long flag, argparse action) of each option ``trials.train``'s parser declares, but its help."""
+    from trials.train import parser
+
+    actions = [action for action in parser()._actions if action.dest != "help"]
+    return [(next(name for name in action.option_strings if name.startswith("--")), action) for action in actions]
+
+
+def trainer_params() -> list:
+    """typer's options for ``trials.train``'s (what ``--help`` shows): each option's flags, type, default and help
+    as its parser declares them, and the range ``autotune.cli.options`` gives a flag it knows."""
+    parameters = []
+    for flag, action in trainer_options():
+        switch = action.nargs == 0  # --resume, --no-clip
+        default = ... if action.required else False if switch else action.default
+        option = typer.Option(
+            default,
+            *action.option_strings,
+            help=ranged_help(flag, action.help) if flag in RANGES else action.help,
+            metavar="" if switch else f"<{'|'.join(action.choices)}>" if action.choices else None,
+            show_default=not switch and action.default is not None,
+        )
+        annotation = bool if switch else action.type or str
+        parameters.append(
+            inspect.Parameter(flag[2:].replace("-", "_"), _KEYWORD, default=option, annotation=annotation)
+        )
+
+    def options(**_): ...
+
+    options.__signature__ = inspect.Signature(parameters)
+    declared = typer.Typer(add_completion=False)
+    declared.command()(options)
+    return typer.main.get_command(declared).params
+
+
+@app.command(cls=TrainerCommand)
+def run(ctx: typer.Context):
+    """Train with a tuned config through the same runner as trials (synthetic tokens or --data). The options are
+    those of `python -m trials.train`, checked before launching: pretrained weights (--init), checkpoints (--save,
+    --resume), the schedule, the log, a Hugging Face export (docs/training.md). Exit 1 when training fails, its
+    root cause on the last line of stderr."""
     from autotune.backends.setup import check_local_node
-    from autotune.outputs.exporters import torchrun_command
+    from autotune.outputs.exporters import trainer_launcher
     from trials.models.config import load_model_config
     from trials.train import OptionsError, options_problem, parse_options
     from trials.training.config_file import load_config_file
 
+    try:
+        options = parse_options(ctx.args)
+    except OptionsError as exc:
+        fail(str(exc))
+    for flag, action in trainer_options():
+        if flag in RANGES:
+            check_range(flag, getattr(options, action.dest))
+    config = Path(options.config)
     loaded = load_config_file(config)
     if loaded.seq_len is None:
         fail(f"config {str(config)!r} has no seq_len to train at")
@@ -66,18 +124,12 @@ def run(
 
     loaded.techniques.validate(model_config, loaded.gpus, loaded.seq_len, on_gpu=torch.cuda.is_available())
     check_local_node(loaded.gpus, loaded.techniques.attention)
-    if data is not None:
-        check_token_file(data, model_config["vocab_size"], loaded.seq_len)
-    trainer_options = list(ctx.args) + ["--seed", str(seed)] + (["--data", str(data)] if data is not None else [])
-    try:
-        problem = options_problem(
-            parse_options(["--config", str(config), "--steps", str(steps), *trainer_options]), model_config
-        )
-    except OptionsError as exc:
-        problem = str(exc)
+    if options.data is not None:
+        check_token_file(Path(options.data), model_config["vocab_size"], loaded.seq_len)
+    problem = options_problem(options, model_config)
     if problem is not None:
         fail(problem)
-    command = torchrun_command(str(config), loaded.gpus, str(steps)).split() + trainer_options
+    command = trainer_launcher(loaded.gpus).split() + ctx.args
     if command[0] == "python":
         command[0] = sys.executable
     else:
@@ -155,7 +207,29 @@ def _stop(process: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         _, rest = process.communicate()
-    sys.stderr.write(rest or "")
+    sys.stderr.writelines(line + "\n" for line in without_stop_tracebacks((rest or "").splitlines()))
+
+
+def without_stop_tracebacks(lines: list[str]) -> list[str]:
+    """The training's last output lines without the tracebacks of the stop itself: torchrun's agent raises
+    ``SignalException`` at the signal, a rank that got Ctrl-C ``KeyboardInterrupt``. A rank's lines, prefixed
+    ``[rankN]:``, are followed apart from the others'; every other traceback stays."""
+    kept: list[str] = []
+    reading: dict[str, list[str]] = {}  # the traceback each prefix is in, so far
+    for line in lines:
+        prefix = _RANK_PREFIX.match(line).group(0)
+        body = line[len(prefix) :]
+        if body.startswith("Traceback (most recent call last):"):
+            reading[prefix] = [line]
+        elif prefix in reading:
+            reading[prefix].append(line)
+            if body[:1].strip():  # the exception's line ends the traceback
+                block = reading.pop(prefix)
+                if body.split(":")[0].rsplit(".", 1)[-1] not in _STOP_EXCEPTIONS:
+                    kept += block
+        else:
+            kept.append(line)
+    return kept + [line for block in reading.values() for line in block]
 
 
 def _first_line(exc: BaseException) -> str:

@@ -2,7 +2,7 @@
 
 A config file supplies the model, the GPUs per node, the nodes, the hardware and the length (``seq_len``). An
 option given on the command line overrides the file's value, and each override is a notice the command prints
-as one line on stderr (``--gpus 4 overrides the config's 8``). ``--config baseline`` supplies techniques only:
+as one line on stderr (``--gpus 4 overrides the config's 8``). ``--attention`` names the kernel over the file's (or the baseline's ``sdpa``). ``--config baseline`` supplies techniques only:
 ``--model`` is required then, and the command's own defaults (``Defaults``) fill in the rest. A ``--model`` of
 another architecture than the file's model (a field of ``ARCHITECTURE`` differs) is refused, naming both,
 unless ``other_model`` is given: then the file's techniques run on that model, and a notice says so."""
@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from autotune.core.errors import UserError
 from autotune.core.sizes import parse_tokens, short_tokens
 from trials import model_config as model_configs  # looked up at call time: tests replace load_model_config
+from trials.kernels.registry import KERNEL_NAMES
 from trials.stack.techniques import BASELINE, Techniques
 from trials.training import config_file
 
@@ -58,16 +59,20 @@ def resolve_config(
     nodes: int | None = None,
     hardware: str | None = None,
     other_model: bool = False,
+    attention: str | None = None,
 ) -> ConfigRun:
-    """``--config`` (a config file or ``baseline``) with the command line's options over it (None: not given)."""
+    """``--config`` (a config file or ``baseline``) with the command line's options over it (None: not given);
+    ``attention`` replaces the techniques' attention kernel."""
     seq_len = parse_tokens(seq, "--seq") if seq is not None else None
+    if attention is not None and attention not in KERNEL_NAMES:
+        raise UserError(f"--attention {attention!r} must be one of {', '.join(KERNEL_NAMES)}")
     if config == "baseline":
         if model is None:
             raise UserError("--model is required with --config baseline (a config file names its own model)")
         return ConfigRun(
             model=model,
             model_config=model_configs.load_model_config(model),
-            techniques=BASELINE,
+            techniques=replace(BASELINE, attention=attention or BASELINE.attention),
             gpus=gpus if gpus is not None else defaults.gpus,
             nodes=nodes if nodes is not None else defaults.nodes,
             hardware=hardware if hardware is not None else defaults.hardware,
@@ -76,6 +81,7 @@ def resolve_config(
     loaded = config_file.load_config_file(config)
     notices: list[str] = []
     chosen, chosen_config, techniques = _model(config, loaded, model, other_model, notices)
+    techniques = replace(techniques, attention=_override("--attention", attention, techniques.attention, notices))
     if gpus is None and loaded.gpus < 1:
         raise UserError(f"config {config!r} has gpus {loaded.gpus}: it must be at least 1")
     return ConfigRun(

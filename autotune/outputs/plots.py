@@ -31,6 +31,48 @@ def knob_label(techniques: dict) -> str:
     return " ".join(parts.values()) or "baseline"
 
 
+def knob_labels(configs: list[dict]) -> list[str]:
+    """Labels that tell ``configs`` (techniques dicts) apart: each one's ``knob_label``, then the value of each knob
+    that differs between them where those labels do not show it (the tile sizes behind ``tiled``):
+    ``fsdp sp8 tiled mlp_tile_tokens=16K``. Configs that are the same get the same label."""
+    labels = [knob_label(techniques) for techniques in configs]
+    extras: list[list[str]] = [[] for _ in configs]
+    for knob in knobs():
+        values = [techniques.get(knob.name, knob.default) for techniques in configs]
+        by_label: dict[str, set] = {}
+        for label, value in zip(labels, values):
+            by_label.setdefault(label, set()).add(repr(value))
+        if all(len(seen) == 1 for seen in by_label.values()):  # one value per label: the labels show it
+            continue
+        for extra, value in zip(extras, values):
+            shown = "off" if knob.is_off(value) else short_tokens(value) if knob.kind == "tokens" else str(value)
+            extra.append(f"{knob.name}={shown}")
+    return [" ".join([label, *extra]) for label, extra in zip(labels, extras)]
+
+
+def model_title(model: str) -> str:
+    """A model as a plot's title names it: a preset by its name, a config.json by its folder (``Qwen3-8B``), another
+    JSON file by its name without the suffix; never the whole path."""
+    path = Path(model)
+    if path.name == "config.json" and path.parent.name:
+        return path.parent.name
+    return path.stem if path.suffix == ".json" else path.name
+
+
+def where_title(gpus: int, hardware: str, nodes: int = 1) -> str:
+    """ "8x h100-sxm", or "2 nodes x 8x h100-sxm"."""
+    return (f"{nodes} nodes x " if nodes > 1 else "") + f"{gpus}x {hardware}"
+
+
+def plot_title(record, model: str, gpus: int, hardware: str, nodes: int = 1) -> str:
+    """An estimate's memory plot's title: the model, the length and the world, then the step time and tokens/s
+    (``record`` a ``ResultRecord``)."""
+    title = f"{model_title(model)}, {format_tokens(record.seq_len)} tokens on {where_title(gpus, hardware, nodes)}"
+    if record.step_time_s:
+        title += f"\nstep {record.step_time_s:,.3g} s, {record.tokens_per_s:,.0f} tokens/s"
+    return f"{title} ({record.source}, {record.status})"
+
+
 # The failure strip below the rate axis, one row per kind of trial without a rate, top to bottom:
 # (statuses, colour, the row's name, its name in the legend).
 FAILURE_ROWS = (
@@ -176,9 +218,10 @@ def _front_groups(front: list[dict], pixels: list[tuple[float, float]], near: fl
                 clusters[-1].append(i)
                 continue
         clusters.append([i])
+    labels = knob_labels([f["techniques"] for f in front])
     groups = []
     for members in clusters:
-        texts = [knob_label(front[i]["techniques"]) for i in members]
+        texts = [labels[i] for i in members]
         if len(members) == 1:
             text = texts[0]
         elif len(set(texts)) == 1:

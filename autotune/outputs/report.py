@@ -42,7 +42,7 @@ from autotune.core.hardware import Hardware, KernelRates, Rates
 from autotune.core.record import BREAKDOWN_CATEGORIES
 from autotune.core.sizes import short_tokens
 from autotune.outputs.exporters import FRONT_SCHEMA
-from autotune.outputs.plots import knob_label, plot_memory, plot_pareto, write_pareto_html
+from autotune.outputs.plots import knob_labels, model_title, plot_memory, plot_pareto, where_title, write_pareto_html
 from autotune.outputs.timeline import FRONT_TIMELINE, write_front_timeline
 from autotune.search.front import Point, best_choice, best_point, front_points, points, what_failed
 from trials.stack.techniques import BASELINE, Techniques, knob_names, knobs
@@ -224,13 +224,15 @@ def write_outputs(job: search.SearchJob, study) -> dict:
         )
         + "\n"
     )
-    plot_pareto(plot_rows(rows), front, job.target, out / "pareto.png", title=f"{job.model} on {_where(job)}")
+    plot_pareto(
+        plot_rows(rows), front, job.target, out / "pareto.png", title=f"{model_title(job.model)} on {_where(job)}"
+    )
     write_pareto_html(study, out / "pareto.html")
     plot_front_memory(
         front,
         job.hardware.device_memory_bytes,
         out / "memory.png",
-        title=f"memory per rank of the front, {job.model} on {_where(job)}",
+        title=f"memory per rank of the front, {model_title(job.model)} on {_where(job)}",
     )
     front_timeline = _front_timeline(job, front, out)
     best = best_point(study, job.target)
@@ -311,8 +313,7 @@ def _keep_best_of(previous_target: int | None, target: int, out: Path) -> Path |
 
 
 def _where(job) -> str:
-    """ "8x h100-sxm", or "2 nodes x 8x h100-sxm"."""
-    return (f"{job.nodes} nodes x " if job.nodes > 1 else "") + f"{job.gpus}x {job.hardware.name}"
+    return where_title(job.gpus, job.hardware.name, job.nodes)
 
 
 def plot_front_memory(front: list[dict], capacity_bytes: int, path: Path, title: str = "") -> int:
@@ -325,7 +326,7 @@ def plot_front_memory(front: list[dict], capacity_bytes: int, path: Path, title:
         capacity_bytes,
         path,
         title=title,
-        labels=[f"{f['seq_len']:,}\n{knob_label(f['techniques'])}" for f in front],
+        labels=[f"{f['seq_len']:,}\n{label}" for f, label in zip(front, knob_labels([f["techniques"] for f in front]))],
     )
 
 

@@ -25,6 +25,7 @@ and ``write_pickle`` write what the viewer opens.
 from __future__ import annotations
 
 import pickle
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -324,14 +325,30 @@ def titled(snapshot: dict, title: str) -> dict:
     return snapshot
 
 
+# torch's page loads its viewer from pytorch's repository at a git ref; the torch wheel does not ship the viewer
+# (torch/utils/viz/MemoryViz.js), so the page needs the CDN, at the ref of the installed torch
+VIEWER_URL = "https://cdn.jsdelivr.net/gh/pytorch/pytorch@{ref}/torch/utils/viz/MemoryViz.js"
+
+
+def viewer_ref() -> str:
+    """The pytorch git ref whose viewer is the installed torch's: its release tag (``v2.13.0``), else the commit it
+    was built from (a nightly or a source build)."""
+    release = re.fullmatch(r"(\d+\.\d+\.\d+)(\+.*)?", torch.__version__)
+    if release:
+        return f"v{release.group(1)}"
+    commit = torch.version.git_version
+    return commit if commit and commit != "Unknown" else "main"
+
+
 def html(snapshot: dict, title: str = "") -> str:
-    """The viewer's "Active Memory Timeline" of ``snapshot``: torch's own ``trace_plot`` page, with ``title`` as the
-    page's title and a line above the viewer."""
+    """The viewer's "Active Memory Timeline" of ``snapshot``: torch's own ``trace_plot`` page, its viewer pinned to
+    the installed torch (``viewer_ref``: torch's page loads pytorch's main branch, which changes under a saved
+    page), with ``title`` as the page's title and a line above the viewer."""
     import html as html_lib
 
     from torch.cuda._memory_viz import trace_plot
 
-    page = trace_plot(snapshot)
+    page = trace_plot(snapshot).replace(VIEWER_URL.format(ref="main"), VIEWER_URL.format(ref=viewer_ref()), 1)
     if title:
         text = html_lib.escape(title)
         page = page.replace("<head>", f"<head>\n<meta charset='utf-8'><title>{text}</title>", 1)
@@ -380,7 +397,6 @@ def snapshots_in_html(page: str) -> list[dict]:
     """The snapshots a viewer page embeds (``html``, or each side of ``side_by_side_html``), in order."""
     import base64
     import html as html_lib
-    import re
 
     text = html_lib.unescape(page)
     return [pickle.loads(base64.b64decode(match)) for match in re.findall(r'"base64": "([A-Za-z0-9+/=]+)"', text)]

@@ -28,7 +28,7 @@ from autotune.outputs.exporters.deepspeed_config import DeepSpeedConfigExporter
 from autotune.outputs.exporters.front import FRONT_SCHEMA, entry_config, load_front
 from autotune.outputs.exporters.selection import Export, NotExpressible, export
 from autotune.outputs.exporters.slurm_script import SlurmScriptExporter
-from autotune.outputs.exporters.torchrun_script import TorchrunScriptExporter, torchrun_command
+from autotune.outputs.exporters.torchrun_script import TorchrunScriptExporter, torchrun_command, trainer_launcher
 
 __all__ = [
     "EXPORTERS",
@@ -42,6 +42,7 @@ __all__ = [
     "load_front",
     "make_exporter",
     "torchrun_command",
+    "trainer_launcher",
 ]
 
 EXPORTERS: dict[str, type[Exporter]] = {

@@ -22,7 +22,15 @@ import yaml
 
 from autotune.core.hardware import load_hardware
 from autotune.core.trainers import TRAINERS
-from autotune.outputs.exporters.base import Exporter, Rendered, beside, comment_block, hf_model_name
+from autotune.outputs.exporters.base import (
+    MODEL_PLACEHOLDER,
+    Exporter,
+    Rendered,
+    beside,
+    comment_block,
+    hf_model_name,
+)
+from trials.models.config import model_names
 from trials.training.config_file import TrialConfig
 
 FIRST_NODE_PLACEHOLDER = "REPLACE-WITH-THE-FIRST-NODE"
@@ -72,10 +80,14 @@ class AccelerateConfigExporter(Exporter):
         return Rendered(text, companions)
 
     def launch(self, path: str, config: TrialConfig) -> str:
-        return (
-            f"accelerate launch --config_file {path} {beside(path, '.train.py')} "
-            f"--model {hf_model_name(config.model)} --steps 100"
-        )
+        """The launch line; ``--model`` is a folder (the script reads config.json and safetensors files): a
+        config.json's own folder, else ``HF_FOLDER``, named after the hub model to download into it."""
+        command = f"accelerate launch --config_file {path} {beside(path, '.train.py')} --model {{}} --steps 100"
+        if config.model not in model_names():
+            return command.format(hf_model_name(config.model))
+        hub = hf_model_name(config.model)
+        download = f" (HF_FOLDER: {hub} downloaded, config.json + safetensors)" if hub != MODEL_PLACEHOLDER else ""
+        return command.format("HF_FOLDER") + download
 
 
 def training_script(config: TrialConfig, notes: list[str], accelerate_path: str) -> str:

@@ -21,6 +21,7 @@ from autotune.outputs.exporters.base import (
     MODEL_PLACEHOLDER,
     Exporter,
     Rendered,
+    adamw,
     comment_block,
     hf_attention,
     hf_model_name,
@@ -51,7 +52,13 @@ class ArcticRecipeExporter(Exporter):
         }
         if not t.activation_checkpointing:
             model["disable_activation_checkpoint"] = True
-        optimizer: dict = {"type": "cpu_adam" if t.optimizer_offload else "fused_adam", "learning_rate": 1e-5}
+        defaults = adamw()  # autotune run's
+        optimizer: dict = {
+            "type": "cpu_adam" if t.optimizer_offload else "fused_adam",
+            "learning_rate": defaults["lr"],
+            "betas": defaults["betas"],
+            "weight_decay": defaults["weight_decay"],
+        }
         return {
             "type": "causal",
             "micro_batch_size": 1,

@@ -102,6 +102,20 @@ def hf_attention(techniques: Techniques) -> str:
     return KERNELS[techniques.attention].hf_implementation
 
 
+def adamw() -> dict:
+    """AdamW's settings as ``autotune run`` trains by default (``trials.train``'s options): ``lr``, ``betas``,
+    ``weight_decay`` and ``max_grad_norm`` (None: no clipping), for the exports that write an optimizer."""
+    from trials.train import TrainOptions
+
+    defaults = TrainOptions(config="")
+    return {
+        "lr": defaults.lr,
+        "betas": [defaults.beta1, defaults.beta2],
+        "weight_decay": defaults.weight_decay,
+        "max_grad_norm": defaults.max_grad_norm,
+    }
+
+
 MODEL_PLACEHOLDER = "REPLACE-WITH-YOUR-MODEL"
 HUB_SOURCE = re.compile(r"https://huggingface\.co/([^/\s]+/[^/\s]+)/")  # a preset's ``_source``: its hub repo
 

@@ -19,6 +19,7 @@ from autotune.core.trainers import TRAINERS
 from autotune.outputs.exporters.base import (
     Exporter,
     Rendered,
+    adamw,
     comment_block,
     hf_attention,
     hf_model_name,
@@ -39,8 +40,9 @@ def mlp_classes(model_config: dict) -> list[tuple[str, str]]:
 
 def deepspeed_json(techniques: Techniques, with_optimizer: bool = True) -> dict:
     """The DeepSpeed config of ``techniques``: bf16 compute, ZeRO-3 for ``fsdp`` (0 without), CPU offload of
-    optimizer states and params for ``optimizer_offload``, Ulysses' degree and gradient precision.
-    ``with_optimizer``: an AdamW section (Accelerate and the Trainer bring their own optimizer)."""
+    optimizer states and params for ``optimizer_offload``, Ulysses' degree and gradient precision, clipping as
+    ``autotune run`` clips. ``with_optimizer``: an AdamW section with ``autotune run``'s defaults (``adamw``;
+    Accelerate and the Trainer bring their own optimizer)."""
     t = techniques
     zero: dict = {"stage": 3 if t.fsdp else 0}
     if t.fsdp:
@@ -50,10 +52,11 @@ def deepspeed_json(techniques: Techniques, with_optimizer: bool = True) -> dict:
     if t.optimizer_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    optimizer = adamw()
     config: dict = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
+        "gradient_clipping": optimizer["max_grad_norm"] or 0.0,  # DeepSpeed's 0: no clipping
         "bf16": {"enabled": True},
         "zero_optimization": zero,
         "sequence_parallel_size": t.ulysses_degree,
@@ -61,7 +64,8 @@ def deepspeed_json(techniques: Techniques, with_optimizer: bool = True) -> dict:
     if t.ulysses_degree > 1:
         config["seq_parallel_communication_data_type"] = "fp32"
     if with_optimizer:
-        config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-5, "betas": [0.9, 0.999], "weight_decay": 0.0}}
+        params = {key: optimizer[key] for key in ("lr", "betas", "weight_decay")}
+        config["optimizer"] = {"type": "AdamW", "params": params}  # autotune run's defaults
     return config
 
 

@@ -12,10 +12,15 @@ from autotune.outputs.exporters.slurm_script import multi_node_command
 from trials.training.config_file import TrialConfig
 
 
-def torchrun_command(config_path: str, gpus: int, steps: str = "${STEPS:-10}") -> str:
+def trainer_launcher(gpus: int) -> str:
+    """The command that starts ``trials.train`` on ``gpus`` ranks of this node, before its options."""
     if gpus == 1:
-        return f"python -m trials.train --config {config_path} --steps {steps}"
-    return f"torchrun --standalone --nproc-per-node={gpus} -m trials.train --config {config_path} --steps {steps}"
+        return "python -m trials.train"
+    return f"torchrun --standalone --nproc-per-node={gpus} -m trials.train"
+
+
+def torchrun_command(config_path: str, gpus: int, steps: str = "${STEPS:-10}") -> str:
+    return f"{trainer_launcher(gpus)} --config {config_path} --steps {steps}"
 
 
 class TorchrunScriptExporter(Exporter):
