@@ -188,9 +188,11 @@ def test_a_copy_is_freed_before_the_next_one_is_built(monkeypatch):
 @pytest.mark.parametrize(
     "exc, status, host",
     [
-        # cudaHostAlloc failing in the pinned host allocator (C10_CUDA_CHECK)
-        (torch.AcceleratorError("CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation'"), "oom", True),
+        # a CUDA runtime call out of memory (C10_CUDA_CHECK): a kernel's or NCCL's device buffer as well as the
+        # pinned host allocator's cudaHostAlloc, so it does not say host
+        (torch.AcceleratorError("CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation'"), "oom", False),
         (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes."), "oom", True),
+        (MemoryError(), "oom", True),
         # the caching allocator's device OOM, and the tracker's simulated one
         (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total"), "oom", False),
         (torch.OutOfMemoryError("simulated device out of memory: 9 bytes live > capacity 8 bytes"), "oom", False),
@@ -259,3 +261,10 @@ def test_a_run_past_the_capacity_once_the_runtime_grew_is_oom():
     record.peak_device_bytes = 90
     assert "capacity 80" in runner._over_capacity(record, 80)
     assert runner._over_capacity(record, 90) is None and runner._over_capacity(record, None) is None
+
+
+def test_a_cuda_runtime_call_out_of_memory_names_both_memories():
+    """ "CUDA error: out of memory" comes from kernels' and NCCL's device buffers as well as from pinning: the record
+    says either may have run out."""
+    status, error = runner._failure(torch.AcceleratorError("CUDA error: out of memory"))
+    assert status == "oom" and "CUDA runtime call" in error and "device memory" in error

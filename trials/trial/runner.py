@@ -123,23 +123,33 @@ def _over_capacity(record: RankRecord, capacity_bytes: int | None) -> str | None
     )
 
 
-# A CUDA runtime call that failed for memory raises "CUDA error: out of memory" (``torch.AcceleratorError``, from
-# ``C10_CUDA_CHECK``). The caching allocator turns its own device failures into ``torch.OutOfMemoryError`` ("CUDA
-# out of memory. Tried to allocate ..."), so in a step the raw error is the pinned host allocator's
-# ``cudaHostAlloc`` / ``cudaHostRegister`` (offloaded activations, shards, states). Host malloc failing reads
-# "DefaultCPUAllocator: can't allocate memory".
-_HOST_OUT_OF_MEMORY = ("CUDA error: out of memory", "DefaultCPUAllocator: can't allocate memory")
+# Out of memory, by which memory ran out. The caching allocator turns its own device failures into
+# ``torch.OutOfMemoryError`` ("CUDA out of memory. Tried to allocate ..."). A CUDA runtime call that failed for memory
+# raises "CUDA error: out of memory" (``torch.AcceleratorError``, from ``C10_CUDA_CHECK``) whichever memory it asked
+# for: a kernel's or NCCL's device buffers outside the allocator as well as the pinned host allocator's
+# ``cudaHostAlloc``, so it names neither. The host is named where the failure says so: activation offload's own
+# pinning and mapping (``HostOutOfMemoryError``), malloc ("DefaultCPUAllocator: can't allocate memory"), Python's
+# ``MemoryError``.
+_HOST_OUT_OF_MEMORY = ("DefaultCPUAllocator: can't allocate memory",)
+_RUNTIME_OUT_OF_MEMORY = "CUDA error: out of memory"
 
 
 def _failure(exc: BaseException) -> tuple[str, str]:
     """(status, error) of a run that raised ``exc``. Out of memory is ``oom`` whether the device or the host ran
     out, as the memory oracle's verdict is (offloading past the node's RAM does not fit either); the error says
-    which memory ran out, so a host wall is not read as the device's."""
+    which memory ran out where the failure tells, so a host wall is not read as the device's, nor the reverse."""
     text = str(exc)
     first = (text.splitlines() or [type(exc).__name__])[0][:500]
-    if not isinstance(exc, torch.OutOfMemoryError) and any(marker in text for marker in _HOST_OUT_OF_MEMORY):
+    if isinstance(exc, torch.OutOfMemoryError):
+        return "oom", first
+    if isinstance(exc, MemoryError) or any(marker in text for marker in _HOST_OUT_OF_MEMORY):
         return "oom", f"host out of memory (pinned or pageable host memory exhausted, not the device's): {first}"
-    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text.lower():
+    if _RUNTIME_OUT_OF_MEMORY in text:
+        return "oom", (
+            "out of memory in a CUDA runtime call (device memory outside the caching allocator, as kernels' and "
+            f"NCCL's buffers, or pinned host memory): {first}"
+        )
+    if "out of memory" in text.lower():
         return "oom", first
     return "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"
 
