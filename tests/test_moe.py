@@ -261,3 +261,20 @@ def test_mlp_tiling_of_moe_layers_keeps_loss_and_gradients():
         layer.mlp.gate.register_forward_hook(lambda module, args, out: tiles.append(args[0].shape[0]))
     _assert_same(untiled, _loss_and_grads(model))
     assert set(tiles) == {16}  # the router (hence the experts) saw tiles only
+
+
+def test_experts_read_no_value_from_the_device_in_forward_or_backward():
+    """An MoE layer's experts read nothing back to the host, forward or backward (no ``int()`` of the routing per
+    layer: on CUDA each is a sync that stops the CPU queueing ahead); the routing is read once, when asked for."""
+    from host_syncs import HostSyncs
+
+    experts = build_model(QWEN3_MOE).layers[0].mlp.experts
+    generator = torch.Generator().manual_seed(2)
+    hidden = torch.randn(SEQ, QWEN3_MOE["hidden_size"], generator=generator, requires_grad=True)
+    chosen = torch.randint(0, 8, (SEQ, 2), generator=generator)
+    weights = torch.rand(SEQ, 2, generator=generator, requires_grad=True)
+    moe.reset_routing_stats()
+    with HostSyncs() as syncs:
+        moe.experts_forward(experts, hidden, chosen, weights).square().sum().backward()
+    assert syncs.where == []
+    assert moe.routing_stats()["max_tokens_per_expert"] == int(torch.bincount(chosen.flatten(), minlength=8).max())

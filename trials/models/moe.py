@@ -62,25 +62,33 @@ def register() -> None:
 
 class _Routing:
     stats: dict | None = None  # since ``reset_routing_stats``
+    max_counts: torch.Tensor | None = None  # the most tokens one expert received, on the device, unread
 
 
 def reset_routing_stats() -> None:
-    _Routing.stats = None
+    _Routing.stats, _Routing.max_counts = None, None
 
 
 def routing_stats() -> dict | None:
     """The routing real steps saw since ``reset_routing_stats``, maxima over the calls: {"max_tokens_per_expert",
-    "balanced_tokens_per_expert" (T*k/E of the largest call), "experts", "top_k"}; None when no MoE layer ran."""
-    return dict(_Routing.stats) if _Routing.stats is not None else None
+    "balanced_tokens_per_expert" (T*k/E of the largest call), "experts", "top_k"}; None when no MoE layer ran.
+    Reading it waits for the device (the count is read here, once, not in every layer)."""
+    if _Routing.stats is None:
+        return None
+    return {**_Routing.stats, "max_tokens_per_expert": int(_Routing.max_counts)}
 
 
 def _record(counts: torch.Tensor, slots: int, experts: int, top_k: int) -> None:
+    """Fold one call's per-expert counts into the maxima without reading them: a value read in every MoE layer
+    (every recompute and tile too) would make the host wait for the device there, exposing the communication the
+    CPU would otherwise queue ahead."""
     from torch._subclasses.fake_tensor import is_fake
 
     if is_fake(counts) or counts.device.type == "meta":  # the oracle's trace: no data, nothing seen
         return
-    stats = _Routing.stats or {"max_tokens_per_expert": 0, "balanced_tokens_per_expert": 0.0}
-    stats["max_tokens_per_expert"] = max(stats["max_tokens_per_expert"], int(counts.max()))
+    most = counts.detach().max()
+    _Routing.max_counts = most if _Routing.max_counts is None else torch.maximum(_Routing.max_counts, most)
+    stats = _Routing.stats or {"balanced_tokens_per_expert": 0.0}
     stats["balanced_tokens_per_expert"] = max(stats["balanced_tokens_per_expert"], slots / experts)
     stats["experts"], stats["top_k"] = experts, top_k
     _Routing.stats = stats
