@@ -257,3 +257,51 @@ def test_autotune_run_passes_the_trainers_options_and_refuses_bad_ones_before_la
         lines = refused.stderr.strip().splitlines()
         assert refused.returncode == 2 and len(lines) == 1 and said in lines[0], refused.stderr
         assert "trials.train" not in refused.stdout  # refused before the training command was printed
+
+
+def test_clipping_reads_no_value_before_the_optimizer_step_and_scales_as_torch_does(monkeypatch):
+    """A trainer step clips on the device: no value is read back (a host sync) between the backward and the
+    optimizer step, and the
+    gradients the optimizer sees are ``torch.nn.utils.clip_grads_with_norm_``'s. lr 0 keeps the weights, so the same
+    batch gives the same gradients with and without clipping."""
+    from host_syncs import HostSyncs
+
+    from trials import train
+    from trials.core.dist import Mesh
+    from trials.models.config import load_model_config
+    from trials.stack.techniques import Techniques
+    from trials.train import TokenSource, TrainOptions, _step
+    from trials.training.step import build_training, forward_backward
+
+    mesh = Mesh.single("cpu")
+    config = load_model_config("tiny-llama")
+    model, optimizer = build_training(config, Techniques(), mesh, lr=0.0)
+    source = TokenSource(64, config["vocab_size"])
+    seen = {}
+    real_step = optimizer.step
+
+    def backward(*args, **kwargs):
+        loss = forward_backward(*args, **kwargs)
+        seen["reads before"] = len(syncs.where)
+        return loss
+
+    def step(*args, **kwargs):
+        seen["reads"] = syncs.where[seen["reads before"] :]
+        seen["grads"] = [p.grad.clone() for p in model.parameters()]
+        return real_step(*args, **kwargs)
+
+    optimizer.step = step
+    monkeypatch.setattr(train, "forward_backward", backward)
+    with HostSyncs() as syncs:
+        _, raw_norm = _step(model, optimizer, source, 0, TrainOptions(config="", max_grad_norm=None), mesh, None)
+    raw = seen["grads"]
+    max_norm = raw_norm / 3
+    with HostSyncs() as syncs:
+        _, norm = _step(model, optimizer, source, 0, TrainOptions(config="", max_grad_norm=max_norm), mesh, None)
+    assert seen["reads"] == [] and norm == raw_norm
+    reference = [torch.zeros_like(g, requires_grad=True) for g in raw]
+    for param, grad in zip(reference, raw):
+        param.grad = grad.clone()
+    torch.nn.utils.clip_grads_with_norm_(reference, max_norm, torch.tensor(raw_norm))
+    assert all(torch.equal(mine, theirs.grad) for mine, theirs in zip(seen["grads"], reference))
+    assert not all(torch.equal(mine, theirs) for mine, theirs in zip(seen["grads"], raw))

@@ -42,7 +42,14 @@ from trials.models.config import load_model_config
 from trials.training import checkpoint
 from trials.training.config_file import load_config_file
 from trials.training.data import make_batch, synthetic_sample
-from trials.training.step import build_training, forward_backward, global_loss, grad_norm, make_optimizer
+from trials.training.step import (
+    build_training,
+    clip_gradients,
+    forward_backward,
+    global_loss,
+    grad_norm,
+    make_optimizer,
+)
 
 SCHEDULES = ("constant", "cosine")
 LOG_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_device_gib", "host_gib", "elapsed_s")
@@ -402,21 +409,13 @@ def _step(model, optimizer, source: TokenSource, consumed: int, options: TrainOp
         batch = make_batch(source.window(index), mesh.sp_rank, mesh.sp_degree, mesh.device)
         last = micro == options.accumulate - 1
         scaled += forward_backward(model, batch, mesh, tracker, options.accumulate, reduce=last)
-    norm = grad_norm(model, mesh)
-    if options.max_grad_norm is not None and norm > options.max_grad_norm:
-        _scale_gradients(model, options.max_grad_norm / (norm + 1e-6))
+    norm = grad_norm(model, mesh)  # on the device: clipping and the optimizer step queue without a sync
+    if options.max_grad_norm is not None:
+        clip_gradients(model, norm, options.max_grad_norm)
     with tracker.in_phase("optimizer") if tracker is not None else contextlib.nullcontext():
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return global_loss(scaled, mesh), norm
-
-
-@torch.no_grad()
-def _scale_gradients(model, factor: float) -> None:
-    """Gradient clipping's scaling, on each rank's local gradient (DTensor shards scale locally)."""
-    for param in model.parameters():
-        if param.grad is not None:
-            param.grad.mul_(factor)
+    return global_loss(scaled, mesh), float(norm)
 
 
 def _local_bytes(param) -> int:
