@@ -305,3 +305,34 @@ def test_clipping_reads_no_value_before_the_optimizer_step_and_scales_as_torch_d
     torch.nn.utils.clip_grads_with_norm_(reference, max_norm, torch.tensor(raw_norm))
     assert all(torch.equal(mine, theirs.grad) for mine, theirs in zip(seen["grads"], reference))
     assert not all(torch.equal(mine, theirs) for mine, theirs in zip(seen["grads"], raw))
+
+
+@pytest.mark.parametrize("fail_at", ["prepare", "finish"])
+def test_rank_zero_failing_around_the_writes_fails_the_save_on_every_rank_at_once(tmp_path, fail_at):
+    """Rank 0's own steps of an atomic save (making the partial folder; its finish and rename after every rank
+    wrote) failing: every rank raises ``CheckpointSaveError`` within seconds, none waits in a barrier until the
+    collective timeout (120 s here), and no folder is left under the final name."""
+    import multiprocessing
+    import queue
+
+    from tests.train_harness import atomic_write_rank
+
+    context = multiprocessing.get_context("spawn")
+    outcomes = context.Queue()
+    (tmp_path / "save").mkdir()
+    final = tmp_path / "save" / "step-00000001"
+    args = (str(tmp_path / "store"), str(final), fail_at, outcomes)
+    ranks = [context.Process(target=atomic_write_rank, args=(rank, 2, *args)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    try:
+        said = dict(outcomes.get(timeout=60) for _ in ranks)
+    except queue.Empty:
+        said = None
+    finally:
+        for process in ranks:
+            process.kill()
+            process.join()
+    assert said is not None, "a rank is still waiting for rank 0"
+    assert all(text.startswith("could not save the test folder") for text in said.values()), said
+    assert not final.exists() and (fail_at == "prepare" or not final.with_name(final.name + ".tmp").exists())

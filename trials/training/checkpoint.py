@@ -159,33 +159,55 @@ def export_hf(model, hf_config, folder: Path, device) -> None:
 def _write_atomically(final: Path, write, finish, failure: str, device) -> None:
     """Every rank's ``write(partial)`` into ``final`` + ``.tmp``, then rank 0's ``finish(partial)`` (if any) and the
     rename into place, an earlier ``final`` replaced: a folder under ``final``'s name is always complete. When any
-    rank's write fails (a full disk; DCP's ``CheckpointException`` is a ``BaseException``), the partial folder is
-    removed and every rank raises ``CheckpointSaveError`` saying it could not ``failure``, and why."""
+    rank's write fails (a full disk; DCP's ``CheckpointException`` is a ``BaseException``), or rank 0's own steps
+    before and after it do, the partial folder is removed and every rank raises ``CheckpointSaveError`` saying it
+    could not ``failure``, and why: every rank learns the outcome from a collective, none waits in a barrier for
+    a rank that has given up."""
     import torch.distributed.checkpoint as dcp
 
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
-    if _rank() == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    _barrier()
-    cause = None
-    try:
-        write(partial)
-    except (Exception, dcp.api.CheckpointException) as exc:  # noqa: BLE001 -- any failure to write fails it
-        cause = exc
-    if not _all_ok(cause is None, device):
+
+    def fail(cause: BaseException | None, others: str) -> CheckpointSaveError:
         if _rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
-        _barrier()
-        raise CheckpointSaveError(f"could not {failure}: {_reason(cause, final.parent)}")
-    if _rank() == 0:
+        _barrier()  # every rank knows the outcome: none is left in a collective
+        return CheckpointSaveError(f"could not {failure}: {_reason(cause, final.parent, others)}")
+
+    def prepare() -> None:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+
+    def publish() -> None:
         if finish is not None:
             finish(partial)
         if final.exists():
             shutil.rmtree(final)
         os.rename(partial, final)
         _fsync_folder(final.parent)
-    _barrier()
+
+    cause = _on_rank_zero(prepare)
+    if not _all_ok(cause is None, device):
+        raise fail(cause, "rank 0 could not make the folder")
+    try:
+        write(partial)
+    except (Exception, dcp.api.CheckpointException) as exc:  # noqa: BLE001 -- any failure to write fails it
+        cause = exc
+    if not _all_ok(cause is None, device):
+        raise fail(cause, "another rank could not write its part")
+    cause = _on_rank_zero(publish)
+    if not _all_ok(cause is None, device):
+        raise fail(cause, "rank 0 could not put the written folder in place")
+
+
+def _on_rank_zero(action) -> Exception | None:
+    """Run ``action`` on rank 0 only; what it raised (None when it did not, and on every other rank)."""
+    if _rank() != 0:
+        return None
+    try:
+        action()
+    except Exception as exc:  # noqa: BLE001 -- every rank is told, then raises
+        return exc
+    return None
 
 
 def _rng_states() -> dict:
@@ -216,13 +238,14 @@ def _fsync_folder(folder: Path) -> None:
         os.close(handle)
 
 
-def _reason(cause: BaseException | None, folder: Path) -> str:
-    """What went wrong, in one line: each failed rank's own exception (DCP wraps them), and the disk's free space
-    (a full disk often surfaces as a serialiser's complaint rather than as ENOSPC)."""
+def _reason(cause: BaseException | None, folder: Path, others: str) -> str:
+    """What went wrong, in one line: each failed rank's own exception (DCP wraps them), or ``others`` on a rank
+    that did not fail itself, and the disk's free space (a full disk often surfaces as a serialiser's complaint
+    rather than as ENOSPC)."""
     import torch.distributed.checkpoint as dcp
 
     if cause is None:
-        said = "another rank could not write its part"
+        said = others
     elif isinstance(cause, dcp.api.CheckpointException):
         said = "; ".join(f"rank {rank}: {_one_line(exc)}" for rank, (exc, _) in sorted(cause.failures.items()))
     else:
