@@ -336,3 +336,45 @@ def test_rank_zero_failing_around_the_writes_fails_the_save_on_every_rank_at_onc
     assert said is not None, "a rank is still waiting for rank 0"
     assert all(text.startswith("could not save the test folder") for text in said.values()), said
     assert not final.exists() and (fail_at == "prepare" or not final.with_name(final.name + ".tmp").exists())
+
+
+class _MeshMade(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    "records, step_s",
+    [
+        ({"predicted": {"status": "ok", "step_time_s": 1000.0}}, 1000.0),
+        (
+            {"predicted": {"status": "ok", "step_time_s": 1000.0}, "measured": {"status": "ok", "step_time_s": 1500.0}},
+            1500.0,
+        ),
+        ({"predicted": {"status": "oom", "step_time_s": None}}, None),
+        ({}, None),
+    ],
+    ids=["predicted", "measured", "not-ok", "none"],
+)
+def test_the_trainers_collective_timeout_follows_the_step_time_its_config_records(
+    tmp_path, monkeypatch, records, step_s
+):
+    """A trainer whose steps take longer than torch's 10-minute default gets the trials' rule: 3 steps (measured
+    over predicted), never under the default."""
+    from trials import train as trainer
+    from trials.core.dist import MIN_COLLECTIVE_TIMEOUT_S, STEP_TIME_MARGIN
+
+    path = tmp_path / "config.json"
+    config = json.loads(Path(write_config(path)).read_text())
+    path.write_text(json.dumps({**config, **records}))
+    timeouts = []
+
+    def init_mesh(sp_degree, device=None, timeout_s=None):
+        timeouts.append(timeout_s)
+        raise _MeshMade
+
+    monkeypatch.setattr(trainer, "init_mesh", init_mesh)
+    with pytest.raises(_MeshMade):
+        trainer.train(trainer.TrainOptions(config=str(path)))
+    assert timeouts == [
+        max(MIN_COLLECTIVE_TIMEOUT_S, STEP_TIME_MARGIN * step_s) if step_s else MIN_COLLECTIVE_TIMEOUT_S
+    ]

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from trials.core import allocator
-from trials.core.dist import init_mesh
+from trials.core.dist import collective_timeout_s, init_mesh
 from trials.core.errors import ConfigError
 from trials.core.memory import DeviceMemoryTracker
 from trials.models.config import load_model_config
@@ -294,7 +294,7 @@ def train(options: TrainOptions, print_fn=print) -> dict:
     """Train as ``options`` say; returns rank 0's summary (every rank returns one)."""
     config = load_config_file(options.config)
     techniques, seq_len = config.techniques, config.seq_len
-    mesh = init_mesh(techniques.ulysses_degree)
+    mesh = init_mesh(techniques.ulysses_degree, timeout_s=collective_timeout_s(recorded_step_time_s(config)))
     tracker = DeviceMemoryTracker() if mesh.device.type != "cuda" else None
     resume_from = checkpoint.newest(Path(options.save)) if options.resume else None
     losses, rates, peak = [], [], 0
@@ -370,6 +370,16 @@ def train(options: TrainOptions, print_fn=print) -> dict:
     if mesh.rank == 0:
         print_fn("summary " + json.dumps(summary), flush=True)
     return summary
+
+
+def recorded_step_time_s(config) -> float | None:
+    """The step time the config file records for its model and length: the measured one (``autotune verify``'s),
+    else the predicted one; None when it records neither (a config written by hand). The trainer's collective
+    timeout follows it, as a trial's does: a step longer than torch's 10-minute default would abort the run."""
+    for record in (config.measured, config.predicted):
+        if record and record.get("status", "ok") == "ok" and record.get("step_time_s"):
+            return float(record["step_time_s"])
+    return None
 
 
 def _build(options: TrainOptions, config, mesh, tracker, load_weights: bool):
