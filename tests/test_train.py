@@ -334,7 +334,7 @@ def test_rank_zero_failing_around_the_writes_fails_the_save_on_every_rank_at_onc
             process.kill()
             process.join()
     assert said is not None, "a rank is still waiting for rank 0"
-    assert all(text.startswith("could not save the test folder") for text in said.values()), said
+    assert all(text.startswith("CheckpointSaveError: could not save the test folder") for text in said.values()), said
     assert not final.exists() and (fail_at == "prepare" or not final.with_name(final.name + ".tmp").exists())
 
 
@@ -378,3 +378,27 @@ def test_the_trainers_collective_timeout_follows_the_step_time_its_config_record
     assert timeouts == [
         max(MIN_COLLECTIVE_TIMEOUT_S, STEP_TIME_MARGIN * step_s) if step_s else MIN_COLLECTIVE_TIMEOUT_S
     ]
+
+
+def test_ranks_wait_for_a_finish_longer_than_the_collective_timeout_in_short_rounds(tmp_path):
+    """Rank 0 alone finishing a save (merging an export's shards) for longer than the group's collective timeout:
+    the other ranks wait in short collectives, and the save completes on every rank."""
+    import multiprocessing
+
+    from tests.train_harness import atomic_write_rank
+
+    context = multiprocessing.get_context("spawn")
+    outcomes = context.Queue()
+    final = tmp_path / "step-00000001"
+    args = (str(tmp_path / "store"), str(final), "", outcomes, 3.0, 9.0)  # 3 s timeout, 9 s finish
+    ranks = [context.Process(target=atomic_write_rank, args=(rank, 2, *args)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    try:
+        said = dict(outcomes.get(timeout=90) for _ in ranks)
+    finally:
+        for process in ranks:
+            process.kill()
+            process.join()
+    assert said == {0: "ok", 1: "ok"}
+    assert sorted(p.name for p in final.iterdir()) == ["part-0", "part-1"]
