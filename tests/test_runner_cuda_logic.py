@@ -268,3 +268,28 @@ def test_a_cuda_runtime_call_out_of_memory_names_both_memories():
     says either may have run out."""
     status, error = runner._failure(torch.AcceleratorError("CUDA error: out of memory"))
     assert status == "oom" and "CUDA runtime call" in error and "device memory" in error
+
+
+@pytest.mark.parametrize("warmup, steps", [(0, 1), (1, 2), (2, 3)])
+def test_the_step_that_records_the_cuda_memory_history_is_not_timed(warmup, steps):
+    """A CUDA memory timeline is one extra step after the warm-up: never timed, and the run still times ``steps``."""
+    plan = runner.step_plan(warmup, steps, timed=True, history=True)
+    assert [history for _, history in plan].count(True) == 1
+    assert not any(measured and history for measured, history in plan)
+    assert [measured for measured, _ in plan].count(True) == steps
+    assert plan.index((False, True)) == warmup  # where the first measured step would run: after the warm-up
+    assert (
+        runner.step_plan(warmup, steps, timed=True, history=False)
+        == [(False, False)] * warmup + [(True, False)] * steps
+    )
+    assert runner.step_plan(0, 1, timed=False, history=True) == [(False, True)]
+
+
+def test_the_cuda_memory_history_records_python_stacks_only(monkeypatch):
+    """C++ frames cost a symbolization per allocator event; the timeline's labels need the Python ones."""
+    from trials.trial import memory_timeline
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *args, **kwargs: calls.append(kwargs))
+    memory_timeline.start_cuda_history()
+    assert len(calls) == 1 and calls[0].get("stacks") == "python"

@@ -207,7 +207,7 @@ def _run_model(
     also splits the measured steps along the layers (``trials.trial.layer_clock``), else one step runs, for memory.
     ``timeline``: write this run's memory timeline there (``trials.trial.memory_timeline``), whatever its outcome: on the
     CPU the tracker's every allocation and free from the model's build to the last step (its peak is the tracker's
-    measured peak), on CUDA the allocator's history of the first measured step."""
+    measured peak), on CUDA the allocator's history of an untimed step after the warm-up (``step_plan``)."""
     seq_len, steps, warmup, seed = spec.seq_len, spec.steps, spec.warmup, spec.seed
     device = mesh.device
     # the tracker runs on CUDA too (no capacity there: the card raises OOM): the breakdown and the host bytes
@@ -223,7 +223,7 @@ def _run_model(
             where=(lambda: segment_label(peaks.segment)) if peaks is not None else None
         )
         tracker.add_listener(recorder)
-    cuda_history = None  # CUDA: the allocator's snapshot of the first measured step
+    cuda_history = None  # CUDA: the allocator's snapshot of the step that records it (``step_plan``)
     recording = False  # CUDA: the allocator's history is being recorded
     record = RankRecord(
         status="ok",
@@ -259,17 +259,17 @@ def _run_model(
             tokens = synthetic_sample(mesh.dp_rank, seq_len, model.config.vocab_size, seed)
             batch = make_batch(tokens, mesh.sp_rank, mesh.sp_degree, device)
         splits = []
-        for index in range(warmup + steps):
-            measured = timed and index >= warmup
-            # where the allocator measures memory, a timed step runs without the tracker's dispatch mode (it
-            # would slow the step it times); the steps before it (at least one) give the breakdown
-            bare = cuda_peaks is not None and measured and index > 0
+        plan = step_plan(warmup, steps, timed, history=timeline is not None and device.type == "cuda")
+        for index, (measured, history) in enumerate(plan):
+            # where the allocator measures memory, a timed step (and the allocator's history) runs without the
+            # tracker's dispatch mode (it would slow the step it times); the steps before it (at least one) give the
+            # breakdown
+            bare = cuda_peaks is not None and (measured or history) and index > 0
             if bare and peaks is not None:
                 peaks.stop_allocator()
             _inject_fault(mesh.rank)
             if clock is not None and measured:
                 clock.start_step()
-            history = timeline is not None and device.type == "cuda" and index == (warmup if timed else 0)
             if history:
                 memory_timeline.start_cuda_history()
                 recording = True
@@ -284,8 +284,9 @@ def _run_model(
             if clock is not None and measured:
                 splits.append(clock.finish_step())
             say(
-                f"step {index + 1}/{warmup + steps} took {elapsed:.2f} s"
-                + (" (warm-up)" if index < warmup else "" if timed else " (memory only)")
+                f"step {index + 1}/{len(plan)} took {elapsed:.2f} s"
+                + (" (warm-up)" if index < warmup else " (memory timeline)" if history and timed else "")
+                + ("" if timed else " (memory only)")
             )
             if index == 0:
                 record.loss, record.grad_norm = result.loss, result.grad_norm
@@ -322,6 +323,16 @@ def _run_model(
         record.step_time_s = sum(step_times) / len(step_times)
         record.tokens_per_s = seq_len * mesh.dp_size / record.step_time_s
     return record
+
+
+def step_plan(warmup: int, steps: int, timed: bool, history: bool) -> list[tuple[bool, bool]]:
+    """(measured, history) of each step a run takes. Timed: ``warmup`` steps, then ``steps`` measured ones; with
+    ``history`` (a CUDA memory timeline) one more step records the allocator's history where the first measured
+    step would run, after the warm-up, and is not timed (recording every allocation slows it). Not timed (memory
+    only): one step per ``warmup + steps``, the first recording the history."""
+    if not timed:
+        return [(False, history and index == 0) for index in range(warmup + steps)]
+    return [(False, False)] * warmup + [(False, True)] * history + [(True, False)] * steps
 
 
 def _write_timeline(path: Path, recorder, cuda_history: dict | None) -> None:
