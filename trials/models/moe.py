@@ -111,9 +111,31 @@ def _check_layout(module) -> None:
         )
 
 
+class _EmptyGroupsGetNoGradient(torch.autograd.Function):
+    """The identity on an [E, ...] weight whose backward sets the gradient of every expert without rows to zero,
+    in place (no memory beside it). ``F.grouped_mm``'s backward leaves those experts' weight gradients non-zero,
+    or NaN, on Blackwell GPUs (pytorch#172439, open; pytorch#193633: NaN on sm_103 with torch 2.13): it computes
+    each group's X^T dY and an empty group's output is never written. Experts without tokens are routine here (a
+    layer's routing of one sequence), and a non-zero gradient would move weights no token used."""
+
+    @staticmethod
+    def forward(ctx, weight, empty):
+        ctx.save_for_backward(empty)
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (empty,) = ctx.saved_tensors
+        return grad.masked_fill_(empty.view(-1, *([1] * (grad.dim() - 1))), 0), None
+
+
 def _grouped_mm(rows, weight, offsets):
-    """rows [S, K] x weight [E, K, N] -> [S, N], expert e on rows [offsets[e-1], offsets[e])."""
+    """rows [S, K] x weight [E, K, N] -> [S, N], expert e on rows [offsets[e-1], offsets[e]); an expert without
+    rows gets a zero weight gradient on every GPU (``_EmptyGroupsGetNoGradient``)."""
     if rows.dtype == weight.dtype == torch.bfloat16:
+        if weight.requires_grad:
+            empty = torch.diff(offsets, prepend=offsets.new_zeros(1)) == 0
+            weight = _EmptyGroupsGetNoGradient.apply(weight, empty)
         return F.grouped_mm(rows, weight, offs=offsets)
     return torch.ops.transformers.grouped_mm_fallback(rows, weight, offsets)
 
