@@ -71,7 +71,7 @@ def counted_grad_norm(model, mesh) -> tuple[float, list[str]]:
 
     dist.all_reduce = all_reduce
     try:
-        return grad_norm(model, mesh), calls
+        return float(grad_norm(model, mesh)), calls
     finally:
         dist.all_reduce = real
 

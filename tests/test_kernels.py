@@ -594,3 +594,69 @@ def test_verify_refuses_a_front_point_whose_kernel_cannot_run_here():
     for name in ("flash", "flash3", "flash4"):
         refusal = _kernel_refusal(SimpleNamespace(techniques={"attention": name}))
         assert refusal.startswith(f"attention {name!r} cannot run here: "), refusal
+
+
+# -- the limits a kernel declares per GPU generation: head dims, softcaps ----------------------------------------
+
+
+def _gemma2(tmp_path, head_dim: int, softcap: float | None) -> dict:
+    """A Gemma 2 config (sliding windows, attention softcap) with this head dim, as a user's config.json."""
+    from transformers import Gemma2Config
+
+    from trials.models.config import load_model_config
+
+    config = Gemma2Config(
+        vocab_size=256, hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=head_dim,
+        num_hidden_layers=2, intermediate_size=128, sliding_window=TINY_WINDOW, attn_logit_softcapping=softcap,
+        query_pre_attn_scalar=head_dim,
+    )  # fmt: skip
+    folder = tmp_path / f"gemma2-{head_dim}-{softcap}"
+    config.save_pretrained(folder)
+    return load_model_config(str(folder))
+
+
+@pytest.mark.parametrize(
+    "head_dim, softcap, kernel, major, refused",
+    [
+        (256, 50.0, "flash4", 10, "softcap"),  # Gemma 2 on B200: the head-dim-256 kernels take no softcap
+        (256, 50.0, "flash4", 12, "softcap"),  # SM 12.x: a softcap backward is a score_mod, which it refuses
+        (128, 50.0, "flash4", 12, "softcap"),
+        (256, 50.0, "flash4", 9, None),  # Hopper runs it
+        (256, None, "flash4", 10, None),  # (256, 256) without a softcap: the dedicated kernels
+        (192, None, "flash4", 10, "head dims up to 128"),  # SM100: up to 128, (192, 128), (256, 256)
+        (192, None, "flash4", 9, None),
+        (128, 50.0, "flash4", 10, None),
+        (256, 50.0, "flash", 10, None),  # FA2 runs softcaps and head dims up to 256 anywhere it runs
+        (256, 50.0, "flash4", None, None),  # the GPUs' generation unknown: nothing to refuse by
+    ],
+)
+def test_a_kernels_declared_limits_refuse_what_it_cannot_train(tmp_path, head_dim, softcap, kernel, major, refused):
+    """``Techniques.validate`` refuses a kernel by the head dims and softcaps its declaration states for the GPUs'
+    generation (``AttentionKernel.head_dims``, ``no_softcap``), naming the kernel's source."""
+    from trials.core.errors import ConfigError
+    from trials.stack.techniques import Techniques
+
+    config = _gemma2(tmp_path, head_dim, softcap)
+    techniques = Techniques(attention=kernel)
+    if refused is None:
+        techniques.validate(config, 1, on_gpu=True, compute_capability_major=major)
+        return
+    with pytest.raises(ConfigError, match=refused) as raised:
+        techniques.validate(config, 1, on_gpu=True, compute_capability_major=major)
+    assert "flash_attn/cute/interface.py" in str(raised.value) and f"{major}.x" in str(raised.value)
+
+
+def test_the_search_space_drops_a_kernel_its_limits_refuse_on_the_presets_gpus(tmp_path):
+    """A B200 search of Gemma 2 (head dim 256, softcap) offers FA2, not FA4; an H100 search offers both."""
+    from autotune.core.hardware import load_hardware
+    from autotune.search.space import load_space
+
+    config = _gemma2(tmp_path, 256, 50.0)
+    space = tmp_path / "space.yaml"
+    space.write_text("schema: autotune/space-v1\nknobs:\n  attention: [flash, flash4]\n")
+    offered = {}
+    for preset in ("b200", "h100-sxm"):
+        hw = load_hardware(preset)
+        loaded = load_space(space, config, 1, 8192, on_gpu=True, compute_capability_major=hw.compute_capability)
+        offered[preset] = loaded.choices["attention"]
+    assert offered == {"b200": ["flash"], "h100-sxm": ["flash", "flash4"]}

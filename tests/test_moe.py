@@ -261,3 +261,65 @@ def test_mlp_tiling_of_moe_layers_keeps_loss_and_gradients():
         layer.mlp.gate.register_forward_hook(lambda module, args, out: tiles.append(args[0].shape[0]))
     _assert_same(untiled, _loss_and_grads(model))
     assert set(tiles) == {16}  # the router (hence the experts) saw tiles only
+
+
+def test_experts_read_no_value_from_the_device_in_forward_or_backward():
+    """An MoE layer's experts read nothing back to the host, forward or backward (no ``int()`` of the routing per
+    layer: on CUDA each is a sync that stops the CPU queueing ahead); the routing is read once, when asked for."""
+    from host_syncs import HostSyncs
+
+    experts = build_model(QWEN3_MOE).layers[0].mlp.experts
+    generator = torch.Generator().manual_seed(2)
+    hidden = torch.randn(SEQ, QWEN3_MOE["hidden_size"], generator=generator, requires_grad=True)
+    chosen = torch.randint(0, 8, (SEQ, 2), generator=generator)
+    weights = torch.rand(SEQ, 2, generator=generator, requires_grad=True)
+    moe.reset_routing_stats()
+    with HostSyncs() as syncs:
+        moe.experts_forward(experts, hidden, chosen, weights).square().sum().backward()
+    assert syncs.where == []
+    assert moe.routing_stats()["max_tokens_per_expert"] == int(torch.bincount(chosen.flatten(), minlength=8).max())
+
+
+class _BlackwellGroupedMM(torch.autograd.Function):
+    """``F.grouped_mm`` as pytorch#172439 reports it on B200: right outputs, and a weight gradient that is garbage
+    (here NaN) for the groups without rows. Computed by transformers' per-expert fallback, which runs on the CPU."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, offs):
+        ctx.save_for_backward(rows, weight, offs)
+        return torch.ops.transformers.grouped_mm_fallback(rows, weight, offs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weight, offs = ctx.saved_tensors
+        with torch.enable_grad():
+            r, w = rows.detach().requires_grad_(), weight.detach().requires_grad_()
+            torch.ops.transformers.grouped_mm_fallback(r, w, offs).backward(grad)
+        empty = torch.diff(offs, prepend=offs.new_zeros(1)) == 0
+        return r.grad, w.grad.masked_fill(empty[:, None, None], float("nan")), None
+
+
+def test_experts_without_tokens_get_a_zero_weight_gradient_from_a_grouped_mm_that_leaves_garbage(monkeypatch):
+    """Every expert's weight gradient is the per-expert reference's, and exactly zero for experts no token chose,
+    even from a grouped GEMM whose backward leaves those groups' gradients unwritten (pytorch#172439)."""
+    experts = build_model(QWEN3_MOE).layers[0].mlp.experts.to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(SEQ, QWEN3_MOE["hidden_size"], generator=generator, dtype=torch.bfloat16)
+    chosen = torch.randint(0, 4, (SEQ, 2), generator=generator)  # experts 4-7 get no token
+    weights = torch.rand(SEQ, 2, generator=generator, dtype=torch.bfloat16)
+
+    def gradients():
+        experts.zero_grad(set_to_none=True)
+        moe.experts_forward(experts, hidden, chosen, weights).float().square().sum().backward()
+        return {name: p.grad.clone() for name, p in experts.named_parameters()}
+
+    monkeypatch.setattr(
+        moe, "_grouped_mm", lambda rows, w, offs: torch.ops.transformers.grouped_mm_fallback(rows, w, offs)
+    )
+    reference = gradients()
+    monkeypatch.undo()
+    monkeypatch.setattr(moe.F, "grouped_mm", lambda rows, w, offs: _BlackwellGroupedMM.apply(rows, w, offs))
+    guarded = gradients()
+    for name, grad in guarded.items():
+        assert torch.equal(grad[4:], torch.zeros_like(grad[4:])), name
+        assert torch.equal(grad, reference[name]), name

@@ -5,6 +5,7 @@ check: the Ulysses groups' collective timeout, the clock's events synchronized b
 
 from __future__ import annotations
 
+import errno
 import gc
 import mmap
 from datetime import timedelta
@@ -171,3 +172,42 @@ def test_layer_clock_synchronizes_its_events_before_reading_them(monkeypatch):
     times = clock.finish_step()
     assert times.layer_s == pytest.approx([2e-3] * 3)  # per layer: one interval forward, one backward, 1 ms each
     assert times.step_s == pytest.approx(9e-3)  # start .. step end: 10 marks
+
+
+class _FullHostCudart(_FakeCudart):
+    """``torch.cuda.cudart()`` on a host that cannot page-lock more: cudaErrorMemoryAllocation."""
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 (CUDA's name)
+        return 2
+
+
+def _no_mapping(*args, **kwargs):
+    raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+
+@pytest.mark.parametrize("exhausted", ["page-locking", "mapping"])
+def test_the_host_running_out_under_activation_offload_is_a_host_oom(monkeypatch, exhausted):
+    """Pinning or mapping an offloaded layer's buffer past the host's memory makes the trial ``oom`` naming the host
+    (``max_seq`` brackets on it), not an ``error``; another CUDA failure to register stays an error."""
+    from trials.trial import runner
+    from trials.trial.spec import TrialSpec
+
+    monkeypatch.setattr(torch.cuda, "cudart", _FullHostCudart)
+    if exhausted == "mapping":
+        monkeypatch.setattr(mmap, "mmap", _no_mapping)
+    monkeypatch.setattr(runner, "train_step", lambda *args, **kwargs: pinned_bytes(1 << 20))
+    spec = TrialSpec(_config(2), _offload(1), SEQ, steps=1, warmup=0)
+    record = runner.run_trial(spec, Mesh.single("cpu"))
+    assert record.status == "oom", record.error
+    assert "host out of memory" in record.error and "1,048,576 bytes" in record.error
+
+
+def test_a_registration_failing_for_another_reason_is_an_error(monkeypatch):
+    class InvalidValue(_FakeCudart):
+        def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 (CUDA's name)
+            return 1  # cudaErrorInvalidValue
+
+    monkeypatch.setattr(torch.cuda, "cudart", InvalidValue)
+    with pytest.raises(RuntimeError, match="cudaError 1") as raised:
+        pinned_bytes(4096)
+    assert not isinstance(raised.value, MemoryError)

@@ -188,9 +188,11 @@ def test_a_copy_is_freed_before_the_next_one_is_built(monkeypatch):
 @pytest.mark.parametrize(
     "exc, status, host",
     [
-        # cudaHostAlloc failing in the pinned host allocator (C10_CUDA_CHECK)
-        (torch.AcceleratorError("CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation'"), "oom", True),
+        # a CUDA runtime call out of memory (C10_CUDA_CHECK): a kernel's or NCCL's device buffer as well as the
+        # pinned host allocator's cudaHostAlloc, so it does not say host
+        (torch.AcceleratorError("CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation'"), "oom", False),
         (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes."), "oom", True),
+        (MemoryError(), "oom", True),
         # the caching allocator's device OOM, and the tracker's simulated one
         (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total"), "oom", False),
         (torch.OutOfMemoryError("simulated device out of memory: 9 bytes live > capacity 8 bytes"), "oom", False),
@@ -259,3 +261,35 @@ def test_a_run_past_the_capacity_once_the_runtime_grew_is_oom():
     record.peak_device_bytes = 90
     assert "capacity 80" in runner._over_capacity(record, 80)
     assert runner._over_capacity(record, 90) is None and runner._over_capacity(record, None) is None
+
+
+def test_a_cuda_runtime_call_out_of_memory_names_both_memories():
+    """ "CUDA error: out of memory" comes from kernels' and NCCL's device buffers as well as from pinning: the record
+    says either may have run out."""
+    status, error = runner._failure(torch.AcceleratorError("CUDA error: out of memory"))
+    assert status == "oom" and "CUDA runtime call" in error and "device memory" in error
+
+
+@pytest.mark.parametrize("warmup, steps", [(0, 1), (1, 2), (2, 3)])
+def test_the_step_that_records_the_cuda_memory_history_is_not_timed(warmup, steps):
+    """A CUDA memory timeline is one extra step after the warm-up: never timed, and the run still times ``steps``."""
+    plan = runner.step_plan(warmup, steps, timed=True, history=True)
+    assert [history for _, history in plan].count(True) == 1
+    assert not any(measured and history for measured, history in plan)
+    assert [measured for measured, _ in plan].count(True) == steps
+    assert plan.index((False, True)) == warmup  # where the first measured step would run: after the warm-up
+    assert (
+        runner.step_plan(warmup, steps, timed=True, history=False)
+        == [(False, False)] * warmup + [(True, False)] * steps
+    )
+    assert runner.step_plan(0, 1, timed=False, history=True) == [(False, True)]
+
+
+def test_the_cuda_memory_history_records_python_stacks_only(monkeypatch):
+    """C++ frames cost a symbolization per allocator event; the timeline's labels need the Python ones."""
+    from trials.trial import memory_timeline
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *args, **kwargs: calls.append(kwargs))
+    memory_timeline.start_cuda_history()
+    assert len(calls) == 1 and calls[0].get("stacks") == "python"

@@ -268,3 +268,148 @@ def test_autotune_run_passes_the_trainers_options_and_refuses_bad_ones_before_la
         lines = refused.stderr.strip().splitlines()
         assert refused.returncode == 2 and len(lines) == 1 and said in lines[0], refused.stderr
         assert "trials.train" not in refused.stdout  # refused before the training command was printed
+
+
+def test_clipping_reads_no_value_before_the_optimizer_step_and_scales_as_torch_does(monkeypatch):
+    """A trainer step clips on the device: no value is read back (a host sync) between the backward and the
+    optimizer step, and the
+    gradients the optimizer sees are ``torch.nn.utils.clip_grads_with_norm_``'s. lr 0 keeps the weights, so the same
+    batch gives the same gradients with and without clipping."""
+    from host_syncs import HostSyncs
+
+    from trials import train
+    from trials.core.dist import Mesh
+    from trials.models.config import load_model_config
+    from trials.stack.techniques import Techniques
+    from trials.train import TokenSource, TrainOptions, _step
+    from trials.training.step import build_training, forward_backward
+
+    mesh = Mesh.single("cpu")
+    config = load_model_config("tiny-llama")
+    model, optimizer = build_training(config, Techniques(), mesh, lr=0.0)
+    source = TokenSource(64, config["vocab_size"])
+    seen = {}
+    real_step = optimizer.step
+
+    def backward(*args, **kwargs):
+        loss = forward_backward(*args, **kwargs)
+        seen["reads before"] = len(syncs.where)
+        return loss
+
+    def step(*args, **kwargs):
+        seen["reads"] = syncs.where[seen["reads before"] :]
+        seen["grads"] = [p.grad.clone() for p in model.parameters()]
+        return real_step(*args, **kwargs)
+
+    optimizer.step = step
+    monkeypatch.setattr(train, "forward_backward", backward)
+    with HostSyncs() as syncs:
+        _, raw_norm = _step(model, optimizer, source, 0, TrainOptions(config="", max_grad_norm=None), mesh, None)
+    raw = seen["grads"]
+    max_norm = raw_norm / 3
+    with HostSyncs() as syncs:
+        _, norm = _step(model, optimizer, source, 0, TrainOptions(config="", max_grad_norm=max_norm), mesh, None)
+    assert seen["reads"] == [] and norm == raw_norm
+    reference = [torch.zeros_like(g, requires_grad=True) for g in raw]
+    for param, grad in zip(reference, raw):
+        param.grad = grad.clone()
+    torch.nn.utils.clip_grads_with_norm_(reference, max_norm, torch.tensor(raw_norm))
+    assert all(torch.equal(mine, theirs.grad) for mine, theirs in zip(seen["grads"], reference))
+    assert not all(torch.equal(mine, theirs) for mine, theirs in zip(seen["grads"], raw))
+
+
+@pytest.mark.parametrize("fail_at", ["prepare", "finish"])
+def test_rank_zero_failing_around_the_writes_fails_the_save_on_every_rank_at_once(tmp_path, fail_at):
+    """Rank 0's own steps of an atomic save (making the partial folder; its finish and rename after every rank
+    wrote) failing: every rank raises ``CheckpointSaveError`` within seconds, none waits in a barrier until the
+    collective timeout (120 s here), and no folder is left under the final name."""
+    import multiprocessing
+    import queue
+
+    from tests.train_harness import atomic_write_rank
+
+    context = multiprocessing.get_context("spawn")
+    outcomes = context.Queue()
+    (tmp_path / "save").mkdir()
+    final = tmp_path / "save" / "step-00000001"
+    args = (str(tmp_path / "store"), str(final), fail_at, outcomes)
+    ranks = [context.Process(target=atomic_write_rank, args=(rank, 2, *args)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    try:
+        said = dict(outcomes.get(timeout=60) for _ in ranks)
+    except queue.Empty:
+        said = None
+    finally:
+        for process in ranks:
+            process.kill()
+            process.join()
+    assert said is not None, "a rank is still waiting for rank 0"
+    assert all(text.startswith("CheckpointSaveError: could not save the test folder") for text in said.values()), said
+    assert not final.exists() and (fail_at == "prepare" or not final.with_name(final.name + ".tmp").exists())
+
+
+class _MeshMade(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    "records, step_s",
+    [
+        ({"predicted": {"status": "ok", "step_time_s": 1000.0}}, 1000.0),
+        (
+            {"predicted": {"status": "ok", "step_time_s": 1000.0}, "measured": {"status": "ok", "step_time_s": 1500.0}},
+            1500.0,
+        ),
+        ({"predicted": {"status": "oom", "step_time_s": None}}, None),
+        ({}, None),
+    ],
+    ids=["predicted", "measured", "not-ok", "none"],
+)
+def test_the_trainers_collective_timeout_follows_the_step_time_its_config_records(
+    tmp_path, monkeypatch, records, step_s
+):
+    """A trainer whose steps take longer than torch's 10-minute default gets the trials' rule: 3 steps (measured
+    over predicted), never under the default."""
+    from trials import train as trainer
+    from trials.core.dist import MIN_COLLECTIVE_TIMEOUT_S, STEP_TIME_MARGIN
+
+    path = tmp_path / "config.json"
+    config = json.loads(Path(write_config(path)).read_text())
+    path.write_text(json.dumps({**config, **records}))
+    timeouts = []
+
+    def init_mesh(sp_degree, device=None, timeout_s=None):
+        timeouts.append(timeout_s)
+        raise _MeshMade
+
+    monkeypatch.setattr(trainer, "init_mesh", init_mesh)
+    with pytest.raises(_MeshMade):
+        trainer.train(trainer.TrainOptions(config=str(path)))
+    assert timeouts == [
+        max(MIN_COLLECTIVE_TIMEOUT_S, STEP_TIME_MARGIN * step_s) if step_s else MIN_COLLECTIVE_TIMEOUT_S
+    ]
+
+
+def test_ranks_wait_for_a_finish_longer_than_the_collective_timeout_in_short_rounds(tmp_path):
+    """Rank 0 alone finishing a save (merging an export's shards) for longer than the group's collective timeout:
+    the other ranks wait in short collectives, and the save completes on every rank."""
+    import multiprocessing
+
+    from tests.train_harness import atomic_write_rank
+
+    context = multiprocessing.get_context("spawn")
+    outcomes = context.Queue()
+    final = tmp_path / "step-00000001"
+    args = (str(tmp_path / "store"), str(final), "", outcomes, 3.0, 9.0)  # 3 s timeout, 9 s finish
+    ranks = [context.Process(target=atomic_write_rank, args=(rank, 2, *args)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    try:
+        said = dict(outcomes.get(timeout=90) for _ in ranks)
+    finally:
+        for process in ranks:
+            process.kill()
+            process.join()
+    assert said == {0: "ok", 1: "ok"}
+    assert sorted(p.name for p in final.iterdir()) == ["part-0", "part-1"]

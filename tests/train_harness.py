@@ -130,3 +130,41 @@ def stored_largest(file: Path) -> tuple[int, str]:
     with safe_open(file, framework="pt") as handle:
         slices = [handle.get_slice(key) for key in handle.keys()]
         return max((torch.Size(s.get_shape()).numel() * sizes[s.get_dtype()], s.get_dtype()) for s in slices)
+
+
+def atomic_write_rank(
+    rank: int, world: int, store: str, folder: str, fail_at: str, outcomes, timeout_s: float = 120, finish_s: float = 0
+) -> None:
+    """One gloo rank of ``trials.training.checkpoint._write_atomically`` into ``folder``, rank 0 failing at
+    ``fail_at`` (``prepare``: making the partial folder; ``finish``: its own step after every write; ``""``: nowhere)
+    and taking ``finish_s`` over its finish, the group's collectives timing out after ``timeout_s``. Puts (rank,
+    "ok" or the error) on ``outcomes``, then stays alive, as a trainer that handles the error does."""
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from trials.training import checkpoint
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
+    checkpoint.WAIT_ROUND_S = timeout_s / 5
+    final = Path(folder)
+    if fail_at == "prepare" and rank == 0:  # a file where the partial folder goes: rank 0 cannot make it
+        final.with_name(final.name + checkpoint.PARTIAL_SUFFIX).write_text("in the way")
+
+    def write(partial: Path) -> None:
+        (partial / f"part-{rank}").write_text("written")
+
+    def finish(partial: Path) -> None:
+        time.sleep(finish_s)
+        if fail_at == "finish":
+            raise OSError("the config could not be written")
+
+    try:
+        checkpoint._write_atomically(final, write, finish, "save the test folder", torch.device("cpu"))
+        outcomes.put((rank, "ok"))
+    except Exception as exc:  # noqa: BLE001 -- the test reads which error each rank saw
+        outcomes.put((rank, f"{type(exc).__name__}: {exc}"))
+    time.sleep(600)

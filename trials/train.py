@@ -36,14 +36,21 @@ from pathlib import Path
 import torch
 
 from trials.core import allocator
-from trials.core.dist import init_mesh
+from trials.core.dist import collective_timeout_s, init_mesh
 from trials.core.errors import ConfigError
 from trials.core.memory import DeviceMemoryTracker
 from trials.models.config import load_model_config
 from trials.training import checkpoint
 from trials.training.config_file import load_config_file
 from trials.training.data import make_batch, synthetic_sample
-from trials.training.step import build_training, forward_backward, global_loss, grad_norm, make_optimizer
+from trials.training.step import (
+    build_training,
+    clip_gradients,
+    forward_backward,
+    global_loss,
+    grad_norm,
+    make_optimizer,
+)
 
 SCHEDULES = ("constant", "cosine")
 LOG_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_device_gib", "host_gib", "elapsed_s")
@@ -288,7 +295,7 @@ def train(options: TrainOptions, print_fn=print) -> dict:
     """Train as ``options`` say; returns rank 0's summary (every rank returns one)."""
     config = load_config_file(options.config)
     techniques, seq_len = config.techniques, config.seq_len
-    mesh = init_mesh(techniques.ulysses_degree)
+    mesh = init_mesh(techniques.ulysses_degree, timeout_s=collective_timeout_s(recorded_step_time_s(config)))
     tracker = DeviceMemoryTracker() if mesh.device.type != "cuda" else None
     resume_from = checkpoint.newest(Path(options.save)) if options.resume else None
     losses, rates, peak = [], [], 0
@@ -371,6 +378,16 @@ def train(options: TrainOptions, print_fn=print) -> dict:
     return summary
 
 
+def recorded_step_time_s(config) -> float | None:
+    """The step time the config file records for its model and length: the measured one (``autotune verify``'s),
+    else the predicted one; None when it records neither (a config written by hand). The trainer's collective
+    timeout follows it, as a trial's does: a step longer than torch's 10-minute default would abort the run."""
+    for record in (config.measured, config.predicted):
+        if record and record.get("status", "ok") == "ok" and record.get("step_time_s"):
+            return float(record["step_time_s"])
+    return None
+
+
 def _build(options: TrainOptions, config, mesh, tracker, load_weights: bool):
     """(model, optimizer, what loading held): the ``--init`` folder's model, its weights read shard by shard unless
     a checkpoint supplies them (``load_weights`` False), or the config's model with seeded random weights."""
@@ -408,21 +425,13 @@ def _step(model, optimizer, source: TokenSource, consumed: int, options: TrainOp
         batch = make_batch(source.window(index), mesh.sp_rank, mesh.sp_degree, mesh.device)
         last = micro == options.accumulate - 1
         scaled += forward_backward(model, batch, mesh, tracker, options.accumulate, reduce=last)
-    norm = grad_norm(model, mesh)
-    if options.max_grad_norm is not None and norm > options.max_grad_norm:
-        _scale_gradients(model, options.max_grad_norm / (norm + 1e-6))
+    norm = grad_norm(model, mesh)  # on the device: clipping and the optimizer step queue without a sync
+    if options.max_grad_norm is not None:
+        clip_gradients(model, norm, options.max_grad_norm)
     with tracker.in_phase("optimizer") if tracker is not None else contextlib.nullcontext():
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return global_loss(scaled, mesh), norm
-
-
-@torch.no_grad()
-def _scale_gradients(model, factor: float) -> None:
-    """Gradient clipping's scaling, on each rank's local gradient (DTensor shards scale locally)."""
-    for param in model.parameters():
-        if param.grad is not None:
-            param.grad.mul_(factor)
+    return global_loss(scaled, mesh), float(norm)
 
 
 def _local_bytes(param) -> int:

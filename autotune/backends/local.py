@@ -31,6 +31,7 @@ from autotune.core.record import ResultRecord
 from autotune.oracle import EXTRAPOLATE_FROM, Trace, extend_value
 from autotune.oracle.extrapolation import extrapolate, plan_traces
 from trials.core import allocator
+from trials.core.dist import MIN_COLLECTIVE_TIMEOUT_S, STEP_TIME_MARGIN, collective_timeout_s
 from trials.core.errors import ConfigError
 from trials.models.config import copy_for_runs
 from trials.trial.segments import Segment, layer_positions, model_runs, techniques_for_runs
@@ -39,9 +40,7 @@ from trials.trial.spec import RankRecord, TrialSpec, timeline_path
 DEPTHS = ("full", "reduced")
 
 STARTUP_S = 600.0  # starting the ranks, imports, DeepSpeed's JIT op build, building and sharding the model
-STEP_TIME_MARGIN = 3.0  # the time model's predictions are not exact (docs/predictions.md): allow 3x per step
 FOLLOWER_GRACE_S = 60.0  # how long after its deadline the driver still waits for another node's report
-MIN_COLLECTIVE_TIMEOUT_S = 600.0
 POLL_S = 1.0  # how often a running trial's exit and records are checked
 PROGRESS_EVERY_S = 5.0  # how often its latest progress line is passed on
 TEARDOWN_GRACE_S = 30.0  # how long a trial whose every rank wrote its record may take to exit
@@ -53,9 +52,8 @@ def trial_deadlines(predicted_step_s: float | None, steps: int, warmup: int) -> 
     A collective waits at most as long as the slowest rank takes to reach it, which is within one step; the trial
     runs ``warmup + steps`` steps after its start-up. Without a prediction: the defaults (one hour, 10 minutes)."""
     if not predicted_step_s or predicted_step_s <= 0:
-        return 3600.0, MIN_COLLECTIVE_TIMEOUT_S
-    step = STEP_TIME_MARGIN * predicted_step_s
-    return STARTUP_S + (warmup + steps) * step, max(MIN_COLLECTIVE_TIMEOUT_S, step)
+        return 3600.0, collective_timeout_s(None)
+    return STARTUP_S + (warmup + steps) * STEP_TIME_MARGIN * predicted_step_s, collective_timeout_s(predicted_step_s)
 
 
 def visible_devices() -> int:

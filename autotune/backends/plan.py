@@ -155,7 +155,11 @@ class PlanBackend(Backend):
         hw = evaluation.hardware
         try:
             evaluation.techniques.validate(
-                evaluation.model_config, evaluation.world_size, evaluation.seq_len, on_gpu=not hw.device_is_host
+                evaluation.model_config,
+                evaluation.world_size,
+                evaluation.seq_len,
+                on_gpu=not hw.device_is_host,
+                compute_capability_major=hw.compute_capability or None,
             )
             unlisted = hw.kernel_problem(evaluation.techniques.attention)
             if unlisted:

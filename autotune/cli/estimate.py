@@ -106,7 +106,11 @@ def estimate(
     if run.seq_len is None and not max_seq:
         fail("--seq is required (or --max-seq, or a config file with seq_len)")
     run.techniques.validate(
-        run.model_config, run.gpus * run.nodes, run.seq_len if not max_seq else None, on_gpu=not hw.device_is_host
+        run.model_config,
+        run.gpus * run.nodes,
+        run.seq_len if not max_seq else None,
+        on_gpu=not hw.device_is_host,
+        compute_capability_major=hw.compute_capability or None,
     )
     unlisted = hw.kernel_problem(run.techniques.attention)
     if unlisted:
@@ -202,7 +206,13 @@ def trial(
     if run.seq_len is None:
         fail(f"--seq is required: {'--config baseline' if config == 'baseline' else 'the config file'} has no seq_len")
     hw = trial_hardware("local", run.hardware, memory_gib).for_nodes(run.nodes)
-    run.techniques.validate(run.model_config, run.gpus * run.nodes, run.seq_len, on_gpu=not hw.device_is_host)
+    run.techniques.validate(
+        run.model_config,
+        run.gpus * run.nodes,
+        run.seq_len,
+        on_gpu=not hw.device_is_host,
+        compute_capability_major=hw.compute_capability or None,
+    )
     check_local_node(run.gpus, run.techniques.attention)
     check_depth(depth)
     _check_timeline_options(memory_timeline, memory_snapshot, rank, run.gpus * run.nodes)

@@ -231,13 +231,15 @@ def load_space(
     trainer: Trainer = AUTOTUNE,
     on_gpu: bool = True,
     kernels: Sequence[str] | None = None,
+    compute_capability_major: int | None = None,
 ) -> SearchSpace:
     """Read and validate a space file, then drop choices this model and node cannot run, and those ``trainer``
     does not run (``restrict_to_trainer``; a choice the trainer cannot run in the user's own file is bad input).
 
     ``kernels``: the attention kernels the hardware runs (``Hardware.kernels``; a local search, those this node
     runs; CPU trials: ``["sdpa"]``), what the choice ``hardware`` stands for; other kernels are dropped. None: every
-    kernel the knob takes."""
+    kernel the knob takes. ``compute_capability_major``: the GPUs' generation, whose limits a kernel declares (head
+    dims, softcaps); None: unknown."""
     user_file = path is not None
     path = Path(path) if path else DEFAULT_SPACE
     if not path.is_file():
@@ -274,7 +276,7 @@ def load_space(
         if name == "attention":
             raw = _hardware_kernels(raw, kernels)
         choices[name] = [_coerce(path, name, value, model_config) for value in raw]
-    choices = _filter(choices, model_config, gpus, path, on_gpu, kernels)
+    choices = _filter(choices, model_config, gpus, path, on_gpu, kernels, compute_capability_major)
     choices = restrict_to_trainer(choices, trainer, model_config, gpus, target, path if user_file else None)
     return SearchSpace(
         choices=choices,
@@ -386,6 +388,7 @@ def _filter(
     path: Path,
     on_gpu: bool,
     kernels: Sequence[str] | None = None,
+    compute_capability_major: int | None = None,
 ) -> dict:
     heads, kv_heads = model_config["num_attention_heads"], model_config["num_key_value_heads"]
     degrees = [
@@ -397,8 +400,8 @@ def _filter(
             f"both --gpus {gpus} and the model's {heads} heads"
         )
     attention = [a for a in choices["attention"] if kernels is None or a in kernels] or ["sdpa"]
-    features = attention_features(model_config)  # a window or softcap some kernels cannot run here
-    problems = {a: attention_kernel_problem(a, features, on_gpu) for a in attention}
+    features = attention_features(model_config)  # a window, softcap or head dim some kernels cannot run here
+    problems = {a: attention_kernel_problem(a, features, on_gpu, compute_capability_major) for a in attention}
     runnable = [a for a in attention if problems[a] is None]
     if not runnable:
         raise UserError(f"no attention kernel in {attention} runs this model here: {problems[attention[0]]}")

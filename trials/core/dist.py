@@ -20,6 +20,18 @@ import torch.distributed as dist
 
 from trials.core.patches import deepspeed_shm_comm_op_skipped
 
+MIN_COLLECTIVE_TIMEOUT_S = 600.0  # torch's NCCL default
+STEP_TIME_MARGIN = 3.0  # the time model's predictions are not exact (docs/predictions.md): allow 3x per step
+
+
+def collective_timeout_s(step_time_s: float | None) -> float:
+    """One collective's timeout for steps of ``step_time_s`` seconds (predicted or measured): a collective waits at
+    most as long as the slowest rank takes to reach it, which is within one step; ``STEP_TIME_MARGIN`` steps, never
+    under torch's default. Unknown (None or 0): the default."""
+    if not step_time_s or step_time_s <= 0:
+        return MIN_COLLECTIVE_TIMEOUT_S
+    return max(MIN_COLLECTIVE_TIMEOUT_S, STEP_TIME_MARGIN * step_time_s)
+
 
 @dataclass
 class Mesh:

@@ -39,6 +39,40 @@ class EntryPoints:
 
 
 @dataclass(frozen=True)
+class HeadDims:
+    """The head dims a kernel runs on some GPU generations: q/k's and v's both at most ``up_to`` (and multiples of
+    ``multiple``), or one of the ``pairs`` (q/k head dim, v head dim) beyond that."""
+
+    majors: tuple[int, ...]  # CUDA compute-capability majors this applies to
+    up_to: int
+    pairs: tuple[tuple[int, int], ...] = ()
+    multiple: int = 8  # 16 bytes of fp16/bf16: flash kernels' alignment
+    source: str = ""
+
+    def allows(self, head_dim: int, head_dim_v: int) -> bool:
+        if (head_dim, head_dim_v) in self.pairs:
+            return True
+        return all(8 <= d <= self.up_to and d % self.multiple == 0 for d in (head_dim, head_dim_v))
+
+    def describe(self) -> str:
+        pairs = "".join(f" or {p}" for p in self.pairs)
+        return f"head dims up to {self.up_to} (multiples of {self.multiple}){pairs}"
+
+
+@dataclass(frozen=True)
+class NoSoftcap:
+    """Where a kernel cannot softcap attention logits in training (forward or backward): on these GPU generations,
+    for these (q/k, v) head dims (None: any)."""
+
+    majors: tuple[int, ...]
+    head_dims: tuple[int, int] | None = None
+    source: str = ""
+
+    def applies(self, major: int, head_dim: int, head_dim_v: int) -> bool:
+        return major in self.majors and (self.head_dims is None or self.head_dims == (head_dim, head_dim_v))
+
+
+@dataclass(frozen=True)
 class AttentionKernel:
     name: str  # the ``attention`` knob's value
     description: str
@@ -48,6 +82,8 @@ class AttentionKernel:
     compute_capabilities: tuple[int, ...]  # CUDA compute-capability majors it runs on; () = any device, CPU too
     hf_implementation: str  # transformers' ``attn_implementation`` (what DeepSpeed/Accelerate/ArcticTraining pass)
     entry_points: EntryPoints | None = None  # None: torch's own ops
+    head_dims: tuple[HeadDims, ...] = ()  # per GPU generation; a generation not named: no limit known
+    no_softcap: tuple[NoSoftcap, ...] = ()  # where a softcap cannot train (the flash kernels softcap elsewhere)
 
     def import_error(self) -> Exception | None:
         """The error importing its entry points raises in this process (None: they import; SDPA always does)."""
@@ -63,6 +99,10 @@ class AttentionKernel:
     def installed(self) -> bool:
         """Whether its entry points import in this process."""
         return self.import_error() is None
+
+    def head_dims_on(self, compute_capability_major: int | None) -> HeadDims | None:
+        """The head dims it runs on a GPU of this generation (None: no limit declared, or a CPU)."""
+        return next((rule for rule in self.head_dims if compute_capability_major in rule.majors), None)
 
     def runs_on(self, compute_capability_major: int | None) -> bool:
         """Whether it runs on a GPU of this generation (None: a CPU)."""
@@ -92,6 +132,8 @@ KERNELS: dict[str, AttentionKernel] = {
             # setup.py l. 74 builds "80;90;100;110;120" by default (Blackwell with CUDA >= 12.8, l. 101-143)
             compute_capabilities=(8, 9, 10, 11, 12),
             hf_implementation="flash_attention_2",
+            # csrc/flash_attn/flash_api.cpp l. 416, 868: forward and backward "at most 256"
+            head_dims=(HeadDims((8, 9, 10, 11, 12), up_to=256, source="csrc/flash_attn/flash_api.cpp l. 416, 868"),),
             entry_points=EntryPoints(
                 "flash_attn:flash_attn_func",
                 "flash_attn.flash_attn_interface:_wrapped_flash_attn_forward",  # flash-attn >= 2.7
@@ -106,6 +148,8 @@ KERNELS: dict[str, AttentionKernel] = {
             package="flash-attn-3",
             compute_capabilities=(9,),  # its sm90a kernels (hopper/setup.py also builds SM8x ones; FA2 serves 8.x)
             hf_implementation="flash_attention_3",
+            # hopper/flash_api.cpp l. 494-506: kernels for head dims up to 256
+            head_dims=(HeadDims((9,), up_to=256, source="hopper/flash_api.cpp l. 494-506"),),
             entry_points=EntryPoints(
                 "flash_attn_interface:flash_attn_func",
                 "flash_attn_interface:_flash_attn_forward",
@@ -122,6 +166,23 @@ KERNELS: dict[str, AttentionKernel] = {
             # (flash_attn/cute/interface.py l. 1854; the forward also takes 8, l. 681), so Hopper runs it too
             compute_capabilities=(9, 10, 11, 12),
             hf_implementation="flash_attention_4",
+            # flash_attn/cute/interface.py _validate_head_dims (l. 112-129), checked on SM90 and SM100/SM110 (l. 684)
+            head_dims=(
+                HeadDims((9,), up_to=256, source="flash_attn/cute/interface.py l. 119-124"),
+                HeadDims(
+                    (10, 11),
+                    up_to=128,
+                    pairs=((192, 128), (256, 256)),
+                    source="flash_attn/cute/interface.py l. 125-129",
+                ),
+            ),
+            no_softcap=(
+                # the dedicated head-dim-256 kernels of SM100/SM110 (l. 839, 1967) assert no softcap, forward l. 1309
+                # and backward l. 2463 (Gemma 2 on B200)
+                NoSoftcap((10, 11), (256, 256), source="flash_attn/cute/interface.py l. 1309, 2463"),
+                # the backward runs a softcap as a score_mod (l. 2094-2099), which SM 12.x refuses (l. 1913)
+                NoSoftcap((12,), None, source="flash_attn/cute/interface.py l. 1913, 2094-2099"),
+            ),
             entry_points=EntryPoints(
                 "flash_attn.cute:flash_attn_func",
                 "flash_attn.cute.interface:_flash_attn_fwd",
@@ -197,13 +258,19 @@ def usable_here() -> tuple[str, ...]:
     return tuple(name for name in KERNEL_NAMES if kernel_problem(name, major) is None)
 
 
-def attention_kernel_problem(attention: str, features: dict, on_gpu: bool) -> str | None:
+def attention_kernel_problem(
+    attention: str, features: dict, on_gpu: bool, compute_capability_major: int | None = None
+) -> str | None:
     """Why kernel ``attention`` cannot run a model whose attention needs ``features``
-    (``trials.models.families.Family.attention_features``: ``window``, ``softcap``) on a GPU or on the CPU (None: it can).
-    Every flash kernel (``trials.kernels.registry.FLASH_KERNELS``) runs both; torch's SDPA runs a window on the CPU kernel only
-    (as masked blocks) and no softcap."""
-    if attention in FLASH_KERNELS or attention not in KERNEL_NAMES:  # unknown names: ``problems`` says so
+    (``trials.models.config.attention_features``: ``window``, ``softcap``, ``head_dim``, ``head_dim_v``) on a GPU or on
+    the CPU (None: it can). Every flash kernel (``FLASH_KERNELS``) runs windows and softcaps, within the limits its
+    declaration states for a GPU generation (``compute_capability_major``, when known): its head dims
+    (``AttentionKernel.head_dims``), where it cannot softcap (``AttentionKernel.no_softcap``). torch's SDPA runs a
+    window on the CPU kernel only (as masked blocks) and no softcap."""
+    if attention not in KERNEL_NAMES:  # unknown names: ``problems`` says so
         return None
+    if attention in FLASH_KERNELS:
+        return _declared_limit_problem(KERNELS[attention], features, compute_capability_major) if on_gpu else None
     if features.get("softcap"):
         return (
             f"attention 'sdpa' cannot softcap attention logits (attn_logit_softcapping {features['softcap']:g}): "
@@ -213,5 +280,30 @@ def attention_kernel_problem(attention: str, features: dict, on_gpu: bool) -> st
         return (
             f"attention 'sdpa' runs sliding windows (sliding_window {features['window']:,}) on the CPU only: "
             f"use a flash kernel ({', '.join(FLASH_KERNELS)}) on GPUs"
+        )
+    return None
+
+
+def _declared_limit_problem(kernel: AttentionKernel, features: dict, major: int | None) -> str | None:
+    """Why ``kernel`` cannot train attention with ``features`` on a GPU of generation ``major`` by its declared
+    limits (None: it can, or the generation or the head dims are not known)."""
+    head_dim = features.get("head_dim")
+    if major is None or head_dim is None:
+        return None
+    head_dim = int(head_dim)
+    head_dim_v = int(features.get("head_dim_v", head_dim))
+    dims = f"head dim {head_dim}" if head_dim == head_dim_v else f"head dims ({head_dim}, {head_dim_v})"
+    rule = kernel.head_dims_on(major)
+    if rule is not None and not rule.allows(head_dim, head_dim_v):
+        return (
+            f"attention {kernel.name!r} ({kernel.package}) runs {rule.describe()} on compute capability {major}.x, "
+            f"not {dims} ({rule.source})"
+        )
+    softcap = features.get("softcap")
+    refused = next((r for r in kernel.no_softcap if r.applies(major, head_dim, head_dim_v)), None) if softcap else None
+    if refused is not None:
+        return (
+            f"attention {kernel.name!r} ({kernel.package}) cannot train a softcap (attn_logit_softcapping "
+            f"{softcap:g}) with {dims} on compute capability {major}.x ({refused.source})"
         )
     return None

@@ -161,8 +161,12 @@ def layer_windows(model_config: dict) -> list[int | None]:
 
 
 def attention_features(model_config: dict) -> dict[str, float]:
-    """What the model's attention needs of a kernel beyond full causal attention (``Family.attention_features``)."""
-    return family(model_config).attention_features(hf_config_of(model_config))
+    """What the model's attention needs of a kernel beyond full causal attention (``Family.attention_features``:
+    a window, a softcap), and its ``head_dim`` (q, k and v alike in every family here), which kernels bound per GPU
+    generation (``trials.kernels.registry.AttentionKernel.head_dims``)."""
+    features = family(model_config).attention_features(hf_config_of(model_config))
+    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // model_config["num_attention_heads"]
+    return {**features, "head_dim": head_dim}
 
 
 def experts(model_config: dict) -> tuple[int, int] | None:

@@ -62,25 +62,33 @@ def register() -> None:
 
 class _Routing:
     stats: dict | None = None  # since ``reset_routing_stats``
+    max_counts: torch.Tensor | None = None  # the most tokens one expert received, on the device, unread
 
 
 def reset_routing_stats() -> None:
-    _Routing.stats = None
+    _Routing.stats, _Routing.max_counts = None, None
 
 
 def routing_stats() -> dict | None:
     """The routing real steps saw since ``reset_routing_stats``, maxima over the calls: {"max_tokens_per_expert",
-    "balanced_tokens_per_expert" (T*k/E of the largest call), "experts", "top_k"}; None when no MoE layer ran."""
-    return dict(_Routing.stats) if _Routing.stats is not None else None
+    "balanced_tokens_per_expert" (T*k/E of the largest call), "experts", "top_k"}; None when no MoE layer ran.
+    Reading it waits for the device (the count is read here, once, not in every layer)."""
+    if _Routing.stats is None:
+        return None
+    return {**_Routing.stats, "max_tokens_per_expert": int(_Routing.max_counts)}
 
 
 def _record(counts: torch.Tensor, slots: int, experts: int, top_k: int) -> None:
+    """Fold one call's per-expert counts into the maxima without reading them: a value read in every MoE layer
+    (every recompute and tile too) would make the host wait for the device there, exposing the communication the
+    CPU would otherwise queue ahead."""
     from torch._subclasses.fake_tensor import is_fake
 
     if is_fake(counts) or counts.device.type == "meta":  # the oracle's trace: no data, nothing seen
         return
-    stats = _Routing.stats or {"max_tokens_per_expert": 0, "balanced_tokens_per_expert": 0.0}
-    stats["max_tokens_per_expert"] = max(stats["max_tokens_per_expert"], int(counts.max()))
+    most = counts.detach().max()
+    _Routing.max_counts = most if _Routing.max_counts is None else torch.maximum(_Routing.max_counts, most)
+    stats = _Routing.stats or {"balanced_tokens_per_expert": 0.0}
     stats["balanced_tokens_per_expert"] = max(stats["balanced_tokens_per_expert"], slots / experts)
     stats["experts"], stats["top_k"] = experts, top_k
     _Routing.stats = stats
@@ -103,9 +111,31 @@ def _check_layout(module) -> None:
         )
 
 
+class _EmptyGroupsGetNoGradient(torch.autograd.Function):
+    """The identity on an [E, ...] weight whose backward sets the gradient of every expert without rows to zero,
+    in place (no memory beside it). ``F.grouped_mm``'s backward leaves those experts' weight gradients non-zero,
+    or NaN, on Blackwell GPUs (pytorch#172439, open; pytorch#193633: NaN on sm_103 with torch 2.13): it computes
+    each group's X^T dY and an empty group's output is never written. Experts without tokens are routine here (a
+    layer's routing of one sequence), and a non-zero gradient would move weights no token used."""
+
+    @staticmethod
+    def forward(ctx, weight, empty):
+        ctx.save_for_backward(empty)
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (empty,) = ctx.saved_tensors
+        return grad.masked_fill_(empty.view(-1, *([1] * (grad.dim() - 1))), 0), None
+
+
 def _grouped_mm(rows, weight, offsets):
-    """rows [S, K] x weight [E, K, N] -> [S, N], expert e on rows [offsets[e-1], offsets[e])."""
+    """rows [S, K] x weight [E, K, N] -> [S, N], expert e on rows [offsets[e-1], offsets[e]); an expert without
+    rows gets a zero weight gradient on every GPU (``_EmptyGroupsGetNoGradient``)."""
     if rows.dtype == weight.dtype == torch.bfloat16:
+        if weight.requires_grad:
+            empty = torch.diff(offsets, prepend=offsets.new_zeros(1)) == 0
+            weight = _EmptyGroupsGetNoGradient.apply(weight, empty)
         return F.grouped_mm(rows, weight, offs=offsets)
     return torch.ops.transformers.grouped_mm_fallback(rows, weight, offsets)
 

@@ -38,15 +38,18 @@ of the input; that alias is what the pack hook receives and what is copied.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import weakref
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
+from trials.core.errors import HostOutOfMemoryError
 from trials.core.memory import active_tracker
 
 _CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, as torch's own pinning
+_CUDA_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation: the host cannot page-lock that much
 
 
 def _is_fake(tensor) -> bool:
@@ -62,10 +65,21 @@ def _unregister(ptr: int) -> None:
 def pinned_bytes(nbytes: int) -> torch.Tensor:
     """``nbytes`` of page-locked host memory as a uint8 tensor, outside torch's caching host allocator: an anonymous
     mapping (page-aligned, its own pages) registered with CUDA. The tensor's storage keeps the mapping alive; the
-    registration ends when the storage is freed (before the mapping goes)."""
-    buffer = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+    registration ends when the storage is freed (before the mapping goes). The host running out (the mapping
+    refused, ENOMEM; the registration refused, cudaErrorMemoryAllocation) raises ``HostOutOfMemoryError``."""
+    try:
+        mapping = mmap.mmap(-1, nbytes)
+    except OSError as exc:
+        if exc.errno != errno.ENOMEM:
+            raise
+        raise HostOutOfMemoryError(f"mapping {nbytes:,} bytes of host memory failed: {exc}") from exc
+    buffer = torch.frombuffer(mapping, dtype=torch.uint8)
     ptr = buffer.data_ptr()
     error = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
+    if error == _CUDA_ERROR_MEMORY_ALLOCATION:
+        raise HostOutOfMemoryError(
+            f"cudaHostRegister of {nbytes:,} bytes of host memory failed: cudaError {error} (out of memory)"
+        )
     if error != 0:
         raise RuntimeError(f"cudaHostRegister of {nbytes:,} bytes of host memory failed: cudaError {error}")
     finalizer = weakref.finalize(buffer.untyped_storage(), _unregister, ptr)

@@ -160,16 +160,23 @@ class Techniques:
         return asdict(self)
 
     def validate(
-        self, model_config: dict, gpus: int, seq_len: int | None = None, on_gpu: bool | None = None
+        self,
+        model_config: dict,
+        gpus: int,
+        seq_len: int | None = None,
+        on_gpu: bool | None = None,
+        compute_capability_major: int | None = None,
     ) -> Techniques:
         """Refuse (``ConfigError``, the first reason) what cannot run on ``gpus`` ranks; returns self. With
         ``on_gpu`` (the devices are GPUs, or the CPU), also an attention kernel that cannot run the model's
-        attention there (``trials.kernels.registry.attention_kernel_problem``)."""
+        attention there (``trials.kernels.registry.attention_kernel_problem``), by the limits the kernel declares
+        for GPUs of ``compute_capability_major`` when it is known."""
         found = problems(self, model_config, gpus, seq_len)
         if on_gpu is not None:
             from trials.models.config import attention_features
 
-            kernel = attention_kernel_problem(self.attention, attention_features(model_config), on_gpu)
+            features = attention_features(model_config)
+            kernel = attention_kernel_problem(self.attention, features, on_gpu, compute_capability_major)
             found += [kernel] if kernel else []
         if found:
             raise ConfigError(found[0])

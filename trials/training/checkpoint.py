@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,8 @@ import torch.distributed as dist
 STEP_FOLDER = re.compile(r"^step-(\d{8})$")
 STATE_FILE = "trainer_state.json"
 PARTIAL_SUFFIX = ".tmp"
+SHARDED = "sharded"  # an export's per-rank shards, inside its partial folder until rank 0 has merged them
+WAIT_ROUND_S = 10.0  # the longest one collective waits while rank 0 finishes a save alone (``_on_rank_zero``)
 
 
 class CheckpointSaveError(RuntimeError):
@@ -131,11 +134,14 @@ def remove_partial(save: Path) -> None:
 
 def export_hf(model, hf_config, folder: Path, device) -> None:
     """Write the model as a Hugging Face folder (``config.json`` + ``model.safetensors``) that
-    ``AutoModelForCausalLM.from_pretrained`` loads: each rank writes its FSDP2 shards, DCP consolidates them into
-    whole tensors; written beside ``folder`` and renamed into place when complete. Tensors are the fp32 master
-    weights; a tied output head is stored once, as ``transformers`` saves it."""
+    ``AutoModelForCausalLM.from_pretrained`` loads: each rank writes its FSDP2 shards, then rank 0 alone merges them
+    into whole tensors (what ``HuggingFaceStorageWriter``'s ``enable_consolidation`` runs, here as ``finish``, so the
+    other ranks wait for it in short collectives rather than in one that a model of tens of GB outlasts); written
+    beside ``folder`` and renamed into place when complete. Tensors are the fp32 master weights; a tied output head
+    is stored once, as ``transformers`` saves it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     weights = {}
@@ -145,12 +151,14 @@ def export_hf(model, hf_config, folder: Path, device) -> None:
             continue
         weights[name] = tensor
 
-    def write(partial: Path) -> None:
-        writer = HuggingFaceStorageWriter(str(partial), save_distributed=True, enable_consolidation=True)
-        dcp.save(weights, storage_writer=writer)
+    def write(partial: Path) -> None:  # every rank its shards, under sharded/
+        dcp.save(weights, storage_writer=HuggingFaceStorageWriter(str(partial / SHARDED), save_distributed=True))
 
-    def finish(partial: Path) -> None:  # the whole tensors are in place: the per-rank shards go, the config comes
-        shutil.rmtree(partial / "sharded", ignore_errors=True)
+    def finish(partial: Path) -> None:  # rank 0 merges the shards into whole tensors; the shards go, the config comes
+        consolidate_safetensors_files(
+            input_dir=str(partial / SHARDED), output_dir=str(partial), fqn_to_index_mapping=dict.fromkeys(weights, 1)
+        )
+        shutil.rmtree(partial / SHARDED, ignore_errors=True)
         hf_config.save_pretrained(partial)
 
     _write_atomically(Path(folder), write, finish, f"export the model to {folder}", device)
@@ -159,33 +167,74 @@ def export_hf(model, hf_config, folder: Path, device) -> None:
 def _write_atomically(final: Path, write, finish, failure: str, device) -> None:
     """Every rank's ``write(partial)`` into ``final`` + ``.tmp``, then rank 0's ``finish(partial)`` (if any) and the
     rename into place, an earlier ``final`` replaced: a folder under ``final``'s name is always complete. When any
-    rank's write fails (a full disk; DCP's ``CheckpointException`` is a ``BaseException``), the partial folder is
-    removed and every rank raises ``CheckpointSaveError`` saying it could not ``failure``, and why."""
+    rank's write fails (a full disk; DCP's ``CheckpointException`` is a ``BaseException``), or rank 0's own steps
+    before and after it do, the partial folder is removed and every rank raises ``CheckpointSaveError`` saying it
+    could not ``failure``, and why: every rank learns the outcome from a collective, none waits in a barrier for
+    a rank that has given up."""
     import torch.distributed.checkpoint as dcp
 
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
-    if _rank() == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    _barrier()
-    cause = None
-    try:
-        write(partial)
-    except (Exception, dcp.api.CheckpointException) as exc:  # noqa: BLE001 -- any failure to write fails it
-        cause = exc
-    if not _all_ok(cause is None, device):
+
+    def fail(cause: BaseException | None, others: str) -> CheckpointSaveError:
         if _rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
-        _barrier()
-        raise CheckpointSaveError(f"could not {failure}: {_reason(cause, final.parent)}")
-    if _rank() == 0:
+        _barrier()  # every rank knows the outcome: none is left in a collective
+        return CheckpointSaveError(f"could not {failure}: {_reason(cause, final.parent, others)}")
+
+    def prepare() -> None:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+
+    def publish() -> None:
         if finish is not None:
             finish(partial)
         if final.exists():
             shutil.rmtree(final)
         os.rename(partial, final)
         _fsync_folder(final.parent)
-    _barrier()
+
+    cause = _on_rank_zero(prepare)
+    if not _all_ok(cause is None, device):
+        raise fail(cause, "rank 0 could not make the folder")
+    try:
+        write(partial)
+    except (Exception, dcp.api.CheckpointException) as exc:  # noqa: BLE001 -- any failure to write fails it
+        cause = exc
+    if not _all_ok(cause is None, device):
+        raise fail(cause, "another rank could not write its part")
+    cause = _on_rank_zero(publish, device)
+    if not _all_ok(cause is None, device):
+        raise fail(cause, "rank 0 could not put the written folder in place")
+
+
+def _on_rank_zero(action, device=None) -> Exception | None:
+    """Run ``action`` on rank 0 only; what it raised (None when it did not, and on every other rank).
+
+    With ``device`` the ranks wait for it together: rank 0 runs it in a thread and every rank meets in one small
+    collective each ``WAIT_ROUND_S`` until it is done, so however long it takes (merging an export of tens of GB),
+    no collective waits longer than a round, far below the process group's timeout; a rank 0 that dies still
+    leaves the others in a collective that times out."""
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            action()
+        except Exception as exc:  # noqa: BLE001 -- every rank is told, then raises
+            outcome["cause"] = exc
+
+    if device is None or not dist.is_initialized():
+        if _rank() == 0:
+            run()
+        return outcome.get("cause")
+    worker = threading.Thread(target=run, name="rank-0-save", daemon=True) if _rank() == 0 else None
+    if worker is not None:
+        worker.start()
+    done = False
+    while not done:
+        if worker is not None:
+            worker.join(WAIT_ROUND_S)
+        done = _all_ok(worker is None or not worker.is_alive(), device)
+    return outcome.get("cause")
 
 
 def _rng_states() -> dict:
@@ -216,13 +265,14 @@ def _fsync_folder(folder: Path) -> None:
         os.close(handle)
 
 
-def _reason(cause: BaseException | None, folder: Path) -> str:
-    """What went wrong, in one line: each failed rank's own exception (DCP wraps them), and the disk's free space
-    (a full disk often surfaces as a serialiser's complaint rather than as ENOSPC)."""
+def _reason(cause: BaseException | None, folder: Path, others: str) -> str:
+    """What went wrong, in one line: each failed rank's own exception (DCP wraps them), or ``others`` on a rank
+    that did not fail itself, and the disk's free space (a full disk often surfaces as a serialiser's complaint
+    rather than as ENOSPC)."""
     import torch.distributed.checkpoint as dcp
 
     if cause is None:
-        said = "another rank could not write its part"
+        said = others
     elif isinstance(cause, dcp.api.CheckpointException):
         said = "; ".join(f"rank {rank}: {_one_line(exc)}" for rank, (exc, _) in sorted(cause.failures.items()))
     else:

@@ -69,8 +69,10 @@ def loss_scale(batch: Batch, mesh) -> float:
     return mesh.sp_degree / batch.valid_tokens
 
 
-def grad_norm(model, mesh) -> float:
-    """L2 norm of the whole reduced gradient, with at most one collective: a scalar on ``mesh.device``.
+def grad_norm(model, mesh) -> torch.Tensor:
+    """L2 norm of the whole reduced gradient, with at most one collective: a 0-d fp32 tensor on ``mesh.device``,
+    not read, so that clipping by it (``clip_gradients``) and the optimizer step queue behind it without the host
+    waiting for the device.
 
     Sharded gradients (FSDP2 DTensors, disjoint shards over the FSDP mesh) contribute the squares of their local
     shard, summed over ranks; replicated ones (already all-reduced) count once, locally. With optimizer offload
@@ -101,7 +103,26 @@ def grad_norm(model, mesh) -> float:
             local += total.to(mesh.device)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(sharded, group=group)
-    return float((sharded + local).sqrt())
+    return (sharded + local).sqrt()
+
+
+@torch.no_grad()
+def clip_gradients(model, norm: torch.Tensor, max_norm: float) -> None:
+    """Scale every gradient by ``max_norm / (norm + 1e-6)`` clamped at 1, as ``torch.nn.utils.clip_grad_norm_``
+    does, the factor computed on the device: no value is read before the optimizer step. Each rank scales its local
+    gradient (a DTensor's shard); host gradients (optimizer offload) get the factor copied to the host."""
+    from torch.distributed.tensor import DTensor
+
+    factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    factors = {factor.device: factor}
+    for param in model.parameters():
+        grad = param.grad
+        if grad is None:
+            continue
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        if local.device not in factors:
+            factors[local.device] = factor.to(local.device)
+        local.mul_(factors[local.device])
 
 
 def forward_backward(
@@ -158,8 +179,9 @@ def train_step(model, optimizer, batch: Batch, mesh, tracker=None) -> StepResult
     with phase("optimizer"):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    # scaled_loss = local_sum * sp / valid; the global mean loss is sum over ranks / (sp * dp)
-    return StepResult(loss=global_loss(scaled_loss, mesh), grad_norm=norm)
+    # scaled_loss = local_sum * sp / valid; the global mean loss is sum over ranks / (sp * dp); the values are read
+    # after the optimizer step is queued
+    return StepResult(loss=global_loss(scaled_loss, mesh), grad_norm=float(norm))
 
 
 class _NullPhase:

@@ -382,8 +382,10 @@ CUDA_HISTORY_ENTRIES = 1_000_000  # allocator events kept: a step at millions of
 
 
 def start_cuda_history() -> None:
-    """Start recording the CUDA caching allocator's history: every alloc and free with its Python stack."""
-    torch.cuda.memory._record_memory_history(max_entries=CUDA_HISTORY_ENTRIES)
+    """Start recording the CUDA caching allocator's history: every alloc and free with its Python stack. Python
+    frames only (``stacks="python"``): C++ frames cost a symbolization per event, and the viewer's labels (op,
+    module, technique) come from the Python ones."""
+    torch.cuda.memory._record_memory_history(max_entries=CUDA_HISTORY_ENTRIES, stacks="python")
 
 
 def stop_cuda_history() -> dict:

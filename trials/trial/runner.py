@@ -123,23 +123,33 @@ def _over_capacity(record: RankRecord, capacity_bytes: int | None) -> str | None
     )
 
 
-# A CUDA runtime call that failed for memory raises "CUDA error: out of memory" (``torch.AcceleratorError``, from
-# ``C10_CUDA_CHECK``). The caching allocator turns its own device failures into ``torch.OutOfMemoryError`` ("CUDA
-# out of memory. Tried to allocate ..."), so in a step the raw error is the pinned host allocator's
-# ``cudaHostAlloc`` / ``cudaHostRegister`` (offloaded activations, shards, states). Host malloc failing reads
-# "DefaultCPUAllocator: can't allocate memory".
-_HOST_OUT_OF_MEMORY = ("CUDA error: out of memory", "DefaultCPUAllocator: can't allocate memory")
+# Out of memory, by which memory ran out. The caching allocator turns its own device failures into
+# ``torch.OutOfMemoryError`` ("CUDA out of memory. Tried to allocate ..."). A CUDA runtime call that failed for memory
+# raises "CUDA error: out of memory" (``torch.AcceleratorError``, from ``C10_CUDA_CHECK``) whichever memory it asked
+# for: a kernel's or NCCL's device buffers outside the allocator as well as the pinned host allocator's
+# ``cudaHostAlloc``, so it names neither. The host is named where the failure says so: activation offload's own
+# pinning and mapping (``HostOutOfMemoryError``), malloc ("DefaultCPUAllocator: can't allocate memory"), Python's
+# ``MemoryError``.
+_HOST_OUT_OF_MEMORY = ("DefaultCPUAllocator: can't allocate memory",)
+_RUNTIME_OUT_OF_MEMORY = "CUDA error: out of memory"
 
 
 def _failure(exc: BaseException) -> tuple[str, str]:
     """(status, error) of a run that raised ``exc``. Out of memory is ``oom`` whether the device or the host ran
     out, as the memory oracle's verdict is (offloading past the node's RAM does not fit either); the error says
-    which memory ran out, so a host wall is not read as the device's."""
+    which memory ran out where the failure tells, so a host wall is not read as the device's, nor the reverse."""
     text = str(exc)
     first = (text.splitlines() or [type(exc).__name__])[0][:500]
-    if not isinstance(exc, torch.OutOfMemoryError) and any(marker in text for marker in _HOST_OUT_OF_MEMORY):
+    if isinstance(exc, torch.OutOfMemoryError):
+        return "oom", first
+    if isinstance(exc, MemoryError) or any(marker in text for marker in _HOST_OUT_OF_MEMORY):
         return "oom", f"host out of memory (pinned or pageable host memory exhausted, not the device's): {first}"
-    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text.lower():
+    if _RUNTIME_OUT_OF_MEMORY in text:
+        return "oom", (
+            "out of memory in a CUDA runtime call (device memory outside the caching allocator, as kernels' and "
+            f"NCCL's buffers, or pinned host memory): {first}"
+        )
+    if "out of memory" in text.lower():
         return "oom", first
     return "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"
 
@@ -197,7 +207,7 @@ def _run_model(
     also splits the measured steps along the layers (``trials.trial.layer_clock``), else one step runs, for memory.
     ``timeline``: write this run's memory timeline there (``trials.trial.memory_timeline``), whatever its outcome: on the
     CPU the tracker's every allocation and free from the model's build to the last step (its peak is the tracker's
-    measured peak), on CUDA the allocator's history of the first measured step."""
+    measured peak), on CUDA the allocator's history of an untimed step after the warm-up (``step_plan``)."""
     seq_len, steps, warmup, seed = spec.seq_len, spec.steps, spec.warmup, spec.seed
     device = mesh.device
     # the tracker runs on CUDA too (no capacity there: the card raises OOM): the breakdown and the host bytes
@@ -213,7 +223,7 @@ def _run_model(
             where=(lambda: segment_label(peaks.segment)) if peaks is not None else None
         )
         tracker.add_listener(recorder)
-    cuda_history = None  # CUDA: the allocator's snapshot of the first measured step
+    cuda_history = None  # CUDA: the allocator's snapshot of the step that records it (``step_plan``)
     recording = False  # CUDA: the allocator's history is being recorded
     record = RankRecord(
         status="ok",
@@ -249,17 +259,17 @@ def _run_model(
             tokens = synthetic_sample(mesh.dp_rank, seq_len, model.config.vocab_size, seed)
             batch = make_batch(tokens, mesh.sp_rank, mesh.sp_degree, device)
         splits = []
-        for index in range(warmup + steps):
-            measured = timed and index >= warmup
-            # where the allocator measures memory, a timed step runs without the tracker's dispatch mode (it
-            # would slow the step it times); the steps before it (at least one) give the breakdown
-            bare = cuda_peaks is not None and measured and index > 0
+        plan = step_plan(warmup, steps, timed, history=timeline is not None and device.type == "cuda")
+        for index, (measured, history) in enumerate(plan):
+            # where the allocator measures memory, a timed step (and the allocator's history) runs without the
+            # tracker's dispatch mode (it would slow the step it times); the steps before it (at least one) give the
+            # breakdown
+            bare = cuda_peaks is not None and (measured or history) and index > 0
             if bare and peaks is not None:
                 peaks.stop_allocator()
             _inject_fault(mesh.rank)
             if clock is not None and measured:
                 clock.start_step()
-            history = timeline is not None and device.type == "cuda" and index == (warmup if timed else 0)
             if history:
                 memory_timeline.start_cuda_history()
                 recording = True
@@ -274,8 +284,9 @@ def _run_model(
             if clock is not None and measured:
                 splits.append(clock.finish_step())
             say(
-                f"step {index + 1}/{warmup + steps} took {elapsed:.2f} s"
-                + (" (warm-up)" if index < warmup else "" if timed else " (memory only)")
+                f"step {index + 1}/{len(plan)} took {elapsed:.2f} s"
+                + (" (warm-up)" if index < warmup else " (memory timeline)" if history and timed else "")
+                + ("" if timed else " (memory only)")
             )
             if index == 0:
                 record.loss, record.grad_norm = result.loss, result.grad_norm
@@ -312,6 +323,16 @@ def _run_model(
         record.step_time_s = sum(step_times) / len(step_times)
         record.tokens_per_s = seq_len * mesh.dp_size / record.step_time_s
     return record
+
+
+def step_plan(warmup: int, steps: int, timed: bool, history: bool) -> list[tuple[bool, bool]]:
+    """(measured, history) of each step a run takes. Timed: ``warmup`` steps, then ``steps`` measured ones; with
+    ``history`` (a CUDA memory timeline) one more step records the allocator's history where the first measured
+    step would run, after the warm-up, and is not timed (recording every allocation slows it). Not timed (memory
+    only): one step per ``warmup + steps``, the first recording the history."""
+    if not timed:
+        return [(False, history and index == 0) for index in range(warmup + steps)]
+    return [(False, False)] * warmup + [(False, True)] * history + [(True, False)] * steps
 
 
 def _write_timeline(path: Path, recorder, cuda_history: dict | None) -> None:

@@ -34,7 +34,7 @@ class TrialSpec:
     # not timed runs one step after priming the optimizer states (memory only), a timed one warm-up + steps too
     copies: list[dict] = field(default_factory=list)
     # the rank that records its memory timeline (``trials.trial.memory_timeline``) as OUT_DIR/timeline{rank}.pickle:
-    # on CUDA the allocator's history of the first measured step, on the CPU the tracker's events of the whole
+    # on CUDA the allocator's history of an untimed step after the warm-up (``runner.step_plan``), on the CPU the tracker's events of the whole
     # run (the model's, or the first copy's); None: no rank records one
     timeline_rank: int | None = None
 
