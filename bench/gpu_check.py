@@ -172,6 +172,7 @@ STAND_IN_WIDTH = 8  # the CPU's stand-in: widths, heads and vocabulary / 8 (head
 STAND_IN_LENGTH = 64  # the CPU's stand-in: tokens (lengths and tiles) / 64
 TOKEN_KNOBS = ("mlp_tile_tokens", "loss_tile_tokens", "norm_tile_tokens")
 WIDTHS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads", "vocab_size")
+CHECKS_S = 180.0  # of --budget, kept for the checks after the configs: calibration, trainer, memory timeline
 TRAINER_STEPS, TRAINER_SAVED = 5, 3  # autotune run: 5 steps uninterrupted; 3 saved, then resumed to 5
 
 
@@ -228,11 +229,12 @@ def scale_rows(device: str, kernels: list[str]) -> list[dict]:
 
 
 class Budget:
-    """``--budget SECONDS`` from its start: a config starts only while the time left holds the longest one so far
-    (the first always starts), and gets only the time left as its deadline. None: no limit."""
+    """``--budget SECONDS`` from its start: a config starts only while the time left, less ``reserve_s`` kept for the
+    checks after the table, holds the longest config so far (the first always starts), and gets the time left as
+    its deadline. None: no limit."""
 
-    def __init__(self, seconds: float | None, clock=time.monotonic):
-        self.seconds, self.clock = seconds, clock
+    def __init__(self, seconds: float | None, reserve_s: float = 0.0, clock=time.monotonic):
+        self.seconds, self.reserve_s, self.clock = seconds, reserve_s, clock
         self.started = clock()
         self.longest = 0.0
 
@@ -240,21 +242,22 @@ class Budget:
         return float("inf") if self.seconds is None else self.seconds - (self.clock() - self.started)
 
     def admits(self) -> bool:
-        return self.left() > max(self.longest, 0.0) and self.left() > 0
+        return self.left() - self.reserve_s > max(self.longest, 0.0)
 
     def took(self, seconds: float) -> None:
         self.longest = max(self.longest, seconds)
 
 
 def run_rows(rows: list[dict], run_row, budget: Budget) -> list[dict | None]:
-    """Each row's result from ``run_row(row, deadline_s)`` while ``budget`` admits another; None: not run."""
+    """Each row's result from ``run_row(row, deadline_s)`` (the budget's time left less its reserve) while
+    ``budget`` admits another; None: not run."""
     results: list[dict | None] = []
     for row in rows:
         if not budget.admits():
             results.append(None)
             continue
         started = budget.clock()
-        results.append(run_row(row, budget.left()))
+        results.append(run_row(row, budget.left() - budget.reserve_s))
         budget.took(budget.clock() - started)
     return results
 
@@ -312,6 +315,31 @@ def calibration_lines(device: str, base_name: str, model_config: dict) -> list[s
     if kept:
         lines.append(f"  not timed here (the preset's assumed rates kept): {', '.join(kept)}")
     return lines
+
+
+def calibration_check(device: str, base_name: str, model_config: dict, deadline_s: float) -> list[str]:
+    """``calibration_lines`` in a process of its own, killed with its workers at ``deadline_s``; a failure is one
+    line that starts "calibration: FAILED" and says why."""
+    with tempfile.TemporaryDirectory(prefix="gpu-check-calibration-") as work:
+        shapes, out = Path(work, "shapes.json"), Path(work, "lines.txt")
+        shapes.write_text(json.dumps(model_config))
+        command = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--calibration",
+            device,
+            base_name,
+            str(shapes),
+            str(out),
+        ]
+        returncode, output = run_with_deadline(
+            command, max(1.0, deadline_s), env=dict(os.environ, PYTHONPATH=str(ROOT))
+        )
+        if returncode == 0 and out.exists():
+            return out.read_text().splitlines()
+        why = f"past its deadline of {deadline_s:.0f} s" if returncode is None else f"exit {returncode}"
+        tail = " | ".join(output.strip().splitlines()[-3:])
+        return [f"calibration: FAILED ({why}): {tail[-600:]}"]
 
 
 def trainer_check(device: str, hardware_name: str, deadline_s: float) -> tuple[list[str], float | None]:
@@ -728,7 +756,7 @@ def real_scale(args, missing: set[str]) -> int:
     from autotune.timing.calibration.preset import default_base
     from trials.models.config import load_model_config
 
-    budget = Budget(args.budget)
+    budget = Budget(args.budget, reserve_s=CHECKS_S if args.budget is not None else 0.0)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: --device cuda but torch sees no CUDA device", file=sys.stderr)
@@ -750,40 +778,20 @@ def real_scale(args, missing: set[str]) -> int:
         )
     rows = scale_rows(device, kernels)
     steps = args.steps or 1
+    limit = (
+        "none"
+        if args.budget is None
+        else f"{args.budget:.0f} s, {CHECKS_S:.0f} s of it for the checks after the configs"
+    )
     print(
         f"gpu_check --scale 8b-reduced: {where}; {dtype} compute; torch {torch.__version__}; kernels "
         f"{', '.join(kernels)}; {len(rows)} configs, reduced depth (3- and 4-layer copies, extended to the model's); "
-        f"budget {'none' if args.budget is None else f'{args.budget:.0f} s'}",
+        f"budget {limit}",
         flush=True,
     )
-    tests, tests_ok = run_cuda_tests(max(1.0, min(args.tests_deadline, budget.left())))
+    tests, tests_ok = run_cuda_tests(max(1.0, min(args.tests_deadline, budget.left() - budget.reserve_s)))
     print("\n".join(tests), flush=True)
     worst: dict[str, tuple] = {}
-    calibration_base = hardware_name if device == "cuda" else args.calibration_base
-    try:
-        shapes = load_model_config("llama3-8b")
-        shapes.setdefault("_name", "llama3-8b")
-        shapes = stand_in(shapes) if device == "cpu" else shapes
-        print("\n".join(calibration_lines(device, calibration_base, shapes)), flush=True)
-    except Exception as exc:  # a calibration that fails is a finding, not a crash of the check
-        print(f"calibration: FAILED: {type(exc).__name__}: {str(exc)[-600:]}", flush=True)
-        worst["failed"] = (worst.get("failed", (0,))[0] + 1, "calibration")
-    lacking = sorted({"typer", "rich", "pyarrow"} & missing)
-    if lacking:
-        print(f"trainer (autotune run): skipped, {', '.join(lacking)} missing", flush=True)
-    else:
-        lines, spread = trainer_check(device, hardware_name, budget.left())
-        print("\n".join(lines), flush=True)
-        if spread is None:
-            worst["failed"] = (worst.get("failed", (0,))[0] + 1, "trainer")
-        else:
-            worst["trainer"] = (1 + spread, f"steps {TRAINER_SAVED + 1}-{TRAINER_STEPS}")
-    lines, ratio = timeline_check(rows[0], hardware, budget.left())
-    print("\n".join(lines), flush=True)
-    if ratio is None:
-        worst["failed"] = (worst.get("failed", (0,))[0] + 1, "memory timeline")
-    else:
-        worst["timeline"] = (ratio, rows[0]["name"])
 
     def run_row(row: dict, left_s: float) -> dict:
         if "deepspeed" in missing and needs_deepspeed(row["techniques"]):
@@ -802,6 +810,44 @@ def real_scale(args, missing: set[str]) -> int:
 
     print("configs:", flush=True)
     measured = run_rows(rows, run_row, budget)
+
+    def failed(what: str) -> None:
+        worst["failed"] = (worst.get("failed", (0,))[0] + 1, what)
+
+    def out_of_time(what: str) -> bool:
+        if budget.left() > 0:
+            return False
+        print(f"{what}: not run, the budget ran out", flush=True)
+        count, first = worst.get("not run", (0, what))
+        worst["not run"] = (count + 1, first)
+        return True
+
+    shapes = load_model_config("llama3-8b")
+    shapes.setdefault("_name", "llama3-8b")
+    base = hardware_name if device == "cuda" else args.calibration_base
+    if not out_of_time("calibration"):
+        lines = calibration_check(device, base, stand_in(shapes) if device == "cpu" else shapes, budget.left())
+        print("\n".join(lines), flush=True)
+        if lines[0].startswith("calibration: FAILED"):
+            failed("calibration")
+    lacking = sorted({"typer", "rich", "pyarrow"} & missing)
+    if lacking:
+        print(f"trainer (autotune run): skipped, {', '.join(lacking)} missing", flush=True)
+    elif not out_of_time("trainer (autotune run)"):
+        lines, spread = trainer_check(device, hardware_name, budget.left())
+        print("\n".join(lines), flush=True)
+        if spread is None:
+            failed("trainer")
+        else:
+            worst["trainer"] = (1 + spread, f"steps {TRAINER_SAVED + 1}-{TRAINER_STEPS}")
+    if not out_of_time("memory timeline"):
+        lines, ratio = timeline_check(rows[0], hardware, budget.left())
+        print("\n".join(lines), flush=True)
+        if ratio is None:
+            failed("memory timeline")
+        else:
+            worst["timeline"] = (ratio, rows[0]["name"])
+
     print_real_scale(rows, measured, hardware, worst)
     print(
         "\n'pred' columns: predicted / measured, at the model's whole depth (the reduced trial's copies extended"
@@ -879,7 +925,7 @@ def print_worst(worst: dict, tests_ok: bool) -> int:
         if key in worst:
             print(f"worst {label}: {worst[key][0]:.4f} ({worst[key][1]})")
     if "not run" in worst:
-        print(f"not run: {worst['not run'][0]} config(s) past the budget, from {worst['not run'][1]}")
+        print(f"not run: {worst['not run'][0]} config(s) or check(s) past the budget, from {worst['not run'][1]}")
     if "failed" in worst:
         print(f"FAILED: {worst['failed'][0]} config(s) or check(s), e.g. {worst['failed'][1]}")
     if not tests_ok:
@@ -890,6 +936,7 @@ def print_worst(worst: dict, tests_ok: bool) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", nargs=2, metavar=("SPECS", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--calibration", nargs=4, metavar=("DEVICE", "BASE", "SHAPES", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when visible")
     parser.add_argument(
         "--hardware",
@@ -922,6 +969,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         return _worker(*args.worker)
+    if args.calibration:
+        device, base, shapes, out = args.calibration
+        lines = calibration_lines(device, base, json.loads(Path(shapes).read_text()))
+        Path(out).write_text("\n".join(lines) + "\n")
+        return 0
     problem = _options_problem(args)
     if problem:
         print(f"gpu_check: {problem}", file=sys.stderr)

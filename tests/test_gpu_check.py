@@ -26,10 +26,11 @@ class _Clock:
 
 
 def test_the_budget_stops_adding_configs_and_the_table_still_lists_every_one(gpu_check, capsys):
-    """Each config takes 40 s of a 100 s budget: after two, 20 s are left, less than the longest one took, so the
-    third and fourth do not start; each started one gets the time left as its deadline; the table lists all four."""
+    """Each config takes 40 s of a 130 s budget that keeps 30 s for the checks after them: after two, 20 s are left
+    beside the reserve, less than the longest one took, so the third and fourth do not start; each started one gets
+    the time left less the reserve as its deadline; the table lists all four."""
     clock = _Clock()
-    budget = gpu_check.Budget(100.0, clock=clock)
+    budget = gpu_check.Budget(130.0, reserve_s=30.0, clock=clock)
     deadlines = []
 
     def run_row(row, left_s):
