@@ -35,7 +35,7 @@ SDPA and every flash kernel installed here). Around the table: the device calibr
 measurements, each kernel's measured efficiency vs the preset's assumed one), the trainer (``autotune run`` 5
 steps, and 3 steps saved then resumed to 5: the resumed losses vs the uninterrupted ones) and the memory timeline
 (its replayed peak vs the measured one). On CPU (``--device cpu``) the same runs on a stand-in: the models' widths,
-heads and vocabularies divided by 8 (head dim and depth kept), lengths divided by 64, fp32; memory is the
+heads and vocabularies divided by 16 (head dim and depth kept), lengths divided by 64, fp32; memory is the
 tracker's (``trials.core.memory``), time the ``cpu`` preset's (or ``--hardware FILE``). That rehearses the GPU run.
 
 ``--budget SECONDS`` stops adding configs when the time left would not hold another one (the longest so far),
@@ -168,12 +168,13 @@ REAL_SCALE = [
         },
     ),
 ]
-STAND_IN_WIDTH = 8  # the CPU's stand-in: widths, heads and vocabulary / 8 (head dim, depth, experts kept)
+STAND_IN_WIDTH = 16  # the CPU's stand-in: widths, heads and vocabulary / 16 (head dim, depth, experts kept)
 STAND_IN_LENGTH = 64  # the CPU's stand-in: tokens (lengths and tiles) / 64
 TOKEN_KNOBS = ("mlp_tile_tokens", "loss_tile_tokens", "norm_tile_tokens")
 WIDTHS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads", "vocab_size")
-CHECKS_S = 180.0  # of --budget, kept for the checks after the configs: calibration, trainer, memory timeline
-TRAINER_STEPS, TRAINER_SAVED = 5, 3  # autotune run: 5 steps uninterrupted; 3 saved, then resumed to 5
+# of --budget, kept for the checks after the configs (calibration, trainer, memory timeline): the CPU's are slower
+CHECKS_S = {"cuda": 180.0, "cpu": 240.0}
+TRAINER_STEPS, TRAINER_SAVED = 5, 3  # autotune run: 5 steps saving at 3 and 5, then resumed from 3 to 5
 
 
 def stand_in(model_config: dict) -> dict:
@@ -343,8 +344,13 @@ def calibration_check(device: str, base_name: str, model_config: dict, deadline_
 
 
 def trainer_check(device: str, hardware_name: str, deadline_s: float) -> tuple[list[str], float | None]:
-    """``autotune run`` on tiny-llama: 5 steps, and 3 steps saved then resumed to 5; (the section's lines, the
-    largest relative difference between the resumed run's losses and the uninterrupted run's, None: failed)."""
+    """``autotune run`` on tiny-llama: 5 steps saving at 3 and 5; then the step-5 checkpoint removed and the run
+    resumed from step 3 to 5. (the section's lines, the largest relative difference between the resumed run's
+    losses and the uninterrupted run's; None: a run failed)."""
+    import shutil
+
+    from trials.training.checkpoint import step_folder
+
     with tempfile.TemporaryDirectory(prefix="gpu-check-run-") as work:
         config = Path(work, "config.json")
         config.write_text(
@@ -360,13 +366,12 @@ def trainer_check(device: str, hardware_name: str, deadline_s: float) -> tuple[l
             )
         )
         cli = [sys.executable, "-c", "import sys; from autotune.cli import main; sys.exit(main())", "run"]
-        common = ["--config", str(config), "--lr", "1e-3"]
+        common = ["--config", str(config), "--lr", "1e-3", "--steps", str(TRAINER_STEPS), "--save", "ck"]
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         started = time.perf_counter()
         runs = [
-            ("uninterrupted", ["--steps", str(TRAINER_STEPS), "--log-file", "full.jsonl"]),
-            ("saved", ["--steps", str(TRAINER_SAVED), "--save", "ck", "--save-every", str(TRAINER_SAVED)]),
-            ("resumed", ["--steps", str(TRAINER_STEPS), "--save", "ck", "--resume", "--log-file", "resumed.jsonl"]),
+            ("uninterrupted", ["--save-every", str(TRAINER_SAVED), "--log-file", "full.jsonl"]),
+            ("resumed", ["--resume", "--log-file", "resumed.jsonl"]),
         ]
         for name, extra in runs:
             left = deadline_s - (time.perf_counter() - started)
@@ -375,20 +380,21 @@ def trainer_check(device: str, hardware_name: str, deadline_s: float) -> tuple[l
                 why = "past its deadline" if returncode is None else f"exit {returncode}"
                 tail = " | ".join(output.strip().splitlines()[-3:])
                 return [f"trainer (autotune run): the {name} run FAILED ({why}): {tail[-600:]}"], None
+            # the resumed run starts from the checkpoint of step 3: the one of step 5 goes
+            shutil.rmtree(step_folder(Path(work, "ck"), TRAINER_STEPS), ignore_errors=True)
         full = [json.loads(line) for line in Path(work, "full.jsonl").read_text().splitlines()]
         resumed = [json.loads(line) for line in Path(work, "resumed.jsonl").read_text().splitlines()]
     uninterrupted = {entry["step"]: entry["loss"] for entry in full}
     after = {entry["step"]: entry["loss"] for entry in resumed}
     if sorted(after) != list(range(TRAINER_SAVED + 1, TRAINER_STEPS + 1)):
-        return [
-            f"trainer (autotune run): the resumed run logged steps {sorted(after)}, not the ones after its checkpoint"
-        ], None
+        return [f"trainer (autotune run): the resumed run logged steps {sorted(after)}, not those after step 3"], None
     spread = max(abs(after[step] - uninterrupted[step]) / abs(uninterrupted[step]) for step in after)
     losses = ", ".join(f"{uninterrupted[s]:.5f}/{after[s]:.5f}" for s in sorted(after))
     return [
-        f"trainer (autotune run, tiny-llama, {time.perf_counter() - started:.0f} s): {TRAINER_STEPS} steps; "
-        f"{TRAINER_SAVED} saved, resumed to {TRAINER_STEPS}: steps {TRAINER_SAVED + 1}-{TRAINER_STEPS} "
-        f"uninterrupted/resumed loss {losses} (largest relative difference {spread:.2e})"
+        f"trainer (autotune run, tiny-llama, {time.perf_counter() - started:.0f} s): {TRAINER_STEPS} steps saved at "
+        f"{TRAINER_SAVED} and {TRAINER_STEPS}; resumed from {TRAINER_SAVED} to {TRAINER_STEPS}: steps "
+        f"{TRAINER_SAVED + 1}-{TRAINER_STEPS} uninterrupted/resumed loss {losses} (largest relative difference "
+        f"{spread:.2e})"
     ], spread
 
 
@@ -756,8 +762,8 @@ def real_scale(args, missing: set[str]) -> int:
     from autotune.timing.calibration.preset import default_base
     from trials.models.config import load_model_config
 
-    budget = Budget(args.budget, reserve_s=CHECKS_S if args.budget is not None else 0.0)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    budget = Budget(args.budget, reserve_s=CHECKS_S[device] if args.budget is not None else 0.0)
     if device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: --device cuda but torch sees no CUDA device", file=sys.stderr)
         return 2
@@ -781,7 +787,7 @@ def real_scale(args, missing: set[str]) -> int:
     limit = (
         "none"
         if args.budget is None
-        else f"{args.budget:.0f} s, {CHECKS_S:.0f} s of it for the checks after the configs"
+        else f"{args.budget:.0f} s, {budget.reserve_s:.0f} s of it for the checks after the configs"
     )
     print(
         f"gpu_check --scale 8b-reduced: {where}; {dtype} compute; torch {torch.__version__}; kernels "
@@ -798,13 +804,17 @@ def real_scale(args, missing: set[str]) -> int:
             return {"status": "skipped", "error": "needs deepspeed (TiledMLP), not installed here"}
         started = time.perf_counter()
         real = reduced_trial(row, hardware, steps, min(args.trial_deadline, left_s))
+        trial_s = time.perf_counter() - started
         if real["status"] == "ok":
             try:
                 real["predicted"] = predict_row(row, row["model_config"], row["seq"], hardware, dtype)
             except Exception as exc:  # a config the oracle cannot trace is a finding, not a crash of the check
                 real["status"], real["error"] = "error", f"oracle failed: {type(exc).__name__}: {exc}"
         real["wall_s"] = time.perf_counter() - started
-        say = f"{real['status']}, {real['wall_s']:.0f} s, {budget.left():.0f} s of the budget left"
+        say = (
+            f"{real['status']}, {real['wall_s']:.0f} s (trial {trial_s:.0f} s, oracle {real['wall_s'] - trial_s:.0f} s), "
+            f"{budget.left():.0f} s of the budget left"
+        )
         print(f"  {row['name']} at {row['seq']:,} tokens: {say}", flush=True)
         return real
 
@@ -814,38 +824,51 @@ def real_scale(args, missing: set[str]) -> int:
     def failed(what: str) -> None:
         worst["failed"] = (worst.get("failed", (0,))[0] + 1, what)
 
+    def not_run(what: str) -> None:
+        count, first = worst.get("not run", (0, what))
+        worst["not run"] = (count + 1, first)
+
     def out_of_time(what: str) -> bool:
         if budget.left() > 0:
             return False
         print(f"{what}: not run, the budget ran out", flush=True)
-        count, first = worst.get("not run", (0, what))
-        worst["not run"] = (count + 1, first)
+        not_run(what)
         return True
+
+    def settle(what: str, ok: bool) -> None:
+        """A check that failed as the budget ran out was stopped by it (its deadline is the time left)."""
+        if ok:
+            return
+        if budget.left() <= 1:
+            print(f"{what}: stopped at the budget's end", flush=True)
+            not_run(what)
+        else:
+            failed(what)
+
+    def deadline() -> float:
+        return min(args.trial_deadline, budget.left())
 
     shapes = load_model_config("llama3-8b")
     shapes.setdefault("_name", "llama3-8b")
     base = hardware_name if device == "cuda" else args.calibration_base
     if not out_of_time("calibration"):
-        lines = calibration_check(device, base, stand_in(shapes) if device == "cpu" else shapes, budget.left())
+        lines = calibration_check(device, base, stand_in(shapes) if device == "cpu" else shapes, deadline())
         print("\n".join(lines), flush=True)
-        if lines[0].startswith("calibration: FAILED"):
-            failed("calibration")
+        settle("calibration", not lines[0].startswith("calibration: FAILED"))
     lacking = sorted({"typer", "rich", "pyarrow"} & missing)
     if lacking:
         print(f"trainer (autotune run): skipped, {', '.join(lacking)} missing", flush=True)
     elif not out_of_time("trainer (autotune run)"):
-        lines, spread = trainer_check(device, hardware_name, budget.left())
+        lines, spread = trainer_check(device, hardware_name, deadline())
         print("\n".join(lines), flush=True)
-        if spread is None:
-            failed("trainer")
-        else:
+        settle("trainer", spread is not None)
+        if spread is not None:
             worst["trainer"] = (1 + spread, f"steps {TRAINER_SAVED + 1}-{TRAINER_STEPS}")
     if not out_of_time("memory timeline"):
-        lines, ratio = timeline_check(rows[0], hardware, budget.left())
+        lines, ratio = timeline_check(rows[0], hardware, deadline())
         print("\n".join(lines), flush=True)
-        if ratio is None:
-            failed("memory timeline")
-        else:
+        settle("memory timeline", ratio is not None)
+        if ratio is not None:
             worst["timeline"] = (ratio, rows[0]["name"])
 
     print_real_scale(rows, measured, hardware, worst)
@@ -925,7 +948,7 @@ def print_worst(worst: dict, tests_ok: bool) -> int:
         if key in worst:
             print(f"worst {label}: {worst[key][0]:.4f} ({worst[key][1]})")
     if "not run" in worst:
-        print(f"not run: {worst['not run'][0]} config(s) or check(s) past the budget, from {worst['not run'][1]}")
+        print(f"not run: {worst['not run'][0]} config(s) or check(s) past the budget, e.g. {worst['not run'][1]}")
     if "failed" in worst:
         print(f"FAILED: {worst['failed'][0]} config(s) or check(s), e.g. {worst['failed'][1]}")
     if not tests_ok:
