@@ -28,18 +28,20 @@ torchrun stops the launch and only that config is reported failed.
 ``--scale 8b-reduced`` is the acceptance at a scale that matters on one GPU: Llama-3-8B's real layer shapes
 (and one MoE row: Qwen3-30B-A3B's experts as grouped GEMMs) measured as reduced-depth trials
 (``LocalBackend(depth="reduced")``: the 3- and 4-layer copies run, each segment's peak and the step time extended
-to the model's 32 layers) at 32K-256K tokens, against the plan backend's prediction of the whole model: oracle
+to the model's 32 layers, 48 for the MoE) at 32K-256K tokens, against the plan backend's prediction of the whole model: oracle
 allocated / reserved peak vs ``max_memory_allocated`` / ``max_memory_reserved``, host bytes, predicted vs measured
 step time, one row per config (checkpointing, activation offload, the three tiles, optimizer offload, head chunks,
-SDPA and every flash kernel installed here). Around the table: the device calibration (``autotune calibrate``'s
-measurements, each kernel's measured efficiency vs the preset's assumed one), the trainer (``autotune run`` 5
-steps, and 3 steps saved then resumed to 5: the resumed losses vs the uninterrupted ones) and the memory timeline
+SDPA and every flash kernel installed here). After the configs: the device calibration (``autotune calibrate``'s
+measurements, each kernel's measured efficiency vs the preset's assumed one), the trainer (``autotune run`` on
+tiny-llama, 5 steps saving at 3 and 5, then resumed from 3 to 5: the resumed losses vs the uninterrupted ones) and
+the memory timeline
 (its replayed peak vs the measured one). On CPU (``--device cpu``) the same runs on a stand-in: the models' widths,
 heads and vocabularies divided by 16 (head dim and depth kept), lengths divided by 64, fp32; memory is the
 tracker's (``trials.core.memory``), time the ``cpu`` preset's (or ``--hardware FILE``). That rehearses the GPU run.
 
-``--budget SECONDS`` stops adding configs when the time left would not hold another one (the longest so far),
-gives the last one only the time left, and still prints the table; the configs not run are listed. Nothing is
+``--budget SECONDS`` keeps a share for the checks after the configs (``CHECKS_S``), stops adding configs when the
+rest of the time left would not hold another one (the longest so far), gives each only that rest as its deadline,
+and still prints the table; the configs and checks not run are listed. Nothing is
 installed: before anything else, when a package it uses beyond torch is missing, one line names them all and what
 each missing one costs (a required one missing: exit 2).
 """
@@ -231,8 +233,8 @@ def scale_rows(device: str, kernels: list[str]) -> list[dict]:
 
 class Budget:
     """``--budget SECONDS`` from its start: a config starts only while the time left, less ``reserve_s`` kept for the
-    checks after the table, holds the longest config so far (the first always starts), and gets the time left as
-    its deadline. None: no limit."""
+    checks after the configs, is more than the longest config so far took (the first starts while any is left),
+    and its deadline is that time left less the reserve. None: no limit."""
 
     def __init__(self, seconds: float | None, reserve_s: float = 0.0, clock=time.monotonic):
         self.seconds, self.reserve_s, self.clock = seconds, reserve_s, clock
