@@ -14,6 +14,7 @@ from conftest import run_cli
 from autotune.backends import Backend
 from autotune.backends.plan import PlanBackend
 from autotune.backends.plan_store import default_store
+from autotune.cli import main
 from autotune.core.evaluation import Evaluation
 from autotune.core.hardware import load_hardware
 from autotune.core.record import ResultRecord
@@ -136,6 +137,27 @@ def test_the_headroom_tie_break_is_taken_at_the_target(tmp_path):
     assert line.startswith("best is trial 1") and "the fastest, trial 0" in line and "20.0 GiB more headroom" in line
 
 
+def test_export_writes_best_jsons_config(tmp_path, capsys):
+    """The export of a search is the config best.json holds, at the target, where its trainer runs it in full:
+    here neither the fastest on the front nor the fastest at the target (the headroom tie-break), nor on the
+    front at all."""
+    slower = 47_000.0 * (1 - BEST_SPEED_TOLERANCE / 2)
+    job = _planted(tmp_path, ISSUE, AtTheTarget({_name(CKPT): (47_000.0, 70.0), _name(FSDP): (slower, 50.0)}))
+    evaluate_at_target(job, job.study)
+    report.write_outputs(job, job.study)
+    best = json.loads((tmp_path / "best.json").read_text())
+    assert main(["export", str(tmp_path), "--format", "autotune"]) == 0
+    captured = capsys.readouterr()
+    exported = json.loads(captured.out)
+    assert (exported["seq_len"], exported["techniques"]) == (best["seq_len"], best["techniques"])
+    assert exported["predicted"] == best["predicted"]
+    assert main(["export", str(tmp_path), "--format", "torchrun"]) == 0  # a format whose header says which
+    assert "best.json's config, trial 1: ok at 1,048,576 tokens" in capsys.readouterr().out
+    # show names the same config
+    assert main(["show", str(tmp_path)]) == 0
+    assert "best for 1,048,576 (1M): trial 1 at 1,048,576 (1M), " in capsys.readouterr().out
+
+
 def test_a_config_measured_out_of_memory_beyond_the_target_stays_a_candidate_at_it(tmp_path):
     """What the search evaluated at the target holds there whatever is measured further out."""
     job = _planted(tmp_path, ISSUE, AtTheTarget(AT_THE_TARGET))
@@ -165,7 +187,8 @@ def _mistral_config(tmp_path) -> str:
 @pytest.mark.parametrize("model", ["tiny-llama", "mistral-config"])
 def test_a_search_writes_the_fastest_config_at_the_target(model, tmp_path):
     """``autotune search --model M --target 1K`` (8x h100-sxm, the plan backend): best.json is at 1K, and no front
-    config that fits at 1K is predicted faster there (beyond the 2% the headroom tie-break may give up)."""
+    config that fits at 1K is predicted faster there (beyond the 2% the headroom tie-break may give up). The export
+    and ``show`` name the same config."""
     model = _mistral_config(tmp_path) if model == "mistral-config" else model
     out = tmp_path / "out"
     done = run_cli(
@@ -186,3 +209,9 @@ def test_a_search_writes_the_fastest_config_at_the_target(model, tmp_path):
     assert best["predicted"]["tokens_per_s"] == at_1k(best["techniques"]).tokens_per_s
     assert best["predicted"]["tokens_per_s"] >= max(rates) * (1 - BEST_SPEED_TOLERANCE), (best["predicted"], rates)
     assert f"best for 1,024 (1K): trial {doc['best']['trial']} at 1,024 (1K), " in done.stdout
+    exported = run_cli("export", str(out), "--format", "autotune")
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert (json.loads(exported.stdout)["seq_len"], json.loads(exported.stdout)["techniques"]) == (
+        best["seq_len"],
+        best["techniques"],
+    )
