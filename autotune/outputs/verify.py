@@ -12,7 +12,8 @@ then measured in turn. Configs that reach the target and were never evaluated at
 short) are predicted there first (``select``'s ``predictor``).
 
 Each measurement is stored as soon as its trial ends, as the study's user attribute ``measured:<trial number>``
-(``autotune.search.front``: Optuna refuses to change a finished trial), beside the trial's own ``record``, which stays
+(``measured:<trial number>@<target>`` for a config at the target that has no trial there; ``autotune.search.front``:
+Optuna refuses to change a finished trial), beside the trial's own ``record``, which stays
 untouched. So a killed verify loses nothing, and running it again skips every config already measured at that depth
 (a full-depth measurement also answers a reduced one; an ``error`` / ``timeout`` is tried again) unless ``force``.
 At the end the folder's outputs are rewritten (``report.write_outputs``): trials.parquet gains the ``measured_*``
