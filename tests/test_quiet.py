@@ -6,7 +6,7 @@ log or CI, stdout and stderr pipes (not a terminal), with a fresh plan store and
   empty), Python warnings; in the search's plan workers as much as in the command's own process;
 - ``$AUTOTUNE_VERBOSE=1`` (what ``-v`` sets) shows DeepSpeed's banner again: the patterns below do see it;
 - the search's progress is whole lines (``autotune.outputs.progress``): one per trial and a summary, never a bar
-  cut to 80 columns (``t… ok 6 … best >= target: 5,242,…``)."""
+  cut to 80 columns (``t… ok 6 … fastest trial >= target: 5,2…``)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ TRIAL_LINE = re.compile(
 )
 SUMMARY_LINE = re.compile(
     rf"trials {TRIALS} of {TRIALS}: ok \d+  oom \d+  failed \d+  answered without running \d+ \| "
-    r"(best >= target: [\d,]+( \([\d.]+[KM]\))? at [\d,]+ tok/s|no config reaches the target yet)"
+    r"(fastest trial >= target: [\d,]+( \([\d.]+[KM]\))? at [\d,]+ tok/s|no config reaches the target yet)"
 )
 # ulysses (deepspeed.comm, UlyssesSPAttentionHF) and MLP tiling (TiledMLP): DeepSpeed on the plan path
 DEEPSPEED_CONFIG = {

@@ -150,16 +150,18 @@ def test_a_second_run_skips_what_was_measured(verified):
 
 
 class Scripted(Backend):
-    """Answers from a table {seq_len: record fields}; counts its calls."""
+    """Answers from a table {seq_len: record fields}, or {(config name, seq_len): record fields} where a config has its
+    own answer (``NAMES``); counts its calls."""
 
-    name = "scripted"
-
-    def __init__(self, answers: dict[int, dict]):
-        self.answers, self.calls = answers, []
+    def __init__(self, answers: dict, source: str = "measured"):
+        self.answers, self.calls, self.source = answers, [], source
+        self.name = "plan" if source == "predicted" else "scripted"
 
     def evaluate(self, evaluation):
         self.calls.append(evaluation.seq_len)
-        return ResultRecord(source="measured", seq_len=evaluation.seq_len, **self.answers[evaluation.seq_len])
+        name = NAMES.get(json.dumps(evaluation.techniques.to_dict(), sort_keys=True))
+        answer = self.answers.get((name, evaluation.seq_len), self.answers.get(evaluation.seq_len))
+        return ResultRecord(source=self.source, seq_len=evaluation.seq_len, **answer)
 
 
 def _folder(tmp_path, trials: list[tuple[dict, int, float]], target: int = 2048) -> verify.Folder:
@@ -195,47 +197,62 @@ def _folder(tmp_path, trials: list[tuple[dict, int, float]], target: int = 2048)
 PLAIN = BASELINE.to_dict()
 FSDP = {**PLAIN, "fsdp": True}
 CKPT = {**PLAIN, "fsdp": True, "activation_checkpointing": True}
+NAMES = {json.dumps(c, sort_keys=True): name for name, c in (("plain", PLAIN), ("fsdp", FSDP), ("ckpt", CKPT))}
 
 
 def test_a_measured_oom_drops_a_config_and_the_new_best_is_measured_too(tmp_path):
-    # 4K fastest, then 3K, then 2K; cache duplicate of the 4K config (trial 3)
+    # 4K fastest, then 3K, then 2K (the target); cache duplicate of the 4K config (trial 3)
     folder = _folder(
         tmp_path, [(CKPT, 4096, 3000.0), (FSDP, 3072, 2000.0), (PLAIN, 2048, 1000.0), (CKPT, 4096, 3000.0)]
+    )
+    # the configs that reach past the target, predicted at it: the 4K one is the fastest there too
+    ok = {"status": "ok", "peak_device_bytes": 2**27, "host_bytes": 0}
+    predictor = Scripted(
+        {("ckpt", 2048): {**ok, "tokens_per_s": 3500.0}, ("fsdp", 2048): {**ok, "tokens_per_s": 2500.0}}, "predicted"
     )
     backend = Scripted(
         {
             4096: {"status": "oom", "peak_device_bytes": 2**30},
-            3072: {"status": "ok", "tokens_per_s": 1500.0, "peak_device_bytes": 2**27, "host_bytes": 0},
-            2048: {"status": "ok", "tokens_per_s": 900.0},
+            ("ckpt", 2048): {"status": "oom", "peak_device_bytes": 2**30},
+            ("fsdp", 2048): {**ok, "tokens_per_s": 1500.0},
+            ("plain", 2048): {**ok, "tokens_per_s": 900.0},
         }
     )
-    chosen = verify.select(folder, top=1)
-    assert [p.number for p in chosen] == [0]  # the fastest, which is also the best
+    chosen = verify.select(folder, top=1, predictor=predictor)
+    assert predictor.calls == [2048, 2048]
+    # the fastest of the front, and the best: the same config, at the target
+    assert [(p.number, p.own["seq_len"]) for p in chosen] == [(0, 4096), (0, 2048)]
     hw = load_hardware("cpu").with_memory_gib(0.5)
     result = verify.verify(folder, chosen, backend, hw)
-    # the 4K config OOMs for real: the best moves to 3K, which is then measured as well
-    assert backend.calls == [4096, 3072]
-    assert [(o.trial, o.why, o.ran) for o in result.outcomes] == [(0, "front", True), (1, "best", True)]
+    # the 4K config OOMs for real, at the target too: the best moves to the 3K config at the target, measured as well
+    assert backend.calls == [4096, 2048, 2048]
+    assert [(o.trial, o.seq_len, o.why, o.ran) for o in result.outcomes] == [
+        (0, 4096, "front", True),
+        (0, 2048, "front", True),
+        (1, 2048, "best", True),
+    ]
     assert not result.failed and not result.interrupted
     front = front_points(folder.study)
     assert 4096 not in {p.record["seq_len"] for p in front}  # both trials of the OOM config are off the front
     best = json.loads((tmp_path / "best.json").read_text())
-    assert best["seq_len"] == 3072 and best["measured"]["tokens_per_s"] == 1500.0
-    assert best["predicted"]["tokens_per_s"] == 2000.0
+    assert best["seq_len"] == 2048 and best["techniques"] == FSDP
+    assert best["measured"]["tokens_per_s"] == 1500.0 and best["predicted"]["tokens_per_s"] == 2500.0
+    assert json.loads((tmp_path / "pareto.json").read_text())["best"]["trial"] == 1
     rows = {r["trial"]: r for r in pq.read_table(tmp_path / "trials.parquet").to_pylist()}
     assert rows[0]["measured_status"] == rows[3]["measured_status"] == "oom"  # a measurement is of a config
-    assert rows[1]["measured_tokens_per_s"] == 1500.0 and rows[2]["measured_status"] is None
+    assert rows[1]["measured_status"] is None and rows[2]["measured_status"] is None  # measured at 2K, not at 3K
     assert rows[0]["status"] == "ok" and rows[0]["tokens_per_s"] == 3000.0  # the prediction is untouched
     # the measurements live in the study, beside the trials' own records
     stored = measurements(folder.study)
-    assert len(stored) == 2 and all(m["depth"] == "full" for m in stored.values())
+    assert len(stored) == 3 and all(m["depth"] == "full" for m in stored.values())
     assert folder.study.trials[0].user_attrs["record"]["source"] == "predicted"
 
-    # again: nothing runs; --force runs the chosen one again
-    again = verify.verify(folder, verify.select(folder, top=1), backend, hw)
-    assert backend.calls == [4096, 3072] and not any(o.ran for o in again.outcomes)
+    # again: nothing runs; --force runs the chosen ones again (the front's fastest and the best now)
+    again = verify.verify(folder, verify.select(folder, top=1, predictor=predictor), backend, hw)
+    assert backend.calls == [4096, 2048, 2048] and not any(o.ran for o in again.outcomes)
+    assert predictor.calls == [2048, 2048]  # what was predicted at the target is not predicted again
     verify.verify(folder, verify.select(folder, top=1), backend, hw, force=True)
-    assert backend.calls[2:] == [4096, 3072]
+    assert backend.calls[3:] == [4096, 2048]
 
 
 def test_a_failed_trial_is_reported_and_tried_again(tmp_path):

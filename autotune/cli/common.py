@@ -139,6 +139,17 @@ def follow(backend, what: str):
         fail_outcome(f"the driver at {group.endpoint} went away before the end: {str(exc).splitlines()[0]}")
 
 
+def best_line(target: int, trial: int, seq_len: int, tokens_per_s: float, where: str) -> str:
+    """The line naming ``best.json``'s config (``autotune search``'s last, ``autotune show``'s): its trial, length
+    (the target) and rate there."""
+    from autotune.core.sizes import format_tokens
+
+    return (
+        f"best for {format_tokens(target)}: trial {trial} at {format_tokens(seq_len)}, {tokens_per_s:,.0f} tokens/s "
+        f"-> {where}"
+    )
+
+
 def print_record(record: dict, as_json: bool, title: str) -> None:
     """A record as one JSON object, or as a table of what it holds (a field without a value, such as a prediction's
     loss, is left out of the table; ``--json`` keeps it as null)."""

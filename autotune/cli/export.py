@@ -1,5 +1,5 @@
-"""``autotune export``: the fastest front config a trainer can run, in that trainer's format
-(``autotune.outputs.exporters``), to stdout or a file."""
+"""``autotune export``: ``best.json``'s config, else the fastest front config a trainer can run, in that trainer's
+format (``autotune.outputs.exporters``), to stdout or a file."""
 
 from __future__ import annotations
 
@@ -14,7 +14,10 @@ from autotune.cli.common import OUT, app, fail, say
 @app.command()
 def export(
     directory: Path = typer.Argument(..., help="a search output folder"),
-    target: str | None = typer.Option(None, help="export the fastest front config reaching this length"),
+    target: str | None = typer.Option(
+        None,
+        help="export the fastest front config reaching this length (default: the search's target, best.json's config)",
+    ),
     format: str = typer.Option(
         "autotune", help="autotune | deepspeed | arctic | accelerate | accelerate-deepspeed | torchrun | slurm"
     ),
@@ -28,8 +31,9 @@ def export(
         "express all of it (with what it will not do and the oracle's re-estimate of what it runs)",
     ),
 ):
-    """Export the fastest front config the format's trainer can run in full (ArcticTraining, Accelerate/Trainer,
-    DeepSpeed, autotune's own runner); exit 1 when none reaches the target."""
+    """Export best.json's config where the format's trainer runs it in full, else the fastest front config it runs in
+    full (ArcticTraining, Accelerate/Trainer, DeepSpeed, autotune's own runner); exit 1 when none reaches the
+    target."""
     from autotune.core.sizes import parse_tokens
     from autotune.outputs.exporters import NotExpressible, make_exporter
     from autotune.outputs.exporters import export as export_front

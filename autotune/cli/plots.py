@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from autotune.cli.common import app, console, print_front, say
+from autotune.cli.common import OUT, app, best_line, console, print_front, say
 
 
 @app.command()
@@ -69,5 +69,8 @@ def show(directory: Path = typer.Argument(...)):
     if trainer != "autotune":
         say(f"autotune: a search for --trainer {trainer}: every config is what {trainer} runs")
     print_front(front_doc["front"], front_doc["target"])
+    best = front_doc.get("best")
+    if best:
+        OUT.rich(best_line(front_doc["target"], best["trial"], best["seq_len"], best["tokens_per_s"], "best.json"))
     if front_doc.get("best_choice"):
         say(f"autotune: {front_doc['best_choice']}")

@@ -14,6 +14,7 @@ from autotune.cli.common import (
     RDZV_HELP,
     TARGET_HELP,
     app,
+    best_line,
     console,
     follow,
     note_rates,
@@ -114,6 +115,8 @@ def search(
             try:
                 with deferral.lifted():
                     search_mod.run(job, on_record=progress.on_record, study=prepared.study)
+                    # best.json is the fastest config at the target: each config that reaches it, evaluated there
+                    search_mod.evaluate_at_target(job, prepared.study, progress=None if as_json else say)
             except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (main): the trial it cut short is queued again
                 interrupted = True
             finally:
@@ -127,11 +130,8 @@ def search(
             print_front(summary["front"], job.target)
             if summary["best"]:
                 best = summary["best"]
-                OUT.rich(
-                    f"best for {format_tokens(job.target)}: {format_tokens(best['seq_len'])} at "
-                    f"{(best['predicted'] or best['measured'])['tokens_per_s']:,.0f} tokens/s -> "
-                    f"{job.out / 'best.json'}"
-                )
+                rate = (best["measured"] or best["predicted"])["tokens_per_s"]
+                OUT.rich(best_line(job.target, summary["best_trial"], best["seq_len"], rate, job.out / "best.json"))
                 if summary["best_choice"]:
                     say(f"autotune: {summary['best_choice']}")
         if summary["kept"] is not None:

@@ -75,7 +75,8 @@ def _verify(directory, top, depth, force, memory_gib, trial_timeout, storage, st
             f"the search planned for {folder.job.nodes} nodes: run verify on every node with --nodes "
             f"{folder.job.nodes} --rdzv-endpoint HOST:PORT"
         )
-    chosen = verify_mod.select(folder, top)
+    plan = make_backend("plan", store=default_store())
+    chosen = verify_mod.select(folder, top, predictor=plan)  # predicts at the target what never was evaluated there
     verify_mod.check_node(folder, chosen)
     gib = verify_mod.node_memory_gib(folder, memory_gib)
     hw = verify_mod.local_hardware(folder.job.hardware, gib)
@@ -84,7 +85,7 @@ def _verify(directory, top, depth, force, memory_gib, trial_timeout, storage, st
         depth=depth,
         memory_gib=gib,
         timeout_s=trial_timeout,
-        predictor=make_backend("plan", store=default_store()),
+        predictor=plan,
         group=group,
     )
     where = f"{folder.job.nodes} nodes x " if folder.job.nodes > 1 else ""

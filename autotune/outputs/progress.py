@@ -1,8 +1,9 @@
-"""Live progress for a search: trials done / answered without running / failed, and the best so far.
+"""Live progress for a search: trials done / answered without running / failed, and the fastest trial so far
+that reaches the target, at its own length (``best.json`` is chosen after the trials, at the target itself).
 
 On a terminal, a rich progress bar. Anywhere else (a pipe, a log file, CI) whole lines instead: one per trial and
 a summary at the end, each written as is -- a bar rendered to a console that is not a terminal is cut to its width
-(``t… ok 6 … best >= target: 5,242,…``), and a long line wrapped by rich breaks mid-word or mid-path."""
+(``t… ok 6 … fastest trial >= target: 5,2…``), and a long line wrapped by rich breaks mid-word or mid-path."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ class SearchProgress:
     def _describe(self) -> str:
         c = self.counts
         best = (
-            f"best >= target: {format_tokens(self.best[0])} at {self.best[1]:,.0f} tok/s"
+            f"fastest trial >= target: {format_tokens(self.best[0])} at {self.best[1]:,.0f} tok/s"
             if self.best
             else "no config reaches the target yet"
         )

@@ -22,6 +22,10 @@ beside it as ``best-<target>.json`` (the target's short form: ``best-4M.json``),
 the verified measurement where there is one (a measured oom / error drops the config), else the trial's own;
 each entry's ``record`` is that current record, ``predicted`` / ``measured`` the two sides (null where absent) and
 ``measured_depth`` the verify depth (null when not verified). ``best.json`` carries both sides the same way.
+``best.json`` is the config fastest at exactly the target (``autotune.search.front.best_point``: each config that
+reaches the target, at the target), its ``seq_len`` the target; ``pareto.json``'s ``best`` is that config as a
+front entry is written (the trial it cites, its records at the target; null when none), and ``best_choice`` says
+why it is not the fastest there, where it is not.
 A predicted ``oom`` row whose trace ran in full keeps ``tokens_per_s`` / ``step_time_s`` as the rate it would have
 had with the memory (a what-if); the search's objective, the front and the log count only ``ok`` rows' rates.
 The search job itself (model and its config, target, gpus, the hardware the records are for) is stored as the
@@ -44,7 +48,17 @@ from autotune.core.sizes import short_tokens
 from autotune.outputs.exporters import FRONT_SCHEMA
 from autotune.outputs.plots import knob_labels, model_title, plot_memory, plot_pareto, where_title, write_pareto_html
 from autotune.outputs.timeline import FRONT_TIMELINE, write_front_timeline
-from autotune.search.front import Point, best_choice, best_point, front_points, points, what_failed
+from autotune.search.front import (
+    AtTarget,
+    Point,
+    at_target,
+    best_choice,
+    best_point,
+    front_points,
+    points,
+    root_cause,
+    what_failed,
+)
 from trials.stack.techniques import BASELINE, Techniques, knob_names, knobs
 from trials.training.config_file import TrialConfig
 
@@ -142,9 +156,9 @@ def plot_rows(rows: list[dict]) -> list[dict]:
     return drawn
 
 
-def _sides(point: Point) -> tuple[dict | None, dict | None]:
-    """(predicted, measured) records of a point: its own record on its side, a verify measurement on the
-    measured side."""
+def _sides(point: Point | AtTarget) -> tuple[dict | None, dict | None]:
+    """(predicted, measured) records of a point (or a config at the target): its own record on its side, a verify
+    measurement on the measured side."""
     own = point.own
     predicted = own if own.get("source") == "predicted" else None
     measured = point.measured["record"] if point.measured else (own if own.get("source") == "measured" else None)
@@ -168,6 +182,24 @@ def front_entries(study) -> list[dict]:
             }
         )
     return entries
+
+
+def best_entry(best: AtTarget | None) -> dict | None:
+    """``pareto.json``'s ``best``: the config ``best.json`` holds, at the target, as a front entry is written (the
+    trial it cites; ``record`` / ``predicted`` / ``measured`` at the target)."""
+    if best is None:
+        return None
+    predicted, measured = _sides(best)
+    return {
+        "trial": best.number,
+        "seq_len": best.seq_len,
+        "tokens_per_s": best.tokens_per_s,
+        "techniques": best.techniques,
+        "record": best.record,
+        "predicted": predicted,
+        "measured": measured,
+        "measured_depth": best.measured["depth"] if best.measured else None,
+    }
 
 
 JOB_ATTR = "search_job"
@@ -205,6 +237,7 @@ def write_outputs(job: search.SearchJob, study) -> dict:
     rows = trial_rows(study)
     pq.write_table(pa.Table.from_pylist(rows, schema=_SCHEMA), out / "trials.parquet")
     front = front_entries(study)
+    best = best_point(study, job.target)
     choice = best_choice(study, job.target)  # why best.json is not the fastest config, where it is not
     (out / "pareto.json").write_text(
         json.dumps(
@@ -218,6 +251,7 @@ def write_outputs(job: search.SearchJob, study) -> dict:
                 "capacity_bytes": job.hardware.device_memory_bytes,
                 "trainer": job.trainer.name,  # what every front config is: what that trainer runs
                 "best_choice": choice,
+                "best": best_entry(best),  # what best.json holds, at the target
                 "front": front,
             },
             indent=2,
@@ -235,13 +269,13 @@ def write_outputs(job: search.SearchJob, study) -> dict:
         title=f"memory per rank of the front, {model_title(job.model)} on {_where(job)}",
     )
     front_timeline = _front_timeline(job, front, out)
-    best = best_point(study, job.target)
     best_path = out / "best.json"
     kept = _keep_best_of(previous_target, job.target, out)
     summary = {
         "rows": len(rows),
         "front": front,
         "best": None,
+        "best_trial": None,
         "message": None,
         "kept": kept,
         "best_choice": None,
@@ -253,6 +287,8 @@ def write_outputs(job: search.SearchJob, study) -> dict:
         summary["message"] = (
             failed
             if everyone  # no trial says anything about memory: the failure is the answer
+            else _none_at_target(study, job.target)
+            if longest >= job.target
             else f"no config reached the target {job.target:,} tokens; the longest that fits is "
             f"{longest:,} tokens; {search.what_bound(study)}" + (f"; {failed}" if failed else "")
         )
@@ -265,7 +301,7 @@ def write_outputs(job: search.SearchJob, study) -> dict:
         hardware=job.hardware.name,
         gpus=job.gpus,
         nodes=job.nodes,
-        seq_len=int(best.values[0]),
+        seq_len=best.seq_len,
         techniques=_techniques(best.techniques),
         predicted=predicted,
         measured=measured,
@@ -274,8 +310,25 @@ def write_outputs(job: search.SearchJob, study) -> dict:
     config.write(best_path)
     target_best_path(out, job.target).unlink(missing_ok=True)  # best.json holds this target's best now
     summary["best"] = config.to_dict()
+    summary["best_trial"] = best.number
     summary["best_choice"] = choice
     return summary
+
+
+def _none_at_target(study, target: int) -> str:
+    """Why no config is best where configs reach the target: none was evaluated at exactly the target yet (a
+    search cut short), or none runs there."""
+    known, missing = at_target(study, target)
+    if missing:
+        return (
+            f"{len(missing)} config(s) reach the target {target:,} tokens but were not evaluated at exactly that "
+            f"length yet: run the same command again"
+        )
+    first = min(known, key=lambda c: c.number)
+    return (
+        f"no config that reaches the target {target:,} tokens runs at exactly that length; trial {first.number}'s "
+        f"config there: {first.record['status']}: {root_cause(first.record.get('error'))}"
+    )
 
 
 def _front_timeline(job, front: list[dict], out: Path) -> str | None:

@@ -5,12 +5,15 @@ that matter here (the ``local`` backend: CUDA+NCCL on a GPU node, CPU+gloo with 
 export a config whose numbers were measured.
 
 What is verified: the search's own front (from the trials' own records, i.e. what the plan predicted), all of it or
-the ``top`` configs with the highest predicted tokens/s; then the config ``best.json`` names (the fastest one at or
-above the target, ranked by measured records where there are), until that one is measured too -- a measured OOM
-moves the best to another config, which is then measured in turn.
+the ``top`` configs with the highest predicted tokens/s; then the config ``best.json`` names at the target (the
+fastest there, each config that reaches the target at exactly the target, ranked by measured records where there
+are), until that one is measured at the target too -- a measured OOM moves the best to another config, which is
+then measured in turn. Configs that reach the target and were never evaluated at it (a folder whose search was cut
+short) are predicted there first (``select``'s ``predictor``).
 
 Each measurement is stored as soon as its trial ends, as the study's user attribute ``measured:<trial number>``
-(``autotune.search.front``: Optuna refuses to change a finished trial), beside the trial's own ``record``, which stays
+(``measured:<trial number>@<target>`` for a config at the target that has no trial there; ``autotune.search.front``:
+Optuna refuses to change a finished trial), beside the trial's own ``record``, which stays
 untouched. So a killed verify loses nothing, and running it again skips every config already measured at that depth
 (a full-depth measurement also answers a reduced one; an ``error`` / ``timeout`` is tried again) unless ``force``.
 At the end the folder's outputs are rewritten (``report.write_outputs``): trials.parquet gains the ``measured_*``
@@ -37,10 +40,21 @@ from autotune.core.errors import UserError
 from autotune.core.hardware import HOST_PRESET, Hardware, load_hardware
 from autotune.core.record import ResultRecord
 from autotune.core.sizes import format_tokens
+from autotune.core.trainers import trainer_named
 from autotune.outputs import report
 from autotune.outputs.exporters import load_front
 from autotune.outputs.plots import knob_label
-from autotune.search.front import Point, best_point, config_key, front_points, measured_attr, points
+from autotune.search.at_target import evaluate_at_target
+from autotune.search.front import (
+    AtTarget,
+    Point,
+    at_target,
+    best_point,
+    config_key,
+    front_points,
+    measured_attr,
+    points,
+)
 from autotune.search.job import SearchJob
 from autotune.search.study import open_storage
 from trials.stack.techniques import Techniques
@@ -56,6 +70,7 @@ class Folder:
     directory: Path
     study: optuna.Study
     job: SearchJob
+    trainer: str = "autotune"  # the trainer the search was for (pareto.json's): what its configs run
 
 
 def open_folder(directory: Path, storage: str | None = None, study_name: str | None = None) -> Folder:
@@ -63,7 +78,7 @@ def open_folder(directory: Path, storage: str | None = None, study_name: str | N
     directory = Path(directory)
     if not directory.is_dir():
         raise UserError(f"{str(directory)!r} is not a folder: give the --out folder of a search")
-    load_front(directory)  # a search output folder has a pareto.json (one clear line when not)
+    front_doc = load_front(directory)  # a search output folder has a pareto.json (one clear line when not)
     if storage is None and not (directory / "study.db").is_file():
         raise UserError(
             f"{str(directory)!r} has no study.db: the study lives in the search's --storage; "
@@ -110,7 +125,7 @@ def open_folder(directory: Path, storage: str | None = None, study_name: str | N
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"the search job stored in {str(directory)!r} is unreadable ({exc!r})") from None
-    return Folder(directory, study, job)
+    return Folder(directory, study, job, front_doc.get("trainer", "autotune"))
 
 
 def node_memory_gib(folder: Folder, memory_gib: float | None) -> float | None:
@@ -155,11 +170,14 @@ def measured_at(point: Point, depth: str) -> bool:
     return record.get("status") in RESULTS and taken in (depth, "full")
 
 
-def select(folder: Folder, top: int | None) -> list[Point]:
+def select(folder: Folder, top: int | None, predictor: Backend | None = None) -> list[Point | AtTarget]:
     """The search's own front (predicted), the ``top`` with the highest predicted tokens/s (all when None), then
-    the current best for the target when it is not among them."""
+    the current best for the target, at the target, when it is not among them. ``predictor`` (the plan backend)
+    first predicts at the target each config that reaches it and was never evaluated there."""
     if top is not None and top < 1:
         raise UserError(f"--top must be at least 1, got {top}")
+    if predictor is not None:
+        evaluate_at_target(folder.job, folder.study, backend=predictor, trainer=trainer_named(folder.trainer))
     front = sorted(
         front_points(folder.study, verified=False), key=lambda p: (-(p.own.get("tokens_per_s") or 0.0), p.number)
     )
@@ -247,7 +265,7 @@ class Verification:
         return [o for o in self.outcomes if o.ran and o.failed]
 
 
-def _key(point: Point) -> str:
+def _key(point: Point | AtTarget) -> str:
     return config_key(point.techniques, point.own["seq_len"])
 
 
@@ -261,23 +279,26 @@ def _outcome(point: Point, ran: bool, why: str) -> Outcome:
     return Outcome(point.number, int(point.own["seq_len"]), point.techniques, point.own, measured, depth, ran, why)
 
 
-def _current(folder: Folder, key: str) -> Point:
-    return next(p for p in points(folder.study) if _key(p) == key)
+def _current(folder: Folder, key: str) -> Point | AtTarget:
+    """The point of ``key`` as the study holds it now: a trial's, else a config's at the target."""
+    found = [p for p in points(folder.study) if _key(p) == key]
+    return found[0] if found else next(c for c in at_target(folder.study, folder.job.target)[0] if _key(c) == key)
 
 
-def measure(folder: Folder, point: Point, backend: Backend, hardware: Hardware, depth: str) -> ResultRecord:
-    """One real trial of ``point``'s config on this node (``hardware``), stored in the study as it ends."""
+def measure(folder: Folder, point: Point | AtTarget, backend: Backend, hardware: Hardware, depth: str) -> ResultRecord:
+    """One real trial of ``point``'s config at its length on this node (``hardware``), stored in the study as it
+    ends (a config at the target under its own attribute: its trial's at the trial's length may be measured too)."""
     techniques = Techniques.from_dict(point.techniques, folder.job.model_config["num_hidden_layers"])
-    evaluation = Evaluation(
-        folder.job.model_config, techniques, int(point.own["seq_len"]), folder.job.gpus, hardware, folder.job.nodes
-    )
+    seq_len = int(point.own["seq_len"])
+    evaluation = Evaluation(folder.job.model_config, techniques, seq_len, folder.job.gpus, hardware, folder.job.nodes)
     record = backend.evaluate(evaluation)
+    elsewhere = seq_len != int(point.trial.user_attrs["record"]["seq_len"])
     folder.study.set_user_attr(
-        measured_attr(point.number),
+        measured_attr(point.number, seq_len if elsewhere else None),
         {
             "trial": point.number,
             "techniques": point.techniques,
-            "seq_len": int(point.own["seq_len"]),
+            "seq_len": seq_len,
             "depth": depth,
             "record": record.to_dict(),
             "at": datetime.datetime.now().isoformat(timespec="seconds"),

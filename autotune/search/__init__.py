@@ -27,10 +27,12 @@ and several workers may share one study.
     policy.py     seeds, answers from the study, follow-ups
     objective.py  one trial's objective, and ``run``
     parallel.py   plan trials on every core (worker processes that evaluate what the study will ask next)
-    front.py      the Pareto front, the best config for the target
+    front.py      the Pareto front, the best config for the target (each config that reaches it, at it)
+    at_target.py  the configs that reach the target evaluated at exactly the target (what the best is chosen from)
     max_seq.py    the longest sequence one config fits
 """
 
+from autotune.search.at_target import evaluate_at_target
 from autotune.search.front import best_for_target, finished_trials, pareto_front, what_bound
 from autotune.search.job import SearchJob
 from autotune.search.objective import constraint_value, make_objective, open_study, run
@@ -43,6 +45,7 @@ __all__ = [
     "best_for_target",
     "constraint_value",
     "create_study",
+    "evaluate_at_target",
     "finished_trials",
     "follow_ups",
     "infer_record",

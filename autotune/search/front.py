@@ -6,9 +6,14 @@ finished trial, so each measurement is a user attribute of the *study*, ``measur
 ``{"trial", "techniques", "seq_len", "depth", "record", "at"}`` (``measured_attr``). A measurement describes a
 config at a length, so it applies to every finished trial of that config and length (the search's cache answers
 repeat them). The front, the best config and what bound it read each trial's *current* record: its measurement
-where there is one (a measured ``oom`` or ``error`` drops it from the front), else its own record. Where no config
-reaches the target, ``what_bound`` says which memory stopped the longest and ``what_failed`` why trials failed
-(``root_cause``: the line of an error text that says why)."""
+where there is one (a measured ``oom`` or ``error`` drops it from the front), else its own record.
+
+The best config (``best_point``, what ``best.json`` holds) is chosen at exactly the target: each config that
+reaches the target at the target (``at_target``), from its trial there or, where it has only longer trials, from
+the search's evaluation of it there (the study user attribute ``at_target_attr``; a verify measurement of the
+config at the target is ``measured_attr(trial, target)``). Where no config reaches the target, ``what_bound`` says
+which memory stopped the longest and ``what_failed`` why trials failed (``root_cause``: the line of an error text
+that says why)."""
 
 from __future__ import annotations
 
@@ -28,9 +33,10 @@ def finished_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     return [t for t in study.get_trials(deepcopy=False, states=FINISHED) if "record" in t.user_attrs]
 
 
-def measured_attr(trial_number: int) -> str:
-    """The study user attribute holding the measurement of trial ``trial_number``'s config (``autotune verify``)."""
-    return f"{MEASURED_PREFIX}{trial_number}"
+def measured_attr(trial_number: int, seq_len: int | None = None) -> str:
+    """The study user attribute holding the measurement of trial ``trial_number``'s config (``autotune verify``);
+    ``seq_len``: at that length instead of the trial's own (the config at the target, ``AtTarget``)."""
+    return f"{MEASURED_PREFIX}{trial_number}" + (f"@{seq_len}" if seq_len is not None else "")
 
 
 def config_key(techniques: dict, seq_len: int) -> str:
@@ -108,23 +114,115 @@ def _dominates(a: tuple[float, float], b: tuple[float, float]) -> bool:
 
 
 BEST_SPEED_TOLERANCE = 0.02  # configs this close to the fastest at the target count as equally fast
+AT_TARGET_PREFIX = "at_target:"
 
 
-def best_point(study: optuna.Study, target: int) -> Point | None:
-    """The config ``best.json`` holds: among the feasible points that reach the target and run within
-    ``BEST_SPEED_TOLERANCE`` of the fastest of them, the one with the most device headroom (the lowest peak;
-    then the faster). On rates that are partly assumed, a fraction of a percent of speed is not worth GiB of
-    margin. None when no point reaches the target."""
-    reaching = [p for p in points(study) if p.record["status"] == "ok" and p.values[0] >= target]
-    if not reaching:
+def at_target_attr(asked: dict, target: int) -> str:
+    """The study user attribute holding a config's record at exactly ``target`` where no trial of it ran there:
+    ``{"trial", "asked", "techniques", "seq_len", "record"}`` (``autotune.search.at_target`` writes it)."""
+    return f"{AT_TARGET_PREFIX}{config_key(asked, target)}"
+
+
+def asked_of(trial: optuna.trial.FrozenTrial) -> dict:
+    """The config a trial sampled (``asked``, where the search's trainer runs something else), the same at every
+    length: what identifies a config across lengths."""
+    return trial.user_attrs.get("asked", trial.user_attrs["techniques"])
+
+
+@dataclass(frozen=True)
+class AtTarget:
+    """A config at exactly the target length. ``own``: what the search got there (a trial at the target, or the
+    search's evaluation of the config there, ``at_target_attr``); ``measured``: a verify measurement of it there;
+    ``record``: the current one (the measurement where there is one). ``trial``: the trial it cites, the config's
+    trial at the target, else its shortest feasible trial beyond it."""
+
+    trial: optuna.trial.FrozenTrial
+    techniques: dict  # what runs at the target
+    record: dict
+    own: dict
+    measured: dict | None
+
+    @property
+    def number(self) -> int:
+        return self.trial.number
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.own["seq_len"])
+
+    @property
+    def tokens_per_s(self) -> float:
+        return float(self.record.get("tokens_per_s") or 0.0) if self.record["status"] == "ok" else 0.0
+
+    @property
+    def peak(self) -> int:
+        return self.record.get("peak_device_bytes") or 0
+
+
+def at_target(study: optuna.Study, target: int) -> tuple[list[AtTarget], list[tuple[dict, optuna.trial.FrozenTrial]]]:
+    """Every config with a feasible point at or beyond ``target``, at exactly ``target``: (those whose record there
+    is known: each trial at the target, and each config the search evaluated at the target, ``at_target_attr``;
+    (asked config, cited trial) of the configs still to evaluate there, ``autotune.search.at_target``).
+    A config that fits a longer length is not assumed to run as fast, or at all, at the target: its rate at a
+    length is what that length's attention, tiles and chunks make it."""
+    every = points(study)
+    at_length = {}  # asked config -> its points at the target, whatever their status
+    for p in every:
+        if int(p.own["seq_len"]) == target:
+            at_length.setdefault(_config(asked_of(p.trial)), []).append(p)
+    known = [AtTarget(p.trial, p.techniques, p.record, p.own, p.measured) for ps in at_length.values() for p in ps]
+    stored, missing, seen = measurements(study), [], set(at_length)
+    beyond = [p for p in every if p.record["status"] == "ok" and p.values[0] > target]
+    for p in sorted(beyond, key=lambda p: (p.values[0], p.number)):  # the shortest trial of a config first
+        asked = asked_of(p.trial)
+        if _config(asked) in seen:
+            continue
+        seen.add(_config(asked))
+        entry = study.user_attrs.get(at_target_attr(asked, target))
+        if entry is None:
+            missing.append((asked, p.trial))
+        else:
+            known.append(_stored_at_target(p.trial, entry, target, stored))
+    # a config evaluated at the target stays a candidate there when a measurement drops its longer trials
+    trials = {t.number: t for t in study.get_trials(deepcopy=False)}
+    for key, entry in study.user_attrs.items():
+        if key.startswith(AT_TARGET_PREFIX) and entry["seq_len"] == target and _config(entry["asked"]) not in seen:
+            seen.add(_config(entry["asked"]))
+            known.append(_stored_at_target(trials[entry["trial"]], entry, target, stored))
+    return known, missing
+
+
+def _stored_at_target(trial, entry: dict, target: int, stored: dict[str, dict]) -> AtTarget:
+    measured = stored.get(config_key(entry["techniques"], target))
+    return AtTarget(
+        trial, entry["techniques"], measured["record"] if measured else entry["record"], entry["record"], measured
+    )
+
+
+def _config(techniques: dict) -> str:
+    return json.dumps(techniques, sort_keys=True)
+
+
+def best_point(study: optuna.Study, target: int) -> AtTarget | None:
+    """The config ``best.json`` holds: of the configs that reach the target, each at exactly the target
+    (``at_target``), among those that fit there and run within ``BEST_SPEED_TOLERANCE`` of the fastest there, the
+    one with the most device headroom (the lowest peak; then the faster). On rates that are partly assumed, a
+    fraction of a percent of speed is not worth GiB of margin. None when none fits at the target (or none was
+    evaluated there yet)."""
+    fitting = _fitting(study, target)
+    if not fitting:
         return None
-    fastest = _fastest(reaching)
-    near = [p for p in reaching if p.values[1] >= fastest.values[1] * (1 - BEST_SPEED_TOLERANCE)]
-    return min(near, key=lambda p: (p.record.get("peak_device_bytes") or 0, -p.values[1], p.values[0], p.number))
+    fastest = _fastest(fitting)
+    near = [c for c in fitting if c.tokens_per_s >= fastest.tokens_per_s * (1 - BEST_SPEED_TOLERANCE)]
+    return min(near, key=lambda c: (c.peak, -c.tokens_per_s, c.number))
 
 
-def _fastest(candidates: list[Point]) -> Point:
-    return max(candidates, key=lambda p: (p.values[1], -p.values[0], -p.number))
+def _fitting(study: optuna.Study, target: int) -> list[AtTarget]:
+    return [c for c in at_target(study, target)[0] if c.record["status"] == "ok"]
+
+
+def _fastest(candidates: list[AtTarget]) -> AtTarget:
+    return max(candidates, key=lambda c: (c.tokens_per_s, -c.number))
 
 
 def best_choice(study: optuna.Study, target: int) -> str | None:
@@ -132,21 +230,19 @@ def best_choice(study: optuna.Study, target: int) -> str | None:
     best = best_point(study, target)
     if best is None:
         return None
-    fastest = _fastest([p for p in points(study) if p.record["status"] == "ok" and p.values[0] >= target])
+    fastest = _fastest(_fitting(study, target))
     if fastest.number == best.number:
         return None
     gib = 2**30
-    saved = ((fastest.record.get("peak_device_bytes") or 0) - (best.record.get("peak_device_bytes") or 0)) / gib
     return (
-        f"best is trial {best.number} ({best.values[1]:,.0f} tokens/s at "
-        f"{(best.record.get('peak_device_bytes') or 0) / gib:.1f} GiB), not the fastest, trial {fastest.number} "
-        f"({fastest.values[1]:,.0f} tokens/s at {(fastest.record.get('peak_device_bytes') or 0) / gib:.1f} GiB): "
-        f"within {BEST_SPEED_TOLERANCE:.0%} of its speed with {saved:.1f} GiB more headroom"
+        f"best is trial {best.number} ({best.tokens_per_s:,.0f} tokens/s at {best.peak / gib:.1f} GiB), not the "
+        f"fastest, trial {fastest.number} ({fastest.tokens_per_s:,.0f} tokens/s at {fastest.peak / gib:.1f} GiB): "
+        f"within {BEST_SPEED_TOLERANCE:.0%} of its speed with {(fastest.peak - best.peak) / gib:.1f} GiB more headroom"
     )
 
 
 def best_for_target(study: optuna.Study, target: int):
-    """The fastest feasible trial whose seq_len reaches the target, or None."""
+    """The trial ``best_point`` cites, or None."""
     best = best_point(study, target)
     return None if best is None else best.trial
 

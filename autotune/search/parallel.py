@@ -31,9 +31,11 @@ from autotune.search.policy import infer_record
 
 
 @contextlib.contextmanager
-def plan_workers(job: SearchJob, study: optuna.Study):
+def plan_workers(job: SearchJob, study: optuna.Study, lookahead=None):
     """For the run inside: the job's plan backend keeps its records in the on-disk store and, with more than one
-    worker (``job.workers``, default one per core), runs on a pool that looks ahead. Other backends: unchanged."""
+    worker (``job.workers``, default one per core), runs on a pool that looks ahead (``lookahead(evaluation)``:
+    the pool's (wanted, likely) when ``evaluation`` is asked for; default ``upcoming``, the study's queue). Other
+    backends: unchanged."""
     backend = job.backend
     if not isinstance(backend, PlanBackend):
         yield
@@ -45,7 +47,9 @@ def plan_workers(job: SearchJob, study: optuna.Study):
     if workers <= 1:
         job.backend = PlanBackend(**options)
     else:
-        job.backend = PooledBackend(options, workers, lookahead=lambda evaluation: upcoming(job, study, evaluation))
+        job.backend = PooledBackend(
+            options, workers, lookahead=lookahead or (lambda evaluation: upcoming(job, study, evaluation))
+        )
     try:
         yield
     finally:

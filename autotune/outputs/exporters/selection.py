@@ -1,7 +1,9 @@
 """Which front config a format exports, and what the export says about it.
 
-``export(directory, target, exporter, allow_partial, path)``: the fastest front config at or above ``target``
-that the format expresses in full (``Exporter.expresses_in_full``). Where none does, ``NotExpressible`` (one line,
+``export(directory, target, exporter, allow_partial, path)``: at the search's own target, the config ``best.json``
+holds (``pareto.json``'s ``best``: the fastest at exactly the target, the search's choice) where the format expresses
+it in full (``Exporter.expresses_in_full``); otherwise, and at another target, the fastest front config at or above
+``target`` that the format expresses in full. Where none does, ``NotExpressible`` (one line,
 exit 1) names the longest length the format's expressible configs reach; with ``allow_partial`` the fastest
 config at the target is exported anyway. Whenever the trainer runs anything differently from the searched config
 (``Exporter.gaps``), the plan backend re-estimates what the trainer will run, and where that does not fit at the
@@ -63,7 +65,10 @@ def _fastest(entries: list[dict]) -> dict:
 
 
 def choose(front_doc: dict, exporter: Exporter, target: int, allow_partial: bool, model_config: dict) -> dict:
-    """The front entry to export (see the module docstring)."""
+    """The entry to export: ``pareto.json``'s ``best``, or a front entry (see the module docstring)."""
+    best = front_doc.get("best")
+    if best and target == front_doc["target"] and exporter.expresses_in_full(export_job(front_doc, best, model_config)):
+        return best
     front = front_doc["front"]
     reaching = [f for f in front if f["seq_len"] >= target]
     if not reaching:
@@ -177,9 +182,10 @@ def export_entry(
     hardware = search_hardware(front_doc)
     record = entry["record"]
     where = f"{searched.nodes} nodes x " if searched.nodes > 1 else ""
+    which = "best.json's config, trial" if entry == front_doc.get("best") else "front trial"
     notes = [
         f"autotune: {searched.model}, {searched.seq_len:,} tokens on {where}{searched.gpus}x {searched.hardware}, "
-        f"front trial {entry['trial']}: {_record_line(record, hardware.device_memory_bytes)}"
+        f"{which} {entry['trial']}: {_record_line(record, hardware.device_memory_bytes)}"
     ]
     estimate = None
     seq_len = searched.seq_len
@@ -197,7 +203,7 @@ def export_entry(
         )
         if estimate.status != "ok":
             raise NotExpressible(
-                f"{exporter.trainer.words}'s version of front trial {entry['trial']} runs at no length: "
+                f"{exporter.trainer.words}'s version of {which} {entry['trial']} runs at no length: "
                 f"{_record_line(estimate, hardware.device_memory_bytes)}"
             )
         if estimate.seq_len != searched.seq_len:
