@@ -73,6 +73,9 @@ def estimate(
     other_model: bool = typer.Option(False, "--other-model", help=OTHER_MODEL_HELP),
     attention: str | None = typer.Option(None, help=ATTENTION_HELP),
     max_seq: bool = typer.Option(False, "--max-seq", help="bisect for the longest sequence that fits"),
+    probes_only: bool = typer.Option(
+        False, "--probes-only", hidden=True, help="--max-seq by grid probes alone, without the length model"
+    ),
     plot: Path | None = typer.Option(
         None, help="write the peak memory per rank by category as a PNG, the step time and tokens/s in its title"
     ),
@@ -124,9 +127,14 @@ def estimate(
     wants_timeline = memory_timeline is not None or memory_snapshot is not None
     if max_seq:  # what the config's trainer runs at each length tried (autotune's: the config itself)
         from autotune.core.trainers import TRAINERS
-        from autotune.search.max_seq import find_trainer_max_seq
+        from autotune.search.max_seq import search_trainer_max_seq
 
-        record = find_trainer_max_seq(evaluation, TRAINERS.get(run.trainer or "autotune", TRAINERS["autotune"]))
+        record, how = search_trainer_max_seq(
+            evaluation, TRAINERS.get(run.trainer or "autotune", TRAINERS["autotune"]), length_model=not probes_only
+        )
+        found = f"by {how.method} ({len(how.lengths)} lengths evaluated"
+        found += f", the model built from {len(how.model_lengths)} traces)" if how.model_lengths else ")"
+        say(f"autotune: --max-seq {found}" + (f"; {how.reason}" if how.reason else ""))
     elif wants_timeline:  # recorded in the prediction's own trace where it traces
         from autotune.outputs.timeline import estimate_with_timeline
 
@@ -153,7 +161,10 @@ def estimate(
         wrote = ", ".join(str(p) for p in (memory_timeline, memory_snapshot) if p is not None)
         say(f"autotune: wrote {wrote}: {timeline.title}")
     where = f"{run.nodes} nodes x " if run.nodes > 1 else ""
-    print_record(record.to_dict(), as_json, f"{run.model} on {where}{run.gpus}x {hw.name} (predicted)")
+    shown = record.to_dict()
+    if max_seq and as_json:  # how the length was found (the length model, or the probes and why)
+        shown["max_seq_search"] = how.to_dict()
+    print_record(shown, as_json, f"{run.model} on {where}{run.gpus}x {hw.name} (predicted)")
     _say_trainer(run)
     if record.status == "error":
         fail_outcome(f"the prediction failed: {record.error}")

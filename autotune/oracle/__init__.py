@@ -72,6 +72,7 @@ __all__ = [
     "compute_dtype_for",
     "explain",
     "extend_value",
+    "full_depth_trace",
     "layer_runs",
     "model_runs",
     "predict",
@@ -195,6 +196,16 @@ def with_overheads(result, hardware, traces: list, elapsed_s: float, **fields) -
         reached_tensor_bytes=max([result.peak_device_bytes] + [t.peak_device_bytes for t in traces]),
         **fields,
     )
+
+
+def full_depth_trace(evaluation: Evaluation) -> Trace:
+    """Every segment's peak of ``evaluation`` at full depth (the memory of ``predict``, its tensor bytes without the
+    runtime overheads, no time counter): what ``autotune.oracle.lengths.LengthModel`` is built from."""
+    hardware = evaluation.hardware
+    result, _, _ = _trace_to_full_depth(
+        evaluation, compute_dtype=compute_dtype_for(hardware), gpu_kernels=not hardware.device_is_host
+    )
+    return result
 
 
 def explain(evaluation: Evaluation, top: int = 12) -> str:

@@ -4,30 +4,69 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from autotune.backends import Backend, make_backend
+from autotune.backends.plan import PlanBackend
 from autotune.backends.plan_store import default_store
 from autotune.core.evaluation import Evaluation
 from autotune.core.record import ResultRecord
 from autotune.core.trainers import ExportJob, Trainer
+from autotune.oracle import full_depth_trace
+from autotune.oracle.lengths import LengthModel, probe_steps
 from trials.stack.rules import length_unit
 from trials.stack.techniques import Techniques, knobs
 
 
-def find_max_seq(
-    evaluation: Evaluation, backend: Backend | None = None, max_tokens: int = 1024**3, progress: Callable | None = None
-) -> ResultRecord:
-    """The longest sequence that fits ``evaluation``'s config (its ``seq_len``, if > 0, is the first guess):
-    the record (``ResultRecord``) at that length, status ``ok``; or, when not even one grid step fits, the
-    ``oom`` (or ``error``) record of the shortest length.
+@dataclass
+class MaxSeqSearch:
+    """How ``find_max_seq`` found its answer: ``method`` "length model" (a line per segment from two short traces,
+    its answer and the next grid step confirmed by the oracle) or "probes" (bracketing and secant steps along
+    the grid); ``reason``: why the length model did not answer (None when it did); ``lengths``: every length the
+    backend evaluated, in order; ``model_lengths``: the lengths the model was built from."""
 
-    Peak memory grows with the sequence (nearly affinely: every activation is linear in it), so the search
-    brackets the capacity crossing and then steps to where the line through the two nearest points meets
-    the capacity (bisecting when that makes no progress); ~5-10 evaluations on a grid of
-    ``trials.stack.rules.length_unit`` multiples. ``backend``: a plan backend (default: a new one, with the on-disk
-    ``plan_store``: records a search or an earlier run already has are read back, not traced).
+    method: str
+    reason: str | None
+    lengths: list[int] = field(default_factory=list)
+    model_lengths: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def find_max_seq(
+    evaluation: Evaluation,
+    backend: Backend | None = None,
+    max_tokens: int = 1024**3,
+    progress: Callable | None = None,
+    length_model: bool = True,
+) -> ResultRecord:
+    """The longest sequence that fits ``evaluation``'s config: the record (``ResultRecord``) at that length, status
+    ``ok``; or, when not even one grid step fits, the ``oom`` (or ``error``) record of the shortest length.
+    ``search_max_seq`` says how (and takes the same arguments)."""
+    return search_max_seq(evaluation, backend, max_tokens, progress, length_model)[0]
+
+
+def search_max_seq(
+    evaluation: Evaluation,
+    backend: Backend | None = None,
+    max_tokens: int = 1024**3,
+    progress: Callable | None = None,
+    length_model: bool = True,
+) -> tuple[ResultRecord, MaxSeqSearch]:
+    """``find_max_seq``'s record and how it was found. Lengths are multiples of ``trials.stack.rules.length_unit``
+    up to ``max_tokens``; ``evaluation.seq_len`` (if > 0) is the probes' first guess. ``backend``: a plan backend
+    (default: a new one, with the on-disk ``plan_store``: records a search or an earlier run already has are read
+    back, not traced).
+
+    ``length_model`` (a ``PlanBackend``): the oracle traces two short lengths (``autotune.oracle.lengths``), the
+    line through each segment's peaks says where the config stops fitting, and the backend evaluates that length
+    and the next grid step; when the first fits and the next does not, that is the answer, the backend's own
+    record. When the lines miss (a knob that changes shape with the length), the probes go on from the points
+    evaluated. Without it (or with another backend), the probes alone: peak memory grows with the sequence (nearly
+    affinely), so they bracket the capacity crossing and then step to where the line through the two nearest points
+    meets the capacity (bisecting when that makes no progress); ~5-10 evaluations.
     """
 
     if backend is None:
@@ -36,11 +75,13 @@ def find_max_seq(
     top = max(1, max_tokens // unit)
     capacity = evaluation.hardware.device_memory_bytes
     seen: dict[int, Any] = {}
+    how = MaxSeqSearch("probes", None if length_model else "not asked")
 
     def run(m: int):
         if m not in seen:
             record = backend.evaluate(replace(evaluation, seq_len=m * unit))
             seen[m] = record
+            how.lengths.append(m * unit)
             if progress is not None:
                 progress(record)
         return seen[m]
@@ -48,25 +89,51 @@ def find_max_seq(
     def fits(record) -> bool:
         return record.status == "ok"
 
-    first = min(top, max(1, (evaluation.seq_len or 128 * 1024) // unit))
-    record = run(first)
-    if record.status not in ("ok", "oom"):
-        return record
-    lo, hi = (first, None) if fits(record) else (None, first)
+    lo = hi = None
+    if length_model:
+        guess, how.reason = _model_guess(evaluation, backend, unit, top, how)
+        if guess is not None:
+            record = run(guess)
+            if record.status not in ("ok", "oom"):
+                return record, how
+            if fits(record):
+                lo = guess
+                if guess >= top or not _fits_by_memory(backend, replace(evaluation, seq_len=(guess + 1) * unit), how):
+                    how.method = "length model"
+                    return record, how
+                if run(guess + 1).status not in ("ok", "oom"):  # the probes go on from its whole record
+                    return seen[guess + 1], how
+                lo = guess + 1
+            else:
+                hi = guess
+                if guess == 1 or fits(run(guess - 1)):
+                    how.method = "length model"
+                    return run(max(1, guess - 1)), how
+                hi = guess - 1
+            how.reason = (
+                f"the length model's answer {guess * unit:,} was {'short' if lo else 'long'}: the peak is not "
+                f"affine in the length there"
+            )
+    if lo is None and hi is None:
+        first = min(top, max(1, (evaluation.seq_len or 128 * 1024) // unit))
+        record = run(first)
+        if record.status not in ("ok", "oom"):
+            return record, how
+        lo, hi = (first, None) if fits(record) else (None, first)
     # bracket: jump along the line through the last two points (at most x16, at least x2 per jump)
     while lo is None or hi is None:
         points = sorted(seen)
         if lo is None:
             if hi == 1:
-                return run(1)
+                return run(1), how
             guess = max(1, min(hi // 2, _crossing(seen, points, capacity, default=hi // 4)))
         else:
             if lo >= top:
-                return run(lo)
+                return run(lo), how
             guess = min(top, max(lo * 2, min(lo * 16, _crossing(seen, points, capacity, default=lo * 4))))
         record = run(guess)
         if record.status not in ("ok", "oom"):
-            return record
+            return record, how
         if fits(record):
             lo = max(lo or 0, guess)
         else:
@@ -79,7 +146,7 @@ def find_max_seq(
         # keep the guess just inside the side the line points to, so a good line closes the bracket quickly
         record = run(guess)
         if record.status not in ("ok", "oom"):
-            return record
+            return record, how
         if fits(record):
             lo = guess
             if hi - lo > 1 and guess + 1 < hi:  # probe one step above: the line is usually right to the step
@@ -96,7 +163,44 @@ def find_max_seq(
                     lo = guess - 1
                 else:
                     hi = guess - 1
-    return run(lo)
+    return run(lo), how
+
+
+def _fits_by_memory(backend: PlanBackend, evaluation: Evaluation, how: MaxSeqSearch) -> bool:
+    """Whether ``evaluation`` fits, as ``backend``'s record would say: by a plan backend without the time model
+    whose traces stop where they cross the device's or the host's memory (the search's own verdict, exact, and
+    cheaper than the whole record, which nobody reads)."""
+    how.lengths.append(evaluation.seq_len)
+    verdict = PlanBackend(throughput=False, stop_above=1.0, store=backend.store)
+    return verdict.evaluate(evaluation).status == "ok"
+
+
+def _model_guess(
+    evaluation: Evaluation, backend: Backend, unit: int, top: int, how: MaxSeqSearch
+) -> tuple[int | None, str | None]:
+    """The grid index ``LengthModel`` says is the longest that fits, or (None, why it has no answer)."""
+    if not isinstance(backend, PlanBackend):
+        return None, "the backend is not the plan backend: no oracle traces to build the length model from"
+    m1, m2 = probe_steps(evaluation.techniques, unit)
+    if m2 > top:
+        return None, f"the length model's traces ({m2 * unit:,} tokens) lie beyond the longest length asked"
+    traces = []
+    for m in (m1, m2):
+        probe = replace(evaluation, seq_len=m * unit)
+        try:
+            probe.techniques.validate(probe.model_config, probe.world_size, probe.seq_len)
+            traces.append(full_depth_trace(probe))
+        except Exception as exc:  # the probes answer what the model-free search would find too
+            return None, f"the length model's trace at {m * unit:,} tokens failed: {type(exc).__name__}: {exc}"
+        how.model_lengths.append(m * unit)
+    try:
+        model = LengthModel(evaluation.hardware, m1, traces[0], m2, traces[1])
+    except ValueError as exc:
+        return None, f"no length model: {exc}"
+    guess = model.longest(m1, top)
+    if guess is None:
+        return None, f"the length model's first trace ({m1 * unit:,} tokens) does not fit: the wall lies below it"
+    return guess, None
 
 
 def _crossing(seen: dict, points: list[int], capacity: int, default: int) -> int:
@@ -138,16 +242,32 @@ class _TrainerAtEachLength:
 def find_trainer_max_seq(
     evaluation: Evaluation, trainer: Trainer, backend: Backend | None = None, progress: Callable | None = None
 ) -> ResultRecord:
-    """``find_max_seq`` of what ``trainer`` runs for ``evaluation``'s config, evaluated at each length as the trainer
-    runs it there. Lengths tried are multiples of 1024 and of what the length must divide (the Ulysses degree), not
-    of the trainer's tile sizes: tiles need not divide the sequence."""
+    """``find_max_seq`` of what ``trainer`` runs for ``evaluation``'s config (``search_trainer_max_seq``)."""
+    return search_trainer_max_seq(evaluation, trainer, backend, progress)[0]
+
+
+def search_trainer_max_seq(
+    evaluation: Evaluation,
+    trainer: Trainer,
+    backend: Backend | None = None,
+    progress: Callable | None = None,
+    length_model: bool = True,
+) -> tuple[ResultRecord, MaxSeqSearch]:
+    """``search_max_seq`` of what ``trainer`` runs for ``evaluation``'s config, evaluated at each length as the
+    trainer runs it there. Lengths tried are multiples of 1024 and of what the length must divide (the Ulysses
+    degree), not of the trainer's tile sizes: tiles need not divide the sequence. A trainer whose techniques
+    change with the length has no length model: the probes answer."""
     if backend is None:
         backend = make_backend("plan", store=default_store())
     if all(expression.as_asked for expression in trainer.expresses.values()):
-        return find_max_seq(evaluation, backend, progress=progress)
+        return search_max_seq(evaluation, backend, progress=progress, length_model=length_model)
     untiled = {k.name: 0 for k in knobs() if k.length_unit == "grid"}  # the grid find_max_seq steps on
-    return find_max_seq(
+    record, how = search_max_seq(
         replace(evaluation, techniques=replace(evaluation.techniques, **untiled)),
         backend=_TrainerAtEachLength(trainer, evaluation, backend),
         progress=progress,
+        length_model=False,
     )
+    if length_model:
+        how.reason = f"what {trainer.name} runs changes with the length: no length model"
+    return record, how
