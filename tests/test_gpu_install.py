@@ -188,6 +188,8 @@ if "torch.version.cuda" in code:
         sys.exit(1)
     version, cuda = torch.split(",")
     print(json.dumps([version, cuda or None]))
+elif "cuda.is_available" in code:
+    sys.exit(1 if os.environ.get("FAKE_NO_GPU") else 0)
 elif "check_kernel" in code:
     log.write("check " + args[2] + "\n")
     fails = dict(item.split("=", 1) for item in filter(None, os.environ.get("FAKE_CHECK_FAILS", "").split(";")))
@@ -200,7 +202,15 @@ else:
 """
 
 
-def _setup_gpu(tmp_path, smi: str, torch: str, *options, wheels: list[str] | None = None, check_fails: str = ""):
+def _setup_gpu(
+    tmp_path,
+    smi: str,
+    torch: str,
+    *options,
+    wheels: list[str] | None = None,
+    check_fails: str = "",
+    env: dict | None = None,
+):
     """bin/setup-gpu of this checkout with ``smi`` as nvidia-smi's answer, ``torch`` in the venv and, when given,
     a wheel folder holding ``wheels`` (file names; "kernels/NAME" a hub build). Returns (run, pip log lines, venv)."""
     tools = tmp_path / "tools"
@@ -234,6 +244,7 @@ def _setup_gpu(tmp_path, smi: str, torch: str, *options, wheels: list[str] | Non
         "FAKE_TORCH": torch,
         "FAKE_CHECK_FAILS": check_fails,
         "CUDA_HOME": str(tmp_path / "no-toolkit"),  # the machine's own CUDA toolkit, if any, is out of sight
+        **(env or {}),
     }
     done = subprocess.run(
         [sys.executable, "-m", "autotune.core.node_setup", "--venv", str(venv), *argv],
@@ -335,6 +346,17 @@ def test_use_installed_torch_refuses_what_it_cannot_keep_in_one_line_and_install
     assert done.stderr.strip().splitlines()[-1].startswith("setup-gpu: error: ") and says in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
     assert not any(line.startswith(("install", "uninstall")) for line in pip), pip
+
+
+def test_a_torch_that_sees_no_gpu_stops_the_set_up_before_autotune_and_the_kernels(tmp_path):
+    done, pip, _ = _setup_gpu(tmp_path, H100, "2.13.0+cu130,13.0", "--use-installed-torch", env={"FAKE_NO_GPU": "1"})
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == (
+        "setup-gpu: error: torch (CUDA 13.0) sees no GPU: the driver must support CUDA 13.0 (nvidia-smi's header "
+        "shows what it supports)"
+    )
+    assert not any(line.startswith("install") for line in pip), pip
 
 
 def test_cuda_13_torch_on_an_older_driver_is_refused():

@@ -226,6 +226,9 @@ class Node:
         version, cuda = json.loads(done.stdout.strip().splitlines()[-1])
         return version, cuda
 
+    def torch_sees_a_gpu(self) -> bool:
+        return self.run("-c", "import sys, torch; sys.exit(not torch.cuda.is_available())").returncode == 0
+
 
 _CHECK = "import sys; from trials.kernels.attention import check_kernel; print(check_kernel(sys.argv[1]))"
 
@@ -373,6 +376,11 @@ def _set_up(args) -> int:
             if now is None or not now[1]:
                 raise SetupError("pip installed a CPU build of torch: is a +cpu wheel on your index or find-links?")
             constraints.write_text(f"torch=={now[0]}\n")  # the build pip chose, exactly
+        if not node.torch_sees_a_gpu():
+            raise SetupError(
+                f"torch (CUDA {choice.cuda}) sees no GPU: the driver must support CUDA {choice.cuda} "
+                "(nvidia-smi's header shows what it supports)"
+            )
         if not node.pip("-e", f"{ROOT}[test]", quiet=False):
             raise SetupError("pip could not install autotune and its dependencies (its output above)")
         plans = choose_kernels(gpus, choice.cuda)
