@@ -365,15 +365,30 @@ def test_cuda_13_torch_on_an_older_driver_is_refused():
         node_setup.choose_torch(gpus, ("2.13.0", "13.0"), True, "2.13.0", ("2.11", "2.16"))
 
 
-def test_a_wheel_folder_that_is_not_there_is_bad_input(tmp_path):
+@pytest.mark.parametrize(
+    "options, says", [(["--wheels", "nowhere"], "not a folder"), (["--use-installed"], "unrecognized arguments")]
+)
+def test_bad_options_are_one_line_and_exit_2(tmp_path, options, says):
     done = subprocess.run(
-        [sys.executable, "-m", "autotune.core.node_setup", "--wheels", str(tmp_path / "nowhere")],
+        [sys.executable, "-m", "autotune.core.node_setup", *options],
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         timeout=60,
+        cwd=tmp_path,
     )
-    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "not a folder" in done.stderr, done.stderr
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and says in done.stderr, done.stderr
+
+
+def test_a_cuda_13_torch_of_the_pin_on_an_older_driver_is_replaced_by_the_cuda_12_build(tmp_path):
+    """torch==PIN is satisfied by the CUDA 13 build already there: it is uninstalled first, or pip would keep it."""
+    done, pip, _ = _setup_gpu(tmp_path, H100_OLD_DRIVER, "2.13.0,13.0")
+    assert done.returncode == 0, done.stderr
+    torch_steps = [
+        line for line in pip if re.search(r"(uninstall .*\btorch$|install .*\btorch==)", line.split(" | ")[0])
+    ]
+    assert len(torch_steps) == 2 and torch_steps[0].startswith("uninstall"), pip
+    assert "download.pytorch.org/whl/cu128" in torch_steps[1], pip
 
 
 def test_without_a_prebuilt_route_flash_attn_is_built_and_without_nvcc_left_out_with_the_reason(tmp_path):

@@ -333,8 +333,13 @@ def install_kernel(node: Node, plan: KernelPlan, gpus: tuple[Gpu, ...], cuda: st
     return f"{plan.label}: not installed ({'; '.join(tried)}){how}"
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # bad input: one line, exit 2
+        self.exit(2, f"setup-gpu: error: {message} (bin/setup-gpu --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bin/setup-gpu", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="bin/setup-gpu", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument(
         "--use-installed-torch", action="store_true", help="keep the venv's CUDA torch (inside pyproject's range)"
     )
@@ -367,8 +372,8 @@ def _set_up(args) -> int:
         # every install runs with torch pinned: the kept build exactly, else the pin (any build of it)
         constraints.write_text(f"torch=={choice.version}\n")
         if not choice.keep:
-            if installed is not None and not installed[1]:
-                node.uninstall("torch")  # a CPU build also satisfies torch==PIN: pip would keep it
+            if installed is not None and (not installed[1] or release(installed[1])[0] != release(choice.cuda)[0]):
+                node.uninstall("torch")  # a CPU or other-CUDA build also satisfies torch==PIN: pip would keep it
             index = ["--index-url", choice.index_url] if choice.index_url and not args.wheels else []
             if not node.pip(*index, f"torch=={choice.version}", quiet=False):
                 raise SetupError(f"pip could not install torch {choice.version} (its output above)")
