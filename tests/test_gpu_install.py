@@ -18,7 +18,11 @@ from pathlib import Path
 import pytest
 import tomllib
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+
+from autotune.core import node_setup
+from trials.kernels.registry import FLASH_KERNELS, KERNELS
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUP_GPU = ROOT / "bin" / "setup-gpu"
@@ -59,9 +63,7 @@ def test_gpu_extra_floor_has_flash_attn_wrapped_kernels():
 
 def test_setup_gpu_installs_the_extras_flash_attn_floor():
     gpu = _requirement(_pyproject()["project"]["optional-dependencies"]["gpu"], "flash-attn")
-    script = SETUP_GPU.read_text()
-    quoted = re.findall(r'^flash_attn="([^"]+)"', script, flags=re.M)
-    assert quoted and Requirement(quoted[0]) == gpu, f"bin/setup-gpu installs {quoted}, the gpu extra says {gpu}"
+    assert Requirement(node_setup.FLASH_ATTN) == gpu, f"setup-gpu installs {node_setup.FLASH_ATTN}, the extra: {gpu}"
 
 
 def test_setup_gpu_is_valid_strict_bash():
@@ -73,12 +75,25 @@ def test_setup_gpu_is_valid_strict_bash():
     assert done.returncode == 0, done.stderr
 
 
-def test_setup_gpu_builds_flash_attn_without_isolation_and_tries_a_wheel_first():
-    script = SETUP_GPU.read_text()
-    wheel, build = script.find("--only-binary flash-attn"), script.find("--no-build-isolation --no-binary flash-attn")
-    assert 0 <= wheel < build, "bin/setup-gpu should try a prebuilt wheel first, then build without isolation"
-    for needed in ("MAX_JOBS", "FLASH_ATTENTION_FORCE_BUILD=TRUE", "constraints-gpu.txt", "nvcc"):
-        assert needed in script, needed
+def test_setup_gpu_builds_flash_attn_without_isolation_and_only_as_the_last_route():
+    assert KERNELS["flash"].routes()[-1] == "source"
+    assert all("source" not in KERNELS[name].routes() for name in FLASH_KERNELS if name != "flash")
+    code = (ROOT / "autotune" / "core" / "node_setup.py").read_text()
+    for needed in (
+        '"--no-build-isolation", "--no-binary", "flash-attn"',
+        "MAX_JOBS",
+        '"FLASH_ATTENTION_FORCE_BUILD": "TRUE"',
+    ):
+        assert needed in code, needed
+
+
+def test_the_torch_pins_lie_in_pyprojects_range_the_oldest_at_its_floor():
+    (torch,) = [Requirement(s) for s in _pyproject()["project"]["dependencies"] if Requirement(s).name == "torch"]
+    low, above = node_setup.torch_range()
+    assert torch.specifier == SpecifierSet(f">={low},<{above}")
+    assert Version(_torch_pin(ROOT / "constraints-oldest.txt")) == Version(low)
+    for pins in ("constraints-cpu.txt", "constraints-gpu.txt", "constraints-oldest.txt"):
+        assert _torch_pin(ROOT / pins) in torch.specifier, pins
 
 
 def test_gpu_and_cpu_constraints_pin_the_same_torch():
@@ -133,128 +148,279 @@ print("ok")
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
 
 
-# -- flash-attn: a working kernel or a clean fallback to SDPA (bin/setup-gpu run against stand-ins) ------------
+# -- bin/setup-gpu's decisions, run against a fake nvidia-smi, a fake venv and a local wheel folder ------------------
 
-_FAKE_PYTHON = r"""#!{python}
-# the venv's python as bin/setup-gpu calls it: pip logs what it is asked; flash-attn's install, build and kernel
-# succeed or fail as FAKE_FLASH says (wheel | build | none, then :ok or :broken)
-import os, sys
+H100 = "NVIDIA H100 80GB HBM3, 9.0, 580.65.06\n"
+H100_OLD_DRIVER = "NVIDIA H100 80GB HBM3, 9.0, 550.54.15\n"
+A100 = "NVIDIA A100-SXM4-80GB, 8.0, 580.65.06\n"
+
+_FAKE_VENV_PYTHON = r"""#!{python}
+# the venv's python as node_setup calls it. pip logs each call (with the torch its constraints file pins) and, with
+# --no-index, finds a package only where the wheel folder has a file of that name, as pip does; torch is FAKE_TORCH
+# ("version,cuda" or "none"); a kernel's check fails where FAKE_CHECK_FAILS names it ("flash3=TypeError: ...")
+import json, os, re, sys
+from pathlib import Path
 log = open(os.environ["FAKE_LOG"], "a")
-source, mode = os.environ["FAKE_FLASH"].split(":")
 args = sys.argv[1:]
-code = sys.stdin.read() if args[:1] == ["-"] else args[1] if args[:1] == ["-c"] else ""
 if args[:2] == ["-m", "pip"]:
-    log.write(" ".join(args[2:]) + "\n")
-    if "uninstall" in args or not any(a.startswith("flash-attn") for a in args):
+    pins = ""
+    if "-c" in args:
+        pins = Path(args[args.index("-c") + 1]).read_text().strip()
+    log.write(" ".join(args[2:]) + " | " + pins + "\n")
+    if args[2] == "uninstall" or "-e" in args:
         sys.exit(0)
-    if "--only-binary" in args:
-        sys.exit(0 if source == "wheel" else 1)
-    print("error: subprocess-exited-with-error (nvcc)", file=sys.stderr)
-    sys.exit(0 if source == "build" else 1)
+    for wanted in args[3:]:  # pip installs torch: its build follows the index (PyPI's: CUDA 13)
+        if wanted.startswith("torch=="):
+            cuda = "12.8" if any(a.endswith("/cu128") for a in args) else "13.0"
+            installed = wanted[len("torch=="):] + ("+cu128" if cuda == "12.8" else "")
+            Path(os.environ["FAKE_LOG"] + ".torch").write_text(f"{installed},{cuda}")
+    if "--no-index" in args:
+        folder = Path(args[args.index("--find-links") + 1])
+        have = {re.split(r"-\d", f.name)[0].replace("_", "-").lower() for f in folder.iterdir() if f.is_file()}
+        names = [re.split(r"[\[<>=]", w)[0].lower() for w in args[3:] if not w.startswith("-") and "/" not in w]
+        sys.exit(0 if all(n in have for n in names) else 1)
+    sys.exit(0)
+code = args[1] if args[:1] == ["-c"] else ""
 if "torch.version.cuda" in code:
-    print("13.0")
-elif "flash_attn_func" in code:
-    log.write("verify\n")
-    if mode == "broken":
-        raise SystemExit("its kernel fails: ImportError: flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDevice")
-    print("flash-attn: imports and runs a causal bf16 forward and backward on NVIDIA H100 80GB HBM3")
-elif "version(name)" in code:
-    print("torch         2.13.0")
-elif "__version__" in code:
-    print("2.13.0")
+    state = Path(os.environ["FAKE_LOG"] + ".torch")
+    torch = state.read_text() if state.exists() else os.environ["FAKE_TORCH"]
+    if torch == "none":
+        sys.exit(1)
+    version, cuda = torch.split(",")
+    print(json.dumps([version, cuda or None]))
+elif "cuda.is_available" in code:
+    sys.exit(1 if os.environ.get("FAKE_NO_GPU") else 0)
+elif "check_kernel" in code:
+    log.write("check " + args[2] + "\n")
+    fails = dict(item.split("=", 1) for item in filter(None, os.environ.get("FAKE_CHECK_FAILS", "").split(";")))
+    if args[2] in fails:
+        print(fails[args[2]], file=sys.stderr)
+        sys.exit(1)
+    print("its layer and head-chunk forward and backward (as the stack calls them) match SDPA on NVIDIA H100")
+else:
+    sys.exit(3)
 """
 
 
-def _run_setup_gpu(tmp_path, flash: str, nvcc: bool = True):
-    (tmp_path / "bin").mkdir()
-    shutil.copy2(SETUP_GPU, tmp_path / "bin" / "setup-gpu")
-    (tmp_path / "constraints-gpu.txt").write_text("torch==2.13.0\n")
-    venv_bin = tmp_path / ".venv" / "bin"
-    venv_bin.mkdir(parents=True)
-    (venv_bin / "python").write_text(_FAKE_PYTHON.replace("{python}", sys.executable))
+def _setup_gpu(
+    tmp_path,
+    smi: str,
+    torch: str,
+    *options,
+    wheels: list[str] | None = None,
+    check_fails: str = "",
+    env: dict | None = None,
+):
+    """bin/setup-gpu of this checkout with ``smi`` as nvidia-smi's answer, ``torch`` in the venv and, when given,
+    a wheel folder holding ``wheels`` (file names; "kernels/NAME" a hub build). Returns (run, pip log lines, venv)."""
     tools = tmp_path / "tools"
     tools.mkdir()
-    for tool in ("dirname", "sed", "cut", "sort", "awk", "nproc", "readlink", "date", "tail", "cat"):
+    for tool in ("dirname",):
         (tools / tool).symlink_to(shutil.which(tool))
-    stubs = {"nvidia-smi": "#!/bin/sh\necho 9.0\n"}
-    if nvcc:
-        stubs["nvcc"] = "#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.88'\n"
-    for name, text in stubs.items():
-        (tools / name).write_text(text)
-    for path in [*tools.iterdir(), venv_bin / "python"]:
-        if not path.is_symlink():
-            path.chmod(0o755)
+    (tools / "nvidia-smi").write_text(f"#!/bin/sh\nprintf '{smi}'\n")
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(_FAKE_VENV_PYTHON.replace("{python}", sys.executable))
+    for path in ((tools / "nvidia-smi"), venv / "bin" / "python"):
+        path.chmod(0o755)
+    argv = [*options]
+    if wheels is not None:
+        folder = tmp_path / "wheels"
+        folder.mkdir()
+        for name in wheels:
+            if name.startswith("kernels/"):
+                (folder / name / "build" / "torch-cuda").mkdir(parents=True)
+                (folder / name / "build" / "torch-cuda" / "__init__.py").write_text("")
+            else:
+                (folder / name).write_text("")
+        argv += ["--wheels", str(folder)]
     log = tmp_path / "pip.log"
     log.touch()
+    env = {
+        "PATH": f"{tools}:{Path(sys.executable).parent}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "PYTHONPATH": str(ROOT),
+        "FAKE_LOG": str(log),
+        "FAKE_TORCH": torch,
+        "FAKE_CHECK_FAILS": check_fails,
+        "CUDA_HOME": str(tmp_path / "no-toolkit"),  # the machine's own CUDA toolkit, if any, is out of sight
+        **(env or {}),
+    }
     done = subprocess.run(
-        [shutil.which("bash"), str(tmp_path / "bin" / "setup-gpu")],
+        [sys.executable, "-m", "autotune.core.node_setup", "--venv", str(venv), *argv],
         capture_output=True,
         text=True,
-        # without the nvcc stub, CUDA_HOME names a folder without one: the machine's own toolkit is out of sight
-        env={
-            "PATH": str(tools),
-            "HOME": str(tmp_path),
-            "FAKE_LOG": str(log),
-            "FAKE_FLASH": flash,
-            **({} if nvcc else {"CUDA_HOME": str(tmp_path / "no-toolkit")}),
-        },
-        timeout=60,
+        env=env,
+        timeout=120,
+        cwd=tmp_path,
     )
-    return done, log.read_text().splitlines()
+    return done, log.read_text().splitlines(), venv
 
 
-def _flash_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith("setup-gpu: flash-attn: ")]
+def _said(done, prefix: str) -> list[str]:
+    return [line for line in done.stderr.splitlines() if line.startswith(f"setup-gpu: {prefix}")]
 
 
-@pytest.mark.parametrize(
-    "flash, nvcc, reason",
-    [
-        ("wheel:broken", True, "its kernel fails: ImportError"),  # installs, cannot load its CUDA library
-        ("none:ok", True, "its source build failed"),  # no wheel, the build fails (flash-attention#2064)
-        ("none:ok", False, "nvcc"),  # no wheel, no toolkit to build with
-    ],
-    ids=["kernel-fails", "build-fails", "no-nvcc"],
-)
-def test_setup_gpu_falls_back_to_sdpa_and_leaves_no_flash_attn(tmp_path, flash, nvcc, reason):
-    done, pip = _run_setup_gpu(tmp_path, flash, nvcc)
-    assert done.returncode == 0, done.stderr  # torch, deepspeed and autotune stand: the set-up is usable
+OFFLINE_WHEELS = ["kernels-0.17.2-cp38-abi3-manylinux_2_17_x86_64.whl", "kernels/flash", "kernels/flash3"]
+OFFLINE_WHEELS += ["flash_attn_4-4.0.0b36-py3-none-any.whl", "nvidia_cutlass_dsl-4.6.2-py3-none-any.whl"]
+
+
+def test_offline_on_h100_keeps_the_nodes_torch_and_installs_every_kernel_from_the_wheel_folder(tmp_path):
+    """The done-when of issue 47: a node's own CUDA torch is kept (every pip call pins it exactly), nothing is
+    fetched from an index, FA2 and FA3 come from the hub builds in the folder, FA4 from its wheel with the [cu13]
+    extra, each checked, and it says so: one line per kernel, and a last line with what it kept and installed."""
+    done, pip, venv = _setup_gpu(
+        tmp_path, H100 * 8, "2.13.0+cu130,13.0", "--use-installed-torch", wheels=OFFLINE_WHEELS
+    )
+    assert done.returncode == 0, done.stderr
+    installs = [line for line in pip if line.startswith("install")]
+    assert installs and all("--no-index --find-links" in line for line in installs), pip
+    assert all(line.endswith("| torch==2.13.0+cu130") for line in installs), pip
+    assert not any(re.search(r"install .*\btorch==", line.split(" | ")[0]) for line in installs), pip
+    assert not any(line.startswith("uninstall") for line in pip), pip
+    assert _said(done, "torch 2.13.0+cu130 (CUDA 13.0) is installed: keeping it")
+    for name in ("flash", "flash3"):
+        assert (venv / "share" / "autotune" / "kernels" / name / "build" / "torch-cuda").is_dir()
+    assert _said(done, "FlashAttention-3 (attention: flash3): from the kernel hub (kernels-community/flash-attn3): ")
+    assert _said(done, "FlashAttention-4 (attention: flash4): flash-attn-4[cu13] (wheel): ")
+    assert [line for line in pip if line.startswith("check")] == ["check flash", "check flash3", "check flash4"]
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("setup-gpu: flash-attn: not installed (") and reason in last, last
-    assert "fall back to torch's SDPA" in last
-    assert len(_flash_lines(done.stderr)) >= 1 and "imports and runs" not in done.stderr
-    # whatever pip got as far as installing is removed: its uninstall is the last thing pip is asked
-    assert pip[-1].startswith("uninstall") and "flash-attn" in pip[-1], pip
-    if not nvcc:
-        assert not any("--no-build-isolation" in line for line in pip), pip
+    assert last == "setup-gpu: kept torch 2.13.0+cu130 (CUDA 13.0); attention kernels sdpa, flash, flash3, flash4"
 
 
-@pytest.mark.parametrize("flash", ["wheel:ok", "build:ok"])
-def test_setup_gpu_keeps_a_flash_attn_whose_kernel_runs(tmp_path, flash):
-    done, pip = _run_setup_gpu(tmp_path, flash)
+def test_a_kernel_whose_calls_drifted_is_refused_at_install_and_the_next_route_tried(tmp_path):
+    """Review item 9: FA3's hub build installs but the stack's own calls fail its check (a signature drift) -- it is
+    removed, the wheel route is tried (none in the folder), and the line says both and how to get FA3."""
+    drift = "TypeError: _flash_attn_forward() got an unexpected keyword argument 'softcap'"
+    done, pip, venv = _setup_gpu(
+        tmp_path,
+        H100,
+        "2.13.0+cu130,13.0",
+        "--use-installed-torch",
+        wheels=OFFLINE_WHEELS,
+        check_fails=f"flash3={drift}",
+    )
     assert done.returncode == 0, done.stderr
-    assert done.stderr.strip().splitlines()[-1].startswith("setup-gpu: flash-attn: imports and runs")
-    assert "verify" in pip and not any(line.startswith("uninstall") for line in pip), pip
+    assert not (venv / "share" / "autotune" / "kernels" / "flash3").exists()
+    (line,) = _said(done, "FlashAttention-3 (attention: flash3): ")
+    assert f"not installed (hub: installed, but {drift}; wheel: no wheel on the index)" in line, line
+    assert line.endswith(KERNELS["flash3"].how_to_build)
+    assert any(p.startswith("uninstall") and "flash-attn-3" in p for p in pip), pip
+    assert done.stderr.strip().splitlines()[-1].endswith("attention kernels sdpa, flash, flash4")
+
+
+def test_a_driver_older_than_580_gets_torchs_cuda_12_build_and_fa4_without_the_cu13_extra(tmp_path):
+    """Review item 8: on driver 550 torch comes from PyTorch's CUDA 12.8 index and FA4 without ``[cu13]``."""
+    done, pip, _ = _setup_gpu(tmp_path, H100_OLD_DRIVER, "none")
+    assert done.returncode == 0, done.stderr
+    (torch_install,) = [line for line in pip if re.search(r"install .*\btorch==", line.split(" | ")[0])]
+    assert "--index-url https://download.pytorch.org/whl/cu128 torch==2.13.0" in torch_install, torch_install
+    assert any("--only-binary flash-attn-4 flash-attn-4 |" in line for line in pip), pip
+    assert not any("[cu13]" in line for line in pip), pip
 
 
 @pytest.mark.parametrize(
-    "flash, says, removed",
-    [
-        ("wheel:ok", "imports and runs", False),
-        ("wheel:broken", "not installed (its kernel fails: ImportError", True),
-        ("build:ok", "not installed (no flash-attn-4 wheel on the package index", False),
-    ],
-    ids=["runs", "kernel-fails", "no-wheel"],
+    "driver, cuda, index", [(580, "13.0", None), (595, "13.0", None), (579, "12.8", "cu128"), (525, "12.8", "cu128")]
 )
-def test_setup_gpu_keeps_flash_attention_4_and_3_only_where_they_run(tmp_path, flash, says, removed):
-    """On a Hopper node (the stub says 9.0) FA4 and FA3 are tried as wheels, each verified; one that cannot run is
-    uninstalled, and one line per kernel says what is usable."""
-    done, pip = _run_setup_gpu(tmp_path, flash)
+def test_the_cuda_build_follows_the_driver(driver, cuda, index):
+    gpus = node_setup.read_gpus(f"NVIDIA H100, 9.0, {driver}.10.01\n")
+    choice = node_setup.choose_torch(gpus, None, False, "2.13.0", ("2.11", "2.16"))
+    assert (choice.cuda, choice.keep) == (cuda, False)
+    assert (choice.index_url or "").endswith(index or "") and bool(choice.index_url) == bool(index)
+    fa4 = [plan for plan in node_setup.choose_kernels(gpus, choice.cuda) if plan.name == "flash4"]
+    assert fa4[0].requirement == ("flash-attn-4[cu13]" if cuda == "13.0" else "flash-attn-4")
+
+
+@pytest.mark.parametrize(
+    "torch, says",
+    [
+        ("none", "the venv has no torch"),
+        ("2.13.0+cpu,", "torch 2.13.0+cpu in the venv is a CPU build"),
+        ("2.10.0+cu128,12.8", "torch 2.10.0+cu128 is outside autotune's range (>=2.11,<2.16)"),
+        ("2.16.0,13.0", "torch 2.16.0 is outside autotune's range (>=2.11,<2.16)"),
+    ],
+)
+def test_use_installed_torch_refuses_what_it_cannot_keep_in_one_line_and_installs_nothing(tmp_path, torch, says):
+    done, pip, _ = _setup_gpu(tmp_path, H100, torch, "--use-installed-torch", wheels=OFFLINE_WHEELS)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1].startswith("setup-gpu: error: ") and says in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert not any(line.startswith(("install", "uninstall")) for line in pip), pip
+
+
+def test_a_torch_that_sees_no_gpu_stops_the_set_up_before_autotune_and_the_kernels(tmp_path):
+    done, pip, _ = _setup_gpu(tmp_path, H100, "2.13.0+cu130,13.0", "--use-installed-torch", env={"FAKE_NO_GPU": "1"})
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == (
+        "setup-gpu: error: torch (CUDA 13.0) sees no GPU: the driver must support CUDA 13.0 (nvidia-smi's header "
+        "shows what it supports)"
+    )
+    assert not any(line.startswith("install") for line in pip), pip
+
+
+def test_cuda_13_torch_on_an_older_driver_is_refused():
+    gpus = node_setup.read_gpus(H100_OLD_DRIVER)
+    with pytest.raises(node_setup.SetupError, match="built with CUDA 13.0, which driver 550 does not run"):
+        node_setup.choose_torch(gpus, ("2.13.0", "13.0"), True, "2.13.0", ("2.11", "2.16"))
+
+
+@pytest.mark.parametrize(
+    "options, says", [(["--wheels", "nowhere"], "not a folder"), (["--use-installed"], "unrecognized arguments")]
+)
+def test_bad_options_are_one_line_and_exit_2(tmp_path, options, says):
+    done = subprocess.run(
+        [sys.executable, "-m", "autotune.core.node_setup", *options],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and says in done.stderr, done.stderr
+
+
+def test_a_cuda_13_torch_of_the_pin_on_an_older_driver_is_replaced_by_the_cuda_12_build(tmp_path):
+    """torch==PIN is satisfied by the CUDA 13 build already there: it is uninstalled first, or pip would keep it."""
+    done, pip, _ = _setup_gpu(tmp_path, H100_OLD_DRIVER, "2.13.0,13.0")
     assert done.returncode == 0, done.stderr
-    for label in ("FlashAttention-4 (attention: flash4)", "FlashAttention-3 (attention: flash3)"):
-        lines = [line for line in done.stderr.splitlines() if line.startswith(f"setup-gpu: {label}: ")]
-        assert len(lines) == 1, done.stderr
-        if label.startswith("FlashAttention-4"):
-            assert says in lines[0], lines
-    uninstalled = [line for line in pip if line.startswith("uninstall") and "flash-attn-4" in line]
-    assert bool(uninstalled) == removed, pip
+    torch_steps = [
+        line for line in pip if re.search(r"(uninstall .*\btorch$|install .*\btorch==)", line.split(" | ")[0])
+    ]
+    assert len(torch_steps) == 2 and torch_steps[0].startswith("uninstall"), pip
+    assert "download.pytorch.org/whl/cu128" in torch_steps[1], pip
+
+
+def test_without_a_prebuilt_route_flash_attn_is_built_and_without_nvcc_left_out_with_the_reason(tmp_path):
+    """An A100 node offline with no hub build and no wheel: FA2 falls to its source build, which needs nvcc (none
+    here): it is left out, nothing half installed, trials fall back to SDPA; FA3 and FA4 are not for 8.0."""
+    done, pip, _ = _setup_gpu(tmp_path, A100, "2.13.0+cu130,13.0", "--use-installed-torch", wheels=[])
+    assert done.returncode == 0, done.stderr
+    (line,) = _said(done, "FlashAttention-2 (attention: flash): ")
+    assert "not installed (hub: the kernels package is not installed; wheel: no wheel on the index; source: " in line
+    assert "nvcc" in line and pip[-1].startswith("uninstall") and "flash-attn" in pip[-1], (line, pip)
+    assert not _said(done, "FlashAttention-3") and not _said(done, "FlashAttention-4")
+    assert done.stderr.strip().endswith(
+        "attention kernels sdpa (no flash kernel: trials and searches fall back to torch's SDPA)"
+    )
+
+
+def test_every_kernel_a_gpu_preset_offers_is_one_setup_gpu_installs_there_from_a_prebuilt_route():
+    """The search never recommends a kernel that bin/setup-gpu would not install on that node: each kernel a GPU
+    preset lists (and its device runs) is among setup-gpu's kernels for that generation, with a prebuilt route
+    (hub or wheel) ahead of any source build -- on H100 that includes flash3, what the main job's best.json names."""
+    from autotune.core.hardware import hardware_names, is_shipped, load_hardware
+
+    checked = []
+    for preset in filter(is_shipped, hardware_names()):
+        hardware = load_hardware(preset)
+        if not hardware.compute_capability:
+            continue
+        gpus = node_setup.read_gpus(f"GPU, {hardware.compute_capability}.0, 580.65.06\n")
+        plans = {plan.name: plan for plan in node_setup.choose_kernels(gpus, "13.0")}
+        for name in hardware.kernels:
+            if name in FLASH_KERNELS and KERNELS[name].runs_on(hardware.compute_capability):
+                prebuilt = plans[name].routes[0] == "hub" or KERNELS[name].pypi_wheel if name in plans else False
+                assert prebuilt, (preset, name, plans)
+                checked.append((preset, name))
+    assert ("h100-sxm", "flash3") in checked, checked

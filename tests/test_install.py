@@ -47,7 +47,14 @@ class Checkout:
     def __init__(self, where: Path):
         self.root = where / "repo"
         self.log = where / "calls.log"
-        for name in ("bin/setup-env", "bin/autotune", "bin/test", "pyproject.toml", "constraints-cpu.txt"):
+        for name in (
+            "bin/setup-env",
+            "bin/autotune",
+            "bin/test",
+            "pyproject.toml",
+            "constraints-cpu.txt",
+            "constraints-oldest.txt",
+        ):
             (self.root / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, self.root / name)
         self.tools = where / "tools"
@@ -141,6 +148,17 @@ def test_a_clean_clone_set_up_for_the_tests_has_the_runtime_install_too(checkout
     assert checkout.installs(checkout.run("bin/autotune", "models")) == []
 
 
+def test_the_oldest_torchs_install_is_a_second_venv_pinned_by_constraints_oldest(checkout):
+    """bin/test --oldest: the test extra in .venv-oldest with constraints-oldest.txt, and the fast tests there; the
+    user's .venv is left alone."""
+    calls = checkout.run("bin/test", "--oldest", "-x")
+    assert calls[0] == f"venv {checkout.root}/.venv-oldest"
+    assert checkout.installs(calls) == [call.replace("constraints-cpu", "constraints-oldest") for call in TEST_INSTALLS]
+    assert calls[-1] == "python -m pytest -q -m not slow -x"
+    assert not (checkout.root / ".venv").exists()
+    assert checkout.installs(checkout.run("bin/setup-env", "--test", "--oldest")) == []  # once
+
+
 def test_setup_env_refuses_an_unknown_argument_before_touching_anything(checkout):
     assert checkout.run("bin/setup-env", "--tests", ok=False) == []
     assert not (checkout.root / ".venv").exists()
@@ -150,6 +168,7 @@ def test_ci_installs_the_test_extra_before_the_wheel_check_and_the_suite():
     steps = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert "bin/setup-env --test" in steps, "CI must install the test extra itself (a clean clone has no .venv)"
     assert steps.index("bin/setup-env --test") < steps.index(".ci/wheel-check") < steps.index("bin/test")
+    assert steps.index("bin/test") < steps.index("bin/test --oldest"), "CI runs the fast tests on the oldest torch"
     for script in ("bin/setup-env", "bin/autotune", "bin/test", ".ci/run"):
         assert os.access(ROOT / script, os.X_OK), f"{script} is not executable"
         done = subprocess.run(["bash", "-n", str(ROOT / script)], capture_output=True, text=True)

@@ -503,6 +503,54 @@ def test_the_oracle_traces_each_flash_kernel_with_its_footprint(kernel, monkeypa
     assert whole and chunked == whole
 
 
+# -- the install-time check (bin/setup-gpu) ------------------------------------------------------------------------------
+
+
+def _drifted(kernel: str, which: str):
+    """The stand-ins with entry point ``which`` renamed ``softcap`` to ``logit_softcap`` (a release's drift)."""
+    entries = list(stand_ins(kernel, []))
+    index = WHICH.index(which)
+    original = entries[index]
+
+    def drifted(*args, logit_softcap=0.0, **kwargs):
+        if "softcap" in kwargs:
+            raise TypeError(f"{which}() got an unexpected keyword argument 'softcap'")
+        return original(*args, softcap=logit_softcap, **kwargs)
+
+    entries[index] = drifted
+    return entries
+
+
+@pytest.mark.parametrize("kernel", FLASH_KERNELS)
+def test_the_install_check_passes_a_kernel_the_stack_can_call(kernel):
+    with attention.flash_kernels(*stand_ins(kernel, []), kernel=kernel):
+        line = attention.check_kernel(kernel, "cpu", seq=64, dim=16)
+    assert line.startswith("its layer and head-chunk forward and backward (as the stack calls them) match SDPA")
+
+
+@pytest.mark.parametrize("which", WHICH)
+def test_the_install_check_catches_drift_in_each_entry_point_the_stack_calls(which):
+    """Review item 9: a kernel whose installed signature no longer takes what the stack passes fails at install
+    (setup-gpu runs ``check_kernel``), not in the first trial -- whichever entry point drifted."""
+    kernel = "flash3" if which != "forward" else "flash4"  # keyword calls: a renamed keyword is a TypeError
+    with attention.flash_kernels(*_drifted(kernel, which), kernel=kernel):
+        with pytest.raises(TypeError, match="softcap"):
+            attention.check_kernel(kernel, "cpu", seq=64, dim=16)
+
+
+def test_the_install_check_catches_a_kernel_that_computes_wrong_gradients():
+    layer, forward, backward = stand_ins("flash3", [])
+
+    def wrong_backward(*args, dq=None, **kwargs):
+        result = backward(*args, dq=dq, **kwargs)
+        dq.mul_(0.5)
+        return result
+
+    with attention.flash_kernels(layer, forward, wrong_backward, kernel="flash3"):
+        with pytest.raises(RuntimeError, match="head chunk dq differs from SDPA's"):
+            attention.check_kernel("flash3", "cpu", seq=64, dim=16)
+
+
 # -- refusal ------------------------------------------------------------------------------------------------------------
 
 
@@ -660,3 +708,30 @@ def test_the_search_space_drops_a_kernel_its_limits_refuse_on_the_presets_gpus(t
         loaded = load_space(space, config, 1, 8192, on_gpu=True, compute_capability_major=hw.compute_capability)
         offered[preset] = loaded.choices["attention"]
     assert offered == {"b200": ["flash"], "h100-sxm": ["flash", "flash4"]}
+
+
+def test_a_hub_build_that_setup_gpu_put_into_the_venv_provides_every_entry_point(tmp_path, monkeypatch):
+    """Without the pip package, the stack calls the kernel hub's build from ``hub_kernel_dir`` (loaded with
+    ``kernels.get_local_kernel``, never from the network): the layer from the module, forward and backward from its
+    ``flash_attn_interface``, as kernels-community/flash-attn3 exports them."""
+    import sys
+    import types
+
+    from trials.kernels import registry
+
+    interface = types.SimpleNamespace(_flash_attn_forward=object(), _flash_attn_backward=object())
+    hub_module = types.SimpleNamespace(flash_attn_func=object(), flash_attn_interface=interface)
+    loaded = []
+    fake_kernels = types.ModuleType("kernels")
+    fake_kernels.get_local_kernel = lambda path: loaded.append(path) or hub_module
+    monkeypatch.setitem(sys.modules, "kernels", fake_kernels)
+    monkeypatch.setattr(registry, "_hub_modules", {})
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    kernel = KERNELS["flash3"]
+    assert not kernel.installed()  # no pip package, no hub build in this venv
+    registry.hub_kernel_dir("flash3").mkdir(parents=True)
+    assert kernel.installed()
+    assert kernel.resolve("layer") is hub_module.flash_attn_func
+    assert kernel.resolve("forward") is interface._flash_attn_forward
+    assert kernel.resolve("backward") is interface._flash_attn_backward
+    assert loaded == [tmp_path / "share" / "autotune" / "kernels" / "flash3"]

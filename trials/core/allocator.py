@@ -20,6 +20,12 @@ the process holds.
 
 A user's own value for a key wins over ours except for these keys, which the oracle's numbers rest on.
 
+torch releases differ here, and this is the one place that handles it: torch 2.11's allocator config has no
+``pinned_max_*`` keys (it refuses a config that names one: "Unrecognized key"; torch 2.13 has both). Each process
+asks its torch which of ``SETTINGS`` it knows (``supported_settings``) and passes on those only; without the pinned
+limits the host allocator rounds a pinned block up to a power of two, so FSDP2's CPU-offloaded shards can hold up to
+twice the host bytes the oracle counts on such a torch.
+
 On the CPU path (no CUDA: tensors come from glibc's malloc) a trial's process is told to keep the memory it frees,
 as CUDA's caching allocator does: ``glibc.malloc.mmap_max=0`` (no block gets its own mapping, which glibc gives
 every block above its mmap threshold, at most 32 MiB, and unmaps on free) and a trim threshold no step reaches
@@ -32,6 +38,7 @@ a child's environment carries them.
 
 from __future__ import annotations
 
+import functools
 import os
 
 SETTINGS = {"expandable_segments": "True", "pinned_max_round_threshold_mb": "1", "pinned_max_cached_size_mb": "1"}
@@ -47,9 +54,30 @@ def _merged(existing: str | None, ours: dict, item_sep: str, pair_sep: str) -> s
     return item_sep.join(f"{key}{pair_sep}{value}" for key, value in kept + list(ours.items()))
 
 
+@functools.cache
+def supported_settings() -> dict:
+    """``SETTINGS`` less the keys this process's torch does not know (each is set once to find out: the value is
+    ours either way)."""
+    import torch
+
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:
+        return dict(SETTINGS)
+    known = {}
+    for key, value in SETTINGS.items():
+        try:
+            setter(f"{key}:{value}")
+        except (ValueError, RuntimeError) as error:  # ValueError in torch 2.11
+            if "Unrecognized key" not in str(error):
+                raise
+            continue
+        known[key] = value
+    return known
+
+
 def merged_settings(existing: str | None) -> str:
-    """``existing`` ``PYTORCH_ALLOC_CONF`` (``key:value,...``) with ``SETTINGS`` put in."""
-    return _merged(existing, SETTINGS, ",", ":")
+    """``existing`` ``PYTORCH_ALLOC_CONF`` (``key:value,...``) with ``supported_settings`` put in."""
+    return _merged(existing, supported_settings(), ",", ":")
 
 
 def merged_tunables(existing: str | None) -> str:

@@ -63,7 +63,7 @@ def flash_kernels(layer, forward=None, backward=None, kernel: str = "flash"):
 
 def _entry(kernel: str, which: str):
     stand_in = _stand_ins.get(kernel, {}).get(which)
-    return stand_in if stand_in is not None else KERNELS[kernel].entry_points.resolve(which)
+    return stand_in if stand_in is not None else KERNELS[kernel].resolve(which)
 
 
 def flash_problem(kernel: str = "flash") -> str | None:
@@ -374,3 +374,61 @@ class _WindowedAttention(torch.autograd.Function):
             grad_out, query, _repeat_kv(key, groups), _repeat_kv(value, groups), out, (lse,), ctx.scaling, ctx.window
         )
         return dq, _sum_kv_groups(dk, groups), _sum_kv_groups(dv, groups), None, None
+
+
+# -- the install-time check (bin/setup-gpu) ---------------------------------------------------------------------------
+
+
+def check_kernel(kernel: str, device: str = "cuda", seq: int = 256, heads: tuple[int, int] = (4, 2), dim: int = 64):
+    """Run flash kernel ``kernel`` through every call the stack makes (``causal_attention``, the whole layer, and
+    ``attention_forward`` / ``attention_backward``, the head chunks; each with and without a sliding window) in
+    bf16 on ``device``, against SDPA's fp32 math. Returns the line ``bin/setup-gpu`` prints; raises with the cause
+    (a ``TypeError`` where the installed kernel's signature drifted from the calls above), so a kernel the stack
+    cannot call is refused when it is installed, not in the first trial."""
+    generator = torch.Generator().manual_seed(0)
+    q_heads, kv_heads = heads
+    q, k, v = (torch.randn(1, seq, h, dim, generator=generator) for h in (q_heads, kv_heads, kv_heads))
+    dout = torch.randn(1, seq, q_heads, dim, generator=generator)
+    scaling = dim**-0.5
+    worst = 0.0
+    for window in (None, seq // 4):
+        expected, expected_grads = _fp32_reference(q, k, v, dout, scaling, window)
+        on = [t.to(device, torch.bfloat16) for t in (q, k, v, dout)]
+        layer_in = [t.detach().transpose(1, 2).requires_grad_() for t in on[:3]]  # [b, h, s, d], as HF passes
+        out = causal_attention(*layer_in, scaling, kernel, window=window)
+        out.backward(on[3])
+        chunk_out, residuals = attention_forward(*on[:3], scaling, kernel, window)
+        chunk_grads = attention_backward(on[3], *on[:3], chunk_out, residuals, scaling, kernel, window)
+        got = {
+            "layer": (out, [t.grad.transpose(1, 2) for t in layer_in]),
+            "head chunk": (chunk_out, list(chunk_grads)),
+        }
+        for call, (result, grads) in got.items():
+            for name, value, reference in zip(("out", "dq", "dk", "dv"), (result, *grads), (expected, *expected_grads)):
+                error = (value.float().cpu() - reference).abs().max().item()
+                scale = reference.abs().max().item()
+                if not error <= 0.02 * scale + 1e-3:  # bf16 rounding of inputs and outputs; NaN fails too
+                    window_said = f", window {window}" if window else ""
+                    raise RuntimeError(
+                        f"{call} {name} differs from SDPA's by {error:.3g} (of {scale:.3g}{window_said})"
+                    )
+                worst = max(worst, error / scale)
+    where = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else str(device)
+    return (
+        f"its layer and head-chunk forward and backward (as the stack calls them) match SDPA on {where} "
+        f"(worst {worst:.1%} of the largest value)"
+    )
+
+
+def _fp32_reference(q, k, v, dout, scaling, window):
+    """SDPA's math in fp32 on the CPU: out and (dq, dk, dv), in the flash layout [b, s, h, d]."""
+    q, k, v = (t.detach().transpose(1, 2).float().requires_grad_() for t in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    seq = q.shape[2]
+    rows, cols = torch.arange(seq).unsqueeze(1), torch.arange(seq).unsqueeze(0)
+    visible = (cols <= rows) & ((cols > rows - window) if window else True)
+    out = F.scaled_dot_product_attention(
+        q, _repeat_kv(k, groups), _repeat_kv(v, groups), attn_mask=visible, scale=scaling
+    )
+    out.backward(dout.transpose(1, 2).float())
+    return out.detach().transpose(1, 2), [t.grad.transpose(1, 2) for t in (q, k, v)]

@@ -15,13 +15,27 @@ signatures are those of Dao-AILab/flash-attention at commit 0251105a2fb19d295748
          _flash_attn_backward (l. 259)
     FA4  flash_attn/cute/interface.py        flash_attn_func (l. 3371), _flash_attn_fwd (l. 521), _flash_attn_bwd (l. 1807)
 
+How a node gets each kernel (``bin/setup-gpu``, ``autotune.core.node_setup``) is declared here too, once per kernel,
+in the order it is tried (``routes``), each route with the same three entry points:
+    hub     a prebuilt binary from the Hugging Face kernel hub (PyPI ``kernels``: ``get_kernel(repo, version=...)``,
+            what ``transformers`` loads for ``attn_implementation="kernels-community/..."``); ``bin/setup-gpu`` copies
+            the build for this torch and CUDA into the venv (``hub_kernel_dir``), and trials load it from there
+            (``kernels.get_local_kernel``), never from the network
+    wheel   a PyPI distribution installed as a wheel (FA4: pure Python + JIT, ``[cu13]`` extra on CUDA 13)
+    source  flash-attn's source build: the last resort, needs the CUDA toolkit
+A hub kernel's entry points are the pip package's, relative to the hub module: ``flash_attn_interface:NAME`` is
+``get_kernel(repo).flash_attn_interface.NAME`` (kernels-community/flash-attn2 and flash-attn3 export the same
+``flash_attn_interface`` module, with the same signatures, as flash-attention's ``flash_attn/`` and ``hopper/``).
+
 Nothing here imports torch or a kernel package at import time: detection imports lazily.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -36,6 +50,31 @@ class EntryPoints:
         """The entry point ``which`` ("layer" | "forward" | "backward"), imported."""
         module, attribute = getattr(self, which).split(":")
         return getattr(importlib.import_module(module), attribute)
+
+    def resolve_in(self, root, which: str):
+        """The entry point ``which`` inside the loaded hub kernel module ``root`` (``module`` relative to it)."""
+        module, attribute = getattr(self, which).split(":")
+        for part in filter(None, module.split(".")):
+            root = getattr(root, part)
+        return getattr(root, attribute)
+
+
+@dataclass(frozen=True)
+class HubKernel:
+    """A prebuilt kernel on the Hugging Face kernel hub (``kernels.get_kernel(repo, version=version)``)."""
+
+    repo: str  # e.g. "kernels-community/flash-attn3"
+    version: int  # the kernel's API version (a ``v<N>`` branch on the hub)
+    entry_points: EntryPoints  # relative to the loaded module: ``flash_attn_interface:_flash_attn_forward``
+
+
+HUB_KERNELS_DIR = Path("share", "autotune", "kernels")  # under the venv (sys.prefix): where setup-gpu puts hub builds
+
+
+def hub_kernel_dir(name: str, prefix: str | Path | None = None) -> Path:
+    """Where ``bin/setup-gpu`` puts kernel ``name``'s hub build for the venv at ``prefix`` (this one's: sys.prefix):
+    a kernel repository folder (``build/<variant>/``) that ``kernels.get_local_kernel`` loads."""
+    return Path(prefix or sys.prefix) / HUB_KERNELS_DIR / name
 
 
 @dataclass(frozen=True)
@@ -84,6 +123,36 @@ class AttentionKernel:
     entry_points: EntryPoints | None = None  # None: torch's own ops
     head_dims: tuple[HeadDims, ...] = ()  # per GPU generation; a generation not named: no limit known
     no_softcap: tuple[NoSoftcap, ...] = ()  # where a softcap cannot train (the flash kernels softcap elsewhere)
+    hub: HubKernel | None = None  # its prebuilt build on the kernel hub, tried before the wheel
+    # the package's extra per CUDA major of torch (FA4 needs ``[cu13]`` on CUDA 13); none: the plain package
+    cuda_extras: dict[int, str] = field(default_factory=dict)
+    wheel_only: bool = True  # False: a source build is the last resort (flash-attn 2; needs the CUDA toolkit)
+    pypi_wheel: bool = False  # PyPI serves a wheel of ``package`` (else the wheel route needs the user's own index)
+    how_to_build: str = ""  # what to do where no route gives it (the search's note and setup-gpu's line say it)
+
+    def requirement(self, cuda_major: int | None) -> str:
+        """What pip installs for torch built with CUDA ``cuda_major``: the package, with its extra for that CUDA."""
+        extra = self.cuda_extras.get(cuda_major) if cuda_major is not None else None
+        return f"{self.package}[{extra}]" if extra else str(self.package)
+
+    def routes(self) -> tuple[str, ...]:
+        """How a node gets it, in the order ``bin/setup-gpu`` tries them ("hub", "wheel", "source")."""
+        if self.package is None:
+            return ()
+        return (*(("hub",) if self.hub else ()), "wheel", *(() if self.wheel_only else ("source",)))
+
+    def resolve(self, which: str):
+        """Entry point ``which`` as this process has it: the pip package's module, else the hub build that
+        ``bin/setup-gpu`` put into this venv (``hub_kernel_dir``)."""
+        try:
+            return self.entry_points.resolve(which)
+        except ModuleNotFoundError as missing:
+            if self.hub is None or not hub_kernel_dir(self.name).is_dir():
+                raise
+            try:
+                return self.hub.entry_points.resolve_in(_load_hub_kernel(self.name), which)
+            except Exception as exc:
+                raise ImportError(f"{self.hub.repo} (in {hub_kernel_dir(self.name)}): {exc}") from missing
 
     def import_error(self) -> Exception | None:
         """The error importing its entry points raises in this process (None: they import; SDPA always does)."""
@@ -91,7 +160,7 @@ class AttentionKernel:
             return None
         try:
             for which in ("layer", "forward", "backward"):
-                self.entry_points.resolve(which)
+                self.resolve(which)
         except Exception as exc:  # absent, or present but broken (an ABI mismatch): not usable either way
             return exc
         return None
@@ -109,6 +178,18 @@ class AttentionKernel:
         if not self.compute_capabilities:
             return True
         return compute_capability_major in self.compute_capabilities
+
+
+_hub_modules: dict = {}
+
+
+def _load_hub_kernel(name: str):
+    """Kernel ``name``'s hub build from this venv (loaded once per process; never from the network)."""
+    if name not in _hub_modules:
+        from kernels import get_local_kernel
+
+        _hub_modules[name] = get_local_kernel(hub_kernel_dir(name))
+    return _hub_modules[name]
 
 
 KERNELS: dict[str, AttentionKernel] = {
@@ -139,6 +220,17 @@ KERNELS: dict[str, AttentionKernel] = {
                 "flash_attn.flash_attn_interface:_wrapped_flash_attn_forward",  # flash-attn >= 2.7
                 "flash_attn.flash_attn_interface:_wrapped_flash_attn_backward",
             ),
+            hub=HubKernel(
+                "kernels-community/flash-attn2",
+                1,
+                EntryPoints(
+                    ":flash_attn_func",
+                    "flash_attn_interface:_wrapped_flash_attn_forward",
+                    "flash_attn_interface:_wrapped_flash_attn_backward",
+                ),
+            ),
+            wheel_only=False,
+            how_to_build="bin/setup-gpu builds it from source where the CUDA toolkit of torch's CUDA version is installed",
         ),
         AttentionKernel(
             "flash3",
@@ -155,6 +247,16 @@ KERNELS: dict[str, AttentionKernel] = {
                 "flash_attn_interface:_flash_attn_forward",
                 "flash_attn_interface:_flash_attn_backward",
             ),
+            hub=HubKernel(
+                "kernels-community/flash-attn3",
+                1,
+                EntryPoints(
+                    ":flash_attn_func",
+                    "flash_attn_interface:_flash_attn_forward",
+                    "flash_attn_interface:_flash_attn_backward",
+                ),
+            ),
+            how_to_build="build it from flash-attention's hopper/ folder: cd hopper && python setup.py install",
         ),
         AttentionKernel(
             "flash4",
@@ -188,6 +290,8 @@ KERNELS: dict[str, AttentionKernel] = {
                 "flash_attn.cute.interface:_flash_attn_fwd",
                 "flash_attn.cute.interface:_flash_attn_bwd",
             ),
+            cuda_extras={13: "cu13"},  # flash-attn-4's extra for CUDA 13 (nvidia-cutlass-dsl's CUDA 13 build)
+            pypi_wheel=True,  # flash-attn-4 4.0.0b36: py3-none-any (pure Python + CuTe DSL JIT)
         ),
     )
 }
