@@ -24,8 +24,7 @@ from autotune.cli.options import ranged_option
 from trials.kernels.registry import KERNEL_NAMES
 
 CONFIG_HELP = (
-    "config file (config-v1 JSON: its model, gpus, nodes, hardware and seq_len are the defaults of the options "
-    "here) or 'baseline'"
+    "config file (config-v1 JSON: its model, gpus, nodes, hardware and seq_len default the options) or 'baseline'"
 )
 MODEL_HELP = "preset name or path to a Hugging Face config.json (default: the config file's model)"
 OTHER_MODEL_HELP = "run the config file's techniques on a --model of another architecture than the file's model"
@@ -132,9 +131,7 @@ def estimate(
         record, how = search_trainer_max_seq(
             evaluation, TRAINERS.get(run.trainer or "autotune", TRAINERS["autotune"]), length_model=not probes_only
         )
-        found = f"by {how.method} ({len(how.lengths)} lengths evaluated"
-        found += f", the model built from {len(how.model_lengths)} traces)" if how.model_lengths else ")"
-        say(f"autotune: --max-seq {found}" + (f"; {how.reason}" if how.reason else ""))
+        say(f"autotune: --max-seq {how.summary()}")
     elif wants_timeline:  # recorded in the prediction's own trace where it traces
         from autotune.outputs.timeline import estimate_with_timeline
 

@@ -34,6 +34,13 @@ class MaxSeqSearch:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def summary(self) -> str:
+        """One line: how the answer was found, how many lengths it took, and why the model did not answer."""
+        built = f", the model built from {len(self.model_lengths)} traces" if self.model_lengths else ""
+        return f"by {self.method} ({len(self.lengths)} lengths evaluated{built})" + (
+            f"; {self.reason}" if self.reason else ""
+        )
+
 
 def find_max_seq(
     evaluation: Evaluation,
