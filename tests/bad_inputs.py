@@ -247,12 +247,32 @@ CASES += [
     (
         "--data with ids outside the vocabulary",
         ["run", "--config", "{d}/run-config.json", "--data", "{d}/big-ids.parquet"],
-        f"token ids must lie in [0, {TINY_VOCAB})",
+        f"token 1,031 (document 2, position 7) is id {TINY_VOCAB + 5}, outside the model's vocabulary [0, {TINY_VOCAB})",
     ),
     (
         "--data with negative ids",
         ["run", "--config", "{d}/run-config.json", "--data", "{d}/negative-ids.parquet"],
-        f"token ids must lie in [0, {TINY_VOCAB})",
+        f"token 700 is id -1, outside the model's vocabulary [0, {TINY_VOCAB})",
+    ),
+    (
+        "--data with a null id",
+        ["run", "--config", "{d}/run-config.json", "--data", "{d}/null-ids.parquet"],
+        "token 3 is null, not a token id",
+    ),
+    (
+        "--data empty file",
+        ["run", "--config", "{d}/run-config.json", "--data", "{d}/empty.parquet"],
+        "the file is empty (0 bytes)",
+    ),
+    (
+        "--data with no documents",
+        ["run", "--config", "{d}/run-config.json", "--data", "{d}/no-documents.parquet"],
+        "holds no documents (the column 'input_ids' has no rows)",
+    ),
+    (
+        "--data whose documents hold no tokens",
+        ["run", "--config", "{d}/run-config.json", "--data", "{d}/empty-documents.parquet"],
+        "its 4 documents (rows of 'input_ids') hold no tokens",
     ),
     (
         "--data with string tokens",
@@ -340,8 +360,16 @@ def _make_run_files(root: Path) -> None:
     (root / "tokens.txt").write_text(" ".join(str(i) for i in range(4 * RUN_SEQ)) + "\n")
     (root / "tokens.arrow").write_text("not an Arrow IPC file\n")
     pq.write_table(pa.table({"text": ["a document"] * 4}), root / "text.parquet")
-    pq.write_table(pa.table({"tokens": [TINY_VOCAB + 5] * (2 * RUN_SEQ)}), root / "big-ids.parquet")
-    pq.write_table(pa.table({"tokens": [-1] * (2 * RUN_SEQ)}), root / "negative-ids.parquet")
+    documents = [[1] * RUN_SEQ, [2] * RUN_SEQ, [3] * 7 + [TINY_VOCAB + 5, TINY_VOCAB + 6] + [4] * RUN_SEQ]
+    pq.write_table(pa.table({"input_ids": documents}), root / "big-ids.parquet")  # the first: token 2 * 512 + 7
+    pq.write_table(pa.table({"tokens": [5] * 700 + [-1] * (2 * RUN_SEQ)}), root / "negative-ids.parquet")
+    pq.write_table(pa.table({"tokens": [5, 6, 7, None] + [8] * (2 * RUN_SEQ)}), root / "null-ids.parquet")
+    (root / "empty.parquet").write_bytes(b"")
+    no_documents = pa.table({"input_ids": pa.array([], type=pa.list_(pa.int64()))})
+    pq.write_table(no_documents, root / "no-documents.parquet")
+    pq.write_table(
+        pa.table({"input_ids": pa.array([[]] * 4, type=pa.list_(pa.int64()))}), root / "empty-documents.parquet"
+    )
     pq.write_table(pa.table({"tokens": ["17"] * (2 * RUN_SEQ)}), root / "string-tokens.parquet")
     pq.write_table(pa.table({"tokens": [17.5] * (2 * RUN_SEQ)}), root / "float-tokens.parquet")
     pq.write_table(pa.table({"input_ids": [[1, 2, 3]] * 100}), root / "short.parquet")  # 300 tokens < 513

@@ -170,6 +170,31 @@ def one_line_exit_2(done: subprocess.CompletedProcess, fragment: str) -> None:
     assert len(lines) == 1 and fragment in lines[0], done.stderr[-3000:]
 
 
+@pytest.mark.parametrize(
+    "name, said",
+    [
+        (
+            "big-ids.parquet",
+            "big-ids.parquet: token 9 (document 1, position 4) is id 4096, outside the model's vocabulary [0, 4096)",
+        ),
+        ("empty.parquet", "empty.parquet: the file is empty (0 bytes)"),
+        ("no-documents.parquet", "no-documents.parquet: holds no documents (the column 'input_ids' has no rows)"),
+    ],
+)
+def test_the_trainer_refuses_a_data_file_it_cannot_use_before_building_a_model(work, tmp_path, name, said):
+    """``python -m trials.train`` reads the whole ``--data`` file before it builds a model (each rank does, under
+    torchrun): one line naming the file and the problem, exit 2, no traceback, no step."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"input_ids": [[1] * 5, [2] * 4 + [4096] + [3] * 600]}), tmp_path / "big-ids.parquet")
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    pq.write_table(pa.table({"input_ids": pa.array([], type=pa.list_(pa.int64()))}), tmp_path / "no-documents.parquet")
+    done = train(1, "--config", str(work / "one.json"), "--data", name, cwd=tmp_path)
+    one_line_exit_2(done, f"trials.train: error: {said}")
+    assert "Traceback" not in done.stderr and "step " not in done.stdout
+
+
 def test_resume_without_a_checkpoint_is_bad_input(work):
     done = train(1, "--config", "one.json", "--save", "empty", "--resume", cwd=work)
     one_line_exit_2(done, "no complete checkpoint in 'empty'")

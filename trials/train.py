@@ -16,8 +16,9 @@
   continues from the newest complete one, on any world size; ``--steps`` is the run's total.
 - Log: rank 0 prints each step (a progress bar on a terminal), appends one JSON object per step to ``--log-file``
   and to TensorBoard with ``--tensorboard``; a final ``summary {json}`` line.
-Bad options: one line on stderr, exit 2, before any step; an option is spelt in full (``--log`` is no
-``--log-file``). A failed checkpoint save: exit 1 with the cause.
+Bad options and a ``--data`` file training cannot use (``trials.training.data.read_token_file``: empty, no documents,
+an id outside the vocabulary, ...): one line on stderr, exit 2, before any rank builds a model; an option is spelt in
+full (``--log`` is no ``--log-file``). A failed checkpoint save: exit 1 with the cause.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from trials.core.memory import DeviceMemoryTracker
 from trials.models.config import load_model_config
 from trials.training import checkpoint
 from trials.training.config_file import load_config_file
-from trials.training.data import make_batch, synthetic_sample
+from trials.training.data import make_batch, read_token_file, synthetic_sample
 from trials.training.step import (
     build_training,
     clip_gradients,
@@ -86,9 +87,12 @@ class TrainOptions:
 class TokenSource:
     """Windows of seq_len + 1 tokens, from the synthetic stream or a Parquet/Arrow file."""
 
-    def __init__(self, seq_len: int, vocab_size: int, seed: int = 0, path: str | None = None):
+    def __init__(
+        self, seq_len: int, vocab_size: int, seed: int = 0, path: str | None = None, stream: torch.Tensor | None = None
+    ):
+        """``stream``: the file's tokens already read (``read_token_file``), else ``path`` is read here."""
         self.seq_len, self.vocab_size, self.seed = seq_len, vocab_size, seed
-        self.stream = read_token_file(path, vocab_size) if path else None
+        self.stream = stream if stream is not None or not path else read_token_file(path, vocab_size)
 
     def window(self, index: int) -> torch.Tensor:
 
@@ -98,32 +102,6 @@ class TokenSource:
         start = (index * width) % self.stream.numel()
         picked = torch.arange(start, start + width) % self.stream.numel()
         return self.stream[picked]
-
-
-def read_token_file(path: str, vocab_size: int) -> torch.Tensor:
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    file = Path(path)
-    if file.suffix in (".arrow", ".feather", ".ipc"):
-        table = pa.ipc.open_file(file).read_all()
-    else:
-        table = pq.read_table(file)
-    if "input_ids" in table.column_names:
-        column = pc.list_flatten(table.column("input_ids"))
-    elif "tokens" in table.column_names:
-        column = table.column("tokens")
-    else:
-        raise ValueError(f"{path}: needs a column 'input_ids' (lists of token ids) or 'tokens' (token ids)")
-    if not pa.types.is_integer(column.type):  # floats would be truncated to ids, strings cannot be ids
-        raise ValueError(f"{path}: the token column holds {column.type} values, not integer token ids")
-    stream = torch.tensor(column.to_numpy(zero_copy_only=False), dtype=torch.long)
-    if stream.numel() < 2:
-        raise ValueError(f"{path}: holds fewer than 2 tokens")
-    if int(stream.min()) < 0 or int(stream.max()) >= vocab_size:
-        raise ValueError(f"{path}: token ids must lie in [0, {vocab_size})")
-    return stream
 
 
 def options_problem(options: TrainOptions, model_config: dict) -> str | None:
@@ -291,8 +269,9 @@ class _Silent:
         pass
 
 
-def train(options: TrainOptions, print_fn=print) -> dict:
-    """Train as ``options`` say; returns rank 0's summary (every rank returns one)."""
+def train(options: TrainOptions, print_fn=print, tokens: torch.Tensor | None = None) -> dict:
+    """Train as ``options`` say; returns rank 0's summary (every rank returns one). ``tokens``: the ``--data`` file's
+    stream, when the caller has read it (``main`` does, before any rank builds a model)."""
     config = load_config_file(options.config)
     techniques, seq_len = config.techniques, config.seq_len
     mesh = init_mesh(techniques.ulysses_degree, timeout_s=collective_timeout_s(recorded_step_time_s(config)))
@@ -326,7 +305,7 @@ def train(options: TrainOptions, print_fn=print) -> dict:
                     f"nothing to train: the run is at step {state.step} and --steps {options.steps} is its total "
                     f"(a larger --steps trains on)"
                 )
-            source = TokenSource(seq_len, model.config.vocab_size, options.seed, options.data)
+            source = TokenSource(seq_len, model.config.vocab_size, options.seed, options.data, tokens)
             started = time.perf_counter() - state.elapsed_s
             while state.step < options.steps:
                 step_start = time.perf_counter()
@@ -500,11 +479,15 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     rank0 = int(os.environ.get("RANK", "0")) == 0
+    tokens = None
     try:
         options = parse_options(argv)
         config = load_config_file(options.config)
-        problem = options_problem(options, load_model_config(config.model))
-    except (ConfigError, ValueError, OSError) as exc:  # OptionsError is a ValueError
+        model_config = load_model_config(config.model)
+        problem = options_problem(options, model_config)
+        if problem is None and options.data is not None:  # the whole file checked before any rank builds a model
+            tokens = read_token_file(options.data, model_config["vocab_size"])
+    except (ConfigError, ValueError, OSError) as exc:  # OptionsError and DataError are ValueErrors
         problem = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if problem is not None:
         if rank0:
@@ -512,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     allocator.configure()  # before CUDA starts: the allocator settings the trials measured under
     try:
-        train(options)
+        train(options, tokens=tokens)
     except checkpoint.CheckpointSaveError as exc:
         if rank0:
             print(f"CheckpointSaveError: {exc}", file=sys.stderr, flush=True)

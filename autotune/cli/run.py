@@ -4,11 +4,12 @@ launches training, and how it reports the way training ended.
 Its options are ``trials.train``'s: that parser reads the command line (no option is matched by a prefix of its
 name) and ``--help`` lists every option from it. Bad input it can find before launching is a ``UserError`` (exit 2,
 one line): an option that does not parse, or outside the range ``autotune.cli.options`` gives it, a config it
-cannot train (no seq_len, several nodes), a ``--data`` file that cannot be read as Parquet/Arrow, has no token
-column of integers, holds ids outside the model's vocabulary, or fewer tokens than one sequence, and whatever
+cannot train (no seq_len, several nodes), a ``--data`` file that is missing or empty, cannot be read as
+Parquet/Arrow, has no token column of integers, no documents or no tokens, a null or an id outside the model's
+vocabulary (the first one named with its place), or fewer tokens than one sequence, and whatever
 ``trials.train.options_problem`` finds in the options (an ``--init`` folder that is not the tuned model,
-``--resume`` without a checkpoint, ...). The data file is read with ``trials.train.read_token_file``, exactly as
-the training reads it. The command line is passed to the training as given. Training that fails exits 1 with its
+``--resume`` without a checkpoint, ...). The data file is read with ``trials.training.data.read_token_file``,
+exactly as the training reads it. The command line is passed to the training as given. Training that fails exits 1 with its
 root cause (the first exception a rank raised) on the last line of stderr."""
 
 from __future__ import annotations
@@ -141,18 +142,12 @@ def run(ctx: typer.Context):
 def check_token_file(path: Path, vocab_size: int, seq_len: int) -> int:
     """The number of tokens in ``path``, a Parquet/Arrow token file for a model of ``vocab_size`` trained on
     ``seq_len``-token sequences; ``UserError`` (one line) when training could not use it."""
-    import pyarrow as pa
+    from trials.training.data import DataError, read_token_file
 
-    from trials.train import read_token_file
-
-    if not path.is_file():
-        raise UserError(f"--data {str(path)!r} does not exist")
     try:
         stream = read_token_file(str(path), vocab_size)
-    except (pa.ArrowException, OSError) as exc:  # before ValueError: pyarrow's ArrowInvalid is a ValueError too
-        raise UserError(f"--data {str(path)!r} cannot be read as a Parquet or Arrow file: {_first_line(exc)}") from None
-    except ValueError as exc:  # read_token_file's own: no integer token column, ids outside the vocabulary, < 2
-        raise UserError(f"--data {_first_line(exc)}") from None
+    except DataError as exc:  # one line: the file, then what is wrong with it
+        raise UserError(f"--data {exc}") from None
     if stream.numel() < seq_len + 1:
         raise UserError(
             f"--data {str(path)!r} holds {stream.numel():,} tokens, fewer than one sequence of "
@@ -230,8 +225,3 @@ def without_stop_tracebacks(lines: list[str]) -> list[str]:
         else:
             kept.append(line)
     return kept + [line for block in reading.values() for line in block]
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__

@@ -9,13 +9,22 @@ split, so the token at the end of one rank's shard is predicted from the start o
     labels       [1, seq]            tokens[1:]
     position_ids [1, seq]            0 .. seq-1
     shard k of ulysses_degree: columns [k * seq/deg, (k+1) * seq/deg) of each
+
+A user's tokens come from a Parquet/Arrow file (``read_token_file``), checked whole before any rank builds a model:
+a file training cannot use is a ``DataError`` naming the file and what is wrong.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
+
+
+class DataError(ValueError):
+    """A token file training cannot use (one line: the file, then what is wrong with it)."""
 
 
 @dataclass
@@ -42,3 +51,77 @@ def make_batch(tokens: torch.Tensor, sp_rank: int, sp_degree: int, device) -> Ba
     labels = tokens[1:][cols].unsqueeze(0)
     positions = torch.arange(seq_len)[cols].unsqueeze(0)
     return Batch(input_ids.to(device), labels.to(device), positions.to(device), valid_tokens=seq_len)
+
+
+def read_token_file(path: str, vocab_size: int) -> torch.Tensor:
+    """The token stream of a Parquet/Arrow file for a model of ``vocab_size``: a column ``input_ids`` (one document,
+    a list of ids, per row) or ``tokens`` (one id per row), flattened in row order; ``DataError`` when the file is
+    missing, empty, not Parquet/Arrow, holds no documents or no tokens, a null, a non-integer column, or an id
+    outside ``[0, vocab_size)``. The ids are checked whole, vectorized, before any rank builds a model."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    file = Path(path)
+    if not file.is_file():
+        raise DataError(f"{path}: does not exist")
+    if file.stat().st_size == 0:
+        raise DataError(f"{path}: the file is empty (0 bytes)")
+    try:
+        table = (
+            pa.ipc.open_file(file).read_all() if file.suffix in (".arrow", ".feather", ".ipc") else pq.read_table(file)
+        )
+    except (pa.ArrowException, OSError) as exc:  # pyarrow's ArrowInvalid is a ValueError too
+        said = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise DataError(f"{path}: cannot be read as a Parquet or Arrow file: {said}") from None
+    if "input_ids" in table.column_names:
+        documents = table.column("input_ids")
+        if not pa.types.is_list(documents.type) and not pa.types.is_large_list(documents.type):
+            raise DataError(f"{path}: the column 'input_ids' holds {documents.type} values, not lists of token ids")
+        if len(documents) == 0:
+            raise DataError(f"{path}: holds no documents (the column 'input_ids' has no rows)")
+        column = pc.list_flatten(documents)
+        if len(column) == 0:
+            raise DataError(f"{path}: its {len(documents):,} documents (rows of 'input_ids') hold no tokens")
+    elif "tokens" in table.column_names:
+        documents, column = None, table.column("tokens")
+        if len(column) == 0:
+            raise DataError(f"{path}: holds no tokens (the column 'tokens' has no rows)")
+    else:
+        raise DataError(f"{path}: needs a column 'input_ids' (lists of token ids) or 'tokens' (token ids)")
+    if not pa.types.is_integer(column.type):  # floats would be truncated to ids, strings cannot be ids
+        raise DataError(f"{path}: the token column holds {column.type} values, not integer token ids")
+    if column.null_count:
+        at = int(np.flatnonzero(pc.is_null(column).to_numpy(zero_copy_only=False))[0])
+        raise DataError(f"{path}: token {_where(at, documents)} is null, not a token id")
+    ids = column.to_numpy()
+    bad = first_outside_vocabulary(ids, vocab_size)
+    if bad is not None:
+        raise DataError(
+            f"{path}: token {_where(bad, documents)} is id {int(ids[bad])}, outside the model's vocabulary "
+            f"[0, {vocab_size})"
+        )
+    if ids.size < 2:
+        raise DataError(f"{path}: holds fewer than 2 tokens")
+    return torch.from_numpy(np.require(ids, np.int64, ["W"]))  # Arrow's buffers are read-only: copied once if so
+
+
+def first_outside_vocabulary(ids: np.ndarray, vocab_size: int) -> int | None:
+    """The index of the first id outside ``[0, vocab_size)`` in ``ids``, or None: two vectorized reductions, and a
+    search only when one of them is out of range."""
+    if ids.size == 0 or (ids.min() >= 0 and ids.max() < vocab_size):
+        return None
+    return int(np.flatnonzero((ids < 0) | (ids >= vocab_size))[0])
+
+
+def _where(index: int, documents) -> str:
+    """Token ``index`` of the stream, named by its place in the file: ``12,345`` (a ``tokens`` row), or ``12,345
+    (document 7, position 12)`` for a row of ``input_ids`` (each counted from 0)."""
+    if documents is None:
+        return f"{index:,}"
+    import pyarrow.compute as pc
+
+    ends = np.cumsum(pc.list_value_length(documents).fill_null(0).to_numpy(zero_copy_only=False))
+    row = int(np.searchsorted(ends, index, side="right"))
+    start = int(ends[row - 1]) if row else 0
+    return f"{index:,} (document {row:,}, position {index - start:,})"
