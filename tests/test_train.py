@@ -5,6 +5,7 @@ is the tiny-llama preset that the tests save with ``transformers`` (bf16 files, 
 from __future__ import annotations
 
 import json
+import math
 import resource
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import torch
 
 from tests.train_harness import (
     RECIPE,
+    SEQ_LEN,
     STEPS,
     hf_loss,
     log_of,
@@ -24,7 +26,9 @@ from tests.train_harness import (
     train_until_killed,
     write_config,
     write_document,
+    write_poisoned,
     write_pretrained,
+    write_windows,
 )
 from tests.train_harness import first_window as window_of
 
@@ -170,6 +174,60 @@ def one_line_exit_2(done: subprocess.CompletedProcess, fragment: str) -> None:
     assert len(lines) == 1 and fragment in lines[0], done.stderr[-3000:]
 
 
+@pytest.fixture(scope="module")
+def diverging(work) -> Path:
+    """A model whose embedding of token 4000 is nan, and 4 windows of tokens below 4000, but for one 4000 in the
+    third window (step 3 reads it, as its first sequence), in ``poisoned.parquet``; ``clean.parquet`` without it."""
+    poison = 4000
+    write_poisoned(work / "pretrained", work / "poisoned-model", poison)
+    write_windows(work / "poisoned.parquet", 4, token_at=(poison, 2 * (SEQ_LEN + 1) + 10))
+    write_windows(work / "clean.parquet", 4)
+    return work
+
+
+@pytest.mark.slow
+def test_a_nan_loss_at_step_3_stops_the_run_with_exit_1_and_resumes_from_step_2(diverging, tmp_path):
+    """The run stops at step 3 with exit 1 naming the step and the values; steps 1 and 2 were checkpointed and
+    logged, step 3 neither; resumed on clean data, step 3's loss is that of a clean run from the start."""
+    common = ["--config", str(diverging / "one.json"), "--init", str(diverging / "poisoned-model"), "--lr", "1e-3"]
+    saving = ["--save", "ck", "--save-every", "1", "--log-file", "log.jsonl"]
+    done = train(1, *common, "--data", str(diverging / "poisoned.parquet"), "--steps", "4", *saving, cwd=tmp_path)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "DivergenceError: training diverged at step 3: the loss is nan and the gradient norm is nan; the step was not "
+        "applied and the newest checkpoint, ck/step-00000002, is from before it (--resume continues from it)"
+    )
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-00000001", "step-00000002"]
+    assert [e["step"] for e in log_of(tmp_path / "log.jsonl")] == [1, 2]
+
+    clean = ["--data", str(diverging / "clean.parquet"), "--steps", "3"]
+    resumed = train(1, *common, *clean, *saving, "--resume", cwd=tmp_path)
+    summary_of(resumed)
+    assert "resumed from ck/step-00000002 (step 2" in resumed.stdout
+    reference = train(1, *common, *clean, "--log-file", "reference.jsonl", cwd=tmp_path)
+    summary_of(reference)
+    logged, expected = log_of(tmp_path / "log.jsonl"), log_of(tmp_path / "reference.jsonl")
+    assert [(e["step"], e["loss"]) for e in logged] == [(e["step"], e["loss"]) for e in expected]
+
+
+@pytest.mark.slow
+def test_autotune_run_says_where_training_diverged_and_exits_1(diverging, tmp_path):
+    from tests.conftest import run_cli
+
+    args = ["--config", str(diverging / "one.json"), "--init", str(diverging / "poisoned-model")]
+    done = run_cli("run", *args, "--data", str(diverging / "poisoned.parquet"), "--steps", "3")
+    said = (
+        "DivergenceError: training diverged at step 3: the loss is nan and the gradient norm is nan; the step was not "
+        "applied and no checkpoint was written"
+    )
+    lines = [line for line in done.stderr.splitlines() if line.strip() and "WARNING" not in line]
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "-m trials.train --config" in lines[0], lines  # the training command autotune run starts
+    assert lines[1:] == [said, f"autotune: training failed: {said}"], done.stderr[
+        -3000:
+    ]  # the trainer's, the root cause
+
+
 @pytest.mark.parametrize(
     "name, said",
     [
@@ -296,10 +354,10 @@ def test_autotune_run_passes_the_trainers_options_and_refuses_bad_ones_before_la
 
 
 def test_clipping_reads_no_value_before_the_optimizer_step_and_scales_as_torch_does(monkeypatch):
-    """A trainer step clips on the device: no value is read back (a host sync) between the backward and the
-    optimizer step, and the
-    gradients the optimizer sees are ``torch.nn.utils.clip_grads_with_norm_``'s. lr 0 keeps the weights, so the same
-    batch gives the same gradients with and without clipping."""
+    """A trainer step with the fused AdamW (the GPU's) clips and checks its loss and norm on the device: no value is
+    read back (a host sync) between the backward and the optimizer step, the loss and the norm after it, and the
+    gradients the optimizer sees are ``torch.nn.utils.clip_grads_with_norm_``'s. lr 0 keeps the weights, so the
+    same batch gives the same gradients with and without clipping."""
     from host_syncs import HostSyncs
 
     from trials import train
@@ -311,7 +369,7 @@ def test_clipping_reads_no_value_before_the_optimizer_step_and_scales_as_torch_d
 
     mesh = Mesh.single("cpu")
     config = load_model_config("tiny-llama")
-    model, optimizer = build_training(config, Techniques(), mesh, lr=0.0)
+    model, optimizer = build_training(config, Techniques(), mesh, lr=0.0, fused_optimizer=True)
     source = TokenSource(64, config["vocab_size"])
     seen = {}
     real_step = optimizer.step
@@ -335,6 +393,8 @@ def test_clipping_reads_no_value_before_the_optimizer_step_and_scales_as_torch_d
     with HostSyncs() as syncs:
         _, norm = _step(model, optimizer, source, 0, TrainOptions(config="", max_grad_norm=max_norm), mesh, None)
     assert seen["reads"] == [] and norm == raw_norm
+    after = syncs.where[seen["reads before"] :]  # what the trainer reads once the optimizer step is queued
+    assert len(after) == 2 and all("trials/training/step.py" in where for where in after), after
     reference = [torch.zeros_like(g, requires_grad=True) for g in raw]
     for param, grad in zip(reference, raw):
         param.grad = grad.clone()
@@ -438,3 +498,39 @@ def test_ranks_wait_for_a_finish_longer_than_the_collective_timeout_in_short_rou
             process.join()
     assert said == {0: "ok", 1: "ok"}
     assert sorted(p.name for p in final.iterdir()) == ["part-0", "part-1"]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused AdamW", "per-parameter AdamW"])
+@pytest.mark.parametrize("poisoned", ["loss", "gradient norm"])
+def test_a_step_whose_loss_or_gradient_norm_is_not_finite_changes_no_weight_and_no_optimizer_state(fused, poisoned):
+    """A nan loss (an embedding row of a token in the window set to nan) or an inf gradient (a finite loss, one
+    gradient overflowed): the trainer's step reads the value and leaves every weight and every AdamW state as the
+    last good step left them, with the fused kernel (its ``found_inf``) as with the per-parameter loop."""
+    from trials.core.dist import Mesh
+    from trials.models.config import load_model_config
+    from trials.stack.techniques import Techniques
+    from trials.train import TokenSource, TrainOptions, _step
+    from trials.training.step import build_training
+
+    mesh = Mesh.single("cpu")
+    config = load_model_config("tiny-llama")
+    model, optimizer = build_training(config, Techniques(), mesh, lr=1e-3, fused_optimizer=fused)
+    source, options = TokenSource(64, config["vocab_size"]), TrainOptions(config="")
+    loss, norm = _step(model, optimizer, source, 0, options, mesh, None)  # a good step: the AdamW states exist
+    assert math.isfinite(loss) and math.isfinite(norm)
+    params = dict(model.named_parameters())
+    if poisoned == "loss":
+        with torch.no_grad():
+            params["lm.model.embed_tokens.weight"][source.window(1)[5]] = float("nan")
+    else:
+        params["lm.model.norm.weight"].register_hook(lambda grad: grad * float("inf"))
+    weights = {name: param.detach().clone() for name, param in params.items()}
+    states = {name: {k: v.clone() for k, v in optimizer.state[param].items()} for name, param in params.items()}
+
+    loss, norm = _step(model, optimizer, source, 1, options, mesh, None)
+    assert math.isfinite(loss) == (poisoned != "loss") and not math.isfinite(norm), (loss, norm)
+    for name, param in params.items():
+        same_bits = torch.equal(param.detach().view(torch.int32), weights[name].view(torch.int32))  # nan too
+        assert same_bits and param.grad is None, name
+        for key, value in states[name].items():
+            assert torch.equal(optimizer.state[param][key], value), (name, key)

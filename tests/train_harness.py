@@ -61,6 +61,31 @@ def write_document(path: Path, vocab_size: int = 4096) -> None:
     pq.write_table(pa.table({"input_ids": [document.tolist()] * 20}), path)
 
 
+def write_poisoned(pretrained: Path, folder: Path, token: int) -> None:
+    """A copy of the ``pretrained`` folder whose input embedding of ``token`` is nan: a step that reads ``token``
+    has a nan loss, the steps before it train as from ``pretrained``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(pretrained, folder)
+    weights = load_file(folder / "model.safetensors")
+    weights["model.embed_tokens.weight"][token] = float("nan")
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def write_windows(path: Path, windows: int, token_at: tuple[int, int] | None = None, vocab_size: int = 4000) -> None:
+    """A Parquet ``tokens`` file of exactly ``windows`` windows of ``SEQ_LEN`` + 1 random ids below ``vocab_size``;
+    ``token_at`` (token, index): that one id placed at that index of the stream."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    stream = torch.randint(0, vocab_size, (windows * (SEQ_LEN + 1),), generator=torch.Generator().manual_seed(2))
+    if token_at is not None:
+        stream[token_at[1]] = token_at[0]
+    pq.write_table(pa.table({"tokens": stream.tolist()}), path)
+
+
 def first_window(document: Path, vocab_size: int = 4096) -> torch.Tensor:
     """The token window step 1 trains on."""
     from trials.train import TokenSource

@@ -18,7 +18,9 @@
   and to TensorBoard with ``--tensorboard``; a final ``summary {json}`` line.
 Bad options and a ``--data`` file training cannot use (``trials.training.data.read_token_file``: empty, no documents,
 an id outside the vocabulary, ...): one line on stderr, exit 2, before any rank builds a model; an option is spelt in
-full (``--log`` is no ``--log-file``). A failed checkpoint save: exit 1 with the cause.
+full (``--log`` is no ``--log-file``). A failed checkpoint save: exit 1 with the cause. A step whose loss or gradient
+norm is not finite is not applied, and the run stops there with exit 1 (``DivergenceError``, naming the step and the
+value), writing no checkpoint.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import argparse
 import contextlib
 import difflib
 import json
+import math
 import os
 import resource
 import sys
@@ -45,12 +48,14 @@ from trials.training import checkpoint
 from trials.training.config_file import load_config_file
 from trials.training.data import make_batch, read_token_file, synthetic_sample
 from trials.training.step import (
+    DivergenceError,
     build_training,
     clip_gradients,
     forward_backward,
-    global_loss,
     grad_norm,
     make_optimizer,
+    step_if_finite,
+    summed_loss,
 )
 
 SCHEDULES = ("constant", "cosine")
@@ -311,6 +316,8 @@ def train(options: TrainOptions, print_fn=print, tokens: torch.Tensor | None = N
                 step_start = time.perf_counter()
                 lr = optimizer.param_groups[0]["lr"]
                 loss, norm = _step(model, optimizer, source, state.windows_consumed, options, mesh, tracker)
+                if not (math.isfinite(loss) and math.isfinite(norm)):  # every rank reads the same two values
+                    raise DivergenceError(divergence(state.step + 1, loss, norm, options.save))
                 schedule.step()
                 elapsed = time.perf_counter() - step_start
                 state.step += 1
@@ -357,6 +364,22 @@ def train(options: TrainOptions, print_fn=print, tokens: torch.Tensor | None = N
     return summary
 
 
+def divergence(step: int, loss: float, norm: float, save: str | None) -> str:
+    """What a diverged step says (one line): the step, the values that are not finite, the checkpoint to resume."""
+    bad = [
+        f"the {name} is {value}"
+        for name, value in (("loss", loss), ("gradient norm", norm))
+        if not math.isfinite(value)
+    ]
+    newest = checkpoint.newest(Path(save)) if save is not None else None
+    kept = (
+        f"the newest checkpoint, {newest}, is from before it (--resume continues from it)"
+        if newest is not None
+        else "no checkpoint was written"
+    )
+    return f"training diverged at step {step}: {' and '.join(bad)}; the step was not applied and {kept}"
+
+
 def recorded_step_time_s(config) -> float | None:
     """The step time the config file records for its model and length: the measured one (``autotune verify``'s),
     else the predicted one; None when it records neither (a config written by hand). The trainer's collective
@@ -397,20 +420,22 @@ def _build(options: TrainOptions, config, mesh, tracker, load_weights: bool):
 
 def _step(model, optimizer, source: TokenSource, consumed: int, options: TrainOptions, mesh, tracker):
     """One optimizer step over ``options.accumulate`` sequences per replica (replica r's m-th: window
-    ``consumed + m * dp + r``), clipped; (the mean token loss of all of them, the gradient's norm before clipping)."""
+    ``consumed + m * dp + r``), clipped; (the mean token loss of all of them, the gradient's norm before clipping),
+    read after the optimizer step is queued where it is fused. A loss or norm that is not finite leaves the weights and the optimizer as they were
+    (``step_if_finite``)."""
     scaled = torch.zeros((), device=mesh.device)
     for micro in range(options.accumulate):
         index = consumed + micro * mesh.dp_size + mesh.dp_rank
         batch = make_batch(source.window(index), mesh.sp_rank, mesh.sp_degree, mesh.device)
         last = micro == options.accumulate - 1
         scaled += forward_backward(model, batch, mesh, tracker, options.accumulate, reduce=last)
-    norm = grad_norm(model, mesh)  # on the device: clipping and the optimizer step queue without a sync
+    loss = summed_loss(scaled, mesh)  # on the device, as the norm: clipping and the optimizer step queue without a sync
+    norm = grad_norm(model, mesh)
     if options.max_grad_norm is not None:
         clip_gradients(model, norm, options.max_grad_norm)
     with tracker.in_phase("optimizer") if tracker is not None else contextlib.nullcontext():
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return global_loss(scaled, mesh), float(norm)
+        loss_sum, norm_value = step_if_finite(optimizer, loss, norm)  # skipped when either is nan or inf
+    return loss_sum / (mesh.sp_degree * mesh.dp_size), norm_value
 
 
 def _local_bytes(param) -> int:
@@ -496,9 +521,9 @@ def main(argv: list[str] | None = None) -> int:
     allocator.configure()  # before CUDA starts: the allocator settings the trials measured under
     try:
         train(options, tokens=tokens)
-    except checkpoint.CheckpointSaveError as exc:
+    except (checkpoint.CheckpointSaveError, DivergenceError) as exc:
         if rank0:
-            print(f"CheckpointSaveError: {exc}", file=sys.stderr, flush=True)
+            print(f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
     import torch.distributed as dist
 

@@ -8,6 +8,7 @@ exactly the plain model's gradient when dp = 1, and the data-parallel mean other
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -150,12 +151,49 @@ def forward_backward(
     return scaled_loss.detach()
 
 
-def global_loss(scaled_loss: torch.Tensor, mesh) -> float:
-    """Mean token loss over the global batch from each rank's ``local_sum * sp / valid`` (a collective)."""
+def summed_loss(scaled_loss: torch.Tensor, mesh) -> torch.Tensor:
+    """The sum over ranks of each rank's ``local_sum * sp / valid``, on the device (a collective, no read); the global
+    batch's mean token loss is it divided by ``sp * dp``."""
     loss = scaled_loss.detach().clone()
     if mesh.distributed:
         dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-    return float(loss) / (mesh.sp_degree * mesh.dp_size)
+    return loss
+
+
+def global_loss(scaled_loss: torch.Tensor, mesh) -> float:
+    """Mean token loss over the global batch from each rank's ``local_sum * sp / valid`` (a collective)."""
+    return float(summed_loss(scaled_loss, mesh)) / (mesh.sp_degree * mesh.dp_size)
+
+
+class DivergenceError(RuntimeError):
+    """A step whose loss or gradient norm is not finite (nan, inf): the optimizer did not apply it."""
+
+
+def step_if_finite(optimizer, loss: torch.Tensor, norm: torch.Tensor) -> tuple[float, float]:
+    """The optimizer step, applied only when ``loss`` and ``norm`` (0-d device tensors, the same on every rank:
+    ``summed_loss``, ``grad_norm``) are both finite; returns their values, the two reads the trainer's log makes
+    anyway (the host waits at the first; the second is there by then).
+
+    Fused AdamW (the GPU's): the step is queued with ``found_inf``, the device's own verdict, as ``GradScaler``
+    queues it: the kernel leaves every weight, moment and step count as they are when it is set. The host reads the
+    values after queueing the step, so it does not wait for the device before the optimizer step. The per-parameter
+    loop (CPU, an offloaded optimizer, where the host runs the step on gradients it waits for anyway) takes no such
+    flag: the values are read first and the step is skipped on the host. Either way a non-finite step changes no
+    weight and no optimizer state, and the gradients are dropped."""
+    values = torch.stack([loss.detach().float(), norm.detach().float()])
+    if optimizer.defaults.get("fused"):
+        optimizer.found_inf = (~torch.isfinite(values).all()).float()
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+        loss_value, norm_value = (float(value) for value in values)
+    else:
+        loss_value, norm_value = (float(value) for value in values)
+        if math.isfinite(loss_value) and math.isfinite(norm_value):
+            optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_value, norm_value
 
 
 def prime_optimizer(model, optimizer, tracker=None) -> None:
