@@ -71,7 +71,10 @@ REQUIRED_ARGUMENTS = {
     "fp16": (False, "precision is the stack's (fp32 master weights, bf16 compute on CUDA); leave it off"),
     "bf16_full_eval": (False, "precision is the stack's; leave it off"),
     "fp16_full_eval": (False, "precision is the stack's; leave it off"),
-    "gradient_checkpointing": (False, "the config's activation_checkpointing checkpoints the layers; leave it off"),
+    "activation_checkpointing": (
+        False,
+        "the config's own activation_checkpointing checkpoints the layers; leave it off",
+    ),
     "torch_compile": (False, "the stack runs eager, as the memory oracle traced it"),
     "eval_strategy": ("no", "evaluation is not supported with the stack"),
     "optim": (("adamw_torch", "adamw_torch_fused"), "the stack's optimizer is trials' AdamW (optim 'adamw_torch')"),
@@ -120,6 +123,11 @@ class StackTrainerMixin:
 
     def __init__(self, *positional, **kwargs):
         super().__init__(*positional, **kwargs)
+        if not hasattr(self, "is_distributed_loading_by_transformers"):
+            raise StackTrainerError(
+                "transformers: this Trainer has no is_distributed_loading_by_transformers (a model sharded before it); "
+                "the integration needs a transformers that has it (5.24 has)"
+            )
         why = problem(self.model, self.args, self.accelerator.state)
         if why is not None:
             raise StackTrainerError(why)

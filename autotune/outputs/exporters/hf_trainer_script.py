@@ -29,6 +29,7 @@ HF_FOLDER holds config.json and safetensors weights. Each example is one sequenc
 loads it). Rank 0 prints a "summary {{json}}" line, which --summary also writes: the logged losses and each rank's
 peak device bytes (on CPU the simulated device's, as trials measure it; on CUDA torch.cuda's max allocated), from
 before the model is built to the last step. A setting the stack cannot run stops it before training: one line, exit 2.
+Padded batches and packed documents (position_ids restarting: TRL's SFTTrainer(packing=True)) are not supported.
 """
 
 import argparse
@@ -133,8 +134,9 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     try:
         code = main()
-    except ConfigError as exc:
-        print(f"{{os.path.basename(sys.argv[0])}}: {{exc}}", file=sys.stderr, flush=True)
+    except ConfigError as exc:  # every rank refuses alike; the first says why
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{{os.path.basename(sys.argv[0])}}: {{exc}}", file=sys.stderr, flush=True)
         code = 2
     if dist.is_initialized():
         dist.barrier()  # every rank done before any tears the group down

@@ -1,0 +1,206 @@
+"""The stack inside Hugging Face's ``Trainer`` (``trials.hf_trainer``) trains the plain model exactly.
+
+- ``accelerate launch`` (the real CLI) runs the ``accelerate`` export's ``.trainer.py`` (``transformers.Trainer``
+  with ``StackTrainer``) on 2 processes with Ulysses 2, head chunk 1, FSDP2, checkpointing, offload and the three
+  tiles, a tiny Llama saved by ``transformers``: each logged loss is the plain one-process ``Trainer``'s on the same
+  data, each rank's peak is ``autotune estimate``'s for the exported config, a run resumed from the step-2
+  checkpoint logs the same step-3 loss and saves the same model, which ``from_pretrained`` loads; a config the
+  integration cannot run (``fsdp`` off on 2 processes) stops before training with one line naming the knob.
+- In one process: each ``TrainingArguments`` field the stack needs, set otherwise, is refused in one line naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, run_cli
+
+from trials.models.config import load_model_config
+from trials.stack.techniques import Techniques
+
+KNOBS = dict(
+    fsdp=True,
+    ulysses_degree=2,
+    head_chunk=1,
+    activation_checkpointing=True,
+    activation_offload_layers=2,
+    mlp_tile_tokens=256,
+    loss_tile_tokens=256,
+    norm_tile_tokens=256,
+)
+SEQ_LEN = 2048
+LR = "1e-3"  # large enough that each step's loss moves: the logged losses after step 1 check the gradients too
+
+# the plain one-process Trainer on the script's data (example i: synthetic tokens of window i, SEQ_LEN of them)
+PLAIN_TRAINER = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+from trials.training.data import synthetic_sample
+folder, seq_len, steps, lr = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+data = [synthetic_sample(i, seq_len - 1, model.config.vocab_size, 0) for i in range(steps)]
+args = TrainingArguments(output_dir=sys.argv[5], max_steps=steps, per_device_train_batch_size=1, learning_rate=lr,
+    logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, train_sampling_strategy="sequential")
+trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": t, "labels": t} for t in data])
+trainer.train()
+print(json.dumps({e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}))
+"""
+
+
+def launch(script, config_yaml, *args, cwd):
+    return subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--config_file", str(config_yaml)]
+        + [str(script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A tiny Llama saved by ``transformers`` and the ``accelerate`` export of KNOBS at SEQ_LEN on 2 CPU ranks, as
+    ``autotune export`` writes it from a search folder: the folder."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from autotune.backends import Evaluation, make_backend
+    from autotune.cli import main
+    from autotune.core.hardware import load_hardware
+
+    root = tmp_path_factory.mktemp("hf-trainer")
+    values = {k: v for k, v in load_model_config("tiny-llama").items() if not k.startswith("_")}
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**values)).save_pretrained(root / "model")
+    model_json = str(root / "model" / "config.json")
+    techniques = Techniques(**KNOBS)
+    record = make_backend("plan").evaluate(
+        Evaluation(load_model_config(model_json), techniques, SEQ_LEN, 2, load_hardware("cpu"))
+    )
+    assert record.status == "ok"
+    entry = {"trial": 0, "seq_len": SEQ_LEN, "tokens_per_s": record.tokens_per_s, "techniques": techniques.to_dict()}
+    (root / "search").mkdir()
+    (root / "search" / "pareto.json").write_text(
+        json.dumps(
+            {
+                "model": model_json,
+                "hardware": "cpu",
+                "gpus": 2,
+                "target": SEQ_LEN,
+                "front": [{**entry, "record": record.to_dict()}],
+            }
+        )
+    )
+    assert main(["export", str(root / "search"), "--format", "accelerate", "-o", str(root / "sp.yaml")]) == 0
+    return root
+
+
+@pytest.mark.slow
+def test_trainer_trains_resumes_and_saves_like_the_plain_trainer_in_the_estimated_memory(exported, capsys):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    capsys.readouterr()
+    root = exported
+    script = root / "sp.trainer.py"
+    first = launch(script, root / "sp.yaml", "--model", root / "model", "--output-dir", root / "a", "--steps", 3,
+                   "--lr", LR, "--save-steps", 2, "--summary", root / "a.json", cwd=root)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    summary = json.loads((root / "a.json").read_text())
+    plain = subprocess.run(
+        [sys.executable, "-c", PLAIN_TRAINER, root / "model", str(SEQ_LEN), "3", LR, root / "plain"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    plain_losses = json.loads(plain.stdout.strip().splitlines()[-1])
+    assert summary["world_size"] == 2 and list(summary["losses"]) == ["1", "2", "3"]
+    for step, loss in plain_losses.items():
+        assert summary["losses"][step] == pytest.approx(loss, rel=1e-5), (summary["losses"], plain_losses)
+
+    estimate = run_cli("estimate", "--model", str(root / "model" / "config.json"), "--seq", str(SEQ_LEN),
+                       "--config", str(root / "sp.autotune.json"), "--gpus", "2", "--hardware", "cpu", "--json")  # fmt: skip
+    assert estimate.returncode == 0, estimate.stderr
+    predicted = json.loads(estimate.stdout)["peak_device_bytes"]
+    measured = [rank["peak_device_bytes"] for rank in summary["ranks"]]
+    assert len(measured) == 2
+    for peak in measured:
+        assert abs(peak - predicted) <= 0.02 * predicted, (measured, predicted)
+
+    resumed = launch(script, root / "sp.yaml", "--model", root / "model", "--output-dir", root / "b", "--steps", 3,
+                     "--lr", LR, "--resume", root / "a" / "checkpoint-2", "--summary", root / "b.json", cwd=root)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((root / "b.json").read_text())["losses"]["3"] == pytest.approx(summary["losses"]["3"], rel=1e-5)
+
+    initial = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32).state_dict()
+    trained = AutoModelForCausalLM.from_pretrained(root / "a" / "final", dtype=torch.float32).state_dict()
+    again = AutoModelForCausalLM.from_pretrained(root / "b" / "final", dtype=torch.float32).state_dict()
+    assert trained.keys() == initial.keys() == again.keys()
+    for name, tensor in trained.items():
+        assert not torch.equal(tensor, initial[name]), name  # three steps moved every tensor
+        torch.testing.assert_close(again[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+    unsharded = root / "unsharded.json"
+    unsharded.write_text((root / "sp.autotune.json").read_text().replace('"fsdp": true', '"fsdp": false'))
+    refused = launch(script, root / "sp.yaml", "--model", root / "model", "--output-dir", root / "c",
+                     "--config", unsharded, cwd=root)  # fmt: skip
+    assert refused.returncode != 0
+    said = [line for line in refused.stderr.splitlines() if line.startswith("sp.trainer.py: ")]
+    assert len(said) == 1 and said[0].startswith("sp.trainer.py: fsdp: "), refused.stderr[-3000:]
+    assert "'loss'" not in refused.stdout and not list((root / "c").glob("checkpoint-*"))
+
+
+# each field the stack needs, set to a value it cannot run; the script prints the refusal of each
+REFUSALS = """
+import json, torch
+from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
+from trials import hf
+from trials.hf_trainer import REQUIRED_ARGUMENTS, StackTrainer, StackTrainerError, training_arguments
+from trials.models.config import load_model_config
+from trials.stack.techniques import Techniques
+
+values = {k: v for k, v in load_model_config("tiny-llama").items() if not k.startswith("_")}
+model = hf.apply(AutoModelForCausalLM.from_config(AutoConfig.for_model(**values)), Techniques())
+others = {"per_device_train_batch_size": 2, "eval_strategy": "steps", "optim": "sgd", "label_smoothing_factor": 0.1}
+said = {}
+for field, (value, _) in REQUIRED_ARGUMENTS.items():
+    other = others.get(field, not value)
+    args = TrainingArguments(output_dir="out", report_to=[], use_cpu=True, **{**training_arguments(), field: other})
+    try:
+        StackTrainer(model=model, args=args, train_dataset=[], eval_dataset=[])
+        said[field] = None
+    except StackTrainerError as exc:
+        said[field] = str(exc)
+try:
+    StackTrainer(model=model.lm, args=TrainingArguments(output_dir="out", report_to=[], use_cpu=True))
+except StackTrainerError as exc:
+    said["model"] = str(exc)
+print(json.dumps(said))
+"""
+
+
+def test_the_trainer_refuses_each_argument_the_stack_cannot_run_naming_it(tmp_path):
+    from trials.hf_trainer import REQUIRED_ARGUMENTS
+
+    result = subprocess.run(
+        [sys.executable, "-c", REFUSALS],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(said) == {*REQUIRED_ARGUMENTS, "model"}
+    for field, line in said.items():
+        assert line is not None, field
+        assert "\n" not in line and (line.startswith(f"{field} ") or line.startswith(f"{field}:")), (field, line)
