@@ -4,9 +4,11 @@
   with ``StackTrainer``) on 2 processes with Ulysses 2, head chunk 1, FSDP2, checkpointing, offload and the three
   tiles, a tiny Llama saved by ``transformers``: each logged loss is the plain one-process ``Trainer``'s on the same
   data, each rank's peak is ``autotune estimate``'s for the exported config, a run resumed from the step-2
-  checkpoint logs the same step-3 loss and saves the same model, which ``from_pretrained`` loads; a config the
-  integration cannot run (``fsdp`` off on 2 processes) stops before training with one line naming the knob.
-- In one process: each ``TrainingArguments`` field the stack needs, set otherwise, is refused in one line naming it.
+  checkpoint logs the same step-3 loss and saves the same model, which ``from_pretrained`` loads; the script with
+  TRL's ``SFTTrainer`` (``--sft``) logs the same losses in the same memory; a config the integration cannot run
+  (``fsdp`` off on 2 processes) stops before training with one line naming the knob.
+- In one process: each ``TrainingArguments`` (and TRL ``SFTConfig``) field the stack needs, set otherwise, is
+  refused in one line naming it, before the trainer prepares anything.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ KNOBS = dict(
     norm_tile_tokens=256,
 )
 SEQ_LEN = 2048
+PYTHONPATH = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])  # the checkout first
 LR = "1e-3"  # large enough that each step's loss moves: the logged losses after step 1 check the gradients too
 
 # the plain one-process Trainer on the script's data (example i: synthetic tokens of window i, SEQ_LEN of them)
@@ -59,7 +62,7 @@ def launch(script, config_yaml, *args, cwd):
         text=True,
         timeout=600,
         cwd=cwd,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"},
     )
 
 
@@ -68,7 +71,8 @@ def exported(tmp_path_factory):
     """A tiny Llama saved by ``transformers`` and the ``accelerate`` export of KNOBS at SEQ_LEN on 2 CPU ranks, as
     ``autotune export`` writes it from a search folder: the folder."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from tokenizers import Tokenizer, models
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
     from autotune.backends import Evaluation, make_backend
     from autotune.cli import main
@@ -78,6 +82,8 @@ def exported(tmp_path_factory):
     values = {k: v for k, v in load_model_config("tiny-llama").items() if not k.startswith("_")}
     torch.manual_seed(5)
     AutoModelForCausalLM.from_config(AutoConfig.for_model(**values)).save_pretrained(root / "model")
+    tokens = Tokenizer(models.WordLevel({f"t{i}": i for i in range(values["vocab_size"])}, unk_token="t0"))
+    PreTrainedTokenizerFast(tokenizer_object=tokens, pad_token="t0", unk_token="t0").save_pretrained(root / "model")
     model_json = str(root / "model" / "config.json")
     techniques = Techniques(**KNOBS)
     record = make_backend("plan").evaluate(
@@ -118,7 +124,7 @@ def test_trainer_trains_resumes_and_saves_like_the_plain_trainer_in_the_estimate
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": PYTHONPATH},
     )
     assert plain.returncode == 0, plain.stderr[-3000:]
     plain_losses = json.loads(plain.stdout.strip().splitlines()[-1])
@@ -134,6 +140,15 @@ def test_trainer_trains_resumes_and_saves_like_the_plain_trainer_in_the_estimate
     assert len(measured) == 2
     for peak in measured:
         assert abs(peak - predicted) <= 0.02 * predicted, (measured, predicted)
+
+    sft = launch(script, root / "sp.yaml", "--model", root / "model", "--output-dir", root / "sft", "--steps", 3,
+                 "--lr", LR, "--sft", "--summary", root / "sft.json", cwd=root)  # fmt: skip
+    assert sft.returncode == 0, sft.stderr[-3000:]
+    sft_summary = json.loads((root / "sft.json").read_text())
+    for step, loss in plain_losses.items():
+        assert sft_summary["losses"][step] == pytest.approx(loss, rel=1e-5), (sft_summary["losses"], plain_losses)
+    for peak in [rank["peak_device_bytes"] for rank in sft_summary["ranks"]]:
+        assert abs(peak - predicted) <= 0.02 * predicted, (sft_summary["ranks"], predicted)
 
     resumed = launch(script, root / "sp.yaml", "--model", root / "model", "--output-dir", root / "b", "--steps", 3,
                      "--lr", LR, "--resume", root / "a" / "checkpoint-2", "--summary", root / "b.json", cwd=root)  # fmt: skip
@@ -158,24 +173,31 @@ def test_trainer_trains_resumes_and_saves_like_the_plain_trainer_in_the_estimate
     assert "'loss'" not in refused.stdout and not list((root / "c").glob("checkpoint-*"))
 
 
-# each field the stack needs, set to a value it cannot run; the script prints the refusal of each
+# each field the stack needs (TRL's SFTConfig's too), set to a value it cannot run; the script prints each refusal
 REFUSALS = """
-import json, torch
+import json
 from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
+from trl import SFTConfig, SFTTrainer
 from trials import hf
-from trials.hf_trainer import REQUIRED_ARGUMENTS, StackTrainer, StackTrainerError, training_arguments
+from trials.hf_trainer import REQUIRED_ARGUMENTS, SFT_ARGUMENTS, StackTrainer, StackTrainerError, StackTrainerMixin
+from trials.hf_trainer import training_arguments
 from trials.models.config import load_model_config
 from trials.stack.techniques import Techniques
+
+class StackSFTTrainer(StackTrainerMixin, SFTTrainer):
+    pass
 
 values = {k: v for k, v in load_model_config("tiny-llama").items() if not k.startswith("_")}
 model = hf.apply(AutoModelForCausalLM.from_config(AutoConfig.for_model(**values)), Techniques())
 others = {"per_device_train_batch_size": 2, "eval_strategy": "steps", "optim": "sgd", "label_smoothing_factor": 0.1}
 said = {}
-for field, (value, _) in REQUIRED_ARGUMENTS.items():
-    other = others.get(field, not value)
-    args = TrainingArguments(output_dir="out", report_to=[], use_cpu=True, **{**training_arguments(), field: other})
+for field, (value, _) in {**REQUIRED_ARGUMENTS, **SFT_ARGUMENTS}.items():
+    sft = field in SFT_ARGUMENTS
+    config, trainer = (SFTConfig, StackSFTTrainer) if sft else (TrainingArguments, StackTrainer)
+    stack = {**training_arguments(sft=sft), field: others.get(field, not value)}
+    args = config(output_dir="out", report_to=[], use_cpu=True, **stack)
     try:
-        StackTrainer(model=model, args=args, train_dataset=[], eval_dataset=[])
+        trainer(model=model, args=args, train_dataset=[], eval_dataset=[])
         said[field] = None
     except StackTrainerError as exc:
         said[field] = str(exc)
@@ -188,7 +210,7 @@ print(json.dumps(said))
 
 
 def test_the_trainer_refuses_each_argument_the_stack_cannot_run_naming_it(tmp_path):
-    from trials.hf_trainer import REQUIRED_ARGUMENTS
+    from trials.hf_trainer import REQUIRED_ARGUMENTS, SFT_ARGUMENTS
 
     result = subprocess.run(
         [sys.executable, "-c", REFUSALS],
@@ -196,11 +218,11 @@ def test_the_trainer_refuses_each_argument_the_stack_cannot_run_naming_it(tmp_pa
         text=True,
         timeout=600,
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": PYTHONPATH},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     said = json.loads(result.stdout.strip().splitlines()[-1])
-    assert set(said) == {*REQUIRED_ARGUMENTS, "model"}
+    assert set(said) == {*REQUIRED_ARGUMENTS, *SFT_ARGUMENTS, "model"}
     for field, line in said.items():
         assert line is not None, field
         assert "\n" not in line and (line.startswith(f"{field} ") or line.startswith(f"{field}:")), (field, line)

@@ -8,7 +8,8 @@
     trainer.train()
 
 launched with ``accelerate launch --config_file <the accelerate export>`` (or ``torchrun``). TRL's ``SFTTrainer``
-takes the same mixin: ``class StackSFTTrainer(StackTrainerMixin, SFTTrainer)``.
+takes the same mixin: ``class StackSFTTrainer(StackTrainerMixin, SFTTrainer): pass`` (its ``SFTConfig`` with
+``dataset_kwargs={"skip_prepare_dataset": True}`` for tokenised examples, and ``SFT_ARGUMENTS``).
 
 Where ``Trainer`` meets the stack:
 
@@ -39,7 +40,7 @@ Where ``Trainer`` meets the stack:
   (``trials.training.checkpoint.export_hf``: each rank its shards, merged by rank 0).
 
 What cannot run is refused when the trainer is made, before training, with one line naming the argument
-(``StackTrainerError``, a ``ConfigError``): see ``problem``.
+(``StackTrainerError``, a ``ConfigError``): see ``problem`` and ``launcher_problem``.
 """
 
 from __future__ import annotations
@@ -83,18 +84,29 @@ REQUIRED_ARGUMENTS = {
 }
 
 
-def training_arguments() -> dict:
-    """The ``TrainingArguments`` fields the stack needs, as the export writes them."""
-    return {field: value[0] if isinstance(value, tuple) else value for field, (value, _) in REQUIRED_ARGUMENTS.items()}
+# What TRL's ``SFTConfig`` must say besides (checked where the arguments have the field)
+SFT_ARGUMENTS = {
+    "packing": (False, "packed documents are not supported with the stack; one document per sequence"),
+    "padding_free": (False, "padding-free batches are packed documents, not supported with the stack"),
+    "activation_offloading": (False, "the config's activation_offload_layers offloads the activations"),
+    "use_liger_kernel": (False, "the stack's tiles and attention are its kernels"),
+}
+
+
+def training_arguments(sft: bool = False) -> dict:
+    """The ``TrainingArguments`` fields the stack needs (``sft``: and TRL's ``SFTConfig`` fields), as the export
+    writes them."""
+    fields = {**REQUIRED_ARGUMENTS, **(SFT_ARGUMENTS if sft else {})}
+    return {field: value[0] if isinstance(value, tuple) else value for field, (value, _) in fields.items()}
 
 
 class StackTrainerError(ConfigError):
     """A ``Trainer`` setting the stack cannot run: one line naming it."""
 
 
-def problem(model, args, accelerator_state) -> str | None:
-    """Why ``Trainer`` cannot train ``model`` (what ``trials.hf.apply`` returned) with ``args`` under Accelerate's
-    ``accelerator_state`` (None: it can). One line, naming the argument or knob."""
+def problem(model, args) -> str | None:
+    """Why ``Trainer`` cannot train ``model`` (what ``trials.hf.apply`` returned) with ``args`` (None: it can). One
+    line, naming the argument or knob."""
     if not isinstance(model, TrainingModel) or getattr(model, "mesh", None) is None:
         return "model: pass the model trials.hf.apply (or trials.hf.from_pretrained) returned"
     mesh, techniques = model.mesh, model.techniques
@@ -103,13 +115,11 @@ def problem(model, args, accelerator_state) -> str | None:
             f"fsdp: the Trainer integration shards with FSDP2 on {mesh.world_size} processes; "
             "a config with fsdp false runs with trials.train or trials.hf in your own loop"
         )
-    kind = str(getattr(accelerator_state, "distributed_type", "")).rsplit(".", 1)[-1]
-    if kind in ("FSDP", "DEEPSPEED"):
-        return (
-            f"accelerate config: distributed_type {kind}: the stack shards the model itself; "
-            "launch with the accelerate export's config (MULTI_GPU), where Accelerate only starts the processes"
-        )
-    for field, (value, why) in REQUIRED_ARGUMENTS.items():
+    if args is None:
+        return "args: pass TrainingArguments with the fields the stack needs (trials.hf_trainer.training_arguments())"
+    for field, (value, why) in {**REQUIRED_ARGUMENTS, **SFT_ARGUMENTS}.items():
+        if field in SFT_ARGUMENTS and not hasattr(args, field):
+            continue
         given = getattr(args, field)
         given = getattr(given, "value", given)  # an enum (eval_strategy) as its string
         if given not in ((value,) if not isinstance(value, tuple) else value):
@@ -117,18 +127,32 @@ def problem(model, args, accelerator_state) -> str | None:
     return None
 
 
+def launcher_problem(accelerator_state) -> str | None:
+    """Why the stack cannot run under Accelerate's ``accelerator_state`` (None: it can)."""
+    kind = str(getattr(accelerator_state, "distributed_type", "")).rsplit(".", 1)[-1]
+    if kind in ("FSDP", "DEEPSPEED"):
+        return (
+            f"accelerate config: distributed_type {kind}: the stack shards the model itself; "
+            "launch with the accelerate export's config (MULTI_GPU), where Accelerate only starts the processes"
+        )
+    return None
+
+
 class StackTrainerMixin:
     """The seam between ``transformers.Trainer`` (or a subclass: TRL's ``SFTTrainer``) and a model of
     ``trials.hf.apply``; see the module's docstring."""
 
-    def __init__(self, *positional, **kwargs):
-        super().__init__(*positional, **kwargs)
+    def __init__(self, model=None, args=None, *positional, **kwargs):
+        why = problem(model, args)  # before the trainer prepares anything (TRL's SFTTrainer its dataset)
+        if why is not None:
+            raise StackTrainerError(why)
+        super().__init__(model, args, *positional, **kwargs)
         if not hasattr(self, "is_distributed_loading_by_transformers"):
             raise StackTrainerError(
                 "transformers: this Trainer has no is_distributed_loading_by_transformers (a model sharded before it); "
                 "the integration needs a transformers that has it (5.24 has)"
             )
-        why = problem(self.model, self.args, self.accelerator.state)
+        why = launcher_problem(self.accelerator.state)
         if why is not None:
             raise StackTrainerError(why)
         # Trainer's own flag for a model that owns its placement and gradient reduction: Accelerate prepares it

@@ -15,13 +15,15 @@ def trainer_script(config: TrialConfig, notes: list[str], accelerate_path: str, 
 
     script = beside(accelerate_path, ".trainer.py")
     arguments = {**training_arguments(), "use_cpu": device_is_host}
+    sft_arguments = {k: v for k, v in training_arguments(sft=True).items() if k not in arguments}
     return f'''{comment_block(notes)}
 """Train a Hugging Face causal LM with transformers' Trainer and this autotune config, every knob applied by the
-plugin trials.hf: diff it against your own Trainer script. What changes in yours is two lines (marked "the stack")
-and the TrainingArguments fields in STACK_ARGUMENTS.
+plugin trials.hf: diff it against your own Trainer script (--sft: TRL's SFTTrainer). What changes in yours is two
+lines (marked "the stack") and the TrainingArguments fields in STACK_ARGUMENTS (and SFT_STACK_ARGUMENTS for SFTConfig).
 
     accelerate launch --config_file {accelerate_path} {script} --model HF_FOLDER --output-dir OUT [--steps N] \\
-        [--data tokens.parquet] [--save-steps K] [--resume OUT/checkpoint-K] [--summary summary.json]
+        [--data tokens.parquet] [--save-steps K] [--resume OUT/checkpoint-K] [--summary summary.json] \\
+        [--sft [--tokenizer FOLDER]]
 
 HF_FOLDER holds config.json and safetensors weights. Each example is one sequence of {config.seq_len:,} tokens
 (input_ids, labels = input_ids: the stack shifts them over the whole sequence): trials' seeded synthetic tokens, or
@@ -47,7 +49,7 @@ from trials.core import allocator
 from trials.core.dist import init_mesh
 from trials.core.errors import ConfigError
 from trials.core.memory import DeviceMemoryTracker
-from trials.hf_trainer import StackTrainer  # the stack
+from trials.hf_trainer import StackTrainer, StackTrainerMixin  # the stack
 from trials.train import TokenSource
 from trials.training.config_file import parse_config
 
@@ -58,6 +60,8 @@ CONFIG = json.loads(
 )
 # the TrainingArguments fields the stack needs (trials.hf_trainer.REQUIRED_ARGUMENTS refuses others)
 STACK_ARGUMENTS = {json.dumps(arguments, indent=4).replace("true", "True").replace("false", "False")}
+# and TRL's SFTConfig fields it needs (--sft)
+SFT_STACK_ARGUMENTS = {json.dumps(sft_arguments, indent=4).replace("true", "True").replace("false", "False")}
 
 
 class Windows(torch.utils.data.Dataset):
@@ -72,6 +76,23 @@ class Windows(torch.utils.data.Dataset):
     def __getitem__(self, index):
         tokens = self.source.window(index)
         return {{"input_ids": tokens, "labels": tokens}}
+
+
+def sft_trainer(model, training_args, examples, tokenizer):
+    import datasets
+    from transformers import AutoTokenizer
+    from trl import SFTTrainer
+
+    class StackSFTTrainer(StackTrainerMixin, SFTTrainer):  # the stack
+        pass
+
+    rows = datasets.Dataset.from_list([{{"input_ids": examples[i]["input_ids"].tolist()}} for i in range(len(examples))])
+    return StackSFTTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=rows,
+        processing_class=AutoTokenizer.from_pretrained(tokenizer),
+    )
 
 
 def peak_bytes(device, tracker) -> dict:
@@ -91,11 +112,24 @@ def main(argv=None) -> int:
     parser.add_argument("--resume", default=None, help="a checkpoint folder to resume from")
     parser.add_argument("--config", default=None, help="another autotune config file (default: the one above)")
     parser.add_argument("--summary", default=None, help="write the JSON summary here (rank 0)")
+    parser.add_argument("--sft", action="store_true", help="TRL's SFTTrainer instead of transformers' Trainer")
+    parser.add_argument("--tokenizer", default=None, help="with --sft: the tokenizer's folder (default: --model)")
     args = parser.parse_args(argv)
     config = parse_config(json.load(open(args.config)) if args.config else CONFIG, args.config or "CONFIG")
     allocator.configure()  # before CUDA starts: the allocator settings the trials measured under
     mesh = init_mesh(config.techniques.ulysses_degree)  # the process group Accelerate then joins
-    training_args = TrainingArguments(
+    if args.sft:
+        from trl import SFTConfig
+
+        arguments_class, stack_arguments = SFTConfig, {{
+            **STACK_ARGUMENTS,
+            **SFT_STACK_ARGUMENTS,
+            "max_length": None,  # whole sequences, as the config was tuned for
+            "dataset_kwargs": {{"skip_prepare_dataset": True}},  # the examples are token ids already
+        }}
+    else:
+        arguments_class, stack_arguments = TrainingArguments, STACK_ARGUMENTS
+    training_args = arguments_class(
         output_dir=args.output_dir,
         max_steps=args.steps,
         learning_rate=args.lr,
@@ -104,7 +138,7 @@ def main(argv=None) -> int:
         save_steps=args.save_steps or 500,
         train_sampling_strategy="sequential",
         report_to=[],
-        **STACK_ARGUMENTS,
+        **stack_arguments,
     )
     device = training_args.device
     tracker = DeviceMemoryTracker() if device.type != "cuda" else None
@@ -114,7 +148,11 @@ def main(argv=None) -> int:
         model = hf.from_pretrained(args.model, config.techniques, mesh)  # the stack: each rank reads its shards
         source = TokenSource(config.seq_len - 1, model.config.vocab_size, 0, args.data)  # windows of seq_len
         steps = args.steps * training_args.gradient_accumulation_steps * mesh.dp_size
-        trainer = StackTrainer(model=model, args=training_args, train_dataset=Windows(source, steps))
+        examples = Windows(source, steps)
+        if args.sft:
+            trainer = sft_trainer(model, training_args, examples, args.tokenizer or args.model)
+        else:
+            trainer = StackTrainer(model=model, args=training_args, train_dataset=examples)
         trainer.train(resume_from_checkpoint=args.resume)
     peaks = [peak_bytes(device, tracker)]
     if dist.is_initialized():
