@@ -7,6 +7,7 @@
   checkpoint logs the same step-3 loss and saves the same model, which ``from_pretrained`` loads; the script with
   TRL's ``SFTTrainer`` (``--sft``) logs the same losses in the same memory; a config the integration cannot run
   (``fsdp`` off on 2 processes) stops before training with one line naming the knob.
+- In one process: gradient accumulation over 2 micro-batches logs the plain ``Trainer``'s losses.
 - In one process: each ``TrainingArguments`` (and TRL ``SFTConfig``) field the stack needs, set otherwise, is
   refused in one line naming it, before the trainer prepares anything.
 """
@@ -226,3 +227,49 @@ def test_the_trainer_refuses_each_argument_the_stack_cannot_run_naming_it(tmp_pa
     for field, line in said.items():
         assert line is not None, field
         assert "\n" not in line and (line.startswith(f"{field} ") or line.startswith(f"{field}:")), (field, line)
+
+
+# one process: the plain Trainer and StackTrainer (FSDP2 on a 1-rank mesh, checkpointing, tiles) with gradient
+# accumulation over 2 micro-batches, 2 steps, on the same 4 sequences; prints both logged losses
+ACCUMULATION = """
+import copy, json, torch
+from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
+from trials import hf
+from trials.hf_trainer import StackTrainer, training_arguments
+from trials.models.config import load_model_config
+from trials.stack.techniques import Techniques
+from trials.training.data import synthetic_sample
+
+values = {k: v for k, v in load_model_config("tiny-llama").items() if not k.startswith("_")}
+torch.manual_seed(7)
+plain = AutoModelForCausalLM.from_config(AutoConfig.for_model(**values))
+stacked = hf.apply(copy.deepcopy(plain), Techniques(fsdp=True, activation_checkpointing=True, mlp_tile_tokens=64,
+                                                    loss_tile_tokens=64, norm_tile_tokens=64))
+data = [synthetic_sample(i, 255, values["vocab_size"], 3) for i in range(4)]
+data = [{"input_ids": t, "labels": t} for t in data]
+common = dict(max_steps=2, gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=1, save_strategy="no",
+              report_to=[], use_cpu=True, train_sampling_strategy="sequential")
+losses = {}
+for name, trainer_class, model, extra in (("plain", Trainer, plain, {"per_device_train_batch_size": 1}),
+                                          ("stack", StackTrainer, stacked, training_arguments())):
+    trainer = trainer_class(model=model, args=TrainingArguments(output_dir=name, **common, **extra), train_dataset=data)
+    trainer.train()
+    losses[name] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+print(json.dumps(losses))
+"""
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_trains_like_the_plain_trainer(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-c", ACCUMULATION],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": PYTHONPATH},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(losses["plain"]) == 2 and losses["plain"][0] != losses["plain"][1]
+    assert losses["stack"] == pytest.approx(losses["plain"], rel=1e-5), losses
