@@ -4,7 +4,8 @@
   with ``StackTrainer``) on 2 processes with Ulysses 2, head chunk 1, FSDP2, checkpointing, offload and the three
   tiles, a tiny Llama saved by ``transformers``: each logged loss is the plain one-process ``Trainer``'s on the same
   data, each rank's peak is ``autotune estimate``'s for the exported config, a run resumed from the step-2
-  checkpoint logs the same step-3 loss and saves the same model, which ``from_pretrained`` loads; the script with
+  checkpoint (on 2 processes, and on one without Ulysses: DCP reshards) logs the same step-3 loss and saves the same
+  model, which ``from_pretrained`` loads; the script with
   TRL's ``SFTTrainer`` (``--sft``) logs the same losses in the same memory; a config the integration cannot run
   (``fsdp`` off on 2 processes) stops before training with one line naming the knob.
 - In one process: gradient accumulation over 2 micro-batches logs the plain ``Trainer``'s losses.
@@ -156,13 +157,28 @@ def test_trainer_trains_resumes_and_saves_like_the_plain_trainer_in_the_estimate
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads((root / "b.json").read_text())["losses"]["3"] == pytest.approx(summary["losses"]["3"], rel=1e-5)
 
+    # the same checkpoint resumed by one process (no Ulysses): DCP reshards the 2-rank shards
+    one_rank = json.loads((root / "sp.autotune.json").read_text())
+    one_rank["gpus"], one_rank["techniques"]["ulysses_degree"], one_rank["techniques"]["head_chunk"] = 1, 1, None
+    (root / "one.json").write_text(json.dumps(one_rank))
+    alone = subprocess.run(
+        [sys.executable, script, "--model", root / "model", "--output-dir", root / "one", "--steps", "3", "--lr", LR,
+         "--config", root / "one.json", "--resume", root / "a" / "checkpoint-2", "--summary", root / "one-sum.json"],
+        capture_output=True, text=True, timeout=600, cwd=root, env={**os.environ, "PYTHONPATH": PYTHONPATH},
+    )  # fmt: skip
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert json.loads((root / "one-sum.json").read_text())["losses"]["3"] == pytest.approx(
+        summary["losses"]["3"], rel=1e-5
+    )
+
     initial = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32).state_dict()
     trained = AutoModelForCausalLM.from_pretrained(root / "a" / "final", dtype=torch.float32).state_dict()
-    again = AutoModelForCausalLM.from_pretrained(root / "b" / "final", dtype=torch.float32).state_dict()
-    assert trained.keys() == initial.keys() == again.keys()
-    for name, tensor in trained.items():
-        assert not torch.equal(tensor, initial[name]), name  # three steps moved every tensor
-        torch.testing.assert_close(again[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    for resumed_run in ("b", "one"):
+        again = AutoModelForCausalLM.from_pretrained(root / resumed_run / "final", dtype=torch.float32).state_dict()
+        assert trained.keys() == initial.keys() == again.keys()
+        for name, tensor in trained.items():
+            assert not torch.equal(tensor, initial[name]), name  # three steps moved every tensor
+            torch.testing.assert_close(again[name], tensor, rtol=1e-5, atol=1e-6, msg=f"{resumed_run}: {name}")
 
     unsharded = root / "unsharded.json"
     unsharded.write_text((root / "sp.autotune.json").read_text().replace('"fsdp": true', '"fsdp": false'))
