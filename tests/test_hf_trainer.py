@@ -8,7 +8,7 @@
   model, which ``from_pretrained`` loads; the script with
   TRL's ``SFTTrainer`` (``--sft``) logs the same losses in the same memory; a config the integration cannot run
   (``fsdp`` off on 2 processes) stops before training with one line naming the knob.
-- In one process: gradient accumulation over 2 micro-batches logs the plain ``Trainer``'s losses.
+- In one process: gradient accumulation over 2 micro-batches logs the plain ``Trainer``'s losses and gradient norms.
 - In one process: each ``TrainingArguments`` (and TRL ``SFTConfig``) field the stack needs, set otherwise, is
   refused in one line naming it, before the trainer prepares anything.
 """
@@ -246,7 +246,7 @@ def test_the_trainer_refuses_each_argument_the_stack_cannot_run_naming_it(tmp_pa
 
 
 # one process: the plain Trainer and StackTrainer (FSDP2 on a 1-rank mesh, checkpointing, tiles) with gradient
-# accumulation over 2 micro-batches, 2 steps, on the same 4 sequences; prints both logged losses
+# accumulation over 2 micro-batches, 2 steps, on the same 4 sequences; prints both logged losses and gradient norms
 ACCUMULATION = """
 import copy, json, torch
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
@@ -270,7 +270,7 @@ for name, trainer_class, model, extra in (("plain", Trainer, plain, {"per_device
                                           ("stack", StackTrainer, stacked, training_arguments())):
     trainer = trainer_class(model=model, args=TrainingArguments(output_dir=name, **common, **extra), train_dataset=data)
     trainer.train()
-    losses[name] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    losses[name] = [[e["loss"], e["grad_norm"]] for e in trainer.state.log_history if "loss" in e]
 print(json.dumps(losses))
 """
 
@@ -287,5 +287,6 @@ def test_gradient_accumulation_trains_like_the_plain_trainer(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     losses = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(losses["plain"]) == 2 and losses["plain"][0] != losses["plain"][1]
-    assert losses["stack"] == pytest.approx(losses["plain"], rel=1e-5), losses
+    assert len(losses["plain"]) == 2 and losses["plain"][0][0] != losses["plain"][1][0]
+    for stack, plain in zip(losses["stack"], losses["plain"]):
+        assert stack == pytest.approx(plain, rel=1e-5), losses
