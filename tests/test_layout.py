@@ -28,9 +28,10 @@ ROOMS = ("core", "kernels", "models", "stack", "training", "trial")
 
 def test_trials_is_rooms_and_its_public_faces():
     """``trials`` holds its rooms (each a package whose docstring says what belongs there) and, beside them, only
-    the public faces: the plugin ``trials.hf`` and the trainer ``trials.train``."""
+    the public faces: the plugin ``trials.hf``, the plugin inside Hugging Face's ``Trainer`` ``trials.hf_trainer``
+    and the trainer ``trials.train``."""
     top = ROOT / "trials"
-    assert sorted(p.name for p in top.glob("*.py")) == ["__init__.py", "hf.py", "train.py"]
+    assert sorted(p.name for p in top.glob("*.py")) == ["__init__.py", "hf.py", "hf_trainer.py", "train.py"]
     packages = sorted(p.parent.name for p in top.glob("*/__init__.py"))
     assert packages == sorted(ROOMS)
     for room in ROOMS:

@@ -184,6 +184,7 @@ def _stacked(
     if tracker is not None:
         tracker.retag(model.parameters(), "params")
     model.mesh = mesh
+    model.techniques = techniques  # what trials.hf_trainer reads (the optimizer, what Trainer cannot run)
     return model
 
 

@@ -305,7 +305,8 @@ ACCELERATE = Trainer(
     "Accelerate + trials.hf",
     {
         k.name: exactly(
-            f"techniques.{k.name}, applied by the plugin trials.hf (from_pretrained) in the export's .train.py"
+            f"techniques.{k.name}, applied by the plugin trials.hf (from_pretrained) in the export's .train.py "
+            "and .trainer.py (transformers' Trainer with trials.hf_trainer)"
         )
         for k in knobs()
     },

@@ -245,6 +245,15 @@ class TrainingModel(nn.Module):
         return self.lm.config
 
     @property
+    def generation_config(self):
+        """The causal LM's (what trainers built on ``transformers.Trainer``, TRL's, set the pad token in)."""
+        return self.lm.generation_config
+
+    def add_model_tags(self, tags) -> None:
+        """The causal LM's hub tags (TRL's trainers add theirs)."""
+        self.lm.add_model_tags(tags)
+
+    @property
     def layers(self) -> nn.ModuleList:
         return self.lm.model.layers
 

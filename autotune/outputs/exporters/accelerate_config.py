@@ -11,6 +11,9 @@ techniques applied, each rank reading only its shards of the safetensors weights
 Accelerate's ``FSDP`` plugin: that is the code autotune's memory oracle traced. Precision is trials' too (fp32
 master weights, bf16 compute on CUDA), so the YAML says ``mixed_precision: 'no'``.
 
+The same YAML launches ``.trainer.py``: a minimal ``transformers.Trainer`` script with the stack
+(``trials.hf_trainer.StackTrainer``, ``hf_trainer_script``), for users who keep their own ``Trainer``.
+
 ``--format accelerate-deepspeed`` (``accelerate_deepspeed``) is the DeepSpeed-backed flavour for the Trainer.
 """
 
@@ -30,6 +33,7 @@ from autotune.outputs.exporters.base import (
     comment_block,
     hf_model_name,
 )
+from autotune.outputs.exporters.hf_trainer_script import trainer_script
 from trials.models.config import model_names
 from trials.training.config_file import TrialConfig
 
@@ -75,6 +79,7 @@ class AccelerateConfigExporter(Exporter):
         text = comment_block(lines) + "\n" + yaml.safe_dump(self.accelerate_yaml(config), sort_keys=False).rstrip()
         companions = {
             ".train.py": training_script(config, lines, path),
+            ".trainer.py": trainer_script(config, lines, path, load_hardware(config.hardware).device_is_host),
             ".autotune.json": json.dumps(config.to_dict(), indent=2),
         }
         return Rendered(text, companions)

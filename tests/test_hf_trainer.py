@@ -1,0 +1,292 @@
+"""The stack inside Hugging Face's ``Trainer`` (``trials.hf_trainer``) trains the plain model exactly.
+
+- ``accelerate launch`` (the real CLI) runs the ``accelerate`` export's ``.trainer.py`` (``transformers.Trainer``
+  with ``StackTrainer``) on 2 processes with Ulysses 2, head chunk 1, FSDP2, checkpointing, offload and the three
+  tiles, a tiny Llama saved by ``transformers``: each logged loss is the plain one-process ``Trainer``'s on the same
+  data, each rank's peak is ``autotune estimate``'s for the exported config, a run resumed from the step-2
+  checkpoint (on 2 processes, and on one without Ulysses: DCP reshards) logs the same step-3 loss and saves the same
+  model, which ``from_pretrained`` loads; the script with
+  TRL's ``SFTTrainer`` (``--sft``) logs the same losses in the same memory; a config the integration cannot run
+  (``fsdp`` off on 2 processes) stops before training with one line naming the knob.
+- In one process: gradient accumulation over 2 micro-batches logs the plain ``Trainer``'s losses and gradient norms.
+- In one process: each ``TrainingArguments`` (and TRL ``SFTConfig``) field the stack needs, set otherwise, is
+  refused in one line naming it, before the trainer prepares anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, run_cli
+
+from trials.models.config import load_model_config
+from trials.stack.techniques import Techniques
+
+KNOBS = dict(
+    fsdp=True,
+    ulysses_degree=2,
+    head_chunk=1,
+    activation_checkpointing=True,
+    activation_offload_layers=2,
+    mlp_tile_tokens=256,
+    loss_tile_tokens=256,
+    norm_tile_tokens=256,
+)
+SEQ_LEN = 2048
+PYTHONPATH = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])  # the checkout first
+LR = "1e-3"  # large enough that each step's loss moves: the logged losses after step 1 check the gradients too
+
+# the plain one-process Trainer on the script's data (example i: synthetic tokens of window i, SEQ_LEN of them)
+PLAIN_TRAINER = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+from trials.training.data import synthetic_sample
+folder, seq_len, steps, lr = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+data = [synthetic_sample(i, seq_len - 1, model.config.vocab_size, 0) for i in range(steps)]
+args = TrainingArguments(output_dir=sys.argv[5], max_steps=steps, per_device_train_batch_size=1, learning_rate=lr,
+    logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, train_sampling_strategy="sequential")
+trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": t, "labels": t} for t in data])
+trainer.train()
+print(json.dumps({e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}))
+"""
+
+
+def launch(script, config_yaml, *args, cwd):
+    return subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--config_file", str(config_yaml)]
+        + [str(script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"},
+    )
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A tiny Llama saved by ``transformers`` and the ``accelerate`` export of KNOBS at SEQ_LEN on 2 CPU ranks, as
+    ``autotune export`` writes it from a search folder: the folder."""
+    import torch
+    from tokenizers import Tokenizer, models
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from autotune.backends import Evaluation, make_backend
+    from autotune.cli import main
+    from autotune.core.hardware import load_hardware
+
+    root = tmp_path_factory.mktemp("hf-trainer")
+    values = {k: v for k, v in load_model_config("tiny-llama").items() if not k.startswith("_")}
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**values)).save_pretrained(root / "model")
+    tokens = Tokenizer(models.WordLevel({f"t{i}": i for i in range(values["vocab_size"])}, unk_token="t0"))
+    PreTrainedTokenizerFast(tokenizer_object=tokens, pad_token="t0", unk_token="t0").save_pretrained(root / "model")
+    model_json = str(root / "model" / "config.json")
+    techniques = Techniques(**KNOBS)
+    record = make_backend("plan").evaluate(
+        Evaluation(load_model_config(model_json), techniques, SEQ_LEN, 2, load_hardware("cpu"))
+    )
+    assert record.status == "ok"
+    entry = {"trial": 0, "seq_len": SEQ_LEN, "tokens_per_s": record.tokens_per_s, "techniques": techniques.to_dict()}
+    (root / "search").mkdir()
+    (root / "search" / "pareto.json").write_text(
+        json.dumps(
+            {
+                "model": model_json,
+                "hardware": "cpu",
+                "gpus": 2,
+                "target": SEQ_LEN,
+                "front": [{**entry, "record": record.to_dict()}],
+            }
+        )
+    )
+    assert main(["export", str(root / "search"), "--format", "accelerate", "-o", str(root / "sp.yaml")]) == 0
+    return root
+
+
+@pytest.mark.slow
+def test_trainer_trains_resumes_and_saves_like_the_plain_trainer_in_the_estimated_memory(exported, capsys):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    capsys.readouterr()
+    root = exported
+    script = root / "sp.trainer.py"
+    first = launch(script, root / "sp.yaml", "--model", root / "model", "--output-dir", root / "a", "--steps", 3,
+                   "--lr", LR, "--save-steps", 2, "--summary", root / "a.json", cwd=root)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    summary = json.loads((root / "a.json").read_text())
+    plain = subprocess.run(
+        [sys.executable, "-c", PLAIN_TRAINER, root / "model", str(SEQ_LEN), "3", LR, root / "plain"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": PYTHONPATH},
+    )
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    plain_losses = json.loads(plain.stdout.strip().splitlines()[-1])
+    assert summary["world_size"] == 2 and list(summary["losses"]) == ["1", "2", "3"]
+    for step, loss in plain_losses.items():
+        assert summary["losses"][step] == pytest.approx(loss, rel=1e-5), (summary["losses"], plain_losses)
+
+    estimate = run_cli("estimate", "--model", str(root / "model" / "config.json"), "--seq", str(SEQ_LEN),
+                       "--config", str(root / "sp.autotune.json"), "--gpus", "2", "--hardware", "cpu", "--json")  # fmt: skip
+    assert estimate.returncode == 0, estimate.stderr
+    predicted = json.loads(estimate.stdout)["peak_device_bytes"]
+    measured = [rank["peak_device_bytes"] for rank in summary["ranks"]]
+    assert len(measured) == 2
+    for peak in measured:
+        assert abs(peak - predicted) <= 0.02 * predicted, (measured, predicted)
+
+    sft = launch(script, root / "sp.yaml", "--model", root / "model", "--output-dir", root / "sft", "--steps", 3,
+                 "--lr", LR, "--sft", "--summary", root / "sft.json", cwd=root)  # fmt: skip
+    assert sft.returncode == 0, sft.stderr[-3000:]
+    sft_summary = json.loads((root / "sft.json").read_text())
+    for step, loss in plain_losses.items():
+        assert sft_summary["losses"][step] == pytest.approx(loss, rel=1e-5), (sft_summary["losses"], plain_losses)
+    for peak in [rank["peak_device_bytes"] for rank in sft_summary["ranks"]]:
+        assert abs(peak - predicted) <= 0.02 * predicted, (sft_summary["ranks"], predicted)
+
+    resumed = launch(script, root / "sp.yaml", "--model", root / "model", "--output-dir", root / "b", "--steps", 3,
+                     "--lr", LR, "--resume", root / "a" / "checkpoint-2", "--summary", root / "b.json", cwd=root)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((root / "b.json").read_text())["losses"]["3"] == pytest.approx(summary["losses"]["3"], rel=1e-5)
+
+    # the same checkpoint resumed by one process (no Ulysses): DCP reshards the 2-rank shards
+    one_rank = json.loads((root / "sp.autotune.json").read_text())
+    one_rank["gpus"], one_rank["techniques"]["ulysses_degree"], one_rank["techniques"]["head_chunk"] = 1, 1, None
+    (root / "one.json").write_text(json.dumps(one_rank))
+    alone = subprocess.run(
+        [sys.executable, script, "--model", root / "model", "--output-dir", root / "one", "--steps", "3", "--lr", LR,
+         "--config", root / "one.json", "--resume", root / "a" / "checkpoint-2", "--summary", root / "one-sum.json"],
+        capture_output=True, text=True, timeout=600, cwd=root, env={**os.environ, "PYTHONPATH": PYTHONPATH},
+    )  # fmt: skip
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert json.loads((root / "one-sum.json").read_text())["losses"]["3"] == pytest.approx(
+        summary["losses"]["3"], rel=1e-5
+    )
+
+    initial = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32).state_dict()
+    trained = AutoModelForCausalLM.from_pretrained(root / "a" / "final", dtype=torch.float32).state_dict()
+    for resumed_run in ("b", "one"):
+        again = AutoModelForCausalLM.from_pretrained(root / resumed_run / "final", dtype=torch.float32).state_dict()
+        assert trained.keys() == initial.keys() == again.keys()
+        for name, tensor in trained.items():
+            assert not torch.equal(tensor, initial[name]), name  # three steps moved every tensor
+            torch.testing.assert_close(again[name], tensor, rtol=1e-5, atol=1e-6, msg=f"{resumed_run}: {name}")
+
+    unsharded = root / "unsharded.json"
+    unsharded.write_text((root / "sp.autotune.json").read_text().replace('"fsdp": true', '"fsdp": false'))
+    refused = launch(script, root / "sp.yaml", "--model", root / "model", "--output-dir", root / "c",
+                     "--config", unsharded, cwd=root)  # fmt: skip
+    assert refused.returncode != 0
+    said = [line for line in refused.stderr.splitlines() if line.startswith("sp.trainer.py: ")]
+    assert len(said) == 1 and said[0].startswith("sp.trainer.py: fsdp: "), refused.stderr[-3000:]
+    assert "'loss'" not in refused.stdout and not list((root / "c").glob("checkpoint-*"))
+
+
+# each field the stack needs (TRL's SFTConfig's too), set to a value it cannot run; the script prints each refusal
+REFUSALS = """
+import json
+from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
+from trl import SFTConfig, SFTTrainer
+from trials import hf
+from trials.hf_trainer import REQUIRED_ARGUMENTS, SFT_ARGUMENTS, StackTrainer, StackTrainerError, StackTrainerMixin
+from trials.hf_trainer import training_arguments
+from trials.models.config import load_model_config
+from trials.stack.techniques import Techniques
+
+class StackSFTTrainer(StackTrainerMixin, SFTTrainer):
+    pass
+
+values = {k: v for k, v in load_model_config("tiny-llama").items() if not k.startswith("_")}
+model = hf.apply(AutoModelForCausalLM.from_config(AutoConfig.for_model(**values)), Techniques())
+others = {"per_device_train_batch_size": 2, "eval_strategy": "steps", "optim": "sgd", "label_smoothing_factor": 0.1}
+said = {}
+for field, (value, _) in {**REQUIRED_ARGUMENTS, **SFT_ARGUMENTS}.items():
+    sft = field in SFT_ARGUMENTS
+    config, trainer = (SFTConfig, StackSFTTrainer) if sft else (TrainingArguments, StackTrainer)
+    stack = {**training_arguments(sft=sft), field: others.get(field, not value)}
+    args = config(output_dir="out", report_to=[], use_cpu=True, **stack)
+    try:
+        trainer(model=model, args=args, train_dataset=[], eval_dataset=[])
+        said[field] = None
+    except StackTrainerError as exc:
+        said[field] = str(exc)
+try:
+    StackTrainer(model=model.lm, args=TrainingArguments(output_dir="out", report_to=[], use_cpu=True))
+except StackTrainerError as exc:
+    said["model"] = str(exc)
+print(json.dumps(said))
+"""
+
+
+def test_the_trainer_refuses_each_argument_the_stack_cannot_run_naming_it(tmp_path):
+    from trials.hf_trainer import REQUIRED_ARGUMENTS, SFT_ARGUMENTS
+
+    result = subprocess.run(
+        [sys.executable, "-c", REFUSALS],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": PYTHONPATH},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(said) == {*REQUIRED_ARGUMENTS, *SFT_ARGUMENTS, "model"}
+    for field, line in said.items():
+        assert line is not None, field
+        assert "\n" not in line and (line.startswith(f"{field} ") or line.startswith(f"{field}:")), (field, line)
+
+
+# one process: the plain Trainer and StackTrainer (FSDP2 on a 1-rank mesh, checkpointing, tiles) with gradient
+# accumulation over 2 micro-batches, 2 steps, on the same 4 sequences; prints both logged losses and gradient norms
+ACCUMULATION = """
+import copy, json, torch
+from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
+from trials import hf
+from trials.hf_trainer import StackTrainer, training_arguments
+from trials.models.config import load_model_config
+from trials.stack.techniques import Techniques
+from trials.training.data import synthetic_sample
+
+values = {k: v for k, v in load_model_config("tiny-llama").items() if not k.startswith("_")}
+torch.manual_seed(7)
+plain = AutoModelForCausalLM.from_config(AutoConfig.for_model(**values))
+stacked = hf.apply(copy.deepcopy(plain), Techniques(fsdp=True, activation_checkpointing=True, mlp_tile_tokens=64,
+                                                    loss_tile_tokens=64, norm_tile_tokens=64))
+data = [synthetic_sample(i, 255, values["vocab_size"], 3) for i in range(4)]
+data = [{"input_ids": t, "labels": t} for t in data]
+common = dict(max_steps=2, gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=1, save_strategy="no",
+              report_to=[], use_cpu=True, train_sampling_strategy="sequential")
+losses = {}
+for name, trainer_class, model, extra in (("plain", Trainer, plain, {"per_device_train_batch_size": 1}),
+                                          ("stack", StackTrainer, stacked, training_arguments())):
+    trainer = trainer_class(model=model, args=TrainingArguments(output_dir=name, **common, **extra), train_dataset=data)
+    trainer.train()
+    losses[name] = [[e["loss"], e["grad_norm"]] for e in trainer.state.log_history if "loss" in e]
+print(json.dumps(losses))
+"""
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_trains_like_the_plain_trainer(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-c", ACCUMULATION],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": PYTHONPATH},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(losses["plain"]) == 2 and losses["plain"][0][0] != losses["plain"][1][0]
+    for stack, plain in zip(losses["stack"], losses["plain"]):
+        assert stack == pytest.approx(plain, rel=1e-5), losses
