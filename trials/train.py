@@ -42,7 +42,7 @@ from trials.core.memory import DeviceMemoryTracker
 from trials.models.config import load_model_config
 from trials.training import checkpoint
 from trials.training.config_file import load_config_file
-from trials.training.data import make_batch, synthetic_sample
+from trials.training.data import mesh_batch, synthetic_sample
 from trials.training.step import (
     build_training,
     clip_gradients,
@@ -295,7 +295,11 @@ def train(options: TrainOptions, print_fn=print) -> dict:
     """Train as ``options`` say; returns rank 0's summary (every rank returns one)."""
     config = load_config_file(options.config)
     techniques, seq_len = config.techniques, config.seq_len
-    mesh = init_mesh(techniques.ulysses_degree, timeout_s=collective_timeout_s(recorded_step_time_s(config)))
+    mesh = init_mesh(
+        techniques.ulysses_degree,
+        timeout_s=collective_timeout_s(recorded_step_time_s(config)),
+        ring_degree=techniques.ring_degree,
+    )
     tracker = DeviceMemoryTracker() if mesh.device.type != "cuda" else None
     resume_from = checkpoint.newest(Path(options.save)) if options.resume else None
     losses, rates, peak = [], [], 0
@@ -422,7 +426,7 @@ def _step(model, optimizer, source: TokenSource, consumed: int, options: TrainOp
     scaled = torch.zeros((), device=mesh.device)
     for micro in range(options.accumulate):
         index = consumed + micro * mesh.dp_size + mesh.dp_rank
-        batch = make_batch(source.window(index), mesh.sp_rank, mesh.sp_degree, mesh.device)
+        batch = mesh_batch(source.window(index), mesh)
         last = micro == options.accumulate - 1
         scaled += forward_backward(model, batch, mesh, tracker, options.accumulate, reduce=last)
     norm = grad_norm(model, mesh)  # on the device: clipping and the optimizer step queue without a sync
