@@ -153,3 +153,45 @@ def test_ring_degree_is_declared_and_validated():
         Techniques(ring_degree=2).validate(load_model_config("tiny-mistral"), 2, 256)
     with pytest.raises(ConfigError, match="ring_degree must be an integer"):
         Techniques.from_dict({"ring_degree": "two"})
+
+
+# -- the time model: a ring step costs max(attention, transfer), on NVLink or the NIC ------------------------------
+
+
+def _ring_counts(phase: str, wire: float, calls: int, attention_bh: float):
+    """One rank's counts with ``calls`` ring sends of ``wire`` bytes in ``phase`` and non-causal attention blocks."""
+    from autotune.timing.counts import CollectiveCounts, StepCounts, attention_key
+
+    counts = StepCounts(seq_len=1024)
+    counts.collectives[f"p2p/{phase}/sync/2"] = CollectiveCounts(calls, wire, wire, wire / calls)
+    counts.attention_calls[attention_key(phase, phase == "backward", 4096, 4096, 128, 128, False, None)] = attention_bh
+    return counts
+
+
+def test_ring_transfers_hide_behind_attention_and_cross_nodes_on_the_nic():
+    from autotune.core.hardware import load_hardware
+    from autotune.timing.model import attention_time, predict_step_time, ring_crosses_nodes
+
+    r = load_hardware("h100-sxm").rates
+    usp = Techniques(ulysses_degree=8, ring_degree=2)
+    assert ring_crosses_nodes(usp, 16, 8) and not ring_crosses_nodes(usp, 16, 16)
+    assert not ring_crosses_nodes(Techniques(ulysses_degree=2, ring_degree=4), 16, 8)  # the whole ring in a node
+    wire, calls = 4e9, 8
+    for phase in ("forward", "backward"):
+        for bh in (1.0, 64.0, 4096.0):  # transfer-bound, balanced, attention-bound
+            counts = _ring_counts(phase, wire, calls, bh)
+            hidden = attention_time(counts, (phase,), r) * (2 - 1) / 2
+            floor = 1 / 3 if phase == "backward" else 0.0  # 2R-1 transfers per layer; the last has nothing after it
+            for gpus_per_node, link, latency in (
+                (16, r.intra_node_bytes_per_s * r.all_reduce_efficiency, r.collective_latency_s),
+                (8, r.inter_node_bytes_per_s * r.inter_node_efficiency, r.inter_node_latency_s),
+            ):
+                seconds = wire / link + calls * latency
+                breakdown = predict_step_time(counts, r, 16, usp, gpus_per_node=gpus_per_node)
+                assert breakdown.detail["ring_transfer_s"] == pytest.approx(seconds)
+                assert breakdown.detail["ring_exposed_s"] == pytest.approx(max(floor * seconds, seconds - hidden))
+    # without a ring the sends do not exist, and tokens/s count one replica per Ulysses x ring group
+    plain = predict_step_time(_ring_counts("forward", wire, calls, 1.0), r, 16, Techniques(ulysses_degree=8), 1024)
+    ring = predict_step_time(_ring_counts("forward", wire, calls, 1.0), r, 16, usp, 1024)
+    assert plain.tokens_per_s == pytest.approx(2 * 1024 / plain.step_time_s)
+    assert ring.tokens_per_s == pytest.approx(1024 / ring.step_time_s)

@@ -46,8 +46,8 @@ class ExportJob:
 
     @property
     def local_tokens(self) -> int:
-        """Tokens per rank: Ulysses splits the sequence over its degree."""
-        return self.seq_len // self.techniques.ulysses_degree
+        """Tokens per rank: Ulysses and the ring split the sequence over their degrees."""
+        return self.seq_len // (self.techniques.ulysses_degree * self.techniques.ring_degree)
 
 
 def _as_asked(value, job: ExportJob):
