@@ -105,6 +105,20 @@ def _weights(lse, layout: str):
     return lse.unsqueeze(-1) if layout == "bhsd" else lse.transpose(1, 2).unsqueeze(-1)
 
 
+def _block_residuals(kernel: str, lse, like) -> tuple:
+    """A block's residuals in the form ``attention_backward`` takes for ``kernel``, from its rows of the merged
+    logsumexp: FlashAttention 2 also takes an RNG state, CUDA SDPA (memory-efficient) a philox seed and offset and a
+    logsumexp padded to 32 rows; none is read without dropout."""
+    if kernel == "flash":
+        return (lse, None)
+    if kernel == "sdpa" and like.device.type == "cuda":
+        rows = lse.shape[-1]
+        padded = torch.nn.functional.pad(lse, (0, -rows % 32))
+        empty = torch.empty((), dtype=torch.int64, device=like.device)
+        return (padded, empty, empty)
+    return (lse,)
+
+
 def ring_forward(query, key, value, scaling: float, kernel: str, ring: Ring, softcap=None):
     """Ring attention in ``head_layout(kernel)``, no autograd; returns (out, (lse,)) with lse [b, h, s] fp32."""
     layout = head_layout(kernel)
@@ -164,7 +178,7 @@ def ring_backward(grad_out, query, key, value, out, residuals, scaling: float, k
                 _seq(k, kv_rows, dim),
                 _seq(v, kv_rows, dim),
                 _seq(out, q_rows, dim),
-                (_seq(lse, q_rows, 2).contiguous(),),
+                _block_residuals(kernel, _seq(lse, q_rows, 2).contiguous(), query),
                 scaling,
                 kernel,
                 softcap=softcap,
