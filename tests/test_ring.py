@@ -195,3 +195,25 @@ def test_ring_transfers_hide_behind_attention_and_cross_nodes_on_the_nic():
     ring = predict_step_time(_ring_counts("forward", wire, calls, 1.0), r, 16, usp, 1024)
     assert plain.tokens_per_s == pytest.approx(2 * 1024 / plain.step_time_s)
     assert ring.tokens_per_s == pytest.approx(1024 / ring.step_time_s)
+
+
+# -- the search space factors the context-parallel world into Ulysses x ring ---------------------------------------
+
+
+def test_the_space_factors_the_world_into_ulysses_x_ring_and_samples_only_runnable_configs():
+    import optuna
+
+    from autotune.search.space import DEFAULT_SPACE, load_space
+
+    config = load_model_config("tiny-llama")  # 8 query heads: Ulysses 1, 2, 4, 8 on 8 GPUs
+    space = load_space(DEFAULT_SPACE, config, 8, 64 * 1024)
+    assert space.split_choices["ring_degree"] == {1: [1, 2, 4, 8], 2: [1, 2, 4], 4: [1, 2], 8: [1]}
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    rings = set()
+    for _ in range(200):
+        trial = study.ask()
+        techniques, seq_len = space.sample(trial, config["num_hidden_layers"])
+        techniques.validate(config, 8, seq_len)  # every sampled config and length runs (raises otherwise)
+        rings.add((techniques.ulysses_degree, techniques.ring_degree))
+        study.tell(trial, 0.0)
+    assert {(1, 8), (2, 4), (4, 2), (8, 1)} <= rings

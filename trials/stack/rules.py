@@ -65,10 +65,16 @@ def head_chunk_problem(chunk: int | None, heads: int, degree: int) -> str | None
     return None
 
 
-def head_chunk_split_problem(chunk: int | None, degree: int, model_config: dict) -> str | None:
+def head_chunk_split_problem(chunk: int | None, degree: int, model_config: dict, world: int) -> str | None:
     """``head_chunk``'s ``split_by`` rule: why a chunk cannot run under Ulysses degree ``degree`` with the model's
     query heads (``head_chunk_problem``; None: it can)."""
     return head_chunk_problem(chunk, model_config["num_attention_heads"], degree)
+
+
+def ring_split_problem(ring: int, degree: int, model_config: dict, world: int) -> str | None:
+    """``ring_degree``'s ``split_by`` rule: why a ring cannot run beside Ulysses degree ``degree`` on ``world``
+    ranks (``ring_degree_problem``; None: it can)."""
+    return ring_degree_problem(ring, degree, world)
 
 
 def requirement_problems(techniques) -> list[str]:

@@ -9,7 +9,7 @@ A knob is a field of ``Techniques`` whose metadata (``knob(...)``) says what the
     requires        (knob, why): this one may be set (not its default) only with that one on
     sampled_when    (knob, predicate): a search samples it only when the other knob's value passes
     split_by        (knob, tag, rule): its choices depend on that knob's value: ``rule(choice, value,
-                    model_config)`` (``trials.stack.rules``) says why a choice cannot run with it (None: it can), and
+                    model_config, world)`` (``trials.stack.rules``) says why a choice cannot run with it (None: it can), and
                     each value has its own search parameter ``{name}_{tag}{value}`` (Optuna learns each branch)
     words           YAML/CLI words for values: ``{"none": 0, "all": ALL_LAYERS}``
     less_memory     which change needs less memory: ``on`` (True), ``larger`` (the next larger choice),
@@ -34,7 +34,7 @@ from typing import Any
 from trials.core.errors import ConfigError
 from trials.kernels.registry import attention_kernel_problem
 from trials.stack.knobs import ALL_LAYERS, ATTENTION_KERNELS, Knob, declared_knobs, knob
-from trials.stack.rules import head_chunk_split_problem, problems, ring_degree_problem
+from trials.stack.rules import head_chunk_split_problem, problems, ring_degree_problem, ring_split_problem
 
 __all__ = ["ALL_LAYERS", "ATTENTION_KERNELS", "BASELINE", "Knob", "Techniques", "knob_names", "knobs"]
 
@@ -81,6 +81,7 @@ class Techniques:
         "context-parallel world",
         label="r{}",
         minimum=1,
+        split_by=("ulysses_degree", "u", ring_split_problem),
         less_memory="larger",
         alst=1,
     )
