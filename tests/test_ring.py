@@ -1,8 +1,8 @@
 """Ring attention and Ulysses x ring (USP) are exact (issue 49), and the ring's split and schedule are right.
 
 Exactness: the stack harness (``tests/stack_harness.py``) on gloo ranks, each case against the plain single-process
-model (loss within rel 1e-5, every parameter gradient within rel 1e-4, fp32): ring 2 alone and with the other knobs
-on 2 ranks; ring 4, Ulysses 2 x ring 2, head chunking, the full stack and GQA with fewer kv heads than ranks on 4
+model (loss within rel 1e-5, every parameter gradient within rel 1e-4, fp32): ring 2 alone, with the other knobs
+and through the plugin ``trials.hf`` on 2 ranks; ring 4, Ulysses 2 x ring 2, head chunking, the full stack and GQA with fewer kv heads than ranks on 4
 (slow: four ranks on a shared 2-core host).
 
 Without processes: the zigzag split gives every column to exactly one rank (chunks r and 2R-1-r), and the ring's
@@ -32,7 +32,18 @@ def _case(name: str, model: str, step: bool = False, **techniques) -> dict:
     return {"name": f"{model}/{name}", "model": model, "techniques": techniques, "step": step}
 
 
+def _saved_model(folder, name: str) -> str:
+    """``name``'s preset as ``transformers`` saves a model of it (random weights), for the plugin ``trials.hf``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = {k: v for k, v in load_model_config(name).items() if not k.startswith("_")}
+    torch.manual_seed(49)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**values)).save_pretrained(folder)
+    return str(folder)
+
+
 def test_ring_exact_two_ranks(tmp_path):
+    folder = _saved_model(tmp_path / "tiny-llama", "tiny-llama")
     cases = [
         _case("ring2", "tiny-llama", ring_degree=2),
         _case("ring2", "tiny-qwen3", ring_degree=2),
@@ -40,6 +51,9 @@ def test_ring_exact_two_ranks(tmp_path):
         _case("ring2+checkpointing+offload+tiles", "tiny-qwen3", ring_degree=2, **CKPT_OFFLOAD, **TILES),
         _case("ring2+full+head_chunk=2", "tiny-llama", step=True, ring_degree=2, head_chunk=2, **FULL),
     ]
+    for via in ("from_pretrained", "apply"):  # the plugin runs the knob like every other
+        case = _case(f"ring2+checkpointing (trials.hf.{via})", "tiny-llama", ring_degree=2, **CKPT_OFFLOAD)
+        cases.append({**case, "pretrained": {"dir": folder, "via": via}})
     _check_exact(_launch(HARNESS, 2, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=600), len(cases))
 
 
