@@ -43,12 +43,19 @@ def _saved_model(folder, name: str) -> str:
 
 
 def test_ring_exact_two_ranks(tmp_path):
-    folder = _saved_model(tmp_path / "tiny-llama", "tiny-llama")
     cases = [
         _case("ring2", "tiny-llama", ring_degree=2),
+        _case("ring2+checkpointing+offload+tiles", "tiny-qwen3", ring_degree=2, **CKPT_OFFLOAD, **TILES),
+    ]
+    _check_exact(_launch(HARNESS, 2, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=600), len(cases))
+
+
+@pytest.mark.slow
+def test_ring_exact_two_ranks_with_head_chunks_the_full_stack_and_the_plugin(tmp_path):
+    folder = _saved_model(tmp_path / "tiny-llama", "tiny-llama")
+    cases = [
         _case("ring2", "tiny-qwen3", ring_degree=2),
         _case("ring2+head_chunk=1", "tiny-llama", ring_degree=2, head_chunk=1),
-        _case("ring2+checkpointing+offload+tiles", "tiny-qwen3", ring_degree=2, **CKPT_OFFLOAD, **TILES),
         _case("ring2+full+head_chunk=2", "tiny-llama", step=True, ring_degree=2, head_chunk=2, **FULL),
     ]
     for via in ("from_pretrained", "apply"):  # the plugin runs the knob like every other
