@@ -32,8 +32,8 @@ def seed_params(job: SearchJob) -> list[dict]:
         if knob.kind == "choice":  # the same kernel in every seed: the fastest the preset prices
             base[knob.name] = alst[knob.name] = kernel
             continue
-        if knob.parent is None:
-            base[knob.name] = knob.default
+        if knob.parent is None:  # a split knob (the ring) under its parameter at the plain model's Ulysses degree
+            base[param_name(knob, base) if knob.split_by else knob.name] = knob.default
         if knob.split_by is None:
             alst[knob.name] = max(choices[knob.name]) if knob.alst == "max" else knob.alst
     base["seq_len"], alst["seq_len"] = space.seq_lens[0], target_len
