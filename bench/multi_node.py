@@ -11,7 +11,10 @@ bench/ablation.py with two ways to use the nodes:
 - Ulysses over every GPU of every node (degree N x 8; kv heads replicated beyond 8): one sequence spans the
   nodes, its all-to-alls cross the InfiniBand fabric;
 - Ulysses over each node's 8 GPUs, data-parallel across nodes: each node trains its own sequence, the all-to-alls
-  stay on NVLink and FSDP's collectives cross the fabric.
+  stay on NVLink and FSDP's collectives cross the fabric;
+- Ulysses over each node's 8 GPUs x a ring across the nodes (USP, ``ring_degree`` N): one sequence spans the nodes
+  in zigzag chunks, the all-to-alls stay on NVLink and only the ring's K/V (and dK/dV) cross the fabric, each hop
+  through the sending GPU's own NIC.
 
 Columns: the longest length that fits, the predicted peak per rank there (device, and host per rank against the
 node's RAM share), which memory binds one grid step further, the predicted tokens/s and step time, the collectives'
@@ -63,7 +66,13 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="llama3-8b")
     parser.add_argument("--hardware", default="h100-sxm")
     parser.add_argument("--gpus", type=int, default=8, help="GPUs per node")
-    parser.add_argument("--nodes", default="1,2,4")
+    parser.add_argument("--nodes", default="1,2,4,8")
+    parser.add_argument(
+        "--layouts",
+        default="all,per-node,usp",
+        help="rows per node count: all (Ulysses over every GPU), per-node (Ulysses per node, data parallel across), "
+        "usp (Ulysses per node x a ring across the nodes)",
+    )
     parser.add_argument(
         "--explain",
         type=int,
@@ -132,12 +141,16 @@ def main(argv=None) -> int:
     for nodes in [int(n) for n in args.nodes.split(",")]:
         world = nodes * args.gpus
         hardware = preset.for_nodes(nodes)
-        layouts = [(world, f"x{world} (all GPUs)")]
-        if nodes > 1:
+        wanted = args.layouts.split(",")
+        layouts = [(world, f"x{world} (all GPUs)")] if "all" in wanted else []
+        if nodes > 1 and "per-node" in wanted:
             layouts.append((args.gpus, f"x{args.gpus} per node, DP x{nodes}"))
+        if nodes > 1 and "usp" in wanted:
+            layouts.append((args.gpus, f"x{args.gpus} per node x ring {nodes}"))
         for degree, label in layouts:
-            techniques = Techniques.from_dict(dict(FULL_STACK, ulysses_degree=degree), layers)
-            guess = 7 * 1024 * K * world // (args.gpus * max(1, world // degree))
+            ring = world // degree if "ring" in label else 1
+            techniques = Techniques.from_dict(dict(FULL_STACK, ulysses_degree=degree, ring_degree=ring), layers)
+            guess = 7 * 1024 * K * world // (args.gpus * max(1, world // (degree * ring)))
             evaluation = Evaluation(model_config, techniques, guess, args.gpus, hardware, nodes)
             backend = PlanBackend()
             started = time.perf_counter()
@@ -164,7 +177,7 @@ def main(argv=None) -> int:
                 f"{record.peak_device_bytes / GIB:8.1f} {record.host_bytes / GIB:8.1f} "
                 f"{binds(above, hardware):>6} {record.tokens_per_s:9,.0f} {record.step_time_s:8,.0f} "
                 f"{timing.exposed_comm_s:7,.0f} {island.step_time_s:10,.0f}  "
-                f"{PUBLISHED.get(nodes, '') if degree == world else ''} ({elapsed:.0f} s)",
+                f"{PUBLISHED.get(nodes, '') if degree * ring == world else ''} ({elapsed:.0f} s)",
                 flush=True,
             )
     print(

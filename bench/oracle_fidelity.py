@@ -51,6 +51,8 @@ class Config:
             parts.append("fsdp" + ("+optoff" if t.get("optimizer_offload") else ""))
         if t.get("ulysses_degree", 1) > 1:
             parts.append(f"sp{t['ulysses_degree']}")
+        if t.get("ring_degree", 1) > 1:
+            parts.append(f"ring{t['ring_degree']}")
         if t.get("head_chunk"):
             parts.append(f"hc{t['head_chunk']}")
         if t.get("activation_checkpointing"):
@@ -211,6 +213,25 @@ CONFIGS = [
         activation_offload_layers=4,
         loss_tile_tokens=1024,
     ),
+    # ring attention (zigzag, K/V passed around) and Ulysses x ring: the K/V in flight counted
+    _c("tiny-llama", 2, 4 * K, ring_degree=2),
+    _c("tiny-qwen3", 2, 4 * K, fsdp=True, ring_degree=2, activation_checkpointing=True),
+    _c("tiny-llama", 2, 8 * K, fsdp=True, ring_degree=2, head_chunk=2, activation_checkpointing=True),
+    _c("tiny-llama", 4, 8 * K, fsdp=True, ring_degree=4, activation_checkpointing=True),
+    _c("tiny-llama", 4, 8 * K, fsdp=True, ulysses_degree=2, ring_degree=2, activation_checkpointing=True),
+    _c(
+        "tiny-qwen3",
+        4,
+        8 * K,
+        fsdp=True,
+        ulysses_degree=2,
+        ring_degree=2,
+        head_chunk=1,
+        activation_checkpointing=True,
+        activation_offload_layers=4,
+        mlp_tile_tokens=1024,
+        loss_tile_tokens=1024,
+    ),
 ]
 
 
@@ -234,8 +255,8 @@ def _worker(specs_path: str, out_dir: str) -> int:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if world > 1 else 0
     for index, spec in enumerate(specs):
-        degree = spec["techniques"].get("ulysses_degree", 1)
-        mesh = build_mesh(degree, torch.device("cpu")) if world > 1 else Mesh.single()
+        degree, ring = spec["techniques"].get("ulysses_degree", 1), spec["techniques"].get("ring_degree", 1)
+        mesh = build_mesh(degree, torch.device("cpu"), ring_degree=ring) if world > 1 else Mesh.single()
         started = time.perf_counter()
         try:
             record = run_trial(TrialSpec.from_dict(spec), mesh).to_dict()

@@ -129,7 +129,7 @@ def run_case(case: dict, seq_len: int, refs: dict, meshes: dict) -> dict:
     from trials.models.model import build_model
     from trials.stack import apply
     from trials.stack.techniques import Techniques
-    from trials.training.data import make_batch, synthetic_sample
+    from trials.training.data import mesh_batch, synthetic_sample
     from trials.training.step import forward_backward, global_loss
 
     start = time.perf_counter()
@@ -137,12 +137,15 @@ def run_case(case: dict, seq_len: int, refs: dict, meshes: dict) -> dict:
     techniques = Techniques.from_dict(case["techniques"], model_config["num_hidden_layers"])
     world = int(os.environ.get("WORLD_SIZE", 1))
     techniques.validate(model_config, world, seq_len)
-    sp = techniques.ulysses_degree
-    if sp not in meshes:
+    groups = (techniques.ulysses_degree, techniques.ring_degree)
+    if groups not in meshes:
         from trials.core.dist import init_mesh
 
-        meshes[sp] = build_mesh(sp, torch.device("cpu")) if dist.is_initialized() else init_mesh(sp)
-    mesh = meshes[sp]
+        sp, ring = groups
+        meshes[groups] = (
+            build_mesh(sp, torch.device("cpu"), ring_degree=ring) if dist.is_initialized() else init_mesh(sp)
+        )
+    mesh = meshes[groups]
     pretrained = case.get("pretrained")
     key = (case["model"], mesh.dp_size, pretrained["dir"] if pretrained else None)
     if key not in refs:
@@ -158,7 +161,7 @@ def run_case(case: dict, seq_len: int, refs: dict, meshes: dict) -> dict:
         for layer in model.lm.model.layers:
             layer.self_attn.forward.batch_exchanges = True
     tokens = synthetic_sample(mesh.dp_rank, seq_len, model.config.vocab_size, 0)
-    batch = make_batch(tokens, mesh.sp_rank, mesh.sp_degree, mesh.device)
+    batch = mesh_batch(tokens, mesh)
     loss = global_loss(forward_backward(model, batch, mesh), mesh)
     grads = full_grads(model)
     result = {"name": case["name"], "loss": loss, "loss_rel": abs(loss - ref["loss"]) / abs(ref["loss"])}
@@ -181,7 +184,7 @@ def run_case(case: dict, seq_len: int, refs: dict, meshes: dict) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
-            scaled = model(batch.input_ids, batch.position_ids, batch.labels, scale=mesh.sp_degree / batch.valid_tokens)
+            scaled = model(batch.input_ids, batch.position_ids, batch.labels, scale=mesh.cp_degree / batch.valid_tokens)
         step_loss = global_loss(scaled, mesh)
         result["step_loss_rel"] = abs(step_loss - ref["step_loss"]) / abs(ref["step_loss"])
     result["seconds"] = round(time.perf_counter() - start, 3)
@@ -200,7 +203,7 @@ def main(argv: list[str]) -> int:
         if world > 1:
             from trials.core.dist import init_mesh
 
-            meshes[world] = init_mesh(world, timeout_s=300)
+            meshes[(world, 1)] = init_mesh(world, timeout_s=300)
         for case in spec["cases"]:
             results.append(run_case(case, spec["seq_len"], refs, meshes))
             if rank == 0:

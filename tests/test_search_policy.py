@@ -56,12 +56,13 @@ def test_memory_steps_change_one_knob_toward_less_memory():
     assert changed == [
         {"fsdp"},
         {"ulysses_degree"},
+        {"ring_degree"},  # a ring over the 8 GPUs (Ulysses 1): the sequence split without a Ulysses group
         {"activation_checkpointing"},
         {"mlp_tile_tokens"},
         {"loss_tile_tokens"},
         {"norm_tile_tokens"},
     ]
-    assert steps[3].mlp_tile_tokens == max(space.choices["mlp_tile_tokens"])  # the largest tile first
+    assert steps[4].mlp_tile_tokens == max(space.choices["mlp_tile_tokens"])  # the largest tile first
     full = Techniques(
         fsdp=True,
         optimizer_offload=True,

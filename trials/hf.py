@@ -4,7 +4,7 @@ your own loop.
     import torch
     from trials import hf
     from trials.training.config_file import load_config_file
-    from trials.training.data import make_batch
+    from trials.training.data import mesh_batch
     from trials.training.step import make_optimizer, train_step
 
     cfg = load_config_file("best.json")                            # what autotune found
@@ -12,7 +12,7 @@ your own loop.
     mesh = model.mesh
     optimizer = make_optimizer(model, cfg.techniques, mesh, lr=3e-5)
     for tokens in my_token_windows(cfg.seq_len + 1, replica=mesh.dp_rank):  # one [seq_len + 1] LongTensor
-        batch = make_batch(tokens, mesh.sp_rank, mesh.sp_degree, mesh.device)  # this rank's sequence shard
+        batch = mesh_batch(tokens, mesh)  # this rank's sequence shard (its zigzag columns with a ring)
         result = train_step(model, optimizer, batch, mesh)        # forward, backward, reduce, step
         print(result.loss)
 
@@ -64,8 +64,9 @@ def apply(
     model, techniques: Techniques, mesh: Mesh | None = None, compute_dtype: torch.dtype | None = None
 ) -> TrainingModel:
     """Apply ``techniques`` to a ``transformers`` causal LM (``PreTrainedModel``) in place; returns the
-    ``TrainingModel`` that wraps it, with ``.mesh``. ``mesh``: default ``trials.core.dist.init_mesh(ulysses_degree)``."""
-    mesh = mesh or init_mesh(techniques.ulysses_degree)
+    ``TrainingModel`` that wraps it, with ``.mesh``. ``mesh``: default ``trials.core.dist.init_mesh`` of the Ulysses and
+    ring degrees."""
+    mesh = mesh or init_mesh(techniques.ulysses_degree, ring_degree=techniques.ring_degree)
     attention.register()
     model.config.use_cache = False
     model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
@@ -88,7 +89,7 @@ def from_pretrained(
     ``model.safetensors.index.json``) with ``techniques`` applied, each rank holding and reading only its shards.
     ``load_weights=False``: the parameters' storage is left unset, for values that come from elsewhere (a training
     checkpoint)."""
-    mesh = mesh or init_mesh(techniques.ulysses_degree)
+    mesh = mesh or init_mesh(techniques.ulysses_degree, ring_degree=techniques.ring_degree)
     lm = _meta_model(path)
     return _stacked(TrainingModel(lm), techniques, mesh, compute_dtype, build=Path(path), load=load_weights)
 

@@ -54,7 +54,7 @@ from transformers import Trainer
 from trials.core.errors import ConfigError
 from trials.models.model import TrainingModel
 from trials.training import checkpoint, step
-from trials.training.data import Batch
+from trials.training.data import Batch, rank_columns
 
 IGNORE_INDEX = -100  # transformers' and trials' label that no loss is taken for
 STATE = "stack-state"  # a checkpoint's DCP folder of the sharded model and optimizer
@@ -255,7 +255,8 @@ class StackTrainer(StackTrainerMixin, Trainer):
 def stack_batch(inputs: dict, mesh) -> Batch:
     """Trainer's batch (the whole sequence, ``labels`` unshifted as ``transformers`` takes them) -> this rank's
     shard of the shifted sequence: labels shifted left over the whole sequence (the last position ignored), then
-    columns ``[sp_rank * seq / sp, (sp_rank + 1) * seq / sp)`` of each."""
+    this rank's columns of each (``trials.training.data.rank_columns``: its ring rank's zigzag columns, then its
+    Ulysses slice)."""
     input_ids = inputs["input_ids"]
     labels = inputs.get("labels", input_ids)
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
@@ -272,6 +273,8 @@ def stack_batch(inputs: dict, mesh) -> Batch:
         raise StackTrainerError("position_ids: packed documents are not supported; one document per sequence")
     shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     valid = int((shifted != IGNORE_INDEX).sum())
-    local = seq_len // mesh.sp_degree
-    cols = slice(mesh.sp_rank * local, (mesh.sp_rank + 1) * local)
+    try:
+        cols = rank_columns(seq_len, mesh.sp_rank, mesh.sp_degree, mesh.ring_rank, mesh.ring_degree)
+    except ValueError as exc:
+        raise StackTrainerError(f"input_ids: {exc}") from None
     return Batch(input_ids[:, cols], shifted[:, cols], positions[:, cols], valid_tokens=max(valid, 1))

@@ -46,7 +46,7 @@ from trials.core.memory import DeviceMemoryTracker
 from trials.models.config import load_model_config
 from trials.training import checkpoint
 from trials.training.config_file import load_config_file
-from trials.training.data import make_batch, read_token_file, synthetic_sample
+from trials.training.data import mesh_batch, read_token_file, synthetic_sample
 from trials.training.step import (
     DivergenceError,
     build_training,
@@ -279,7 +279,11 @@ def train(options: TrainOptions, print_fn=print, tokens: torch.Tensor | None = N
     stream, when the caller has read it (``main`` does, before any rank builds a model)."""
     config = load_config_file(options.config)
     techniques, seq_len = config.techniques, config.seq_len
-    mesh = init_mesh(techniques.ulysses_degree, timeout_s=collective_timeout_s(recorded_step_time_s(config)))
+    mesh = init_mesh(
+        techniques.ulysses_degree,
+        timeout_s=collective_timeout_s(recorded_step_time_s(config)),
+        ring_degree=techniques.ring_degree,
+    )
     tracker = DeviceMemoryTracker() if mesh.device.type != "cuda" else None
     resume_from = checkpoint.newest(Path(options.save)) if options.resume else None
     losses, rates, peak = [], [], 0
@@ -426,7 +430,7 @@ def _step(model, optimizer, source: TokenSource, consumed: int, options: TrainOp
     scaled = torch.zeros((), device=mesh.device)
     for micro in range(options.accumulate):
         index = consumed + micro * mesh.dp_size + mesh.dp_rank
-        batch = make_batch(source.window(index), mesh.sp_rank, mesh.sp_degree, mesh.device)
+        batch = mesh_batch(source.window(index), mesh)
         last = micro == options.accumulate - 1
         scaled += forward_backward(model, batch, mesh, tracker, options.accumulate, reduce=last)
     loss = summed_loss(scaled, mesh)  # on the device, as the norm: clipping and the optimizer step queue without a sync
@@ -435,7 +439,7 @@ def _step(model, optimizer, source: TokenSource, consumed: int, options: TrainOp
         clip_gradients(model, norm, options.max_grad_norm)
     with tracker.in_phase("optimizer") if tracker is not None else contextlib.nullcontext():
         loss_sum, norm_value = step_if_finite(optimizer, loss, norm)  # skipped when either is nan or inf
-    return loss_sum / (mesh.sp_degree * mesh.dp_size), norm_value
+    return loss_sum / (mesh.cp_degree * mesh.dp_size), norm_value
 
 
 def _local_bytes(param) -> int:

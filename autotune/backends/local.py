@@ -373,7 +373,7 @@ def extend_to_depth(
     allocated = int(extended.peak_device_bytes)
     reserved = allocated + max(0, allocator_slack)
     device = reserved + int(last.get("runtime_bytes") or 0)
-    dp = evaluation.world_size // evaluation.techniques.ulysses_degree
+    dp = evaluation.world_size // (evaluation.techniques.ulysses_degree * evaluation.techniques.ring_degree)
     result = ResultRecord(
         status="ok",
         source="measured",

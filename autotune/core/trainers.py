@@ -46,8 +46,8 @@ class ExportJob:
 
     @property
     def local_tokens(self) -> int:
-        """Tokens per rank: Ulysses splits the sequence over its degree."""
-        return self.seq_len // self.techniques.ulysses_degree
+        """Tokens per rank: Ulysses and the ring split the sequence over their degrees."""
+        return self.seq_len // (self.techniques.ulysses_degree * self.techniques.ring_degree)
 
 
 def _as_asked(value, job: ExportJob):
@@ -255,6 +255,7 @@ DEEPSPEED = Trainer(
         "ulysses_degree": exactly(
             "sequence_parallel_size; UlyssesSPAttentionHF and UlyssesSPDataLoaderAdapter in .alst.py"
         ),
+        "ring_degree": not_expressed("DeepSpeed has no ring attention"),
         "head_chunk": not_expressed("DeepSpeed's Ulysses attention runs all local heads at once"),
         "activation_checkpointing": exactly("model.gradient_checkpointing_enable() in .alst.py"),
         "activation_offload_layers": exactly("CheckpointHiddenStatesOffload(keep_last_count = layers - N) in .alst.py"),
@@ -279,6 +280,7 @@ ARCTIC = Trainer(
             "deepspeed.zero_optimization.offload_optimizer and offload_param on the cpu, optimizer.type: cpu_adam"
         ),
         "ulysses_degree": exactly("sequence_parallel_size"),
+        "ring_degree": not_expressed("ArcticTraining has no ring attention"),
         "head_chunk": not_expressed("ArcticTraining runs plain Ulysses attention (no head chunking)"),
         "activation_checkpointing": exactly("on by default; model.disable_activation_checkpoint: true turns it off"),
         "activation_offload_layers": runs_as(
@@ -321,6 +323,10 @@ ACCELERATE_DEEPSPEED = Trainer(
             "zero_optimization.offload_optimizer and offload_param on the cpu in the DeepSpeed JSON"
         ),
         "ulysses_degree": exactly("parallelism_config_sp_size with sp_backend deepspeed"),
+        "ring_degree": not_expressed(
+            "Accelerate refuses cp_size > 1 beside sp_size > 1, and its cp_size is torch's context parallel, not "
+            "this ring"
+        ),
         "head_chunk": not_expressed("DeepSpeed's Ulysses attention runs all local heads at once"),
         "activation_checkpointing": exactly(
             "TrainingArguments(activation_checkpointing=True) or model.activation_checkpointing_enable()"

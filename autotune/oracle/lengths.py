@@ -36,7 +36,8 @@ def probe_steps(techniques, unit: int, min_tokens: int = 64 * 1024) -> tuple[int
     more, of every tile, and the length at least ``min_tokens``: the lengths ``LengthModel`` is built from. A
     segment's peak is the largest of its ops' live bytes, each affine in the length: at short lengths the op
     whose bytes do not grow with it can hold the peak, so the traces start where the length dominates."""
-    split = max(1, int(getattr(techniques, "ulysses_degree", 1) or 1))  # the ranks one sequence is split over
+    # the ranks one sequence is split over: Ulysses x ring (``unit`` holds the ring's 2 x ring x Ulysses)
+    split = max(1, int(getattr(techniques, "ulysses_degree", 1) or 1)) * max(1, getattr(techniques, "ring_degree", 1))
     tiles = grid_tiles(techniques)
     period = 1
     for tile in tiles:

@@ -18,7 +18,7 @@ from trials.core import patches
 from trials.core.dist import Mesh, build_mesh, ensure_device_mesh
 from trials.core.memory import DeviceMemoryTracker, TrackerListener
 from trials.models.config import copy_for_runs
-from trials.training.data import make_batch
+from trials.training.data import mesh_batch
 from trials.training.step import build_training, train_step
 from trials.training.step import prime_optimizer as prime_optimizer_states
 from trials.trial.memory_timeline import TimelineRecorder
@@ -102,7 +102,10 @@ def trace(
     stopped = False
     with fake_process_group(world_size, world_size > 1 or techniques.fsdp, rank=rank):
         # groups and the device mesh hold small real tensors: build them before faking
-        mesh = build_mesh(techniques.ulysses_degree, device) if world_size > 1 else Mesh.single(device)
+        if world_size > 1:
+            mesh = build_mesh(techniques.ulysses_degree, device, ring_degree=techniques.ring_degree)
+        else:
+            mesh = Mesh.single(device)
         if world_size > 1 and not mesh.distributed:
             raise RuntimeError("fake process group did not take")
         if techniques.fsdp and mesh.device_mesh is None:
@@ -125,7 +128,7 @@ def trace(
                 if timeline is not None:
                     timeline.watch(model)
                 tokens = torch.zeros(seq_len + 1, dtype=torch.long)
-                batch = make_batch(tokens, mesh.sp_rank, mesh.sp_degree, device)
+                batch = mesh_batch(tokens, mesh, device)
                 if prime_optimizer:
                     prime_optimizer_states(model, optimizer, tracker)
                     peaks.segment = ("setup", None)

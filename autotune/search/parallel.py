@@ -28,6 +28,7 @@ from autotune.backends.pool import PooledBackend, default_workers
 from autotune.core.evaluation import Evaluation
 from autotune.search.job import SearchJob
 from autotune.search.policy import infer_record
+from autotune.search.space import split_unit
 
 
 @contextlib.contextmanager
@@ -75,7 +76,7 @@ def upcoming(job: SearchJob, study: optuna.Study, current: Evaluation) -> tuple[
             wanted.append(Evaluation(job.model_config, techniques, seq_len, job.gpus, job.hardware, job.nodes))
     likely = []
     for evaluation in [current] + wanted:
-        degree = evaluation.techniques.ulysses_degree
+        degree = split_unit(evaluation.techniques.ulysses_degree, evaluation.techniques.ring_degree)
         longer = [s for s in job.space.seq_lens if s > evaluation.seq_len and s % degree == 0]
         if longer and infer_record(study, evaluation.techniques, longer[0]) is None:
             likely.append(

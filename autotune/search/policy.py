@@ -11,7 +11,7 @@ from optuna.trial import TrialState
 
 from autotune.core.record import ResultRecord
 from autotune.search.job import SearchJob
-from autotune.search.space import param_name
+from autotune.search.space import param_name, split_unit
 from autotune.search.study import FINISHED
 from trials.stack.rules import length_unit
 from trials.stack.techniques import Techniques, knobs
@@ -32,8 +32,8 @@ def seed_params(job: SearchJob) -> list[dict]:
         if knob.kind == "choice":  # the same kernel in every seed: the fastest the preset prices
             base[knob.name] = alst[knob.name] = kernel
             continue
-        if knob.parent is None:
-            base[knob.name] = knob.default
+        if knob.parent is None:  # a split knob (the ring) under its parameter at the plain model's Ulysses degree
+            base[param_name(knob, base) if knob.split_by else knob.name] = knob.default
         if knob.split_by is None:
             alst[knob.name] = max(choices[knob.name]) if knob.alst == "max" else knob.alst
     base["seq_len"], alst["seq_len"] = space.seq_lens[0], target_len
@@ -56,7 +56,10 @@ def seed_params(job: SearchJob) -> list[dict]:
             seeds.insert(2, {**seeds[1], name: min(c for c in split if not knob.is_off(c))})
     layers = job.model_config["num_hidden_layers"]
     frugal = search_frugal(job)
-    top = max((s for s in space.seq_lens if s % frugal.ulysses_degree == 0), default=target_len)
+    top = max(
+        (s for s in space.seq_lens if s % split_unit(frugal.ulysses_degree, frugal.ring_degree) == 0),
+        default=target_len,
+    )
     for at, length in ((2, target_len), (len(seeds), top)):  # at the target, and at the grid's end (its wall)
         params = space.params_for(frugal, length, layers)
         if params is not None and params not in seeds:
@@ -143,7 +146,8 @@ def wall_step(job: SearchJob, known: list[tuple[dict, int, ResultRecord]], techn
         return None
     hi = above[0][0]
     if not _is_frugal(job, techniques) and any(
-        lo < s < hi and s % techniques.ulysses_degree == 0 for s in job.space.seq_lens
+        lo < s < hi and s % split_unit(techniques.ulysses_degree, techniques.ring_degree) == 0
+        for s in job.space.seq_lens
     ):
         return None  # the climb goes on along the grid first (the frugal config goes straight for its wall)
     unit = math.lcm(length_unit(techniques), techniques.ulysses_degree)
@@ -213,7 +217,9 @@ def follow_ups(
     frugal = _is_frugal(job, techniques)
     if record.status == "ok" and (on_front(seq_len, record.tokens_per_s or 0.0) or frugal):
         fits = max((s for t, s, r in known if t == wanted and r.status == "ok"), default=seq_len)
-        longer = [s for s in lens if s > fits and s % techniques.ulysses_degree == 0]  # beyond what it fits at
+        longer = [
+            s for s in lens if s > fits and s % split_unit(techniques.ulysses_degree, techniques.ring_degree) == 0
+        ]  # beyond what it fits at
         if longer:
             candidates.append((techniques, longer[0]))
         elif frugal:  # past the grid's end: the node's wall may lie beyond it, and the front should show it
@@ -222,20 +228,26 @@ def follow_ups(
     elif record.status == "oom" and frugal and not any(t == wanted and r.status == "ok" for t, s, r in known):
         # the most frugal config out of memory wherever it was tried: its wall (the node's) lies below; halve the
         # grid below in log space until it fits, then the wall steps close in
-        lower = [s for s in lens if s < seq_len and s % techniques.ulysses_degree == 0]
+        lower = [
+            s for s in lens if s < seq_len and s % split_unit(techniques.ulysses_degree, techniques.ring_degree) == 0
+        ]
         if lower:
             candidates.append((techniques, lower[len(lower) // 2]))
     elif record.status == "oom" and seq_len in lens:
         shorter = [(s, r) for t, s, r in known if t == wanted and s < seq_len and r.status == "ok"]
         if shorter:
             last_len, last = max(shorter, key=lambda item: item[0])
-            previous = [s for s in lens if s < seq_len and s % techniques.ulysses_degree == 0]
+            previous = [
+                s
+                for s in lens
+                if s < seq_len and s % split_unit(techniques.ulysses_degree, techniques.ring_degree) == 0
+            ]
             if previous and last_len == previous[-1] and on_front(last_len, last.tokens_per_s or 0.0):
                 layers = job.model_config["num_hidden_layers"]
                 candidates += [
                     (step, seq_len)
                     for step in job.space.memory_steps(techniques, layers)
-                    if seq_len % step.ulysses_degree == 0
+                    if seq_len % split_unit(step.ulysses_degree, step.ring_degree) == 0
                 ]
     fresh = []
     for candidate, length in candidates:

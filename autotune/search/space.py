@@ -9,6 +9,8 @@ knobs (define-by-run, so Optuna's TPE learns each branch) are those with a ``sam
     head_chunk              only when ulysses_degree > 1 (choices depend on the degree, so each degree
                             has its own parameter name ``head_chunk_u{degree}``: ``split_by``, whose rule
                             says which chunks each degree keeps)
+    ring_degree             per Ulysses degree (``ring_degree_u{degree}``): the rings that Ulysses x ring fits
+                            in the world (the context-parallel world factored into Ulysses x ring)
     activation_offload_layers  only with activation_checkpointing
 
 The ``attention`` knob's choices may hold the word ``hardware``: the attention kernels the search's hardware runs
@@ -47,6 +49,12 @@ KNOBS = knob_names()
 _SEQ_KEYS = {"min_fraction": 0.0625, "max_fraction": 4.0, "points_per_doubling": 2, "multiple_of": 1024}
 _TABLE = {k.name: k for k in knobs()}
 HARDWARE_KERNELS = "hardware"  # the attention choice that stands for the kernels the hardware runs
+
+
+def split_unit(ulysses_degree: int, ring_degree: int) -> int:
+    """What a length must be a multiple of to split over Ulysses x ring: the Ulysses degree, or with a ring its 2 x
+    ring zigzag chunks each split by Ulysses."""
+    return 2 * ring_degree * ulysses_degree if ring_degree > 1 else ulysses_degree
 
 
 def param_name(knob: Knob, values: dict) -> str:
@@ -124,7 +132,8 @@ class SearchSpace:
                 continue
             value = trial.suggest_categorical(param_name(knob, values), choices)
             values[knob.name] = num_layers if value == ALL_LAYERS else value
-        seq_len = trial.suggest_categorical("seq_len", [s for s in self.seq_lens if s % values["ulysses_degree"] == 0])
+        unit = split_unit(values["ulysses_degree"], values["ring_degree"])
+        seq_len = trial.suggest_categorical("seq_len", [s for s in self.seq_lens if s % unit == 0])
         if WALL_PARAM in (queued_params(trial) if queued is None else queued):  # queued between two grid lengths
             seq_len = trial.suggest_int(WALL_PARAM, *_WALL_RANGE)
         return Techniques(**values), seq_len
@@ -159,12 +168,13 @@ class SearchSpace:
             if value not in choices:
                 return None
             params[param_name(knob, values)] = value
-        lengths = [s for s in self.seq_lens if s % techniques.ulysses_degree == 0]
+        unit = split_unit(techniques.ulysses_degree, techniques.ring_degree)
+        lengths = [s for s in self.seq_lens if s % unit == 0]
         if seq_len in lengths:
             params["seq_len"] = seq_len
             return params
         below = [s for s in lengths if s < seq_len]
-        if not below or seq_len % techniques.ulysses_degree:
+        if not below or seq_len % unit:
             return None  # between two grid lengths, or above the grid
         params["seq_len"] = below[-1]
         params[WALL_PARAM] = seq_len
@@ -282,7 +292,7 @@ def load_space(
         choices=choices,
         seq_lens=_seq_grid(path, data.get("seq_len") or {}, target, choices),
         split_choices={
-            k.name: {v: _fitting(k, choices[k.name], v, model_config) for v in choices[k.split_by[0]]}
+            k.name: {v: _fitting(k, choices[k.name], v, model_config, gpus) for v in choices[k.split_by[0]]}
             for k in knobs()
             if k.split_by
         },
@@ -412,10 +422,10 @@ def _filter(
     }
 
 
-def _fitting(knob: Knob, choices: list, value: Any, model_config: dict) -> list:
+def _fitting(knob: Knob, choices: list, value: Any, model_config: dict, gpus: int) -> list:
     """The choices of a ``split_by`` knob its rule lets run with the other knob at ``value`` (none: the default)."""
     rule = knob.split_by[2]
-    return [c for c in choices if rule(c, value, model_config) is None] or [knob.default]
+    return [c for c in choices if rule(c, value, model_config, gpus) is None] or [knob.default]
 
 
 def _seq_grid(path: Path, spec: dict, target: int, choices: dict) -> list[int]:
@@ -430,7 +440,8 @@ def _seq_grid(path: Path, spec: dict, target: int, choices: dict) -> list[int]:
             raise UserError(f"search space {str(path)!r}: seq_len.{key} must be a positive number, got {value!r}")
     if values["min_fraction"] > 1 or values["max_fraction"] < 1:
         raise UserError(f"search space {str(path)!r}: seq_len must span the target (min_fraction <= 1 <= max_fraction)")
-    multiple = math.lcm(int(values["multiple_of"]), *choices["ulysses_degree"])
+    units = [split_unit(u, r) for u in choices["ulysses_degree"] for r in choices["ring_degree"] if r >= 1]
+    multiple = math.lcm(int(values["multiple_of"]), *choices["ulysses_degree"], *units)
     step = 1.0 / values["points_per_doubling"]
     low, high = math.log2(values["min_fraction"]), math.log2(values["max_fraction"])
     exponents = [k * step for k in range(math.floor(low / step), math.ceil(high / step) + 1)]

@@ -544,6 +544,16 @@ class StepCounter(TorchDispatchMode):
             factor = 2 * (size - 1) / size
         elif name in ("wait_tensor",):
             return
+        elif name in ("send", "recv_", "recv_any_source_"):
+            # ring attention's point-to-point K/V (and dK/dV) to the next ring rank (trials.stack.ring): priced by
+            # its sends, each received once
+            self.counts.phases[phase].ops += 1
+            if name != "send":
+                return
+            kind = "p2p"
+            nbytes = sum(_nbytes(t) for t in _tensors(args))
+            size = _group_size(bound, self.world_size)
+            factor = 1.0
         else:
             kind = "other"
             nbytes = sum(_nbytes(t) for t in _tensors(args))

@@ -106,6 +106,19 @@ class StepCounts:
                 total.max_wire_bytes = max(total.max_wire_bytes, c.max_wire_bytes)
         return out
 
+    def by_phase(self, kind: str) -> dict[str, CollectiveCounts]:
+        """The collectives of ``kind`` summed per phase (every group size, sync and FSDP)."""
+        out: dict[str, CollectiveCounts] = {}
+        for key, c in self.collectives.items():
+            k, phase, _, _ = _parts(key)
+            if k == kind:
+                total = out.setdefault(phase, CollectiveCounts())
+                total.calls += c.calls
+                total.bytes += c.bytes
+                total.wire_bytes += c.wire_bytes
+                total.max_wire_bytes = max(total.max_wire_bytes, c.max_wire_bytes)
+        return out
+
     def collective_calls(self) -> int:
         """Collective calls over groups of several ranks (sync and FSDP; sizes unknown counted)."""
         return sum(c.calls for size, c in self.by_group().items() if size is None or size > 1)

@@ -12,7 +12,7 @@ from trials.core.memory import DeviceMemoryTracker
 from trials.models.model import build_model
 from trials.stack import apply
 from trials.stack.techniques import Techniques
-from trials.training.data import make_batch, synthetic_sample
+from trials.training.data import mesh_batch, synthetic_sample
 from trials.training.step import train_step
 
 
@@ -33,7 +33,7 @@ def count_real_step(
         tracker.retag(model.parameters(), "params")
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=False)
         tokens = synthetic_sample(mesh.dp_rank, seq_len, model.config.vocab_size, seed)
-        batch = make_batch(tokens, mesh.sp_rank, mesh.sp_degree, mesh.device)
+        batch = mesh_batch(tokens, mesh)
         train_step(model, optimizer, batch, mesh, tracker)  # warm-up: optimizer states appear here
         counter = StepCounter(tracker, seq_len=seq_len, world_size=mesh.world_size)
         with counter:

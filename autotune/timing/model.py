@@ -17,7 +17,9 @@ A small roofline-style model, every rate and efficiency a named field of the har
        optimizer      = optimizer bytes / host_optimizer_bytes_per_s (offloaded) or as elementwise (device)
        step_time      = compute + recompute + exposed comm + exposed host + optimizer
 
-   ``tokens_per_s = seq_len * dp_size / step_time`` with ``dp_size = world_size / ulysses_degree``.
+       ring transfers = K/V (and dK/dV) sends to the next ring rank, hidden behind each ring step's attention
+                        but the last (``ring_transfer_time``), NVLink inside a node, the NIC across nodes
+   ``tokens_per_s = seq_len * dp_size / step_time`` with ``dp_size = world_size / (ulysses_degree x ring_degree)``.
 
 The ``cpu`` preset's rates come from a calibration (``autotune calibrate``; the preset ships a typical
 machine's) so predictions can be checked against real CPU trials (bench/throughput_fidelity.py).
@@ -200,6 +202,45 @@ def _transfer_time(
     return max(wire_bytes / intra if local > 1 else 0.0, wire_bytes / (local * nic))
 
 
+def ring_crosses_nodes(techniques: Techniques, world_size: int, gpus_per_node: int | None) -> bool:
+    """Whether a ring's hops cross nodes: ring neighbours are ``ulysses_degree`` ranks apart (``trials.core.dist``),
+    so every context-parallel group of more ranks than a node holds has a hop between nodes, and ranks run in
+    lockstep."""
+    cp = techniques.ulysses_degree * techniques.ring_degree
+    return bool(gpus_per_node) and world_size > gpus_per_node and cp > gpus_per_node
+
+
+def ring_transfer_time(
+    counts: StepCounts, r: Rates, techniques: Techniques, world_size: int, gpus_per_node: int | None
+) -> tuple[float, float]:
+    """(seconds of the ring's point-to-point transfers, seconds of them not hidden) per step.
+
+    Each ring step sends the K/V it holds to the next rank while it computes attention on them (in backward also
+    the dK/dV accumulators), so a step costs max(attention on the chunk, transfer): per phase the transfers hide
+    behind the attention of every ring step but the last, ``attention x (R-1)/R``. In backward a layer makes
+    2R-1 transfers (R-1 of K/V, R of dK/dV) and the last has nothing after it: at least 1/(2R-1) of them shows.
+    A hop inside a node moves over NVLink; a hop across nodes through the sending rank's own NIC
+    (``ring_crosses_nodes``), its latency the fabric's."""
+    ring = techniques.ring_degree
+    if ring <= 1:
+        return 0.0, 0.0
+    crosses = ring_crosses_nodes(techniques, world_size, gpus_per_node) and bool(r.inter_node_bytes_per_s)
+    link = (
+        r.inter_node_bytes_per_s * r.inter_node_efficiency
+        if crosses
+        else r.intra_node_bytes_per_s * _efficiency("other", r)
+    )
+    latency = (r.inter_node_latency_s or r.collective_latency_s) if crosses else r.collective_latency_s
+    total = exposed = 0.0
+    for phase, c in counts.by_phase("p2p").items():
+        seconds = c.wire_bytes / link + c.calls * latency
+        hidden = (attention_time(counts, (phase,), r) or 0.0) * (ring - 1) / ring
+        floor = seconds / (2 * ring - 1) if phase == "backward" else 0.0
+        total += seconds
+        exposed += max(floor, seconds - hidden)
+    return total, exposed
+
+
 def predict_step_time(
     counts: StepCounts,
     rates: Rates,
@@ -238,6 +279,10 @@ def predict_step_time(
         t = sum(_collective_time(c, kind, r, size, **layout) for size, c in counts.by_group(kind, fsdp=False).items())
         detail[f"{kind}_sync_s"] = t
         sync += t
+    ring_s, ring_exposed = ring_transfer_time(counts, r, techniques, world_size, gpus_per_node)
+    detail["ring_transfer_s"] = ring_s
+    detail["ring_exposed_s"] = ring_exposed
+    sync += ring_exposed
     fsdp_total = 0.0
     for kind in kinds:
         t = sum(_collective_time(c, kind, r, size, **layout) for size, c in counts.by_group(kind, fsdp=True).items())
@@ -303,7 +348,7 @@ def predict_step_time(
         optimizer = _combine(work, overhead, r)
 
     step = compute + recompute + exposed_comm + exposed_host + optimizer
-    dp = max(1, world_size // degree)
+    dp = max(1, world_size // (degree * techniques.ring_degree))
     tokens_per_s = seq_len * dp / step if seq_len and step > 0 else None
     return TimeBreakdown(
         step_time_s=step,

@@ -1,7 +1,10 @@
-"""Process groups for a trial: one flat FSDP mesh over all ranks, Ulysses groups of consecutive ranks.
+"""Process groups for a trial: one flat FSDP mesh over all ranks, Ulysses groups of consecutive ranks, rings
+spanning them (USP: Ulysses inside a node, the ring across nodes).
 
-    world = dp_size * sp_degree;  rank = dp_rank * sp_degree + sp_rank
-    Ulysses group of replica d: ranks [d*sp_degree, (d+1)*sp_degree)
+    cp_degree = sp_degree * ring_degree          (the context-parallel world: ranks that split one sequence)
+    world = dp_size * cp_degree;  rank = dp_rank * cp_degree + ring_rank * sp_degree + sp_rank
+    Ulysses group of replica d, ring rank r: ranks d*cp_degree + r*sp_degree + [0, sp_degree)
+    ring of replica d, Ulysses rank u:       ranks d*cp_degree + u + sp_degree * [0, ring_degree)
 
 CPU -> gloo; CUDA -> NCCL for device tensors plus gloo for host ones (``process_group_backend``): with optimizer
 offload FSDP2's shards and gradients live on the host, and any collective on them needs a CPU backend. World size 1 needs no process group at all (``Mesh.single()``), except for FSDP
@@ -41,18 +44,29 @@ class Mesh:
     device: torch.device
     sp_group: dist.ProcessGroup | None = None
     device_mesh: object | None = None  # torch DeviceMesh over all ranks (FSDP), None when world is 1
+    ring_degree: int = 1
+    ring_group: dist.ProcessGroup | None = None  # this rank's ring (``trials.stack.ring``), None when ring_degree is 1
+
+    @property
+    def cp_degree(self) -> int:
+        """Ranks that split one sequence: the Ulysses degree times the ring degree."""
+        return self.sp_degree * self.ring_degree
 
     @property
     def sp_rank(self) -> int:
         return self.rank % self.sp_degree
 
     @property
+    def ring_rank(self) -> int:
+        return self.rank % self.cp_degree // self.sp_degree
+
+    @property
     def dp_rank(self) -> int:
-        return self.rank // self.sp_degree
+        return self.rank // self.cp_degree
 
     @property
     def dp_size(self) -> int:
-        return self.world_size // self.sp_degree
+        return self.world_size // self.cp_degree
 
     @property
     def distributed(self) -> bool:
@@ -74,19 +88,21 @@ def process_group_backend(device: torch.device) -> str:
     return "cuda:nccl,cpu:gloo" if torch.device(device).type == "cuda" else "gloo"
 
 
-def init_mesh(sp_degree: int, device: torch.device | None = None, timeout_s: float = 600) -> Mesh:
+def init_mesh(sp_degree: int, device: torch.device | None = None, timeout_s: float = 600, ring_degree: int = 1) -> Mesh:
     """Join the torchrun job (or stay single-process) and build the groups."""
     device = device or default_device()
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if world_size == 1 and not dist.is_initialized():
-        if sp_degree != 1:
-            raise ValueError(f"ulysses_degree {sp_degree} needs {sp_degree} ranks, have 1")
+        if sp_degree != 1 or ring_degree != 1:
+            raise ValueError(
+                f"ulysses_degree {sp_degree} x ring_degree {ring_degree} needs {sp_degree * ring_degree} ranks, have 1"
+            )
         return Mesh.single(device)
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend=process_group_backend(device), timeout=timedelta(seconds=timeout_s))
-    return build_mesh(sp_degree, device, timeout_s)
+    return build_mesh(sp_degree, device, timeout_s, ring_degree=ring_degree)
 
 
 def ensure_device_mesh(mesh: Mesh) -> Mesh:
@@ -105,7 +121,7 @@ def ensure_device_mesh(mesh: Mesh) -> Mesh:
     return mesh
 
 
-def build_mesh(sp_degree: int, device: torch.device, timeout_s: float | None = None) -> Mesh:
+def build_mesh(sp_degree: int, device: torch.device, timeout_s: float | None = None, ring_degree: int = 1) -> Mesh:
     """Groups over an initialised default process group (real or fake).
 
     ``timeout_s``: the Ulysses groups' collective timeout (``init_mesh`` passes the trial's, as it gives the default
@@ -116,15 +132,25 @@ def build_mesh(sp_degree: int, device: torch.device, timeout_s: float | None = N
     from torch.distributed.device_mesh import init_device_mesh
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    if world_size % sp_degree:
-        raise ValueError(f"ulysses_degree {sp_degree} does not divide world size {world_size}")
-    sp_group = None
+    cp_degree = sp_degree * ring_degree
+    if world_size % cp_degree:
+        raise ValueError(
+            f"ulysses_degree {sp_degree} x ring_degree {ring_degree} does not divide world size {world_size}"
+        )
+    sp_group = ring_group = None
     timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     # every rank must create every group, in the same order
     for start in range(0, world_size, sp_degree):
         group = dist.new_group(list(range(start, start + sp_degree)), timeout=timeout)
         if start <= rank < start + sp_degree:
             sp_group = group
+    if ring_degree > 1:
+        for replica in range(0, world_size, cp_degree):
+            for offset in range(sp_degree):
+                members = [replica + offset + sp_degree * r for r in range(ring_degree)]
+                group = dist.new_group(members, timeout=timeout)
+                if rank in members:
+                    ring_group = group
     device_mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",))
     if sp_degree > 1:
         import deepspeed.comm
@@ -135,7 +161,14 @@ def build_mesh(sp_degree: int, device: torch.device, timeout_s: float | None = N
             with deepspeed_shm_comm_op_skipped():
                 deepspeed.comm.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
     return Mesh(
-        rank=rank, world_size=world_size, sp_degree=sp_degree, device=device, sp_group=sp_group, device_mesh=device_mesh
+        rank=rank,
+        world_size=world_size,
+        sp_degree=sp_degree,
+        device=device,
+        sp_group=sp_group,
+        device_mesh=device_mesh,
+        ring_degree=ring_degree,
+        ring_group=ring_group,
     )
 
 

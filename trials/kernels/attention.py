@@ -218,9 +218,14 @@ def _window_size(kernel: str, window: int | None) -> tuple:
     return (None, None) if kernel == "flash4" else (-1, -1)
 
 
-def attention_forward(query, key, value, scaling: float, kernel: str = "sdpa", window=None, softcap=None):
+def attention_forward(
+    query, key, value, scaling: float, kernel: str = "sdpa", window=None, softcap=None, causal: bool = True
+):
     """Causal attention (within ``window`` keys) without autograd, in ``head_layout(kernel)``; returns (out,
-    residuals tuple)."""
+    residuals tuple). ``causal=False``: every query sees every key (a ring's block of earlier keys,
+    ``trials.stack.ring``; no window)."""
+    if not causal and window:
+        raise ValueError("a sliding window is causal")
     if kernel in FLASH_KERNELS:
         _require(kernel, query.device)
         left, right = _window_size(kernel, band(window, key.shape[1]))
@@ -228,10 +233,10 @@ def attention_forward(query, key, value, scaling: float, kernel: str = "sdpa", w
         forward = _entry(kernel, "forward")
         if kernel == "flash":  # (out, softmax_lse, S_dmask, rng_state); positional, as flash-attn 2's op takes them
             out, lse, _, rng_state = forward(
-                query, key, value, 0.0, scaling, True, left, right, softcap or 0.0, None, False
+                query, key, value, 0.0, scaling, causal, left, right, softcap or 0.0, None, False
             )
             return out, (lse, rng_state)
-        kwargs = dict(softmax_scale=scaling, causal=True, softcap=softcap or 0.0)
+        kwargs = dict(softmax_scale=scaling, causal=causal, softcap=softcap or 0.0)
         kwargs.update(window_size_left=left, window_size_right=right)
         if kernel == "flash3":  # (out, softmax_lse, out_accum, softmax_lse_accum)
             out, lse, *_ = forward(query, key, value, **kwargs)
@@ -245,19 +250,29 @@ def attention_forward(query, key, value, scaling: float, kernel: str = "sdpa", w
     if window:
         return _windowed_forward(query, k, v, scaling, window)
     if query.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, k, v, 0.0, True, scale=scaling)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, k, v, 0.0, causal, scale=scaling)
         return out, (lse,)
     # CUDA "sdpa": the memory-efficient kernel (any float dtype, returns logsumexp; the flash one is 16-bit only).
     # Not necessarily the backend F.scaled_dot_product_attention picks for a whole layer (cuDNN or flash in 16-bit
     # on recent GPUs), so its speed is a kernel of its own.
     out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
-        query, k, v, None, True, 0.0, True, scale=scaling
+        query, k, v, None, True, 0.0, causal, scale=scaling
     )
     return out, (lse, seed, offset)
 
 
 def attention_backward(
-    grad_out, query, key, value, out, residuals, scaling: float, kernel: str = "sdpa", window=None, softcap=None
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    residuals,
+    scaling: float,
+    kernel: str = "sdpa",
+    window=None,
+    softcap=None,
+    causal: bool = True,
 ):
     """Gradients (dq, dk, dv) of ``attention_forward``, same layout and shapes as (query, key, value)."""
     if kernel in FLASH_KERNELS:
@@ -266,15 +281,15 @@ def attention_backward(
         kwargs = dict(softmax_scale=scaling, softcap=softcap, window_size_left=left, window_size_right=right)
         if kernel == "flash4":  # allocates and returns (dq, dk, dv); its order: q, k, v, out, dout, lse
             (lse,) = residuals
-            return backward(query, key, value, out, grad_out, lse, causal=True, **kwargs)[:3]
+            return backward(query, key, value, out, grad_out, lse, causal=causal, **kwargs)[:3]
         dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
         if kernel == "flash":  # into dq/dk/dv; returns softmax_d
             lse, rng_state = residuals
-            args = (grad_out, query, key, value, out, lse, dq, dk, dv, 0.0, scaling, True, left, right, softcap)
+            args = (grad_out, query, key, value, out, lse, dq, dk, dv, 0.0, scaling, causal, left, right, softcap)
             backward(*args, None, False, rng_state)
         else:  # flash3: into dq/dk/dv; returns softmax_d
             (lse,) = residuals
-            backward(grad_out, query, key, value, out, lse, dq=dq, dk=dk, dv=dv, is_causal=True, **kwargs)
+            backward(grad_out, query, key, value, out, lse, dq=dq, dk=dk, dv=dv, is_causal=causal, **kwargs)
         return dq, dk, dv
     window = band(window, key.shape[2])
     groups = query.shape[1] // key.shape[1]
@@ -284,12 +299,12 @@ def attention_backward(
     elif query.device.type == "cpu":
         (lse,) = residuals
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, query, k, v, out, lse, 0.0, True, scale=scaling
+            grad_out, query, k, v, out, lse, 0.0, causal, scale=scaling
         )
     else:
         lse, seed, offset = residuals
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            grad_out, query, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], True, scale=scaling
+            grad_out, query, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scaling
         )
     return dq, _sum_kv_groups(dk, groups), _sum_kv_groups(dv, groups)
 

@@ -1,5 +1,5 @@
 """The technique stack: each knob declared once (``knobs``, ``techniques``: ``Techniques``), the structural rules of
-a technique set (``rules``), one module per technique with its ``apply_*`` (``fsdp``, ``ulysses``, ``upipe``,
+a technique set (``rules``), one module per technique with its ``apply_*`` (``fsdp``, ``ulysses``, ``ring``, ``upipe``,
 ``tiling``, ``checkpointing``, ``offload``), and ``recipe``, the one place they are composed, in order:
 ``trials.stack.apply(model, techniques, mesh)``.
 

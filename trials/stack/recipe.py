@@ -12,6 +12,7 @@ Every knob is exact: the model trains the same loss and gradients (to rounding) 
 
     knob                        module                       what it changes
     ulysses_degree > 1          trials.stack.ulysses         DeepSpeed UlyssesSPAttentionHF around the attention op
+    ring_degree > 1             trials.stack.ring            the attention op -> ring attention (inside Ulysses' exchange)
     head_chunk                  trials.stack.upipe           attention forward -> untied Ulysses (any degree, 1 included)
     mlp_tile_tokens             trials.stack.tiling          each MLP forward -> DeepSpeed TiledMLP
     loss_tile_tokens            trials.stack.tiling          model.loss_fn -> TiledLogitsLoss
@@ -26,6 +27,7 @@ from __future__ import annotations
 from trials.core.dist import Mesh, ensure_device_mesh
 from trials.stack.checkpointing import apply_activation_checkpointing
 from trials.stack.fsdp import apply_fsdp
+from trials.stack.ring import apply_ring
 from trials.stack.rules import requirement_problems
 from trials.stack.techniques import Techniques
 from trials.stack.tiling import apply_loss_tiling, apply_mlp_tiling, apply_norm_tiling
@@ -43,6 +45,8 @@ def apply(model, techniques: Techniques, mesh: Mesh, param_dtype=None):
         raise ValueError(
             f"techniques ask for ulysses_degree {techniques.ulysses_degree}, the mesh has {mesh.sp_degree}"
         )
+    if techniques.ring_degree != mesh.ring_degree:
+        raise ValueError(f"techniques ask for ring_degree {techniques.ring_degree}, the mesh has {mesh.ring_degree}")
     missing = requirement_problems(techniques)
     if missing:
         raise ValueError(missing[0])
@@ -50,6 +54,8 @@ def apply(model, techniques: Techniques, mesh: Mesh, param_dtype=None):
         attn_module.autotune_kernel = techniques.attention
     if techniques.head_chunk is not None:
         apply_head_chunking(model, mesh, techniques.head_chunk, kernel=techniques.attention)
+    elif techniques.ring_degree > 1:
+        apply_ring(model, mesh, kernel=techniques.attention)
     elif techniques.ulysses_degree > 1:
         apply_ulysses(model, mesh, kernel=techniques.attention)
     if techniques.mlp_tile_tokens:

@@ -7,7 +7,9 @@ knobs say which knob requires which, and which the length must divide. Nothing h
 
     world     ranks of the job (``--gpus``)
     heads     the model's query heads; kv_heads its key/value heads (GQA: kv_heads divides heads)
-    degree    the Ulysses degree: ranks that split one sequence; each holds heads / degree query heads
+    degree    the Ulysses degree: ranks that split one sequence by heads; each holds heads / degree query heads
+    ring      the ring degree: Ulysses groups that split one sequence into zigzag chunks (``trials.stack.ring``);
+              the context-parallel world is degree x ring
 """
 
 from __future__ import annotations
@@ -31,6 +33,26 @@ def ulysses_degree_problem(degree: int, world: int, heads: int, kv_heads: int) -
     return None
 
 
+def ring_degree_problem(ring: int, degree: int, world: int, windowed: bool = False) -> str | None:
+    """Why a ring degree cannot run beside Ulysses degree ``degree`` on ``world`` ranks (None: it can). The heads
+    do not bound it: a ring splits the sequence, every rank keeps all its heads."""
+    if ring < 1:
+        return f"ring_degree must be at least 1, got {ring}"
+    if ring > 1 and world % (degree * ring):
+        return f"ulysses_degree {degree} x ring_degree {ring} does not divide the GPU count {world}"
+    if ring > 1 and windowed:
+        return f"ring_degree {ring} cannot run sliding-window attention (the ring passes whole chunks)"
+    return None
+
+
+def ring_length_problem(ring: int, degree: int, seq_len: int) -> str | None:
+    """Why ``seq_len`` cannot be split by a ring (2 x ring zigzag chunks, each rank's two split by Ulysses)."""
+    unit = 2 * ring * degree
+    if ring > 1 and seq_len % unit:
+        return f"seq_len {seq_len:,} is not divisible by 2 x ring_degree {ring} x ulysses_degree {degree} = {unit}"
+    return None
+
+
 def head_chunk_problem(chunk: int | None, heads: int, degree: int) -> str | None:
     """Why a head chunk cannot split the ``heads / degree`` heads of a rank evenly (None: it can)."""
     if chunk is None:
@@ -43,10 +65,16 @@ def head_chunk_problem(chunk: int | None, heads: int, degree: int) -> str | None
     return None
 
 
-def head_chunk_split_problem(chunk: int | None, degree: int, model_config: dict) -> str | None:
+def head_chunk_split_problem(chunk: int | None, degree: int, model_config: dict, world: int) -> str | None:
     """``head_chunk``'s ``split_by`` rule: why a chunk cannot run under Ulysses degree ``degree`` with the model's
     query heads (``head_chunk_problem``; None: it can)."""
     return head_chunk_problem(chunk, model_config["num_attention_heads"], degree)
+
+
+def ring_split_problem(ring: int, degree: int, model_config: dict, world: int) -> str | None:
+    """``ring_degree``'s ``split_by`` rule: why a ring cannot run beside Ulysses degree ``degree`` on ``world``
+    ranks (``ring_degree_problem``; None: it can)."""
+    return ring_degree_problem(ring, degree, world)
 
 
 def requirement_problems(techniques) -> list[str]:
@@ -74,6 +102,9 @@ def problems(techniques, model_config: dict, world: int, seq_len: int | None = N
         found.append(degree_problem)
         if t.ulysses_degree < 1:
             return found
+    ring_problem = ring_degree_problem(t.ring_degree, max(1, t.ulysses_degree), world)
+    if ring_problem:
+        found.append(ring_problem)
     chunk_problem = head_chunk_problem(t.head_chunk, heads, t.ulysses_degree)
     if chunk_problem:
         found.append(chunk_problem)
@@ -87,6 +118,8 @@ def problems(techniques, model_config: dict, world: int, seq_len: int | None = N
         found.append(f"attention {t.attention!r} must be one of {', '.join(ATTENTION_KERNELS)}")
     if seq_len is not None:
         found += length_problems(t, seq_len)
+        ring_length = ring_length_problem(t.ring_degree, max(1, t.ulysses_degree), seq_len)
+        found += [ring_length] if ring_length else []
     return found
 
 
@@ -106,4 +139,7 @@ def length_unit(techniques, base: int = 1024) -> int:
         value = getattr(techniques, k.name)
         if k.length_unit and value:
             unit = math.lcm(unit, int(value))
+    ring = getattr(techniques, "ring_degree", 1)
+    if ring > 1:
+        unit = math.lcm(unit, 2 * ring * max(1, techniques.ulysses_degree))
     return unit

@@ -9,7 +9,7 @@ A knob is a field of ``Techniques`` whose metadata (``knob(...)``) says what the
     requires        (knob, why): this one may be set (not its default) only with that one on
     sampled_when    (knob, predicate): a search samples it only when the other knob's value passes
     split_by        (knob, tag, rule): its choices depend on that knob's value: ``rule(choice, value,
-                    model_config)`` (``trials.stack.rules``) says why a choice cannot run with it (None: it can), and
+                    model_config, world)`` (``trials.stack.rules``) says why a choice cannot run with it (None: it can), and
                     each value has its own search parameter ``{name}_{tag}{value}`` (Optuna learns each branch)
     words           YAML/CLI words for values: ``{"none": 0, "all": ALL_LAYERS}``
     less_memory     which change needs less memory: ``on`` (True), ``larger`` (the next larger choice),
@@ -34,7 +34,7 @@ from typing import Any
 from trials.core.errors import ConfigError
 from trials.kernels.registry import attention_kernel_problem
 from trials.stack.knobs import ALL_LAYERS, ATTENTION_KERNELS, Knob, declared_knobs, knob
-from trials.stack.rules import head_chunk_split_problem, problems
+from trials.stack.rules import head_chunk_split_problem, problems, ring_degree_problem, ring_split_problem
 
 __all__ = ["ALL_LAYERS", "ATTENTION_KERNELS", "BASELINE", "Knob", "Techniques", "knob_names", "knobs"]
 
@@ -73,6 +73,17 @@ class Techniques:
         less_memory="larger",
         alst="max",
         length_unit="required",
+    )
+    ring_degree: int = knob(
+        1,
+        "int",
+        "ring attention over this many ranks (zigzag split, K/V passed around); x ulysses_degree = the "
+        "context-parallel world",
+        label="r{}",
+        minimum=1,
+        split_by=("ulysses_degree", "u", ring_split_problem),
+        less_memory="larger",
+        alst=1,
     )
     head_chunk: int | None = knob(
         None,
@@ -170,12 +181,19 @@ class Techniques:
         """Refuse (``ConfigError``, the first reason) what cannot run on ``gpus`` ranks; returns self. With
         ``on_gpu`` (the devices are GPUs, or the CPU), also an attention kernel that cannot run the model's
         attention there (``trials.kernels.registry.attention_kernel_problem``), by the limits the kernel declares
-        for GPUs of ``compute_capability_major`` when it is known."""
+        for GPUs of ``compute_capability_major`` when it is known. A ring also refuses a model with sliding
+        windows (``trials.stack.rules.ring_degree_problem``)."""
         found = problems(self, model_config, gpus, seq_len)
-        if on_gpu is not None:
+        if self.ring_degree > 1 or on_gpu is not None:
             from trials.models.config import attention_features
 
             features = attention_features(model_config)
+        if self.ring_degree > 1:
+            ring = ring_degree_problem(
+                self.ring_degree, max(1, self.ulysses_degree), gpus, windowed="window" in features
+            )
+            found += [ring] if ring and ring not in found else []
+        if on_gpu is not None:
             kernel = attention_kernel_problem(self.attention, features, on_gpu, compute_capability_major)
             found += [kernel] if kernel else []
         if found:

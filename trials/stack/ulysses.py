@@ -27,12 +27,14 @@ def _core_attention(kernel: str):
     return core
 
 
-def apply_ulysses(model, mesh, kernel: str = "sdpa") -> None:
+def apply_ulysses(model, mesh, kernel: str = "sdpa", core=None) -> None:
+    """Ulysses around every attention module; ``core``: the attention op between the exchanges (default: the
+    causal kernel over the whole sequence; ``trials.stack.ring`` passes its ring attention)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
     config = model.config
     uattn = UlyssesSPAttentionHF(
-        attn=_core_attention(kernel),
+        attn=core or _core_attention(kernel),
         batch_size=1,
         attn_head_count=config.num_attention_heads,
         attn_head_size=config.head_dim,

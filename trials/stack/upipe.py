@@ -71,6 +71,7 @@ import torch.nn.functional as F
 
 from trials.kernels.attention import attention_backward, attention_forward, head_layout
 from trials.models.families import family_of
+from trials.stack.ring import Ring, ring_backward, ring_forward
 from trials.stack.ulysses import attention_modules
 
 # The attention modules of every family ``trials.models.families`` declares have this forward: q/k/v projections (separate,
@@ -169,8 +170,10 @@ class UPipeAttention:
         fused_qkv: bool = False,
         window: int | None = None,
         softcap: float | None = None,
+        ring: Ring | None = None,
     ):
         self.module = module
+        self.ring = ring  # each chunk's attention runs around this ring (``trials.stack.ring``), None: locally
         self.fused_qkv = fused_qkv
         self.window = window  # this layer's sliding window (None: full causal)
         self.softcap = softcap
@@ -372,9 +375,14 @@ class _HeadChunkedAttention(torch.autograd.Function):
                 else:
                     (q_heads,) = layer.to_heads(q)
                 del q
-                o_heads, chunk_residuals = attention_forward(
-                    q_heads, k_heads, v_heads, layer.scaling, layer.kernel, layer.window, layer.softcap
-                )
+                if layer.ring is None:
+                    o_heads, chunk_residuals = attention_forward(
+                        q_heads, k_heads, v_heads, layer.scaling, layer.kernel, layer.window, layer.softcap
+                    )
+                else:
+                    o_heads, chunk_residuals = ring_forward(
+                        q_heads, k_heads, v_heads, layer.scaling, layer.kernel, layer.ring, layer.softcap
+                    )
                 del q_heads
                 (o_local,) = layer.to_seq(o_heads)  # [b, s_l, P, c, d]
                 del o_heads
@@ -500,18 +508,33 @@ class _HeadChunkedAttention(torch.autograd.Function):
                     del k, v
                 del received
                 i = chunk_index[chunk]
-                dq_heads, dk_c, dv_c = attention_backward(
-                    do_heads,
-                    q_heads,
-                    k_heads,
-                    v_heads,
-                    o_heads,
-                    tuple(residuals[i * per_chunk : (i + 1) * per_chunk]),
-                    layer.scaling,
-                    layer.kernel,
-                    layer.window,
-                    layer.softcap,
-                )
+                chunk_residuals = tuple(residuals[i * per_chunk : (i + 1) * per_chunk])
+                if layer.ring is None:
+                    dq_heads, dk_c, dv_c = attention_backward(
+                        do_heads,
+                        q_heads,
+                        k_heads,
+                        v_heads,
+                        o_heads,
+                        chunk_residuals,
+                        layer.scaling,
+                        layer.kernel,
+                        layer.window,
+                        layer.softcap,
+                    )
+                else:
+                    dq_heads, dk_c, dv_c = ring_backward(
+                        do_heads,
+                        q_heads,
+                        k_heads,
+                        v_heads,
+                        o_heads,
+                        chunk_residuals,
+                        layer.scaling,
+                        layer.kernel,
+                        layer.ring,
+                        layer.softcap,
+                    )
                 del q_heads, o_heads, do_heads
                 dk_heads = dk_c if dk_heads is None else dk_heads.add_(dk_c)
                 dv_heads = dv_c if dv_heads is None else dv_heads.add_(dv_c)
@@ -543,7 +566,8 @@ class _HeadChunkedAttention(torch.autograd.Function):
 
 
 def apply_head_chunking(model, mesh, head_chunk: int, kernel: str = "sdpa") -> None:
-    """Replace every attention module's forward by ``UPipeAttention`` (Ulysses degree = ``mesh.sp_degree``)."""
+    """Replace every attention module's forward by ``UPipeAttention`` (Ulysses degree = ``mesh.sp_degree``; with a
+    ring, ``mesh.ring_degree`` > 1, each chunk's attention runs around ``mesh.ring_group``)."""
 
     config = model.config
     family = family_of(config.model_type)
@@ -551,7 +575,8 @@ def apply_head_chunking(model, mesh, head_chunk: int, kernel: str = "sdpa") -> N
         config.num_attention_heads, config.num_key_value_heads, config.head_dim, mesh.sp_degree, head_chunk
     )
     softcap = family.attention_features(config).get("softcap")
+    ring = Ring(mesh.ring_group) if mesh.ring_degree > 1 else None
     for module, window in zip(attention_modules(model), family.layer_windows(config), strict=True):
         module.forward = UPipeAttention(
-            module, plan, mesh.sp_group, kernel, fused_qkv=family.fused_qkv, window=window, softcap=softcap
+            module, plan, mesh.sp_group, kernel, fused_qkv=family.fused_qkv, window=window, softcap=softcap, ring=ring
         )

@@ -12,6 +12,11 @@ split, so the token at the end of one rank's shard is predicted from the start o
 
 A user's tokens come from a Parquet/Arrow file (``read_token_file``), checked whole before any rank builds a model:
 a file training cannot use is a ``DataError`` naming the file and what is wrong.
+
+With a ring (``ring_degree`` R > 1) the sequence is first cut into 2R equal chunks and ring rank r takes chunks r
+and 2R-1-r, in that order (the zigzag split: under a causal mask every ring step then does equal work); the
+Ulysses ranks of that ring rank split those 2 * seq/(2R) columns as above. Position ids are the columns' global
+positions, so rotary embeddings see where each token sits in the whole sequence.
 """
 
 from __future__ import annotations
@@ -40,16 +45,47 @@ def synthetic_sample(index: int, seq_len: int, vocab_size: int, seed: int = 0) -
     return torch.randint(0, vocab_size, (seq_len + 1,), generator=generator)
 
 
-def make_batch(tokens: torch.Tensor, sp_rank: int, sp_degree: int, device) -> Batch:
-    """tokens [seq + 1] -> this rank's shard of the shifted sequence."""
-    seq_len = tokens.numel() - 1
+def zigzag_columns(seq_len: int, ring_rank: int, ring_degree: int) -> torch.Tensor:
+    """The global columns ring rank ``ring_rank`` holds: chunks r and 2R-1-r of 2R equal chunks (all of them
+    when ``ring_degree`` is 1)."""
+    if seq_len % (2 * ring_degree):
+        raise ValueError(f"seq_len {seq_len} is not divisible by 2 x ring_degree {ring_degree}")
+    if ring_degree == 1:
+        return torch.arange(seq_len)
+    chunk = seq_len // (2 * ring_degree)
+    first, second = ring_rank, 2 * ring_degree - 1 - ring_rank
+    return torch.cat(
+        [torch.arange(first * chunk, (first + 1) * chunk), torch.arange(second * chunk, (second + 1) * chunk)]
+    )
+
+
+def rank_columns(seq_len: int, sp_rank: int, sp_degree: int, ring_rank: int = 0, ring_degree: int = 1):
+    """The global columns of a ``seq_len`` sequence this rank holds: its ring rank's zigzag columns, then its Ulysses
+    slice of them (a ``slice`` without a ring, so the shard is a view; a tensor of indices with one)."""
     if seq_len % sp_degree:
         raise ValueError(f"seq_len {seq_len} is not divisible by ulysses_degree {sp_degree}")
-    local = seq_len // sp_degree
-    cols = slice(sp_rank * local, (sp_rank + 1) * local)
+    if ring_degree == 1:
+        local = seq_len // sp_degree
+        return slice(sp_rank * local, (sp_rank + 1) * local)
+    columns = zigzag_columns(seq_len, ring_rank, ring_degree)
+    if columns.numel() % sp_degree:
+        raise ValueError(
+            f"seq_len {seq_len} is not divisible by 2 x ring_degree {ring_degree} x ulysses_degree {sp_degree}"
+        )
+    local = columns.numel() // sp_degree
+    return columns[sp_rank * local : (sp_rank + 1) * local]
+
+
+def make_batch(
+    tokens: torch.Tensor, sp_rank: int, sp_degree: int, device, ring_rank: int = 0, ring_degree: int = 1
+) -> Batch:
+    """tokens [seq + 1] -> this rank's shard of the shifted sequence (its ring rank's zigzag columns, then its
+    Ulysses slice of them: ``rank_columns``)."""
+    seq_len = tokens.numel() - 1
+    cols = rank_columns(seq_len, sp_rank, sp_degree, ring_rank, ring_degree)
+    positions = torch.arange(seq_len)[cols].unsqueeze(0)
     input_ids = tokens[:-1][cols].unsqueeze(0)
     labels = tokens[1:][cols].unsqueeze(0)
-    positions = torch.arange(seq_len)[cols].unsqueeze(0)
     return Batch(input_ids.to(device), labels.to(device), positions.to(device), valid_tokens=seq_len)
 
 
@@ -125,3 +161,9 @@ def _where(index: int, documents) -> str:
     row = int(np.searchsorted(ends, index, side="right"))
     start = int(ends[row - 1]) if row else 0
     return f"{index:,} (document {row:,}, position {index - start:,})"
+
+
+def mesh_batch(tokens: torch.Tensor, mesh, device=None) -> Batch:
+    """``make_batch`` for this rank of ``mesh`` (a ``trials.core.dist.Mesh``): its ring rank's zigzag columns and
+    its Ulysses slice of them, on ``device`` (default: the mesh's)."""
+    return make_batch(tokens, mesh.sp_rank, mesh.sp_degree, device or mesh.device, mesh.ring_rank, mesh.ring_degree)

@@ -1,8 +1,8 @@
 """One training step with gradients that match the plain single-process model.
 
 Loss scaling: every rank computes ``sum of its tokens' cross-entropy * scale``. Gradients are then averaged
-over all ``world = dp * sp`` ranks (FSDP's reduce-scatter, or ``allreduce_grads``). With
-``scale = sp / valid_tokens`` that average is ``(1/dp) * sum over replicas of grad(replica mean loss)``:
+over all ``world = dp * cp`` ranks (FSDP's reduce-scatter, or ``allreduce_grads``; ``cp`` = Ulysses degree x ring
+degree, the ranks that split one sequence). With ``scale = cp / valid_tokens`` that average is ``(1/dp) * sum over replicas of grad(replica mean loss)``:
 exactly the plain model's gradient when dp = 1, and the data-parallel mean otherwise.
 """
 
@@ -67,7 +67,7 @@ def make_optimizer(model, techniques, mesh, lr: float = 1e-5, fused: bool | None
 
 
 def loss_scale(batch: Batch, mesh) -> float:
-    return mesh.sp_degree / batch.valid_tokens
+    return mesh.cp_degree / batch.valid_tokens
 
 
 def grad_norm(model, mesh) -> torch.Tensor:
@@ -152,8 +152,8 @@ def forward_backward(
 
 
 def summed_loss(scaled_loss: torch.Tensor, mesh) -> torch.Tensor:
-    """The sum over ranks of each rank's ``local_sum * sp / valid``, on the device (a collective, no read); the global
-    batch's mean token loss is it divided by ``sp * dp``."""
+    """The sum over ranks of each rank's ``local_sum * cp / valid``, on the device (a collective, no read); the global
+    batch's mean token loss is it divided by ``cp * dp`` (``cp``: Ulysses x ring)."""
     loss = scaled_loss.detach().clone()
     if mesh.distributed:
         dist.all_reduce(loss, op=dist.ReduceOp.SUM)
@@ -161,8 +161,8 @@ def summed_loss(scaled_loss: torch.Tensor, mesh) -> torch.Tensor:
 
 
 def global_loss(scaled_loss: torch.Tensor, mesh) -> float:
-    """Mean token loss over the global batch from each rank's ``local_sum * sp / valid`` (a collective)."""
-    return float(summed_loss(scaled_loss, mesh)) / (mesh.sp_degree * mesh.dp_size)
+    """Mean token loss over the global batch from each rank's ``local_sum * cp / valid`` (a collective)."""
+    return float(summed_loss(scaled_loss, mesh)) / (mesh.cp_degree * mesh.dp_size)
 
 
 class DivergenceError(RuntimeError):
@@ -217,7 +217,7 @@ def train_step(model, optimizer, batch: Batch, mesh, tracker=None) -> StepResult
     with phase("optimizer"):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    # scaled_loss = local_sum * sp / valid; the global mean loss is sum over ranks / (sp * dp); the values are read
+    # scaled_loss = local_sum * cp / valid; the global mean loss is sum over ranks / (cp * dp); the values are read
     # after the optimizer step is queued
     return StepResult(loss=global_loss(scaled_loss, mesh), grad_norm=float(norm))
 

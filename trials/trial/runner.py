@@ -30,7 +30,7 @@ from trials.core.memory import DeviceMemoryTracker
 from trials.models import moe
 from trials.models.config import copy_for_runs
 from trials.stack.techniques import Techniques
-from trials.training.data import make_batch, synthetic_sample
+from trials.training.data import mesh_batch, synthetic_sample
 from trials.training.step import build_training, prime_optimizer, train_step
 from trials.trial import memory_timeline
 from trials.trial.layer_clock import LayerClock, local_parameter_count, mean_step_times
@@ -159,7 +159,9 @@ def run_trial(spec: TrialSpec, mesh=None, out_dir: Path | None = None) -> RankRe
     copy in turn, in this one launch, with its per-segment peaks (``RankRecord.copies``) for the launcher to
     extend to full depth. On ``spec.timeline_rank`` it writes the memory timeline of the model (or of the first
     copy) into ``out_dir``."""
-    mesh = mesh or init_mesh(spec.techniques.ulysses_degree, timeout_s=spec.collective_timeout_s)
+    mesh = mesh or init_mesh(
+        spec.techniques.ulysses_degree, timeout_s=spec.collective_timeout_s, ring_degree=spec.techniques.ring_degree
+    )
     timeline = timeline_path(out_dir, mesh.rank) if out_dir is not None and spec.timeline_rank == mesh.rank else None
     if not spec.copies:
         return _run_model(spec, mesh, spec.model_config, spec.techniques, timeline=timeline)
@@ -257,7 +259,7 @@ def _run_model(
                 else:
                     warmup, steps = 0, 1
             tokens = synthetic_sample(mesh.dp_rank, seq_len, model.config.vocab_size, seed)
-            batch = make_batch(tokens, mesh.sp_rank, mesh.sp_degree, device)
+            batch = mesh_batch(tokens, mesh, device)
         splits = []
         plan = step_plan(warmup, steps, timed, history=timeline is not None and device.type == "cuda")
         for index, (measured, history) in enumerate(plan):

@@ -127,7 +127,7 @@ from trials import hf
 
 from trials.core import allocator
 from trials.training.config_file import parse_config
-from trials.training.data import make_batch
+from trials.training.data import mesh_batch
 from trials.core.dist import init_mesh
 from trials.core.memory import DeviceMemoryTracker
 from trials.training.step import make_optimizer, train_step
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     config = parse_config(json.load(open(args.config)) if args.config else CONFIG, args.config or "CONFIG")
     techniques, seq_len = config.techniques, config.seq_len
     allocator.configure()  # before CUDA starts: the allocator settings the trials measured under
-    mesh = init_mesh(techniques.ulysses_degree)
+    mesh = init_mesh(techniques.ulysses_degree, ring_degree=techniques.ring_degree)
     tracker = DeviceMemoryTracker() if mesh.device.type != "cuda" else None
     if tracker is None:
         torch.cuda.reset_peak_memory_stats(mesh.device)
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
         source = TokenSource(seq_len, model.config.vocab_size, args.seed, args.data)
         for step in range(args.steps):
             tokens = source.window(step * mesh.dp_size + mesh.dp_rank)
-            batch = make_batch(tokens, mesh.sp_rank, mesh.sp_degree, mesh.device)
+            batch = mesh_batch(tokens, mesh)
             start = time.perf_counter()
             result = train_step(model, optimizer, batch, mesh)
             losses.append(result.loss)

@@ -1,0 +1,257 @@
+"""Ring attention: K/V passed around a ring of ranks, each holding 1/ring of the sequence (zigzag split).
+
+Ring rank r of R holds chunks r and 2R-1-r of the sequence's 2R equal chunks (``trials.training.data``), in that
+order: [A | B], each of L tokens, positions increasing. Its queries stay; K/V travel. At ring step s it holds the
+K/V of ring rank j = (r - s) mod R, chunks [j | 2R-1-j], and under the causal mask only these blocks are visible:
+
+    s = 0 (j = r)   all 2L queries x all 2L keys, causal (the rank's own columns are in increasing order)
+    j < r           queries A x keys of chunk j, then queries B x keys of chunk j, no mask: chunk j precedes
+                    both of r's chunks (and chunk 2R-1-j follows both)
+    j > r           queries B x keys of chunk j, then queries B x keys of chunk 2R-1-j, no mask: both of j's
+                    chunks precede B and follow A
+
+so every step after the first does two L x L blocks: the zigzag's load balance, and on every rank the same
+shapes (the memory oracle traces one rank for all). Each block returns its output and
+logsumexp (the kernel's own: ``trials.kernels.attention.attention_forward``, ``causal=False`` for the unmasked
+blocks); blocks merge by their logsumexps (online softmax, in fp32):
+
+    lse = logaddexp(lse_a, lse_b);  out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
+
+Backward walks the ring again: with the merged output and logsumexp each block's (dq, dk, dv) is the kernel's own
+backward of that block (``attention_backward``), dq adds up locally, and dK/dV accumulators (fp32) travel with their
+K/V: after each step a rank sends the accumulator of the block it holds to the next rank, which holds that block
+next; the R-th send brings every block's accumulator home.
+
+Communication: point-to-point (``torch.distributed.batch_isend_irecv``) to the next ring rank and from the
+previous one, the next step's K/V received while this step's blocks compute (and in backward the dK/dV
+accumulators while the next step's blocks compute). In flight per rank: one more K/V of the local chunk in
+forward; one more K/V and two fp32 dK/dV accumulators (sent and received) in backward. K/V travel as the kv heads
+(GQA: never repeated to the query heads; the kernel call repeats them per block). With Ulysses, the ring runs
+inside the Ulysses exchange (USP): after the all-to-all a rank holds its ring rank's 2L columns for its heads and
+rings with the ranks of the same Ulysses rank in the other Ulysses groups (``trials.core.dist``).
+
+Sliding windows are not supported (``trials.stack.rules`` refuses them with a ring); softcaps go to the kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from trials.kernels.attention import (
+    FLASH_KERNELS,
+    attention_backward,
+    attention_forward,
+    flash_inputs,
+    head_layout,
+)
+from trials.stack.ulysses import apply_ulysses, attention_modules
+
+
+class Ring:
+    """One rank's place in its ring: the group, its rank in it, and the global ranks of its neighbours."""
+
+    def __init__(self, group):
+        self.group = group
+        self.degree = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.degree)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.degree)
+
+    def source(self, step: int) -> int:
+        """The ring rank whose K/V this rank holds at ``step``."""
+        return (self.rank - step) % self.degree
+
+    def blocks(self, step: int) -> list[tuple[slice, slice, bool]]:
+        """(query rows, key rows, causal) of the blocks visible at ``step``, as fractions of the local columns:
+        ``slice(None)`` = all, ``slice(0, 1)`` the first chunk, ``slice(1, 2)`` the second (see the module
+        docstring)."""
+        source = self.source(step)
+        if source == self.rank:
+            return [(slice(None), slice(None), True)]
+        first, second = slice(0, 1), slice(1, 2)
+        if source < self.rank:
+            return [(first, first, False), (second, first, False)]
+        return [(second, first, False), (second, second, False)]
+
+    def exchange(self, *tensors) -> tuple[list, list]:
+        """Send ``tensors`` to the next rank and receive as many of their shapes from the previous one; returns
+        (the received buffers, the pending works): ``wait`` them before reading the buffers."""
+        received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, group=self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, buf, self.prev, group=self.group) for buf in received]
+        return received, dist.batch_isend_irecv(ops)
+
+
+def _wait(works) -> None:
+    for work in works:
+        work.wait()
+
+
+def _rows(half: slice, length: int) -> slice:
+    """A ``Ring.blocks`` fraction as rows of ``length`` local columns."""
+    if half.start is None:
+        return slice(None)
+    chunk = length // 2
+    return slice(half.start * chunk, half.stop * chunk)
+
+
+def _seq(tensor, rows: slice, dim: int):
+    return tensor if rows == slice(None) else tensor.narrow(dim, rows.start, rows.stop - rows.start)
+
+
+def _weights(lse, layout: str):
+    """[b, h, s] -> broadcastable to an output in ``layout``."""
+    return lse.unsqueeze(-1) if layout == "bhsd" else lse.transpose(1, 2).unsqueeze(-1)
+
+
+def _block_residuals(kernel: str, lse, like) -> tuple:
+    """A block's residuals in the form ``attention_backward`` takes for ``kernel``, from its rows of the merged
+    logsumexp: FlashAttention 2 also takes an RNG state, CUDA SDPA (memory-efficient) a philox seed and offset and a
+    logsumexp padded to 32 rows; none is read without dropout."""
+    if kernel == "flash":
+        return (lse, None)
+    if kernel == "sdpa" and like.device.type == "cuda":
+        rows = lse.shape[-1]
+        padded = torch.nn.functional.pad(lse, (0, -rows % 32))
+        empty = torch.empty((), dtype=torch.int64, device=like.device)
+        return (padded, empty, empty)
+    return (lse,)
+
+
+def ring_forward(query, key, value, scaling: float, kernel: str, ring: Ring, softcap=None):
+    """Ring attention in ``head_layout(kernel)``, no autograd; returns (out, (lse,)) with lse [b, h, s] fp32."""
+    layout = head_layout(kernel)
+    dim = 2 if layout == "bhsd" else 1
+    length = query.shape[dim]
+    out = lse = None
+    k, v = key, value
+    for step in range(ring.degree):
+        pending = ring.exchange(k, v) if step < ring.degree - 1 else None
+        for q_half, kv_half, causal in ring.blocks(step):
+            q_rows, kv_rows = _rows(q_half, length), _rows(kv_half, length)
+            block_out, residuals = attention_forward(
+                _seq(query, q_rows, dim),
+                _seq(k, kv_rows, dim),
+                _seq(v, kv_rows, dim),
+                scaling,
+                kernel,
+                softcap=softcap,
+                causal=causal,
+            )
+            block_lse = residuals[0][..., : block_out.shape[dim]].float()
+            if out is None:  # step 0 covers every query
+                out, lse = block_out.float(), block_lse.clone()
+                continue
+            old_out, old_lse = _seq(out, q_rows, dim), _seq(lse, q_rows, 2)
+            new_lse = torch.logaddexp(old_lse, block_lse)
+            old_out.mul_(_weights(old_lse - new_lse, layout).exp()).add_(
+                block_out.float() * _weights(block_lse - new_lse, layout).exp()
+            )
+            old_lse.copy_(new_lse)
+            del block_out, residuals, block_lse, new_lse
+        if pending is not None:
+            (k, v), works = pending
+            _wait(works)
+    return out.to(query.dtype), (lse,)
+
+
+def ring_backward(grad_out, query, key, value, out, residuals, scaling: float, kernel: str, ring: Ring, softcap=None):
+    """Gradients (dq, dk, dv) of ``ring_forward``, in the layout and dtypes of (query, key, value)."""
+    layout = head_layout(kernel)
+    dim = 2 if layout == "bhsd" else 1
+    length = query.shape[dim]
+    (lse,) = residuals
+    dq = torch.zeros_like(query, dtype=torch.float32)
+    k, v = key, value
+    dk = dv = None  # the accumulators of the block this rank holds (received from the previous rank)
+    dkv_works = None
+    for step in range(ring.degree):
+        pending = ring.exchange(k, v) if step < ring.degree - 1 else None
+        block_dk = torch.zeros_like(k, dtype=torch.float32)
+        block_dv = torch.zeros_like(v, dtype=torch.float32)
+        for q_half, kv_half, causal in ring.blocks(step):
+            q_rows, kv_rows = _rows(q_half, length), _rows(kv_half, length)
+            grads = attention_backward(
+                _seq(grad_out, q_rows, dim).contiguous(),
+                _seq(query, q_rows, dim),
+                _seq(k, kv_rows, dim),
+                _seq(v, kv_rows, dim),
+                _seq(out, q_rows, dim),
+                _block_residuals(kernel, _seq(lse, q_rows, 2).contiguous(), query),
+                scaling,
+                kernel,
+                softcap=softcap,
+                causal=causal,
+            )
+            _seq(dq, q_rows, dim).add_(grads[0])
+            _seq(block_dk, kv_rows, dim).add_(grads[1])
+            _seq(block_dv, kv_rows, dim).add_(grads[2])
+            del grads
+        if dkv_works is not None:  # the accumulators of this block from the ranks it visited before
+            _wait(dkv_works)
+            block_dk.add_(dk)
+            block_dv.add_(dv)
+        (dk, dv), dkv_works = ring.exchange(block_dk, block_dv)
+        del block_dk, block_dv
+        if pending is not None:
+            (k, v), works = pending
+            _wait(works)
+    _wait(dkv_works)
+    return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    """A whole layer's ring attention in the kernel's layout: saves q, k, v, out and the merged logsumexp."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, scaling, kernel, ring, softcap):
+        out, (lse,) = ring_forward(query, key, value, scaling, kernel, ring, softcap)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.scaling, ctx.kernel, ctx.ring, ctx.softcap = scaling, kernel, ring, softcap
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(
+            grad_out, query, key, value, out, (lse,), ctx.scaling, ctx.kernel, ctx.ring, ctx.softcap
+        )
+        return dq, dk, dv, None, None, None, None
+
+
+def ring_attention(query, key, value, scaling, kernel: str, ring: Ring, softcap=None):
+    """[b, hq, s, d] x [b, hkv, s, d] (Hugging Face's layout, this rank's zigzag columns) -> [b, s, hq, d]."""
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if kernel in FLASH_KERNELS:
+        query, key, value = flash_inputs(query, key, value, kernel=kernel)
+    else:
+        device_type = query.device.type
+        if torch.is_autocast_enabled(device_type):  # what autocast does for F.scaled_dot_product_attention
+            dtype = torch.get_autocast_dtype(device_type)
+            query, key, value = (t.to(dtype) for t in (query, key, value))
+    if head_layout(kernel) == "bshd":
+        query, key, value = (t.transpose(1, 2).contiguous() for t in (query, key, value))
+        return _RingAttention.apply(query, key, value, scaling, kernel, ring, softcap)
+    return _RingAttention.apply(query, key, value, scaling, kernel, ring, softcap).transpose(1, 2)
+
+
+def _ring_core(kernel: str, ring: Ring):
+    def core(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        if kwargs.get("sliding_window"):
+            raise ValueError("ring attention has no sliding window")
+        return ring_attention(query, key, value, scaling, kernel, ring, softcap=kwargs.get("softcap")), None
+
+    return core
+
+
+def apply_ring(model, mesh, kernel: str = "sdpa") -> None:
+    """Ring attention over ``mesh.ring_group`` for every attention module: the core op under Ulysses when the
+    Ulysses degree is above 1 (``trials.stack.ulysses``), else the module's attention itself."""
+    ring = Ring(mesh.ring_group)
+    core = _ring_core(kernel, ring)
+    if mesh.sp_degree > 1:
+        apply_ulysses(model, mesh, kernel=kernel, core=core)
+        return
+    for attn_module in attention_modules(model):
+        attn_module.autotune_attention = core
