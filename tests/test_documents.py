@@ -173,3 +173,25 @@ def test_documents_spans_and_positions():
     assert Documents.fixed(10, 4).lengths == (4, 4, 2)
     with pytest.raises(ValueError):
         Documents((3, 0))
+
+
+def test_a_packed_batch_restarts_positions_and_labels_no_boundary():
+    """RoPE is relative, so positions that run on across documents give the same attention inside each document:
+    the exactness tests cannot see them. Here the batch itself: each shard's positions count from each document's
+    start, and the label of each document's last token (the next document's first) is ignored."""
+    from trials.training.data import make_batch
+
+    documents = Documents((5, 1, 7, 3))
+    tokens = torch.arange(100, 117)
+    positions, labels, starts = [], [], []
+    for start, end in documents.spans():
+        positions += list(range(end - start))
+        labels += tokens[start + 1 : end].tolist() + [-100]
+        starts.append(start)
+    for rank in range(2):
+        batch = make_batch(tokens, rank, 2, "cpu", documents)
+        cols = slice(rank * 8, (rank + 1) * 8)
+        assert batch.position_ids[0].tolist() == positions[cols]
+        assert batch.labels[0].tolist() == labels[cols]
+        assert batch.valid_tokens == 16 - len(starts)
+        assert batch.documents == documents
