@@ -195,3 +195,25 @@ def test_a_packed_batch_restarts_positions_and_labels_no_boundary():
         assert batch.labels[0].tolist() == labels[cols]
         assert batch.valid_tokens == 16 - len(starts)
         assert batch.documents == documents
+
+
+def test_the_oracle_traces_packed_trials_to_the_byte():
+    """The memory oracle's fake step packs the same documents as the real CPU trial: equal peaks, to the byte, for
+    a whole layer and head chunks (bench/oracle_fidelity.py's packed configs, one rank)."""
+    import sys
+
+    from tests.conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from oracle_fidelity import Config, predict_config, run_real
+
+    K = 1024
+    configs = [
+        Config("tiny-llama", 1, 4 * K, {}, documents=(1000,)),
+        Config("tiny-llama", 1, 4 * K, {"head_chunk": 2, "activation_checkpointing": True}, documents=(512,)),
+    ]
+    for config, real in zip(configs, run_real(configs)):
+        assert real["status"] == "ok", (config.name, real["error"])
+        predicted = predict_config(config)
+        assert predicted.peak_device_bytes == real["peak_device_bytes"], (config.name, predicted.breakdown)
+        assert predicted.host_bytes == real["host_bytes"]
