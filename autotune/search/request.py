@@ -143,7 +143,10 @@ def prepare_search(request: SearchRequest) -> PreparedSearch:
 def check_same_documents(study, documents: DocumentsSpec, out: Path) -> None:
     """A study resumed in ``out`` holds records for the documents it was searched for: another ``--documents``
     there would mix fronts (UserError)."""
-    stored = (study.user_attrs.get("search_job") or {}).get("documents", "one")
+    job = study.user_attrs.get("search_job")
+    if not isinstance(job, dict):  # a new study: nothing recorded yet
+        return
+    stored = job.get("documents", "one")  # a study from before documents were recorded: one per sequence
     if stored != documents.to_json():
         raise UserError(
             f"the search in {str(out)!r} is for --documents {DocumentsSpec.from_json(stored).describe()}, not "
