@@ -197,6 +197,7 @@ def test_a_packed_batch_restarts_positions_and_labels_no_boundary():
         assert batch.documents == documents
 
 
+@pytest.mark.slow
 def test_the_oracle_traces_packed_trials_to_the_byte():
     """The memory oracle's fake step packs the same documents as the real CPU trial: equal peaks, to the byte, for
     a whole layer and head chunks (bench/oracle_fidelity.py's packed configs, one rank)."""

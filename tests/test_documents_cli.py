@@ -81,3 +81,17 @@ def test_a_search_records_its_documents_and_refuses_others_in_its_folder(tmp_pat
     again = autotune("search", *tiny_plan_search("4K"), "--trials", "4", "--out", str(out))
     assert_exit(again, 2)
     assert "give another --out" in again.stderr
+
+
+def test_each_trainer_says_how_it_masks_packed_documents_or_that_it_does_not():
+    from autotune.core.trainers import TRAINERS
+
+    packed = DocumentsSpec((64 * K,))
+    for trainer in TRAINERS.values():
+        assert trainer.packing_note(ONE, "sdpa") is None
+    deepspeed = TRAINERS["deepspeed"]
+    assert "position_ids" in deepspeed.packing_note(packed, "flash")
+    assert deepspeed.packing_note(packed, "sdpa").startswith("PACKED DOCUMENTS NOT MASKED")  # HF SDPA ignores them
+    assert TRAINERS["arctic"].packing_note(packed, "flash").startswith("PACKED DOCUMENTS NOT MASKED")
+    for name in ("autotune", "accelerate"):
+        assert not TRAINERS[name].packing_note(packed, "sdpa").startswith("PACKED DOCUMENTS NOT MASKED")
