@@ -3,6 +3,7 @@
     .venv/bin/python bench/oracle_fidelity.py [--quick] [--only SUBSTRING[,SUBSTRING]] | tee bench/results/oracle_fidelity.txt
     .venv/bin/python bench/oracle_fidelity.py --only tiny-mistral,tiny-gemma3,tiny-qwen3-moe \
         | tee bench/results/oracle_fidelity_families.txt
+    .venv/bin/python bench/oracle_fidelity.py --only docs | tee bench/results/oracle_fidelity_documents.txt
 
 Real trials run through ``trials.trial.runner.run_trial`` (the local backend's code), several configs per torchrun
 launch (one launch per world size; a torchrun start costs ~20 s here), 1 warm-up + 1 measured step, no
@@ -38,6 +39,7 @@ class Config:
     techniques: dict = field(default_factory=dict)
     layers: int | None = None  # override the preset's depth
     compute_dtype: str = "fp32"  # "bf16": the GPU precision scheme, run on CPU
+    documents: tuple[int, ...] = ()  # packed documents' lengths (``DocumentsSpec``); empty: one per sequence
 
     @property
     def name(self) -> str:
@@ -63,6 +65,8 @@ class Config:
             parts.append(f"loss{t['loss_tile_tokens']}")
         if self.compute_dtype != "fp32":
             parts.append(self.compute_dtype)
+        if self.documents:
+            parts.append("docs" + "/".join(str(n) for n in self.documents))
         return " ".join(parts)
 
     def model_config(self) -> dict:
@@ -83,11 +87,12 @@ class Config:
             "capacity_bytes": None,
             "seed": 0,
             "compute_dtype": self.compute_dtype,
+            "documents": list(self.documents),
         }
 
 
-def _c(model, world, seq, layers=None, dtype="fp32", **t):
-    return Config(model, world, seq, t, layers, dtype)
+def _c(model, world, seq, layers=None, dtype="fp32", documents=(), **t):
+    return Config(model, world, seq, t, layers, dtype, tuple(documents))
 
 
 K = 1024
@@ -139,6 +144,11 @@ CONFIGS = [
     _c("tiny-mistral", 2, 4 * K, fsdp=True, ulysses_degree=2, head_chunk=1, activation_checkpointing=True),
     _c("tiny-gemma3", 1, 2 * K, activation_checkpointing=True),
     _c("tiny-gemma3", 2, 4 * K, layers=8, fsdp=True, ulysses_degree=2, activation_checkpointing=True),
+    # packed documents (attention inside each): whole layers, head chunks, Ulysses, a window
+    _c("tiny-llama", 1, 4 * K, documents=(1000,)),
+    _c("tiny-llama", 1, 4 * K, head_chunk=2, activation_checkpointing=True, documents=(512,)),
+    _c("tiny-llama", 2, 4 * K, fsdp=True, ulysses_degree=2, activation_checkpointing=True, documents=(700, 300, 1500)),
+    _c("tiny-mistral", 2, 4 * K, fsdp=True, ulysses_degree=2, head_chunk=1, documents=(1024,)),
     _c("tiny-qwen3-moe", 1, 2 * K),
     _c("tiny-qwen3-moe", 2, 4 * K, fsdp=True, ulysses_degree=2, activation_checkpointing=True, mlp_tile_tokens=1024),
     _c("tiny-llama", 1, 2 * K, fsdp=True, optimizer_offload=True),
@@ -325,10 +335,16 @@ def predict_config(config: Config):
     from autotune.backends import Evaluation
     from autotune.core.hardware import load_hardware
     from autotune.oracle import predict
+    from trials.kernels.documents import DocumentsSpec
     from trials.stack.techniques import Techniques
 
     evaluation = Evaluation(
-        config.model_config(), Techniques.from_dict(config.techniques), config.seq, config.world, load_hardware("cpu")
+        config.model_config(),
+        Techniques.from_dict(config.techniques),
+        config.seq,
+        config.world,
+        load_hardware("cpu"),
+        documents=DocumentsSpec(config.documents),
     )
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[config.compute_dtype]
     return predict(evaluation, compute_dtype=dtype)

@@ -51,6 +51,7 @@ def make_files(root: Path) -> None:
     (root / "config-good.json").write_text(json.dumps(_config()))
     (root / "a-file").write_text("not a folder\n")
     _make_run_files(root)
+    _make_documents_files(root)
     front = root / "finished-search"
     front.mkdir(exist_ok=True)
     (front / "pareto.json").write_text(
@@ -446,3 +447,44 @@ def range_cases() -> list[tuple[str, list[str], str]]:
 
 def argv_for(case_argv: list[str], files: Path) -> list[str]:
     return [arg.replace("{d}", str(files)) for arg in case_argv]
+
+
+# ``--documents``: the spec and the files it names (``autotune.core.documents``)
+ESTIMATE_TINY = ["estimate", "--config", "baseline", "--model", "tiny-llama", "--seq", "1K", "--hardware", "cpu"]
+
+
+def _make_documents_files(root: Path) -> None:
+    (root / "documents-empty.json").write_text("[]")
+    (root / "documents-zero.json").write_text("[512, 0, 12]")
+    (root / "documents-object.json").write_text('{"lengths": [512]}')
+    (root / "documents-malformed.json").write_text("[512, ")
+    (root / "config-documents.json").write_text(json.dumps(_config(documents="many")))
+
+
+CASES += [
+    ("--documents neither one, a length nor a file", [*ESTIMATE_TINY, "--documents", "lots"], "'lots' is not 'one'"),
+    ("--documents length zero", [*ESTIMATE_TINY, "--documents", "0"], "'0' is not 'one'"),
+    ("--documents file missing", [*ESTIMATE_TINY, "--documents", "{d}/no-documents.json"], "does not exist"),
+    ("--documents file empty", [*ESTIMATE_TINY, "--documents", "{d}/documents-empty.json"], "holds no documents"),
+    (
+        "--documents file with a zero length",
+        [*ESTIMATE_TINY, "--documents", "{d}/documents-zero.json"],
+        "must be a positive integer, got 0",
+    ),
+    (
+        "--documents file not a list",
+        [*ESTIMATE_TINY, "--documents", "{d}/documents-object.json"],
+        "must hold a JSON list",
+    ),
+    ("--documents file not JSON", [*ESTIMATE_TINY, "--documents", "{d}/documents-malformed.json"], "not valid JSON"),
+    (
+        "search --documents unknown",
+        ["search", "--model", "tiny-llama", "--target", "4K", "--documents", "lots", "--out", "{d}/out"],
+        "'lots' is not 'one'",
+    ),
+    (
+        "config file documents of the wrong type",
+        ["estimate", "--config", "{d}/config-documents.json"],
+        "documents must be",
+    ),
+]

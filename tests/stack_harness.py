@@ -4,7 +4,7 @@
     python tests/stack_harness.py CASES.json OUT.json                            (one rank)
 
 CASES.json: {"seq_len": int, "cases": [{"name", "model", "techniques": {...}, "step": bool,
-"batch_exchanges": bool, "pretrained": {"dir", "via"}}]}. Every rank builds,
+"batch_exchanges": bool, "pretrained": {"dir", "via"}, "documents": [lengths]}]}. Every rank builds,
 for each (model, data-parallel size, pretrained folder), the plain single-process reference itself (cheap at these
 sizes): the loss and parameter gradients of ``dp`` replicas (sample r for replica r, DESIGN.md's data rule)
 averaged, plus the loss after one AdamW step. Then, per case: a fresh model with the techniques applied on the real
@@ -16,6 +16,11 @@ folder (``dir``, saved by ``transformers``) through the plugin ``trials.hf``: ``
 (``trials.hf.from_pretrained``: built on meta, each rank reads its shards) or ``"apply"`` (``trials.hf.apply`` on
 ``AutoModelForCausalLM.from_pretrained``); its reference is then the plain ``transformers`` model of that folder
 (``attn_implementation="sdpa"``), wrapped in ``TrainingModel`` for the same loss sum.
+
+With ``"documents"`` (lengths summing to seq_len) the sequence packs those documents
+(``trials.training.data.make_batch(..., documents)``), and the reference is the plain model run on each document
+*alone* (its own tokens, positions from 0, its last label ignored): the sum of the documents' loss sums over the
+packed sequence's labelled tokens, and its gradient.
 
 Rank 0 writes OUT.json: {"world_size", "results": [{"name", "loss_rel", "grad_rel", "grad_rel_param",
 "grad_maxabs_rel", "step_loss_rel"?, "seconds"}]}, where
@@ -98,13 +103,49 @@ def stacked_pretrained(pretrained: dict, techniques, mesh):
     raise ValueError(f"unknown pretrained via {pretrained['via']!r}")
 
 
-def reference(model_config: dict, seq_len: int, dp: int, pretrained_dir: str | None = None) -> dict:
+def documents_reference(model_config: dict, seq_len: int, dp: int, lengths) -> dict:
+    """Plain model, one process, each document of each replica's sequence run alone: the replicas' mean loss and
+    gradients, and the mean loss after one AdamW step."""
+    from trials.kernels.documents import Documents
+    from trials.models.model import build_model
+    from trials.training.data import make_batch, synthetic_sample
+
+    model = build_model(model_config)
+    packed = Documents(tuple(lengths))
+    valid = seq_len - len(packed.lengths)
+    alone = []  # (replica, batch of one document)
+    for replica in range(dp):
+        tokens = synthetic_sample(replica, seq_len, model.config.vocab_size, 0)
+        for start, end in packed.spans():  # the document's tokens and the one after it (its last label: ignored)
+            alone.append(make_batch(tokens[start : end + 1], 0, 1, "cpu", documents=Documents((end - start,))))
+
+    def mean_loss(backward: bool) -> float:
+        total = 0.0
+        for batch in alone:
+            loss = model(batch.input_ids, batch.position_ids, batch.labels, scale=1.0 / (valid * dp))
+            if backward:
+                loss.backward()
+            total += float(loss.detach())
+        return total
+
+    loss = mean_loss(backward=True)
+    grads = full_grads(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+    optimizer.step()
+    with torch.no_grad():
+        step_loss = mean_loss(backward=False)
+    return {"loss": loss, "grads": grads, "step_loss": step_loss}
+
+
+def reference(model_config: dict, seq_len: int, dp: int, pretrained_dir: str | None = None, documents=None) -> dict:
     """Plain model, one process: dp replicas' mean gradients, mean loss, and mean loss after one AdamW step."""
     from trials.core.dist import Mesh
     from trials.models.model import build_model
     from trials.training.data import make_batch, synthetic_sample
     from trials.training.step import forward_backward
 
+    if documents:
+        return documents_reference(model_config, seq_len, dp, documents)
     mesh = Mesh.single()
     model = plain_pretrained(pretrained_dir) if pretrained_dir else build_model(model_config)
     batches = [make_batch(synthetic_sample(r, seq_len, model.config.vocab_size, 0), 0, 1, "cpu") for r in range(dp)]
@@ -125,6 +166,7 @@ def run_case(case: dict, seq_len: int, refs: dict, meshes: dict) -> dict:
     import torch.distributed as dist
 
     from trials.core.dist import build_mesh
+    from trials.kernels.documents import Documents
     from trials.models.config import load_model_config
     from trials.models.model import build_model
     from trials.stack import apply
@@ -147,9 +189,10 @@ def run_case(case: dict, seq_len: int, refs: dict, meshes: dict) -> dict:
         )
     mesh = meshes[groups]
     pretrained = case.get("pretrained")
-    key = (case["model"], mesh.dp_size, pretrained["dir"] if pretrained else None)
+    lengths = tuple(case.get("documents") or ())
+    key = (case["model"], mesh.dp_size, pretrained["dir"] if pretrained else None, lengths)
     if key not in refs:
-        refs[key] = reference(model_config, seq_len, mesh.dp_size, key[2])
+        refs[key] = reference(model_config, seq_len, mesh.dp_size, key[2], lengths)
     ref = refs[key]
 
     if pretrained:
@@ -161,7 +204,8 @@ def run_case(case: dict, seq_len: int, refs: dict, meshes: dict) -> dict:
         for layer in model.lm.model.layers:
             layer.self_attn.forward.batch_exchanges = True
     tokens = synthetic_sample(mesh.dp_rank, seq_len, model.config.vocab_size, 0)
-    batch = mesh_batch(tokens, mesh)
+    documents = Documents(lengths) if lengths else None
+    batch = mesh_batch(tokens, mesh, documents=documents)
     loss = global_loss(forward_backward(model, batch, mesh), mesh)
     grads = full_grads(model)
     result = {"name": case["name"], "loss": loss, "loss_rel": abs(loss - ref["loss"]) / abs(ref["loss"])}
@@ -184,7 +228,13 @@ def run_case(case: dict, seq_len: int, refs: dict, meshes: dict) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
-            scaled = model(batch.input_ids, batch.position_ids, batch.labels, scale=mesh.cp_degree / batch.valid_tokens)
+            scaled = model(
+                batch.input_ids,
+                batch.position_ids,
+                batch.labels,
+                scale=mesh.cp_degree / batch.valid_tokens,
+                documents=batch.documents,
+            )
         step_loss = global_loss(scaled, mesh)
         result["step_loss_rel"] = abs(step_loss - ref["step_loss"]) / abs(ref["step_loss"])
     result["seconds"] = round(time.perf_counter() - start, 3)

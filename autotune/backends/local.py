@@ -188,6 +188,7 @@ class LocalBackend(Backend):
             collective_timeout_s=collective_timeout_s,
             copies=copies,
             timeline_rank=self.timeline_rank,
+            documents=list(evaluation.documents.lengths),
         )
         work = Path(tempfile.mkdtemp(prefix="autotune-trial-"))
         self.last_timeline = None
@@ -330,6 +331,7 @@ def _copy_evaluation(evaluation: Evaluation, copy: dict) -> Evaluation:
         evaluation.gpus,
         evaluation.hardware,
         evaluation.nodes,
+        evaluation.documents,
     )
 
 

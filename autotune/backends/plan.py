@@ -49,6 +49,7 @@ def record_key(evaluation: Evaluation) -> str:
             hw.device_memory_bytes,
             evaluation.nodes,
             hw.runtime_overhead_bytes,
+            evaluation.documents.to_json(),
         ],
         sort_keys=True,
         default=str,

@@ -21,6 +21,7 @@ from autotune.cli.common import (
     say,
 )
 from autotune.cli.options import ranged_option
+from autotune.core.documents import DOCUMENTS_HELP
 from trials.kernels.registry import KERNEL_NAMES
 
 CONFIG_HELP = (
@@ -53,8 +54,7 @@ def _say_routing(model_config: dict) -> None:
 
 
 def _say_overrides(notices: list[str]) -> None:
-    """The options that overrode the config file, one line each (after the input checks: bad input stays one
-    line)."""
+    """The options that overrode the config file, one line each, after the input checks (bad input: one line)."""
     for notice in notices:
         say(f"autotune: {notice}")
 
@@ -71,6 +71,7 @@ def estimate(
     ),
     other_model: bool = typer.Option(False, "--other-model", help=OTHER_MODEL_HELP),
     attention: str | None = typer.Option(None, help=ATTENTION_HELP),
+    documents: str | None = typer.Option(None, help=DOCUMENTS_HELP + " (default: the config file's, else one)"),
     max_seq: bool = typer.Option(False, "--max-seq", help="bisect for the longest sequence that fits"),
     probes_only: bool = typer.Option(
         False, "--probes-only", hidden=True, help="--max-seq by grid probes alone, without the length model"
@@ -86,7 +87,7 @@ def estimate(
 ):
     """Predict peak memory per rank and step time for one config (plan backend, no GPU needed). Exit 1 when the
     prediction itself failed (status error); an OOM prediction is an answer (exit 0)."""
-    from autotune.backends import Evaluation, make_backend
+    from autotune.backends import make_backend
     from autotune.backends.plan_store import default_store
     from autotune.backends.setup import check_node_size
     from autotune.core.hardware import load_hardware
@@ -102,6 +103,7 @@ def estimate(
         hardware=hardware,
         other_model=other_model,
         attention=attention,
+        documents=documents,
     )
     hw = load_hardware(run.hardware).with_memory_gib(memory_gib).for_nodes(run.nodes)
     check_node_size(hw, run.gpus, run.nodes)
@@ -114,14 +116,13 @@ def estimate(
         on_gpu=not hw.device_is_host,
         compute_capability_major=hw.compute_capability or None,
     )
-    unlisted = hw.kernel_problem(run.techniques.attention)
-    if unlisted:
+    if unlisted := hw.kernel_problem(run.techniques.attention):
         fail(unlisted)
     _check_timeline_options(memory_timeline, memory_snapshot, rank, run.gpus * run.nodes)
     _say_overrides(run.notices)
     note_rates(hw)
     _say_routing(run.model_config)
-    evaluation = Evaluation(run.model_config, run.techniques, run.seq_len or 0, run.gpus, hw, run.nodes)
+    evaluation = run.evaluation(hw)
     timeline = None
     wants_timeline = memory_timeline is not None or memory_snapshot is not None
     if max_seq:  # what the config's trainer runs at each length tried (autotune's: the config itself)
@@ -161,7 +162,7 @@ def estimate(
     shown = record.to_dict()
     if max_seq and as_json:  # how the length was found (the length model, or the probes and why)
         shown["max_seq_search"] = how.to_dict()
-    print_record(shown, as_json, f"{run.model} on {where}{run.gpus}x {hw.name} (predicted)")
+    print_record(shown, as_json, f"{run.model} on {where}{run.gpus}x {hw.name} (predicted, {run.documents.describe()})")
     _say_trainer(run)
     if record.status == "error":
         fail_outcome(f"the prediction failed: {record.error}")
@@ -176,6 +177,7 @@ def trial(
     nodes: int | None = ranged_option("--nodes", None, NODES_HELP + " (default: the config file's)"),
     other_model: bool = typer.Option(False, "--other-model", help=OTHER_MODEL_HELP),
     attention: str | None = typer.Option(None, help=ATTENTION_HELP),
+    documents: str | None = typer.Option(None, help=DOCUMENTS_HELP + " (default: the config file's, else one)"),
     steps: int = ranged_option("--steps", 2, "measured steps after one warm-up"),
     depth: str = typer.Option("full", help="full | reduced (run the 3/4-layer copies, extend to full depth)"),
     memory_gib: float | None = ranged_option("--memory-gib", None, "per-rank capacity on CPU (GiB)"),
@@ -195,7 +197,7 @@ def trial(
     """Run one real training trial on this node (or, with --nodes, on every node) and print its measured record
     (exit 1 when its status is not ok: oom, error or timeout, the cause on the last line of stderr). The
     hardware is this node's: the config file's preset with this card's memory, the cpu preset without CUDA."""
-    from autotune.backends import Evaluation, make_backend
+    from autotune.backends import make_backend
     from autotune.backends.plan_store import default_store
     from autotune.backends.setup import check_depth, check_local_node, open_node_group, trial_hardware
     from autotune.core.overrides import Defaults, resolve_config
@@ -210,6 +212,7 @@ def trial(
         nodes=nodes,
         other_model=other_model,
         attention=attention,
+        documents=documents,
     )
     if run.seq_len is None:
         fail(f"--seq is required: {'--config baseline' if config == 'baseline' else 'the config file'} has no seq_len")
@@ -246,9 +249,7 @@ def trial(
     else:
         record = None
         try:
-            record = backend.evaluate(
-                Evaluation(run.model_config, run.techniques, run.seq_len, run.gpus, hw, run.nodes)
-            )
+            record = backend.evaluate(run.evaluation(hw))
         finally:
             if group is not None:
                 group.finish(record.to_dict() if record is not None else None)
@@ -262,13 +263,12 @@ def trial(
 
 def _write_trial_timeline(measured, run, hw, rank: int, depth: str, html, snapshot) -> None:
     """The trial's measured timeline beside the predicted one, or one line saying why there is none."""
-    from autotune.backends import Evaluation
     from autotune.outputs.timeline import write_trial
 
     if measured is None:
         say(f"autotune: rank {rank} recorded no memory timeline (it runs on another node, or failed before its step)")
         return
-    evaluation = Evaluation(run.model_config, run.techniques, run.seq_len, run.gpus, hw, run.nodes)
+    evaluation = run.evaluation(hw)
     title, written = write_trial(measured, evaluation, rank, depth == "reduced", html, snapshot, run.model)
     say(f"autotune: wrote {', '.join(str(p) for p in written)}: {title}, beside the prediction")
 

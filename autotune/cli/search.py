@@ -23,6 +23,7 @@ from autotune.cli.common import (
 )
 from autotune.cli.interrupts import interrupts_deferred
 from autotune.cli.options import ranged_option
+from autotune.core.documents import DOCUMENTS_HELP
 
 
 @app.command()
@@ -62,6 +63,7 @@ def search(
         "copies, extended exactly to full depth) | full",
     ),
     rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help=RDZV_HELP),
+    documents: str = typer.Option("one", help=DOCUMENTS_HELP),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object (the summary)"),
 ):
     """Search the technique space for the Pareto front of sequence length vs tokens/s."""
@@ -91,6 +93,7 @@ def search(
         depth=depth,
         rdzv_endpoint=rdzv_endpoint,
         trainer=trainer,
+        documents=documents,
     )
     prepared = prepare_search(request)
     if prepared.follower is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autotune.core.hardware import Hardware
+from trials.kernels.documents import ONE, DocumentsSpec
 from trials.stack.techniques import Techniques
 
 
@@ -20,6 +21,7 @@ class Evaluation:
     gpus: int  # per node
     hardware: Hardware
     nodes: int = 1
+    documents: DocumentsSpec = ONE  # the documents packed into each sequence (``--documents``)
 
     @property
     def world_size(self) -> int:

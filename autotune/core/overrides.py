@@ -14,9 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from autotune.core.documents import describe_documents, parse_documents
 from autotune.core.errors import UserError
+from autotune.core.evaluation import Evaluation
 from autotune.core.sizes import parse_tokens, short_tokens
 from trials import model_config as model_configs  # looked up at call time: tests replace load_model_config
+from trials.kernels.documents import ONE, DocumentsSpec
 from trials.kernels.registry import KERNEL_NAMES
 from trials.stack.techniques import BASELINE, Techniques
 from trials.training import config_file
@@ -47,6 +50,14 @@ class ConfigRun:
     seq_len: int | None  # None: neither --seq nor the file's seq_len
     notices: list[str] = field(default_factory=list)
     trainer: str | None = None  # the config file's: the trainer it was searched for
+    documents: DocumentsSpec = ONE  # --documents over the config file's
+
+    def evaluation(self, hardware, seq_len: int | None = None) -> Evaluation:
+        """What the command evaluates on ``hardware``: at ``seq_len`` (default: the run's own, 0 when none)."""
+        length = self.seq_len if seq_len is None else seq_len
+        return Evaluation(
+            self.model_config, self.techniques, length or 0, self.gpus, hardware, self.nodes, self.documents
+        )
 
 
 def resolve_config(
@@ -60,10 +71,12 @@ def resolve_config(
     hardware: str | None = None,
     other_model: bool = False,
     attention: str | None = None,
+    documents: str | None = None,
 ) -> ConfigRun:
     """``--config`` (a config file or ``baseline``) with the command line's options over it (None: not given);
     ``attention`` replaces the techniques' attention kernel."""
     seq_len = parse_tokens(seq, "--seq") if seq is not None else None
+    packed = parse_documents(documents) if documents is not None else None
     if attention is not None and attention not in KERNEL_NAMES:
         raise UserError(f"--attention {attention!r} must be one of {', '.join(KERNEL_NAMES)}")
     if config == "baseline":
@@ -77,6 +90,7 @@ def resolve_config(
             nodes=nodes if nodes is not None else defaults.nodes,
             hardware=hardware if hardware is not None else defaults.hardware,
             seq_len=seq_len,
+            documents=packed or ONE,
         )
     loaded = config_file.load_config_file(config)
     notices: list[str] = []
@@ -94,6 +108,7 @@ def resolve_config(
         seq_len=_override("--seq", seq_len, loaded.seq_len, notices, short_tokens),
         notices=notices,
         trainer=loaded.trainer,
+        documents=_override("--documents", packed, loaded.documents, notices, describe_documents),
     )
 
 

@@ -143,6 +143,10 @@ class Trainer:
     words: str  # the trainer, in words ("ArcticTraining 0.8")
     expresses: Mapping[str, Expression]
     sharding: str = "fsdp2"  # how ``fsdp`` shards: ``fsdp2`` (what the oracle traces) or ``zero3`` (DeepSpeed)
+    # how the trainer is told packed documents' boundaries so that attention stays inside each document, and with
+    # which attention kernels (None: any); ``packing`` None: it cannot mask documents
+    packing: str | None = None
+    packing_kernels: tuple[str, ...] | None = None
 
     def __post_init__(self):
         declared, every = set(self.expresses), {k.name for k in knobs()}
@@ -186,6 +190,21 @@ class Trainer:
         return (
             f"the prediction shards as FSDP2 does; {self.words}'s ZeRO-3 also keeps its own buffers ({sizes} "
             f"elements): up to {gib:.1f} GiB more per rank in bf16, not in the predicted peak"
+        )
+
+    def packing_note(self, documents, attention: str) -> str | None:
+        """The export's line on packed ``documents`` (a ``DocumentsSpec``; None when one document per sequence):
+        how this trainer is told their boundaries, or that it attends across them (the prediction, made for masked
+        documents, then does not describe its attention time)."""
+        if documents.one:
+            return None
+        masks = self.packing is not None and (self.packing_kernels is None or attention in self.packing_kernels)
+        if masks:
+            return f"packed documents ({documents.describe()}): {self.packing}"
+        kernels = f" with attention {attention!r}" if self.packing is not None else ""
+        return (
+            f"PACKED DOCUMENTS NOT MASKED: {self.words}{kernels} attends across the boundaries of the packed "
+            f"documents ({documents.describe()}); the prediction is for masked documents"
         )
 
     def cannot_run(self) -> list[str]:
@@ -244,6 +263,8 @@ AUTOTUNE = Trainer(
     "autotune",
     "autotune's own runner (trials)",
     {k.name: exactly(f"techniques.{k.name} of the config") for k in knobs()},
+    packing="the config file's documents; the stack masks the documents a batch carries (Batch.documents: "
+    "position ids restart at each, attention stays inside each)",
 )
 
 DEEPSPEED = Trainer(
@@ -269,6 +290,9 @@ DEEPSPEED = Trainer(
         ),
     },
     sharding="zero3",
+    packing="position_ids that restart at each document (UlyssesSPDataLoaderAdapter shards them; e.g. transformers' "
+    "DataCollatorWithFlattening); transformers' flash_attention_2 derives cu_seqlens from them",
+    packing_kernels=("flash",),
 )
 
 ARCTIC = Trainer(
@@ -312,6 +336,8 @@ ACCELERATE = Trainer(
         )
         for k in knobs()
     },
+    packing="the model's forward takes autotune_documents=trials.kernels.documents.Documents(lengths) beside "
+    "position_ids that restart at each document",
 )
 
 ACCELERATE_DEEPSPEED = Trainer(

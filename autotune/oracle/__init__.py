@@ -103,6 +103,7 @@ def _trace_to_full_depth(
     (the full-depth trace, the traces run, layers added per extended run). ``timeline``: a
     ``trials.trial.memory_timeline.TimelineRecorder`` for the first trace (the model, or its base copy)."""
     args = (evaluation.model_config, evaluation.techniques, evaluation.seq_len, evaluation.world_size)
+    kwargs.setdefault("documents", evaluation.documents)
     runs = model_runs(evaluation.techniques, evaluation.model_config)
     base, varied = plan_traces(runs)
     stops = dict(

@@ -317,6 +317,79 @@ def _fake_wrapped_flash_attn_backward(
     return softmax_d
 
 
+class FakeVarlenFlashAttn(torch.autograd.Function):
+    """flash-attn 2's ``flash_attn_varlen_func`` as far as memory goes: packed documents, q [total, hq, d], k/v
+    [total, hkv, d] -> out [total, hq, d]; saves q, k, v, out, softmax_lse fp32 [hq, total] (``mha_varlen_fwd``) and
+    cu_seqlens. Backward (``mha_varlen_bwd``): dq/dk/dv like q/k/v, ``softmax_d`` fp32 [hq, total + 128 * docs],
+    ``dq_accum`` fp32 [total + 128 * docs, hq, d rounded to 32 (64 above 128)] and, when hkv < hq, dk/dv expanded to
+    hq heads. Each document's attention is counted as its own causal call (``documents``: the host boundaries)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, causal, window, documents):
+        check_flash_inputs(q, k, v)
+        total, h, d = q.shape
+        out = torch.empty_like(q)
+        lse = torch.empty((h, total), dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+        ctx.causal, ctx.window, ctx.documents = causal, window, documents
+        _record_documents(q, k, v, documents, False, causal, window)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        total, h, d = q.shape
+        _record_documents(q, k, v, ctx.documents, True, ctx.causal, ctx.window)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        padded = total + 128 * len(ctx.documents.lengths)
+        softmax_d = torch.empty((h, padded), dtype=torch.float32, device=q.device)
+        d_r = _round_up(d, 32 if d <= 128 else 64)
+        scratch = [torch.empty((padded, h, d_r), dtype=torch.float32, device=q.device)]
+        if k.shape[1] != h:
+            groups = h // k.shape[1]
+            scratch += [torch.empty((total, h, d), dtype=k.dtype, device=k.device) for _ in range(2)]
+            torch.sum(scratch[1].unflatten(1, (k.shape[1], groups)), 2, out=dk)
+            torch.sum(scratch[2].unflatten(1, (v.shape[1], groups)), 2, out=dv)
+        else:
+            dq.zero_()  # an op while the scratch buffers are live
+        del scratch, softmax_d
+        return dq, dk, dv, None, None, None, None
+
+
+def _record_documents(q, k, v, documents, backward: bool, causal: bool, window) -> None:
+    """Each document of a varlen call as its own causal call ([1, n, h, d] views): the counter prices it by its own
+    shape (``autotune.timing.attention_cost``)."""
+    for start, end in documents.spans():
+        rows = slice(start, end)
+        _record_attention(q[rows].unsqueeze(0), k[rows].unsqueeze(0), v[rows].unsqueeze(0), backward, causal, window)
+
+
+def _fake_flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    *,
+    documents,
+):
+    """flash-attn's ``flash_attn_varlen_func`` (``FakeVarlenFlashAttn``); ``documents``: the host boundaries that
+    ``cu_seqlens_q`` holds on the device."""
+    return FakeVarlenFlashAttn.apply(
+        q, k, v, cu_seqlens_q, causal or window_size[1] == 0, flash_window(window_size[0]), documents
+    )
+
+
+_fake_flash_attn_varlen_func.takes_documents = True
+
+
 def _fake_split_forward(q, k, v, causal: bool, window_left, num_splits: int, kernel: str) -> torch.Tensor:
     """What FA3's and FA4's forward entry points share: the inputs checked, the call recorded, ``out`` allocated.
     Training calls them with ``num_splits`` 1 (no split-KV partials), the only value the oracle sizes."""
@@ -445,9 +518,12 @@ FAKE_KERNELS = {  # kernel -> its fakes (layer, forward, backward), the entry po
 }
 
 
+FAKE_VARLEN = {"flash": _fake_flash_attn_varlen_func}  # the varlen entry points ``VARLEN_KERNELS`` declare
+
+
 def fake_flash_kernels(enabled: bool, kernel: str = "flash"):
     """Make ``trials.kernels.attention``'s path for flash kernel ``kernel`` use fake ops with that kernel's memory
     footprint, on the (fake) cpu device, through its public hook (restored on exit); a no-op for other kernels."""
     if not enabled or kernel not in FAKE_KERNELS:
         return contextlib.nullcontext()
-    return attention.flash_kernels(*FAKE_KERNELS[kernel], kernel=kernel)
+    return attention.flash_kernels(*FAKE_KERNELS[kernel], kernel=kernel, varlen=FAKE_VARLEN.get(kernel))

@@ -17,6 +17,7 @@ from autotune.oracle.results import Segment, Trace, full_breakdown
 from trials.core import patches
 from trials.core.dist import Mesh, build_mesh, ensure_device_mesh
 from trials.core.memory import DeviceMemoryTracker, TrackerListener
+from trials.kernels.documents import ONE, DocumentsSpec
 from trials.models.config import copy_for_runs
 from trials.training.data import mesh_batch
 from trials.training.step import build_training, train_step
@@ -51,6 +52,7 @@ def trace(
     host_limit: int | None = None,
     timeline: TimelineRecorder | None = None,
     rank: int = 0,
+    documents: DocumentsSpec = ONE,
 ) -> Trace:
     """Run ``steps`` training steps of the trial under FakeTensorMode on rank 0 of a fake world and return
     the tracked peak.
@@ -71,6 +73,8 @@ def trace(
     ``timeline``: a ``trials.trial.memory_timeline.TimelineRecorder`` that records every device allocation and free of
     the trace, each labelled with its segment and module. ``rank``: the rank of the fake world this process is
     (rank 0 unless asked: the most loaded one).
+    ``documents``: the documents packed into the sequence (their boundaries are host integers: the fake step
+    runs each document's attention as the real one does).
     """
 
     started = time.perf_counter()
@@ -128,7 +132,7 @@ def trace(
                 if timeline is not None:
                     timeline.watch(model)
                 tokens = torch.zeros(seq_len + 1, dtype=torch.long)
-                batch = mesh_batch(tokens, mesh, device)
+                batch = mesh_batch(tokens, mesh, device, documents.for_length(seq_len))
                 if prime_optimizer:
                     prime_optimizer_states(model, optimizer, tracker)
                     peaks.segment = ("setup", None)

@@ -214,6 +214,7 @@ def job_attr(job: search.SearchJob) -> dict:
         "gpus": job.gpus,
         "nodes": job.nodes,
         "hardware": dataclasses.asdict(job.hardware),
+        "documents": job.documents.to_json(),
     }
 
 
@@ -250,6 +251,7 @@ def write_outputs(job: search.SearchJob, study) -> dict:
                 "target": job.target,
                 "capacity_bytes": job.hardware.device_memory_bytes,
                 "trainer": job.trainer.name,  # what every front config is: what that trainer runs
+                "documents": job.documents.to_json(),  # the documents packed into each sequence
                 "best_choice": choice,
                 "best": best_entry(best),  # what best.json holds, at the target
                 "front": front,
@@ -306,6 +308,7 @@ def write_outputs(job: search.SearchJob, study) -> dict:
         predicted=predicted,
         measured=measured,
         trainer=None if job.trainer.name == "autotune" else job.trainer.name,
+        documents=job.documents,
     )
     config.write(best_path)
     target_best_path(out, job.target).unlink(missing_ok=True)  # best.json holds this target's best now

@@ -153,7 +153,13 @@ def write_front_timeline(job, front: list[dict], out: Path) -> Path | None:
     if entry is None:
         return None
     evaluation = Evaluation(
-        job.model_config, Techniques.from_dict(entry["techniques"]), entry["seq_len"], job.gpus, job.hardware, job.nodes
+        job.model_config,
+        Techniques.from_dict(entry["techniques"]),
+        entry["seq_len"],
+        job.gpus,
+        job.hardware,
+        job.nodes,
+        job.documents,
     )
     timeline = predicted_timeline(evaluation, 0, job.model)
     title = f"{timeline.title} (the front's peak config, trial {entry['trial']})"

@@ -9,6 +9,7 @@ from autotune.backends import Backend
 from autotune.core.hardware import Hardware
 from autotune.core.trainers import AUTOTUNE, Trainer
 from autotune.search.space import SearchSpace
+from trials.kernels.documents import ONE, DocumentsSpec
 
 
 @dataclass
@@ -32,6 +33,7 @@ class SearchJob:
     workers: int | None = None  # plan backend: processes evaluating trials (None: one per core; see parallel.py)
     stats: dict = field(default_factory=dict)  # plan backend with workers: what the pool did (PooledBackend.stats)
     nodes: int = 1  # nodes of ``gpus`` devices each
+    documents: DocumentsSpec = ONE  # the documents packed into each sequence: the front and best are for them
 
     @property
     def world_size(self) -> int:

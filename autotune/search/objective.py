@@ -67,7 +67,7 @@ def make_objective(job: SearchJob, study: optuna.Study, on_record: Callable | No
         trial.set_user_attr("techniques", techniques.to_dict())
         if asked != techniques:
             trial.set_user_attr("asked", asked.to_dict())  # the sampled config, the same at every length
-        evaluation = Evaluation(job.model_config, techniques, seq_len, job.gpus, job.hardware, job.nodes)
+        evaluation = Evaluation(job.model_config, techniques, seq_len, job.gpus, job.hardware, job.nodes, job.documents)
         answered = claim_or_answer(study, trial, techniques, seq_len)  # None: claimed, no other worker runs it
         how = None
         if answered is not None:

@@ -73,13 +73,17 @@ def upcoming(job: SearchJob, study: optuna.Study, current: Evaluation) -> tuple[
         except Exception:  # params this space cannot sample: the trial itself will say so when it runs
             continue
         if infer_record(study, techniques, seq_len) is None:
-            wanted.append(Evaluation(job.model_config, techniques, seq_len, job.gpus, job.hardware, job.nodes))
+            wanted.append(
+                Evaluation(job.model_config, techniques, seq_len, job.gpus, job.hardware, job.nodes, job.documents)
+            )
     likely = []
     for evaluation in [current] + wanted:
         degree = split_unit(evaluation.techniques.ulysses_degree, evaluation.techniques.ring_degree)
         longer = [s for s in job.space.seq_lens if s > evaluation.seq_len and s % degree == 0]
         if longer and infer_record(study, evaluation.techniques, longer[0]) is None:
             likely.append(
-                Evaluation(job.model_config, evaluation.techniques, longer[0], job.gpus, job.hardware, job.nodes)
+                Evaluation(
+                    job.model_config, evaluation.techniques, longer[0], job.gpus, job.hardware, job.nodes, job.documents
+                )
             )
     return wanted, likely

@@ -17,6 +17,7 @@ from autotune.backends.setup import (
     open_node_group,
     trial_hardware,
 )
+from autotune.core.documents import parse_documents
 from autotune.core.errors import UserError
 from autotune.core.hardware import Hardware
 from autotune.core.trainers import trainer_named
@@ -24,6 +25,7 @@ from autotune.search.job import SearchJob
 from autotune.search.objective import open_study
 from autotune.search.space import load_space
 from autotune.search.study import open_storage
+from trials.kernels.documents import DocumentsSpec
 
 
 @dataclass
@@ -49,6 +51,7 @@ class SearchRequest:
     depth: str = "reduced"
     rdzv_endpoint: str | None = None
     trainer: str = "autotune"  # search what that trainer runs (``autotune.core.trainers``)
+    documents: str | None = None  # ``--documents`` (``autotune.core.documents``): None is one per sequence
 
 
 @dataclass
@@ -69,6 +72,7 @@ def prepare_search(request: SearchRequest) -> PreparedSearch:
     from trials.models.config import load_model_config
 
     model_config = load_model_config(request.model)
+    documents = parse_documents(request.documents)
     trainer = trainer_named(request.trainer)
     backend_name = resolve_backend(request.backend, request.gpus)
     if request.backend == "auto" and request.nodes > 1 and request.rdzv_endpoint is None:
@@ -129,9 +133,25 @@ def prepare_search(request: SearchRequest) -> PreparedSearch:
         seed=request.seed,
         prefilter=prefilter,
         nodes=request.nodes,
+        documents=documents,
     )
     study = open_study(job, storage)
+    check_same_documents(study, documents, out)
     return PreparedSearch(backend_name, hw, group=group, job=job, study=study, warnings=warnings)
+
+
+def check_same_documents(study, documents: DocumentsSpec, out: Path) -> None:
+    """A study resumed in ``out`` holds records for the documents it was searched for: another ``--documents``
+    there would mix fronts (UserError)."""
+    job = study.user_attrs.get("search_job")
+    if not isinstance(job, dict):  # a new study: nothing recorded yet
+        return
+    stored = job.get("documents", "one")  # a study from before documents were recorded: one per sequence
+    if stored != documents.to_json():
+        raise UserError(
+            f"the search in {str(out)!r} is for --documents {DocumentsSpec.from_json(stored).describe()}, not "
+            f"{documents.describe()}: give another --out"
+        )
 
 
 def search_kernels(backend_name: str, hw: Hardware) -> tuple[str, ...]:

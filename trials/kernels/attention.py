@@ -4,8 +4,9 @@ Shapes (Hugging Face convention at the call site):
     query [batch, q_heads, seq, head_dim], key/value [batch, kv_heads, seq, head_dim]
     returns [batch, seq, q_heads, head_dim] (what HF attention interfaces return)
 
-Causal masking is implied (training on whole sequences; position ids are not packed), so no [seq, seq] mask
-is ever built. A layer may attend through a sliding window ``W`` (Hugging Face's ``sliding_window``: query ``i``
+Causal masking is implied, so no [seq, seq] mask is ever built. A sequence may pack several documents
+(``trials.kernels.documents.Documents``): attention then stays inside each document -- one varlen call
+(``cu_seqlens``) on a flash kernel that declares one, else one causal call per document -- still without a mask. A layer may attend through a sliding window ``W`` (Hugging Face's ``sliding_window``: query ``i``
 sees keys ``i-W+1 .. i``) and may softcap its logits (Gemma 2). Kernels (``trials.kernels.registry``):
 - ``flash`` / ``flash3`` / ``flash4``: FlashAttention 2 / 3 / 4's ``flash_attn_func`` (CUDA, GQA natively, layout
   "bshd"; a window is its ``window_size`` -- (W - 1, 0), unlimited (-1, -1), FA4's (None, None) -- a softcap its
@@ -29,7 +30,15 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from trials.kernels.registry import FLASH_KERNELS, KERNELS, attention_kernel_problem, install_problem, kernel_problem
+from trials.kernels.documents import Documents, documents_of
+from trials.kernels.registry import (
+    FLASH_KERNELS,
+    KERNELS,
+    VARLEN_KERNELS,
+    attention_kernel_problem,
+    install_problem,
+    kernel_problem,
+)
 
 ATTN_IMPLEMENTATION = "autotune"
 
@@ -43,7 +52,7 @@ _stand_ins: dict[str, dict] = {}  # kernel name -> {"layer", "forward", "backwar
 
 
 @contextlib.contextmanager
-def flash_kernels(layer, forward=None, backward=None, kernel: str = "flash"):
+def flash_kernels(layer, forward=None, backward=None, kernel: str = "flash", varlen=None):
     """Use stand-ins for flash kernel ``kernel``'s entry points (``trials.kernels.registry.EntryPoints``: ``layer``,
     ``forward``, ``backward``; None keeps the real one) on any device while inside (restored on exit): the memory
     oracle runs the flash kernels under FakeTensorMode on a CPU-only torch with their memory footprints, and CPU
@@ -51,7 +60,7 @@ def flash_kernels(layer, forward=None, backward=None, kernel: str = "flash"):
     if kernel not in FLASH_KERNELS:
         raise ValueError(f"{kernel!r} is not a flash kernel ({', '.join(FLASH_KERNELS)})")
     saved = _stand_ins.get(kernel)
-    _stand_ins[kernel] = {"layer": layer, "forward": forward, "backward": backward}
+    _stand_ins[kernel] = {"layer": layer, "forward": forward, "backward": backward, "varlen": varlen}
     try:
         yield
     finally:
@@ -124,9 +133,19 @@ def _refuse(kernel: str, device: torch.device, window, softcap) -> None:
 
 
 def causal_attention(
-    query, key, value, scaling: float | None = None, kernel: str = "sdpa", window: int | None = None, softcap=None
+    query,
+    key,
+    value,
+    scaling: float | None = None,
+    kernel: str = "sdpa",
+    window: int | None = None,
+    softcap=None,
+    documents: Documents | None = None,
 ):
-    """[b, hq, s, d] x [b, hkv, s, d] -> [b, s, hq, d], causal (within ``window`` keys when given)."""
+    """[b, hq, s, d] x [b, hkv, s, d] -> [b, s, hq, d], causal (within ``window`` keys when given), inside each of
+    ``documents`` when given."""
+    if documents is not None and len(documents.lengths) > 1:
+        return _document_attention(query, key, value, scaling, kernel, window, softcap, documents)
     window = band(window, key.shape[2])
     if kernel in FLASH_KERNELS:
         _require(kernel, query.device)
@@ -162,7 +181,14 @@ def hf_attention(module, query, key, value, attention_mask, scaling=None, dropou
         return override(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     kernel = getattr(module, "autotune_kernel", "sdpa")
     out = causal_attention(
-        query, key, value, scaling, kernel, window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap")
+        query,
+        key,
+        value,
+        scaling,
+        kernel,
+        window=kwargs.get("sliding_window"),
+        softcap=kwargs.get("softcap"),
+        documents=documents_of(kwargs, key.shape[2]),
     )
     return out, None
 
@@ -219,13 +245,24 @@ def _window_size(kernel: str, window: int | None) -> tuple:
 
 
 def attention_forward(
-    query, key, value, scaling: float, kernel: str = "sdpa", window=None, softcap=None, causal: bool = True
+    query,
+    key,
+    value,
+    scaling: float,
+    kernel: str = "sdpa",
+    window=None,
+    softcap=None,
+    documents=None,
+    causal: bool = True,
 ):
-    """Causal attention (within ``window`` keys) without autograd, in ``head_layout(kernel)``; returns (out,
-    residuals tuple). ``causal=False``: every query sees every key (a ring's block of earlier keys,
-    ``trials.stack.ring``; no window)."""
-    if not causal and window:
-        raise ValueError("a sliding window is causal")
+    """Causal attention (within ``window`` keys, inside each of ``documents``) without autograd, in
+    ``head_layout(kernel)``; returns (out, residuals tuple). Packed documents run one call per document: the
+    residuals are each document's in turn. ``causal=False``: every query sees every key (a ring's block of earlier
+    keys, ``trials.stack.ring``; no window, one document)."""
+    if not causal and (window or documents is not None):
+        raise ValueError("a sliding window and packed documents are causal")
+    if documents is not None and len(documents.lengths) > 1:
+        return _per_document_forward(query, key, value, scaling, kernel, window, softcap, documents)
     if kernel in FLASH_KERNELS:
         _require(kernel, query.device)
         left, right = _window_size(kernel, band(window, key.shape[1]))
@@ -272,9 +309,14 @@ def attention_backward(
     kernel: str = "sdpa",
     window=None,
     softcap=None,
+    documents=None,
     causal: bool = True,
 ):
     """Gradients (dq, dk, dv) of ``attention_forward``, same layout and shapes as (query, key, value)."""
+    if documents is not None and len(documents.lengths) > 1:
+        return _per_document_backward(
+            grad_out, query, key, value, out, residuals, scaling, kernel, window, softcap, documents
+        )
     if kernel in FLASH_KERNELS:
         left, right = _window_size(kernel, band(window, key.shape[1]))
         backward, softcap = _entry(kernel, "backward"), softcap or 0.0
@@ -307,6 +349,123 @@ def attention_backward(
             grad_out, query, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scaling
         )
     return dq, _sum_kv_groups(dk, groups), _sum_kv_groups(dv, groups)
+
+
+# -- packed documents -------------------------------------------------------------------------------------------------
+# Each document is a causal sequence of its own: the kernel runs on its rows of q/k/v (views, no copy of the whole
+# sequence), within its window. A flash kernel with a varlen entry point runs a whole layer in one call instead.
+
+
+def _seq_dim(kernel: str) -> int:
+    return 1 if head_layout(kernel) == "bshd" else 2
+
+
+def _per_document_forward(query, key, value, scaling, kernel, window, softcap, documents: Documents):
+    dim = _seq_dim(kernel)
+    if documents.total != key.shape[dim]:
+        raise ValueError(f"documents cover {documents.total} tokens, attention sees {key.shape[dim]}")
+    out, residuals = None, []
+    for start, end in documents.spans():
+        rows = (dim, start, end - start)
+        part, part_residuals = attention_forward(
+            query.narrow(*rows), key.narrow(*rows), value.narrow(*rows), scaling, kernel, window, softcap
+        )
+        if out is None:
+            out = part.new_empty(query.shape)
+        out.narrow(*rows).copy_(part)
+        residuals += part_residuals
+        del part
+    return out, tuple(residuals)
+
+
+def _per_document_backward(grad_out, query, key, value, out, residuals, scaling, kernel, window, softcap, documents):
+    dim = _seq_dim(kernel)
+    spans = documents.spans()
+    per = len(residuals) // len(spans)
+    grads = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+    for index, (start, end) in enumerate(spans):
+        rows = (dim, start, end - start)
+        parts = attention_backward(
+            grad_out.narrow(*rows).contiguous(),
+            query.narrow(*rows),
+            key.narrow(*rows),
+            value.narrow(*rows),
+            out.narrow(*rows),
+            residuals[index * per : (index + 1) * per],
+            scaling,
+            kernel,
+            window,
+            softcap,
+        )
+        for grad, part in zip(grads, parts):
+            grad.narrow(*rows).copy_(part)
+        del parts
+    return grads
+
+
+def _document_attention(query, key, value, scaling, kernel, window, softcap, documents: Documents):
+    """A whole layer over packed documents: [b, hq, s, d] x [b, hkv, s, d] -> [b, s, hq, d]."""
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if kernel in VARLEN_KERNELS:
+        _require(kernel, query.device)
+        query, key, value = flash_inputs(query, key, value, kernel=kernel)
+        if query.shape[0] != 1:
+            raise ValueError(f"packed documents are one sequence per batch, got batch {query.shape[0]}")
+        cu_seqlens = documents.cu_seqlens(query.device)
+        longest = documents.max_length
+        varlen = _entry(kernel, "varlen")
+        # a stand-in may ask for the host boundaries (the oracle's fake counts each document's work: a fake
+        # cu_seqlens has no values)
+        told = {"documents": documents} if getattr(varlen, "takes_documents", False) else {}
+        out = varlen(
+            query[0].transpose(0, 1),  # [s, h, d]: the documents' tokens back to back
+            key[0].transpose(0, 1),
+            value[0].transpose(0, 1),
+            cu_seqlens_q=cu_seqlens,
+            cu_seqlens_k=cu_seqlens,
+            max_seqlen_q=longest,
+            max_seqlen_k=longest,
+            softmax_scale=scaling,
+            causal=True,
+            window_size=_window_size(kernel, window if window and window < longest else None),
+            softcap=softcap or 0.0,
+            **told,
+        )
+        out = out[0] if isinstance(out, tuple) else out
+        return out.unsqueeze(0)
+    if kernel in FLASH_KERNELS:
+        _require(kernel, query.device)
+        query, key, value = flash_inputs(query, key, value, kernel=kernel)
+        query, key, value = (t.transpose(1, 2) for t in (query, key, value))  # [b, s, h, d]
+        return _DocumentAttention.apply(query, key, value, scaling, kernel, window, softcap, documents)
+    _refuse(kernel, query.device, band(window, documents.max_length), softcap)
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):  # what autocast does for F.scaled_dot_product_attention
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+    return _DocumentAttention.apply(query, key, value, scaling, kernel, window, softcap, documents).transpose(1, 2)
+
+
+class _DocumentAttention(torch.autograd.Function):
+    """Attention of a whole layer over packed documents, one kernel call per document (the kernel's layout in and
+    out): saves q, k, v, out and each document's logsumexp, what the kernel's own autograd saves for one sequence."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, scaling, kernel, window, softcap, documents):
+        out, residuals = attention_forward(query, key, value, scaling, kernel, window, softcap, documents)
+        ctx.save_for_backward(query, key, value, out, *residuals)
+        ctx.args = (scaling, kernel, window, softcap, documents)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, *residuals = ctx.saved_tensors
+        scaling, kernel, window, softcap, documents = ctx.args
+        grads = attention_backward(
+            grad_out, query, key, value, out, tuple(residuals), scaling, kernel, window, softcap, documents
+        )
+        return (*grads, None, None, None, None, None)
 
 
 # -- sliding windows on the CPU kernel -----------------------------------------------------------------------------

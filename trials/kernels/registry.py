@@ -45,14 +45,22 @@ class EntryPoints:
     layer: str  # autograd function of a whole layer: (q, k, v, ...) -> out (FA3 / FA4 may return (out, lse))
     forward: str  # low-level forward: (out, softmax_lse, ...) without autograd
     backward: str  # low-level backward: takes softmax_lse back, gives dq, dk, dv
+    # autograd function of a whole layer over packed documents (``cu_seqlens``; q/k/v [tokens, heads, dim]); "":
+    # packed documents run one kernel call per document (FA3 / FA4 have varlen entry points too: declared once the
+    # oracle sizes their varlen buffers, ``autotune.oracle.fake_world``)
+    varlen: str = ""
 
     def resolve(self, which: str):
-        """The entry point ``which`` ("layer" | "forward" | "backward"), imported."""
+        """The entry point ``which`` ("layer" | "forward" | "backward" | "varlen"), imported."""
+        if not getattr(self, which):
+            raise ImportError(f"no {which!r} entry point is declared")
         module, attribute = getattr(self, which).split(":")
         return getattr(importlib.import_module(module), attribute)
 
     def resolve_in(self, root, which: str):
         """The entry point ``which`` inside the loaded hub kernel module ``root`` (``module`` relative to it)."""
+        if not getattr(self, which):
+            raise ImportError(f"no {which!r} entry point is declared")
         module, attribute = getattr(self, which).split(":")
         for part in filter(None, module.split(".")):
             root = getattr(root, part)
@@ -219,6 +227,7 @@ KERNELS: dict[str, AttentionKernel] = {
                 "flash_attn:flash_attn_func",
                 "flash_attn.flash_attn_interface:_wrapped_flash_attn_forward",  # flash-attn >= 2.7
                 "flash_attn.flash_attn_interface:_wrapped_flash_attn_backward",
+                "flash_attn:flash_attn_varlen_func",
             ),
             hub=HubKernel(
                 "kernels-community/flash-attn2",
@@ -227,6 +236,7 @@ KERNELS: dict[str, AttentionKernel] = {
                     ":flash_attn_func",
                     "flash_attn_interface:_wrapped_flash_attn_forward",
                     "flash_attn_interface:_wrapped_flash_attn_backward",
+                    ":flash_attn_varlen_func",
                 ),
             ),
             wheel_only=False,
@@ -297,6 +307,8 @@ KERNELS: dict[str, AttentionKernel] = {
 }
 KERNEL_NAMES = tuple(KERNELS)
 FLASH_KERNELS = tuple(name for name, kernel in KERNELS.items() if kernel.layout == "bshd")
+# kernels with a varlen whole-layer entry point: packed documents in one call (``cu_seqlens``)
+VARLEN_KERNELS = tuple(name for name in FLASH_KERNELS if KERNELS[name].entry_points.varlen)
 
 
 def this_node_compute_capability() -> int | None:

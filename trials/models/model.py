@@ -14,6 +14,7 @@ import torch.nn as nn
 from trials.core.dist import is_sharded
 from trials.core.memory import active_tracker
 from trials.kernels import attention
+from trials.kernels.documents import DOCUMENTS_KWARG
 from trials.models.families import family_of
 
 _CONFIG_ONLY_KEYS = ("_name", "_source")  # autotune's own keys, not transformers'
@@ -257,14 +258,19 @@ class TrainingModel(nn.Module):
     def layers(self) -> nn.ModuleList:
         return self.lm.model.layers
 
-    def forward(self, input_ids, position_ids, labels, scale: float = 1.0):
+    def forward(self, input_ids, position_ids, labels, scale: float = 1.0, documents=None):
+        """``documents`` (``trials.kernels.documents.Documents``, global over the whole sequence): attention stays
+        inside each; ``position_ids`` then restart at each document (``Documents.positions``)."""
         if self.autocast_dtype is None:
-            return self._forward(input_ids, position_ids, labels, scale)
+            return self._forward(input_ids, position_ids, labels, scale, documents)
         with torch.autocast(input_ids.device.type, dtype=self.autocast_dtype):
-            return self._forward(input_ids, position_ids, labels, scale)
+            return self._forward(input_ids, position_ids, labels, scale, documents)
 
-    def _forward(self, input_ids, position_ids, labels, scale):
-        hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+    def _forward(self, input_ids, position_ids, labels, scale, documents=None):
+        packed = {DOCUMENTS_KWARG: documents} if documents is not None else {}
+        hidden = self.lm.model(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, **packed
+        ).last_hidden_state
         head = self.lm.lm_head if self.logit_softcap is None else SoftcappedHead(self.lm.lm_head, self.logit_softcap)
         return self.loss_fn(hidden, head, labels, scale)
 

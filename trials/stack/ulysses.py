@@ -16,13 +16,16 @@ replacing the process-wide HF registry, so several models can live in one proces
 from __future__ import annotations
 
 from trials.kernels.attention import causal_attention
+from trials.kernels.documents import documents_of
 
 
 def _core_attention(kernel: str):
     def core(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        # a window does not change Ulysses: each rank attends over the whole sequence for its heads
+        # a window or packed documents do not change Ulysses: each rank attends over the whole sequence for its
+        # heads, so the documents' boundaries are the global ones
         window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
-        return causal_attention(query, key, value, scaling, kernel, window=window, softcap=softcap), None
+        documents = documents_of(kwargs, key.shape[2])
+        return causal_attention(query, key, value, scaling, kernel, window, softcap, documents), None
 
     return core
 

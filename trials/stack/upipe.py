@@ -70,6 +70,7 @@ import torch
 import torch.nn.functional as F
 
 from trials.kernels.attention import attention_backward, attention_forward, head_layout
+from trials.kernels.documents import documents_of
 from trials.models.families import family_of
 from trials.stack.ring import Ring, ring_backward, ring_forward
 from trials.stack.ulysses import attention_modules
@@ -205,7 +206,8 @@ class UPipeAttention:
             None if self.q_norm is None else self.q_norm.weight,
             None if self.k_norm is None else self.k_norm.weight,
         )
-        out = _HeadChunkedAttention.apply(self, hidden_states, cos, sin, *params)
+        documents = documents_of(kwargs, hidden_states.shape[1] * self.plan.degree)
+        out = _HeadChunkedAttention.apply(self, documents, hidden_states, cos, sin, *params)
         return m.o_proj(out), None
 
     def projections(self):
@@ -329,7 +331,7 @@ class _HeadChunkedAttention(torch.autograd.Function):
     """hidden [b, s_l, h] -> attention output before o_proj [b, s_l, H*d]; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, layer: UPipeAttention, hidden, cos, sin, *params):
+    def forward(ctx, layer: UPipeAttention, documents, hidden, cos, sin, *params):
         # Mixed precision: under autocast, compute in its dtype with explicit casts (autocast itself is off
         # inside, and would be off in backward anyway); parameters and the gradients returned stay fp32.
         device_type = hidden.device.type
@@ -338,19 +340,20 @@ class _HeadChunkedAttention(torch.autograd.Function):
         with torch.autocast(device_type, enabled=False):
             out, residuals = _HeadChunkedAttention._forward(
                 layer,
+                documents,
                 hidden.to(compute),
                 cos.to(compute),
                 sin.to(compute),
                 [None if p is None else p.to(compute) for p in params],
             )
-        ctx.layer = layer
+        ctx.layer, ctx.documents = layer, documents
         ctx.residuals_per_chunk = len(residuals) // len(layer.plan.chunks)
         ctx.present = [p is not None for p in params]
         ctx.save_for_backward(hidden, cos, sin, out, *residuals, *(p for p in params if p is not None))
         return out
 
     @staticmethod
-    def _forward(layer: UPipeAttention, hidden, cos, sin, params):
+    def _forward(layer: UPipeAttention, documents, hidden, cos, sin, params):
         plan = layer.plan
         q_w, q_b, k_w, k_b, v_w, v_b, qn_w, kn_w = params
         b, s_l, _ = hidden.shape
@@ -377,7 +380,7 @@ class _HeadChunkedAttention(torch.autograd.Function):
                 del q
                 if layer.ring is None:
                     o_heads, chunk_residuals = attention_forward(
-                        q_heads, k_heads, v_heads, layer.scaling, layer.kernel, layer.window, layer.softcap
+                        q_heads, k_heads, v_heads, layer.scaling, layer.kernel, layer.window, layer.softcap, documents
                     )
                 else:
                     o_heads, chunk_residuals = ring_forward(
@@ -404,6 +407,7 @@ class _HeadChunkedAttention(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             d_hidden, grads = _HeadChunkedAttention._backward(
                 ctx.layer,
+                ctx.documents,
                 ctx.residuals_per_chunk,
                 grad_out.to(compute),
                 hidden.to(compute),
@@ -415,11 +419,12 @@ class _HeadChunkedAttention(torch.autograd.Function):
                 [None if p is None else torch.zeros_like(p) for p in params],
                 hidden.dtype,
             )
-        return (None, d_hidden.to(hidden.dtype), None, None, *grads)
+        return (None, None, d_hidden.to(hidden.dtype), None, None, *grads)
 
     @staticmethod
     def _backward(
         layer: UPipeAttention,
+        documents,
         per_chunk: int,
         grad_out,
         hidden,
@@ -521,6 +526,7 @@ class _HeadChunkedAttention(torch.autograd.Function):
                         layer.kernel,
                         layer.window,
                         layer.softcap,
+                        documents,
                     )
                 else:
                     dq_heads, dk_c, dv_c = ring_backward(

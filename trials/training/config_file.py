@@ -1,5 +1,7 @@
 """The config file ``autotune/config-v1``: which techniques, for which model, nodes and sequence length
-(``gpus`` per node, ``nodes`` of them: 1 when absent), and (``trainer``, optional) the trainer it was searched for.
+(``gpus`` per node, ``nodes`` of them: 1 when absent), and (``trainer``, optional) the trainer it was searched for;
+``documents`` (optional; absent: "one") the documents packed into each sequence
+(``trials.kernels.documents.DocumentsSpec``: "one", a length, or a list of lengths).
 
 The hand-off from the tuner to training: ``best.json`` of a search, the input of ``autotune estimate/trial``
 and of ``python -m trials.train``. Unknown keys and values of the wrong type are refused (``ConfigError``) with
@@ -14,11 +16,24 @@ from pathlib import Path
 from typing import Any
 
 from trials.core.errors import ConfigError
+from trials.kernels.documents import ONE, DocumentsSpec
 from trials.models.config import load_model_config
 from trials.stack.techniques import Techniques
 
 SCHEMA = "autotune/config-v1"
-_KEYS = {"schema", "model", "hardware", "gpus", "nodes", "seq_len", "techniques", "predicted", "measured", "trainer"}
+_KEYS = {
+    "schema",
+    "model",
+    "hardware",
+    "gpus",
+    "nodes",
+    "seq_len",
+    "techniques",
+    "predicted",
+    "measured",
+    "trainer",
+    "documents",
+}
 
 
 @dataclass
@@ -35,6 +50,7 @@ class TrialConfig:
     schema: str = SCHEMA
     nodes: int = 1  # the world is nodes x gpus
     trainer: str | None = None  # the trainer the config was searched for (absent: autotune's own, every knob)
+    documents: DocumentsSpec = ONE  # the documents packed into each sequence (absent: one per sequence)
 
     def to_dict(self) -> dict[str, Any]:
         nodes = {"nodes": self.nodes} if self.nodes != 1 else {}  # one node: no ``nodes`` key (absent means 1)
@@ -49,6 +65,7 @@ class TrialConfig:
             "predicted": self.predicted,
             "measured": self.measured,
             **({"trainer": self.trainer} if self.trainer else {}),
+            **({"documents": self.documents.to_json()} if not self.documents.one else {}),
         }
 
     def write(self, path: str | Path) -> None:
@@ -79,6 +96,10 @@ def parse_config(data: Any, source: str = "config") -> TrialConfig:
     trainer = data.get("trainer")
     if trainer is not None and not isinstance(trainer, str):
         raise ConfigError(f"{source}: trainer must be a trainer's name, got {trainer!r}")
+    try:
+        documents = DocumentsSpec.from_json(data.get("documents"))
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
     return TrialConfig(
         model=model,
         techniques=Techniques.from_dict(data.get("techniques", {}), layers),
@@ -89,6 +110,7 @@ def parse_config(data: Any, source: str = "config") -> TrialConfig:
         predicted=data.get("predicted"),
         measured=data.get("measured"),
         trainer=trainer,
+        documents=documents,
     )
 
 

@@ -17,6 +17,10 @@ With a ring (``ring_degree`` R > 1) the sequence is first cut into 2R equal chun
 and 2R-1-r, in that order (the zigzag split: under a causal mask every ring step then does equal work); the
 Ulysses ranks of that ring rank split those 2 * seq/(2R) columns as above. Position ids are the columns' global
 positions, so rotary embeddings see where each token sits in the whole sequence.
+
+With packed documents (``trials.kernels.documents.Documents``, global over the sequence) position ids restart at
+0 at each document, and the label of each document's last token (the next document's first token) is -100: no
+label crosses a boundary, so the loss is the sum of each document's own loss.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from trials.kernels.documents import Documents
 
 
 class DataError(ValueError):
@@ -38,6 +44,7 @@ class Batch:
     labels: torch.Tensor  # [1, seq_local]
     position_ids: torch.Tensor  # [1, seq_local]
     valid_tokens: int  # labelled tokens in the whole sequence (not just this shard)
+    documents: Documents | None = None  # packed documents, global over the whole sequence (None: one)
 
 
 def synthetic_sample(index: int, seq_len: int, vocab_size: int, seed: int = 0) -> torch.Tensor:
@@ -77,16 +84,34 @@ def rank_columns(seq_len: int, sp_rank: int, sp_degree: int, ring_rank: int = 0,
 
 
 def make_batch(
-    tokens: torch.Tensor, sp_rank: int, sp_degree: int, device, ring_rank: int = 0, ring_degree: int = 1
+    tokens: torch.Tensor,
+    sp_rank: int,
+    sp_degree: int,
+    device,
+    ring_rank: int = 0,
+    ring_degree: int = 1,
+    documents: Documents | None = None,
 ) -> Batch:
     """tokens [seq + 1] -> this rank's shard of the shifted sequence (its ring rank's zigzag columns, then its
-    Ulysses slice of them: ``rank_columns``)."""
+    Ulysses slice of them: ``rank_columns``), of packed ``documents`` when given."""
     seq_len = tokens.numel() - 1
+    if documents is not None and ring_degree > 1:
+        raise ValueError("packed documents do not run with ring_degree > 1 (the zigzag split is per sequence)")
     cols = rank_columns(seq_len, sp_rank, sp_degree, ring_rank, ring_degree)
-    positions = torch.arange(seq_len)[cols].unsqueeze(0)
     input_ids = tokens[:-1][cols].unsqueeze(0)
-    labels = tokens[1:][cols].unsqueeze(0)
-    return Batch(input_ids.to(device), labels.to(device), positions.to(device), valid_tokens=seq_len)
+    positions = torch.arange(seq_len)
+    valid = seq_len
+    if documents is None:
+        labels = tokens[1:]
+    else:
+        if documents.total != seq_len:
+            raise ValueError(f"documents cover {documents.total} tokens, the sequence has {seq_len}")
+        labels = tokens[1:].clone()
+        positions = torch.tensor(documents.positions())
+        labels[[end - 1 for end in documents.offsets[1:]]] = -100
+        valid = seq_len - len(documents.lengths)
+    labels, positions = labels[cols].unsqueeze(0), positions[cols].unsqueeze(0)
+    return Batch(input_ids.to(device), labels.to(device), positions.to(device), valid, documents)
 
 
 def read_token_file(path: str, vocab_size: int) -> torch.Tensor:
@@ -163,7 +188,9 @@ def _where(index: int, documents) -> str:
     return f"{index:,} (document {row:,}, position {index - start:,})"
 
 
-def mesh_batch(tokens: torch.Tensor, mesh, device=None) -> Batch:
+def mesh_batch(tokens: torch.Tensor, mesh, device=None, documents: Documents | None = None) -> Batch:
     """``make_batch`` for this rank of ``mesh`` (a ``trials.core.dist.Mesh``): its ring rank's zigzag columns and
-    its Ulysses slice of them, on ``device`` (default: the mesh's)."""
-    return make_batch(tokens, mesh.sp_rank, mesh.sp_degree, device or mesh.device, mesh.ring_rank, mesh.ring_degree)
+    its Ulysses slice of them, on ``device`` (default: the mesh's), of packed ``documents`` when given."""
+    return make_batch(
+        tokens, mesh.sp_rank, mesh.sp_degree, device or mesh.device, mesh.ring_rank, mesh.ring_degree, documents
+    )

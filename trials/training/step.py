@@ -141,7 +141,7 @@ def forward_backward(
     phase = tracker.in_phase if tracker is not None else _no_phase
     scale = loss_scale(batch, mesh) / micro_batches
     with phase("forward"):
-        scaled_loss = model(batch.input_ids, batch.position_ids, batch.labels, scale=scale)
+        scaled_loss = model(batch.input_ids, batch.position_ids, batch.labels, scale=scale, documents=batch.documents)
     with phase("backward"):
         scaled_loss.backward()
         if reduce:

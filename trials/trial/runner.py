@@ -27,6 +27,7 @@ import torch
 from trials.core import allocator
 from trials.core.dist import init_mesh
 from trials.core.memory import DeviceMemoryTracker
+from trials.kernels.documents import DocumentsSpec
 from trials.models import moe
 from trials.models.config import copy_for_runs
 from trials.stack.techniques import Techniques
@@ -259,7 +260,8 @@ def _run_model(
                 else:
                     warmup, steps = 0, 1
             tokens = synthetic_sample(mesh.dp_rank, seq_len, model.config.vocab_size, seed)
-            batch = mesh_batch(tokens, mesh, device)
+            documents = DocumentsSpec(tuple(spec.documents)).for_length(seq_len)
+            batch = mesh_batch(tokens, mesh, device, documents)
         splits = []
         plan = step_plan(warmup, steps, timed, history=timeline is not None and device.type == "cuda")
         for index, (measured, history) in enumerate(plan):

@@ -37,6 +37,8 @@ class TrialSpec:
     # on CUDA the allocator's history of an untimed step after the warm-up (``runner.step_plan``), on the CPU the tracker's events of the whole
     # run (the model's, or the first copy's); None: no rank records one
     timeline_rank: int | None = None
+    # the documents packed into each sequence (``trials.kernels.documents.DocumentsSpec.lengths``; empty: one)
+    documents: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)  # the techniques too: a dataclass, as its own to_dict gives

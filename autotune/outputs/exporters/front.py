@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from autotune.core.errors import UserError
+from trials.kernels.documents import DocumentsSpec
 from trials.stack.techniques import Techniques
 from trials.training.config_file import TrialConfig
 
@@ -46,5 +47,6 @@ def entry_config(front_doc: dict, entry: dict) -> TrialConfig:
         nodes=front_doc.get("nodes", 1),
         seq_len=entry["seq_len"],
         techniques=entry_techniques(entry),
+        documents=DocumentsSpec.from_json(front_doc.get("documents")),
         **sides,
     )

@@ -221,7 +221,11 @@ def export_entry(
         techniques=trainer_job.techniques,
         predicted=estimate.to_dict() if estimate else searched.predicted,
         measured=None if estimate else searched.measured,
+        documents=searched.documents,
     )
+    packing = exporter.trainer.packing_note(searched.documents, config.techniques.attention)
+    if packing:
+        notes.append(packing)
     unpredicted = exporter.trainer.prediction_note(config.techniques)
     if unpredicted:
         notes.append(unpredicted)

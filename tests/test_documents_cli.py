@@ -1,0 +1,97 @@
+"""Documents as part of the workload (issue 50): ``--documents`` parsed once, carried by the config file, the
+search's outputs and the plan backend's evaluation; the time model prices each document's own causal triangle."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import tiny_plan_search
+from test_cli_config import assert_exit, autotune
+
+from autotune.backends import Evaluation
+from autotune.backends.plan import PlanBackend, step_counts
+from autotune.core.documents import parse_documents
+from autotune.core.hardware import load_hardware
+from autotune.timing.model import attention_time
+from trials.kernels.documents import ONE, DocumentsSpec
+from trials.models.config import load_model_config
+from trials.stack.techniques import Techniques
+from trials.training.config_file import TrialConfig, parse_config
+
+K = 1024
+
+
+def test_documents_spec_forms(tmp_path):
+    assert parse_documents("one") == ONE
+    assert parse_documents("64K").lengths == (64 * K,)
+    lengths = [300, 17, 2048]
+    (tmp_path / "lengths.json").write_text(json.dumps(lengths))
+    (tmp_path / "tokens.json").write_text(json.dumps([[1] * n for n in lengths]))
+    pq.write_table(pa.table({"n": lengths}), tmp_path / "lengths.parquet")
+    pq.write_table(pa.table({"input_ids": [[5] * n for n in lengths]}), tmp_path / "tokens.parquet")
+    for name in ("lengths.json", "tokens.json", "lengths.parquet", "tokens.parquet"):
+        assert parse_documents(str(tmp_path / name)).lengths == tuple(lengths), name
+    # packed in order, cycled, the last one cut at the sequence's end
+    assert DocumentsSpec(tuple(lengths)).for_length(3000).lengths == (300, 17, 2048, 300, 17, 318)
+    assert DocumentsSpec((4 * K,)).for_length(2 * K) is None  # longer than the sequence: one document
+
+
+def test_the_config_file_carries_documents():
+    techniques = Techniques()
+    for spec in (ONE, DocumentsSpec((64 * K,)), DocumentsSpec((100, 200))):
+        doc = TrialConfig(model="tiny-llama", techniques=techniques, seq_len=4096, documents=spec).to_dict()
+        assert ("documents" in doc) == (not spec.one)
+        assert parse_config(json.loads(json.dumps(doc))).documents == spec
+
+
+def _attention_s(seq: int, documents: DocumentsSpec) -> tuple[float, float]:
+    """(attention seconds, step seconds) the plan backend predicts for tiny-llama on one CPU rank."""
+    hardware = load_hardware("cpu")
+    config = load_model_config("tiny-llama")
+    techniques = Techniques(head_chunk=2)
+    backend = PlanBackend()
+    evaluation = Evaluation(config, techniques, seq, 1, hardware, documents=documents)
+    record = backend.evaluate(evaluation)
+    assert record.status == "ok", record.error
+    counts = step_counts(backend.last_prediction)
+    rates = hardware.rates_for(1).for_kernel(techniques.attention, techniques.head_chunk)
+    return attention_time(counts, set(counts.phases), rates), record.step_time_s
+
+
+def test_the_time_model_prices_each_documents_triangle():
+    """A sequence of n documents of length L costs n times one L-token document's attention (the same kernel calls
+    of the same shape), and less than one document of n * L tokens."""
+    packed, packed_step = _attention_s(2 * K, DocumentsSpec((K // 2,)))
+    alone, _ = _attention_s(K // 2, ONE)
+    whole, whole_step = _attention_s(2 * K, ONE)
+    assert packed == pytest.approx(4 * alone, rel=1e-9)
+    assert packed < whole and packed_step < whole_step
+
+
+@pytest.mark.slow
+def test_a_search_records_its_documents_and_refuses_others_in_its_folder(tmp_path):
+    out = tmp_path / "out"
+    done = autotune("search", *tiny_plan_search("4K"), "--trials", "4", "--out", str(out), "--documents", "1K")
+    assert_exit(done, 0)
+    assert json.loads((out / "pareto.json").read_text())["documents"] == K
+    assert json.loads((out / "best.json").read_text())["documents"] == K
+    again = autotune("search", *tiny_plan_search("4K"), "--trials", "4", "--out", str(out))
+    assert_exit(again, 2)
+    assert "give another --out" in again.stderr
+
+
+def test_each_trainer_says_how_it_masks_packed_documents_or_that_it_does_not():
+    from autotune.core.trainers import TRAINERS
+
+    packed = DocumentsSpec((64 * K,))
+    for trainer in TRAINERS.values():
+        assert trainer.packing_note(ONE, "sdpa") is None
+    deepspeed = TRAINERS["deepspeed"]
+    assert "position_ids" in deepspeed.packing_note(packed, "flash")
+    assert deepspeed.packing_note(packed, "sdpa").startswith("PACKED DOCUMENTS NOT MASKED")  # HF SDPA ignores them
+    assert TRAINERS["arctic"].packing_note(packed, "flash").startswith("PACKED DOCUMENTS NOT MASKED")
+    for name in ("autotune", "accelerate"):
+        assert not TRAINERS[name].packing_note(packed, "sdpa").startswith("PACKED DOCUMENTS NOT MASKED")

@@ -1,0 +1,146 @@
+"""Packed documents: where each document starts and ends inside one training sequence.
+
+A sequence of ``s`` tokens holds documents of ``lengths`` tokens (summing to ``s``), back to back. Attention stays
+inside each document (a block-diagonal causal mask, never built: each document runs as its own causal call), and
+position ids restart at 0 at each document (RoPE sees every document as it would alone), as ALST / Hugging Face
+packing carry them in ``position_ids`` and flash-attn's varlen entry points in ``cu_seqlens``.
+
+The boundaries are host integers, global over the whole sequence: under Ulysses each rank attends over the full
+sequence for its heads, so every rank holds every boundary; the memory oracle runs the step under FakeTensorMode,
+where tensor values do not exist, so boundaries never come from a tensor's values.
+
+``Documents`` travels with the batch (``trials.training.data.Batch.documents``) and reaches attention as the
+keyword ``DOCUMENTS_KWARG`` of the Hugging Face model's forward, which every decoder layer hands to its attention
+module and attention interface (also when a checkpointed layer is recomputed in backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+DOCUMENTS_KWARG = "autotune_documents"
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Lengths of the documents packed into one sequence, in order (each >= 1)."""
+
+    lengths: tuple[int, ...]
+
+    def __post_init__(self):
+        if not self.lengths or any(int(n) < 1 for n in self.lengths):
+            raise ValueError(f"document lengths must be positive integers, got {self.lengths[:8]}")
+        object.__setattr__(self, "lengths", tuple(int(n) for n in self.lengths))
+
+    @classmethod
+    def fixed(cls, seq_len: int, length: int) -> Documents:
+        """``seq_len`` tokens cut into documents of ``length`` tokens (the last one shorter where it does not divide)."""
+        full, rest = divmod(seq_len, length)
+        return cls((length,) * full + ((rest,) if rest else ()))
+
+    @classmethod
+    def packed(cls, seq_len: int, lengths) -> Documents:
+        """Documents of ``lengths`` (cycled) packed in order into ``seq_len`` tokens; the one that crosses the end is
+        cut there (the rest of it would start the next sequence)."""
+        lengths = [int(n) for n in lengths]
+        if not lengths or min(lengths) < 1:
+            raise ValueError("document lengths must be positive integers")
+        out, total, index = [], 0, 0
+        while total < seq_len:
+            n = min(lengths[index % len(lengths)], seq_len - total)
+            out.append(n)
+            total += n
+            index += 1
+        return cls(tuple(out))
+
+    @property
+    def total(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """``cu_seqlens``: 0, then each document's end (len = documents + 1)."""
+        return (0, *accumulate(self.lengths))
+
+    @property
+    def max_length(self) -> int:
+        return max(self.lengths)
+
+    def spans(self):
+        """(start, end) of each document."""
+        offsets = self.offsets
+        return list(zip(offsets, offsets[1:]))
+
+    def positions(self) -> list[int]:
+        """Position ids over the whole sequence: 0 .. n-1 within each document."""
+        return [i for n in self.lengths for i in range(n)]
+
+    def cu_seqlens(self, device):
+        """flash-attn's ``cu_seqlens``: int32 [documents + 1] on ``device``."""
+        import torch
+
+        return torch.tensor(self.offsets, dtype=torch.int32, device=device)
+
+
+def documents_of(kwargs: dict, seq_len: int) -> Documents | None:
+    """The documents an attention call was handed (None: the sequence is one document). ``seq_len`` is the full
+    sequence the call attends over; a mismatch is a wiring error, raised with both lengths."""
+    documents = kwargs.get(DOCUMENTS_KWARG)
+    if documents is None or len(documents.lengths) == 1:
+        return None
+    if documents.total != seq_len:
+        raise ValueError(f"documents cover {documents.total} tokens, attention sees {seq_len}")
+    return documents
+
+
+@dataclass(frozen=True)
+class DocumentsSpec:
+    """The documents a workload trains on, as part of the workload (``--documents``, the config file's
+    ``documents``): one document per sequence (``lengths`` empty), documents of one fixed length (one length), or
+    documents of the given lengths, packed in order into each sequence (``Documents.packed``)."""
+
+    lengths: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if any(isinstance(n, bool) or int(n) < 1 for n in self.lengths):
+            raise ValueError("document lengths must be positive integers")
+        object.__setattr__(self, "lengths", tuple(int(n) for n in self.lengths))
+
+    @property
+    def one(self) -> bool:
+        return not self.lengths
+
+    def for_length(self, seq_len: int) -> Documents | None:
+        """The documents of one sequence of ``seq_len`` tokens (None: the sequence is one document)."""
+        if self.one or (len(self.lengths) == 1 and self.lengths[0] >= seq_len):
+            return None
+        return Documents.packed(seq_len, self.lengths)
+
+    def to_json(self):
+        """The config file's form: "one", a length, or the list of lengths."""
+        if self.one:
+            return "one"
+        return self.lengths[0] if len(self.lengths) == 1 else list(self.lengths)
+
+    @classmethod
+    def from_json(cls, value) -> DocumentsSpec:
+        """Read ``to_json``'s form back (ValueError with the reason)."""
+        if value is None or value == "one":
+            return cls()
+        if isinstance(value, int) and not isinstance(value, bool):
+            return cls((value,))
+        if isinstance(value, list) and value and all(isinstance(n, int) and not isinstance(n, bool) for n in value):
+            return cls(tuple(value))
+        raise ValueError(f'documents must be "one", a length or a list of lengths, got {str(value)[:60]}')
+
+    def describe(self) -> str:
+        if self.one:
+            return "one document per sequence"
+        if len(self.lengths) == 1:
+            return f"documents of {self.lengths[0]:,} tokens"
+        mean = sum(self.lengths) / len(self.lengths)
+        return f"{len(self.lengths):,} documents of {mean:,.0f} tokens on average"
+
+
+ONE = DocumentsSpec()
