@@ -115,6 +115,7 @@ def estimate(
         run.seq_len if not max_seq else None,
         on_gpu=not hw.device_is_host,
         compute_capability_major=hw.compute_capability or None,
+        packed_documents=not run.documents.one,
     )
     if unlisted := hw.kernel_problem(run.techniques.attention):
         fail(unlisted)
@@ -223,6 +224,7 @@ def trial(
         run.seq_len,
         on_gpu=not hw.device_is_host,
         compute_capability_major=hw.compute_capability or None,
+        packed_documents=not run.documents.one,
     )
     check_local_node(run.gpus, run.techniques.attention)
     check_depth(depth)

@@ -33,6 +33,14 @@ def ulysses_degree_problem(degree: int, world: int, heads: int, kv_heads: int) -
     return None
 
 
+def ring_documents_problem(ring: int, packed: bool) -> str | None:
+    """Why a ring cannot run packed documents (None: it can): the zigzag split balances one causal sequence; each
+    document's own split is not built."""
+    if ring > 1 and packed:
+        return f"ring_degree {ring} does not run packed documents (--documents): use ring_degree 1"
+    return None
+
+
 def ring_degree_problem(ring: int, degree: int, world: int, windowed: bool = False) -> str | None:
     """Why a ring degree cannot run beside Ulysses degree ``degree`` on ``world`` ranks (None: it can). The heads
     do not bound it: a ring splits the sequence, every rank keeps all its heads."""

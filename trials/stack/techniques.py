@@ -34,7 +34,13 @@ from typing import Any
 from trials.core.errors import ConfigError
 from trials.kernels.registry import attention_kernel_problem
 from trials.stack.knobs import ALL_LAYERS, ATTENTION_KERNELS, Knob, declared_knobs, knob
-from trials.stack.rules import head_chunk_split_problem, problems, ring_degree_problem, ring_split_problem
+from trials.stack.rules import (
+    head_chunk_split_problem,
+    problems,
+    ring_degree_problem,
+    ring_documents_problem,
+    ring_split_problem,
+)
 
 __all__ = ["ALL_LAYERS", "ATTENTION_KERNELS", "BASELINE", "Knob", "Techniques", "knob_names", "knobs"]
 
@@ -177,13 +183,16 @@ class Techniques:
         seq_len: int | None = None,
         on_gpu: bool | None = None,
         compute_capability_major: int | None = None,
+        packed_documents: bool = False,
     ) -> Techniques:
         """Refuse (``ConfigError``, the first reason) what cannot run on ``gpus`` ranks; returns self. With
         ``on_gpu`` (the devices are GPUs, or the CPU), also an attention kernel that cannot run the model's
         attention there (``trials.kernels.registry.attention_kernel_problem``), by the limits the kernel declares
         for GPUs of ``compute_capability_major`` when it is known. A ring also refuses a model with sliding
-        windows (``trials.stack.rules.ring_degree_problem``)."""
+        windows (``trials.stack.rules.ring_degree_problem``), and packed documents (``packed_documents``)."""
         found = problems(self, model_config, gpus, seq_len)
+        if packed := ring_documents_problem(self.ring_degree, packed_documents):
+            found.append(packed)
         if self.ring_degree > 1 or on_gpu is not None:
             from trials.models.config import attention_features
 
