@@ -13,7 +13,7 @@ Every knob is exact: the model trains the same loss and gradients (to rounding) 
     knob                        module                       what it changes
     ulysses_degree > 1          trials.stack.ulysses         DeepSpeed UlyssesSPAttentionHF around the attention op
     head_chunk                  trials.stack.upipe           attention forward -> untied Ulysses (any degree, 1 included)
-    mlp_tile_tokens             trials.stack.tiling          each MLP forward -> DeepSpeed TiledMLP
+    mlp_tile_tokens             trials.stack.tiling          each MLP forward -> TiledMLP (DeepSpeed's)
     loss_tile_tokens            trials.stack.tiling          model.loss_fn -> TiledLogitsLoss
     norm_tile_tokens            trials.stack.tiling          each RMSNorm forward -> TiledRMSNorm
     activation_checkpointing    trials.stack.checkpointing   checkpoint_wrapper per decoder layer
