@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autotune.core.record import BREAKDOWN_CATEGORIES
 from autotune.oracle.fake_world import fake_flash_kernels, fake_process_group, oracle_mode
+from autotune.oracle.repeats import tile_watching
 from autotune.oracle.results import Segment, Trace, full_breakdown
 from trials.core import patches
 from trials.core.dist import Mesh, build_mesh, ensure_device_mesh
@@ -147,6 +148,12 @@ def trace(
                     )
                     for mode in extra_modes:
                         stack.enter_context(mode)
+                    if timeline is None and not explain and all(hasattr(m, "recording") for m in extra_modes):
+                        # identical tiles are accounted for, not traced each (``autotune.oracle.repeats``); a
+                        # timeline or an explanation wants every allocation, another mode every op
+                        stack.enter_context(
+                            tile_watching(tracker, lambda: peaks.segment, extra_modes, device_limit(tracker, limits))
+                        )
                     for _ in range(steps):
                         train_step(model, optimizer, batch, mesh, tracker)
             except torch.OutOfMemoryError:
@@ -176,6 +183,20 @@ def trace(
         stopped=stopped,
         stop_reason=((limits.reason if limits is not None else None) or "device") if stopped else None,
     )
+
+
+def device_limit(tracker: DeviceMemoryTracker, limits: Limits | None) -> Callable[[], int | None]:
+    """The live device bytes above which the trace stops now: the tracker's capacity or the current segment's
+    limit, the lower."""
+
+    def limit() -> int | None:
+        found = [tracker.capacity_bytes]
+        if limits is not None:
+            found.append(limits.segment_limits.get(limits.peaks.segment))
+        found = [b for b in found if b is not None]
+        return min(found) if found else None
+
+    return limit
 
 
 class Limits(TrackerListener):

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import math
+import multiprocessing
 from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from autotune.backends import Backend, make_backend
 from autotune.backends.plan import PlanBackend
 from autotune.backends.plan_store import default_store
+from autotune.backends.pool import default_workers, sigint_deferred
+from autotune.core import quiet
 from autotune.core.evaluation import Evaluation
 from autotune.core.record import ResultRecord
 from autotune.core.trainers import ExportJob, Trainer
@@ -98,16 +102,20 @@ def search_max_seq(
 
     lo = hi = None
     if length_model:
-        guess, how.reason = _model_guess(evaluation, backend, unit, top, how)
-        if guess is not None:
-            record = run(guess)
-            if record.status not in ("ok", "oom"):
-                return record, how
-            if fits(record):
-                lo = guess
-                if guess >= top or not _fits_by_memory(backend, replace(evaluation, seq_len=(guess + 1) * unit), how):
+        with _SecondProcess(isinstance(backend, PlanBackend) and default_workers() > 1) as second:
+            guess, how.reason = _model_guess(evaluation, backend, unit, top, how, second)
+            if guess is not None:
+                above = replace(evaluation, seq_len=(guess + 1) * unit)
+                verdict = second.submit(_verdict, above, backend.store) if guess < top else None
+                record = run(guess)
+                if record.status not in ("ok", "oom"):
+                    return record, how
+                if fits(record) and (guess >= top or not _fits_by_memory(backend, above, how, verdict)):
                     how.method = "length model"
                     return record, how
+        if guess is not None:
+            if fits(record):
+                lo = guess
                 if run(guess + 1).status not in ("ok", "oom"):  # the probes go on from its whole record
                     return seen[guess + 1], how
                 lo = guess + 1
@@ -173,17 +181,56 @@ def search_max_seq(
     return run(lo), how
 
 
-def _fits_by_memory(backend: PlanBackend, evaluation: Evaluation, how: MaxSeqSearch) -> bool:
+def _fits_by_memory(
+    backend: PlanBackend, evaluation: Evaluation, how: MaxSeqSearch, verdict: Future | None = None
+) -> bool:
     """Whether ``evaluation`` fits, as ``backend``'s record would say: by a plan backend without the time model
     whose traces stop where they cross the device's or the host's memory (the search's own verdict, exact, and
-    cheaper than the whole record, which nobody reads)."""
+    cheaper than the whole record, which nobody reads). ``verdict``: that record, on its way from a second
+    process."""
     how.lengths.append(evaluation.seq_len)
-    verdict = PlanBackend(throughput=False, stop_above=1.0, store=backend.store)
-    return verdict.evaluate(evaluation).status == "ok"
+    record = verdict.result() if verdict is not None else _verdict(evaluation, backend.store)
+    return record.status == "ok"
+
+
+def _verdict(evaluation: Evaluation, store) -> ResultRecord:
+    return PlanBackend(throughput=False, stop_above=1.0, store=store).evaluate(evaluation)
+
+
+class _SecondProcess:
+    """The length model's traces and its confirmation come in independent pairs (the two short lengths; the answer
+    and the next grid step): on a machine with a second core, one of each pair runs in a second process (spawned:
+    a fresh interpreter, as the search's pool) while this one runs the other. Each answer is the one this process
+    would compute (a plan record is a pure function of its evaluation). ``submit`` returns None where there is no
+    second process; leaving the block ends it, and drops what it was still computing."""
+
+    def __init__(self, wanted: bool):
+        spawn = multiprocessing.get_context("spawn")
+        self.executor = ProcessPoolExecutor(1, mp_context=spawn, initializer=quiet.configure) if wanted else None
+
+    def submit(self, fn, *args) -> Future | None:
+        if self.executor is None:
+            return None
+        with sigint_deferred():  # a worker spawned by the submit starts whole
+            return self.executor.submit(fn, *args)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.executor is None:
+            return
+        processes = list((self.executor._processes or {}).values())
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+        for process in processes:
+            process.join(timeout=5)
 
 
 def _model_guess(
-    evaluation: Evaluation, backend: Backend, unit: int, top: int, how: MaxSeqSearch
+    evaluation: Evaluation, backend: Backend, unit: int, top: int, how: MaxSeqSearch, second: _SecondProcess
 ) -> tuple[int | None, str | None]:
     """The grid index ``LengthModel`` says is the longest that fits, or (None, why it has no answer)."""
     if not isinstance(backend, PlanBackend):
@@ -192,11 +239,16 @@ def _model_guess(
     if m2 > top:
         return None, f"the length model's traces ({m2 * unit:,} tokens) lie beyond the longest length asked"
     traces = []
-    for m in (m1, m2):
-        probe = replace(evaluation, seq_len=m * unit)
+    probes = [replace(evaluation, seq_len=m * unit) for m in (m1, m2)]
+    try:  # the second length traces beside the first (where it does not validate, its own turn says why)
+        probes[1].techniques.validate(probes[1].model_config, probes[1].world_size, probes[1].seq_len)
+        later = second.submit(full_depth_trace, probes[1])
+    except Exception:
+        later = None
+    for m, probe in zip((m1, m2), probes):
         try:
             probe.techniques.validate(probe.model_config, probe.world_size, probe.seq_len)
-            traces.append(full_depth_trace(probe))
+            traces.append(later.result() if m == m2 and later is not None else full_depth_trace(probe))
         except Exception as exc:  # the probes answer what the model-free search would find too
             return None, f"the length model's trace at {m * unit:,} tokens failed: {type(exc).__name__}: {exc}"
         how.model_lengths.append(m * unit)

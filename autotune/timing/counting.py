@@ -37,6 +37,7 @@ The time model (``autotune.timing.model``) turns the counts into seconds.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -318,6 +319,40 @@ class StepCounter(TorchDispatchMode):
             _ACTIVE_COUNTERS.remove(self)
         return super().__exit__(*exc)
 
+    # -- recording and repeating (the oracle's identical tiles: ``autotune.oracle.repeats``) ---------------------
+    @contextlib.contextmanager
+    def recording(self):
+        """Record, in order, every increment the counter makes to a phase's counts inside the block; the log's
+        ``other_changes`` says whether anything else in the counts changed (collectives, optimizer elements)."""
+        log = _Recording()
+        phases = self.counts.phases
+        others = _others(self.counts)
+        self.counts.phases = {name: _RecordingPhase(counts, name, log) for name, counts in phases.items()}
+        try:
+            yield log
+        finally:
+            self.counts.phases = phases
+            log.other_changes = _others(self.counts) != others
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Count nothing inside the block (what it runs is no op of the step)."""
+        counts = self.counts
+        self.counts = StepCounts(seq_len=counts.seq_len)
+        try:
+            yield
+        finally:
+            self.counts = counts
+
+    def replay(self, increments, times: int) -> None:
+        """Add ``increments`` (a recording's, in its order) ``times`` more times: the counts the recorded ops would
+        leave had they run ``times`` more times, to the bit."""
+        phases = self.counts.phases
+        for _ in range(times):
+            for (phase, name), value in increments:
+                counts = phases[phase]
+                setattr(counts, name, getattr(counts, name) + value)
+
     # -- the mode ------------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -587,6 +622,47 @@ class StepCounter(TorchDispatchMode):
 
 
 _ACTIVE_COUNTERS: list[StepCounter] = []
+
+
+class _Recording:
+    """What ``StepCounter.recording`` saw: ((phase, field), value) per increment, in order."""
+
+    def __init__(self):
+        self.increments: list[tuple[tuple[str, str], Any]] = []
+        self.other_changes = False
+
+
+class _Addend:
+    """A phase's count read through ``_RecordingPhase``: adding to it logs the addend and gives the plain sum."""
+
+    __slots__ = ("value", "key", "log")
+
+    def __init__(self, value, key, log: _Recording):
+        self.value, self.key, self.log = value, key, log
+
+    def __add__(self, other):
+        self.log.increments.append((self.key, other))
+        return self.value + other
+
+
+class _RecordingPhase:
+    """Stands in for a ``PhaseCounts`` while recording: ``counts.field += value`` logs ``value`` and updates the
+    real counts."""
+
+    def __init__(self, counts: PhaseCounts, phase: str, log: _Recording):
+        object.__setattr__(self, "_target", (counts, phase, log))
+
+    def __getattr__(self, name):
+        counts, phase, log = object.__getattribute__(self, "_target")
+        return _Addend(getattr(counts, name), (phase, name), log)
+
+    def __setattr__(self, name, value):
+        setattr(object.__getattribute__(self, "_target")[0], name, value)
+
+
+def _others(counts: StepCounts) -> str:
+    """Everything in ``counts`` but the phases' counts, comparable."""
+    return repr({k: v for k, v in vars(counts).items() if k != "phases"})
 
 
 class _HostTransfers(TrackerListener):

@@ -14,7 +14,7 @@ Every knob is exact: the model trains the same loss and gradients (to rounding) 
     ulysses_degree > 1          trials.stack.ulysses         DeepSpeed UlyssesSPAttentionHF around the attention op
     ring_degree > 1             trials.stack.ring            the attention op -> ring attention (inside Ulysses' exchange)
     head_chunk                  trials.stack.upipe           attention forward -> untied Ulysses (any degree, 1 included)
-    mlp_tile_tokens             trials.stack.tiling          each MLP forward -> DeepSpeed TiledMLP
+    mlp_tile_tokens             trials.stack.tiling          each MLP forward -> TiledMLP (DeepSpeed's)
     loss_tile_tokens            trials.stack.tiling          model.loss_fn -> TiledLogitsLoss
     norm_tile_tokens            trials.stack.tiling          each RMSNorm forward -> TiledRMSNorm
     activation_checkpointing    trials.stack.checkpointing   checkpoint_wrapper per decoder layer

@@ -2,12 +2,15 @@
 
 Tiled MLP (``mlp_tile_tokens``). The MLP's intermediate activations are ``[s_l, intermediate]`` wide (3.5x the
 hidden size for Llama-3) times three (gate, up, their product); tiling the sequence keeps only one tile of them
-alive. DeepSpeed's ``TiledMLP`` fits as is: forward runs the tiles under ``no_grad`` and saves just the MLP input
-``[b, s_l, h]``; backward recomputes each tile with autograd and backpropagates it at once, writing the tile's
-input gradient into a preallocated ``[b, s_l, h]``. The number of tiles is ``ceil(s_l / mlp_tile_tokens)``
+alive. ``TiledMLP`` is DeepSpeed's, op for op: forward runs the tiles under ``no_grad`` and saves just the MLP
+input ``[b, s_l, h]``; backward recomputes each tile with autograd and backpropagates it at once, writing the
+tile's input gradient into a preallocated ``[b, s_l, h]``. The number of tiles is ``ceil(s_l / mlp_tile_tokens)``
 (one tile = plain MLP, no recompute). With FSDP2 the layer's parameters are unsharded while its backward runs,
-so the per-tile weight gradients accumulate into the unsharded gradients that FSDP2 reduces afterwards;
-``compute_params`` stays empty (it only drives DeepSpeed ZeRO's gradient buckets).
+so the per-tile weight gradients accumulate into the unsharded gradients that FSDP2 reduces afterwards (DeepSpeed's
+``compute_params``, which only drive ZeRO's gradient buckets, have no place here).
+
+Every tile loop here is ``trials.core.repeats.for_each_tile``: on real tensors it runs every tile; the memory
+oracle accounts for the identical middle tiles of a long sequence without tracing each.
 
 Tiled loss (``loss_tile_tokens``). ``lm_head`` + cross-entropy over ``[s_l, vocab]`` logits is the largest single
 activation of a long-sequence step (vocab 128K: 32x the hidden size, in fp32). ``TiledLogitsLoss`` never
@@ -42,6 +45,8 @@ import types
 import torch
 import torch.nn as nn
 
+from trials.core.repeats import for_each_tile
+
 
 def _tiles(tokens: int, tile_tokens: int) -> int:
     return max(1, math.ceil(tokens / tile_tokens))
@@ -68,10 +73,62 @@ def _autocast_body(device_type: str, dtype):
     return body
 
 
+class TiledMLP(torch.autograd.Function):
+    """DeepSpeed's ``TiledMLP``, op for op, with its backward's tile loop in ``for_each_tile``.
+
+    fn(mlp, x_tile) is the untiled MLP. Forward runs it on ``torch.chunk(x, shards, dim=-2)`` under ``no_grad`` and
+    concatenates; backward recomputes each tile with autograd and backpropagates it at once, the tile's input
+    gradient landing in its slice of a preallocated ``x_grad`` (the tile's ``.grad`` is a view of it). The same
+    allocations in the same order as DeepSpeed's (the oracle's peaks are DeepSpeed's); the loop is ours so the
+    memory oracle can account for identical tiles without tracing each (``trials.core.repeats``).
+    """
+
+    @staticmethod
+    def forward(ctx, fn, mlp, x, shards: int):
+        ctx.fn, ctx.mlp, ctx.shards = fn, mlp, shards
+        ctx.save_for_backward(x)
+        x_shards = list(torch.chunk(x, chunks=shards, dim=-2))
+        with torch.no_grad():
+            output_shards = for_each_tile(
+                len(x_shards), lambda index: fn(mlp, x_shards[index]), x.shape[-2] // x_shards[0].shape[-2], True
+            )
+        return torch.cat(output_shards, dim=-2)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        fn, mlp = ctx.fn, ctx.mlp
+        x_requires_grad = x.requires_grad
+        x = x.detach()
+        x.requires_grad_(x_requires_grad)  # detach() unsets it
+        x_shape = x.shape
+        # rows [b * s, h], so a tile is a narrow of the sequence whatever the batch (reshape: x or the incoming
+        # gradient may be non-contiguous)
+        x = x.reshape(-1, x_shape[-1])
+        incoming = grad_out.reshape(-1, x_shape[-1])
+        x_grad = torch.zeros_like(x)
+        x_shards = list(torch.chunk(x, chunks=ctx.shards, dim=0))
+        full = x_shards[0].shape[0]
+
+        def tile(index):
+            x_shard = x_shards[index]
+            x_shard.requires_grad_(x_requires_grad)
+            rows = x_shard.shape[0]
+            x_shard.grad = x_grad.narrow(0, index * full, rows).view_as(x_shard)
+            incoming_shard = incoming.narrow(0, index * full, rows).view_as(x_shard)
+            with torch.enable_grad():
+                output = fn(mlp, x_shard)
+            torch.autograd.backward(output, incoming_shard)
+            return output  # alive until the next tile's output is, as a loop variable is
+
+        last = for_each_tile(len(x_shards), tile, uniform=x.shape[0] // full)
+        grads = None, None, x_grad.view(x_shape), None
+        del last  # the last tile's output lives until here, as the loop variable it stands for would
+        return grads
+
+
 def _tiled_mlp_forward(self, x):
     """x [b, s_l, h] -> [b, s_l, h], in ceil(s_l / tile) sequence tiles."""
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
-
     shards = _tiles(x.shape[-2], self.autotune_tile_tokens)
     if shards == 1:
         return _mlp_body(self, x)
@@ -79,7 +136,7 @@ def _tiled_mlp_forward(self, x):
     body = _mlp_body
     if torch.is_autocast_enabled(device_type):
         body = _autocast_body(device_type, torch.get_autocast_dtype(device_type))
-    return TiledMLP.apply(body, self, x, shards, [])
+    return TiledMLP.apply(body, self, x, shards)
 
 
 def apply_mlp_tiling(model, tile_tokens: int) -> None:
@@ -114,7 +171,9 @@ class TiledLogitsLoss(torch.autograd.Function):
         d_params = [torch.zeros_like(p, dtype=torch.float32) if p.requires_grad else None for p in params]
         wanted = [p for p in params if p.requires_grad]
         total = hidden.new_zeros((), dtype=torch.float32)
-        for start in range(0, b * s_l, step):
+
+        def tile(index):
+            start = index * step
             x_tile = x2d[start : start + step]
             with torch.enable_grad():
                 x_tile = x_tile.detach().requires_grad_(d_hidden is not None)
@@ -126,12 +185,13 @@ class TiledLogitsLoss(torch.autograd.Function):
                 inputs = ([x_tile] if d_hidden is not None else []) + wanted
                 grads = list(torch.autograd.grad(loss, inputs)) if inputs else []
             del logits
-            total += loss.detach()
+            total.add_(loss.detach())
             if d_hidden is not None:
                 d_hidden[start : start + step] = grads.pop(0)
             for d_param, grad in zip((g for g in d_params if g is not None), grads):
                 d_param += grad
-            del grads, loss
+
+        for_each_tile(math.ceil(b * s_l / step), tile, uniform=b * s_l // step)
         ctx.save_for_backward(*(t for t in [d_hidden, *d_params] if t is not None))
         ctx.has_hidden_grad = d_hidden is not None
         ctx.param_mask = [g is not None for g in d_params]
@@ -181,15 +241,23 @@ class TiledRMSNorm(torch.autograd.Function):
     def forward(ctx, norm_module: nn.Module, x, weight, tile_rows: int):
         rows = x.reshape(-1, x.shape[-1])
         out = None
+
+        def tile(index):
+            nonlocal out
+            start = index * tile_rows
+            y_tile = _norm_body(norm_module, weight, rows[start : start + tile_rows])
+            if out is None:  # the output dtype is the module's (weight * normalised.to(input dtype))
+                out = rows.new_empty((rows.shape[0], rows.shape[1]), dtype=y_tile.dtype)
+            out[start : start + tile_rows] = y_tile
+            return y_tile  # alive until the next tile's is, as a loop variable is
+
         with torch.no_grad():
-            for start in range(0, rows.shape[0], tile_rows):
-                y_tile = _norm_body(norm_module, weight, rows[start : start + tile_rows])
-                if out is None:  # the output dtype is the module's (weight * normalised.to(input dtype))
-                    out = rows.new_empty((rows.shape[0], rows.shape[1]), dtype=y_tile.dtype)
-                out[start : start + tile_rows] = y_tile
+            last = for_each_tile(math.ceil(rows.shape[0] / tile_rows), tile, uniform=rows.shape[0] // tile_rows)
         ctx.save_for_backward(x, weight)
         ctx.norm_module, ctx.tile_rows = norm_module, tile_rows
-        return out.view(*x.shape[:-1], out.shape[-1])
+        result = out.view(*x.shape[:-1], out.shape[-1])
+        del last  # the last tile's output lives until here, as the loop variable it stands for would
+        return result
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -198,23 +266,31 @@ class TiledRMSNorm(torch.autograd.Function):
         grad_rows = grad_out.reshape(-1, grad_out.shape[-1])
         d_rows = torch.empty_like(rows) if ctx.needs_input_grad[1] else None
         d_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[2] else None
-        for start in range(0, rows.shape[0], ctx.tile_rows):
+        tile_rows = ctx.tile_rows
+
+        def tile(index):
+            start = index * tile_rows
             with torch.enable_grad():
-                x_tile = rows[start : start + ctx.tile_rows].detach().requires_grad_(d_rows is not None)
+                x_tile = rows[start : start + tile_rows].detach().requires_grad_(d_rows is not None)
                 w = weight.detach().requires_grad_(d_weight is not None)
                 y_tile = _norm_body(ctx.norm_module, w, x_tile)
                 inputs = [t for t, wanted in ((x_tile, d_rows is not None), (w, d_weight is not None)) if wanted]
-                grads = list(torch.autograd.grad(y_tile, inputs, grad_rows[start : start + ctx.tile_rows]))
+                grads = list(torch.autograd.grad(y_tile, inputs, grad_rows[start : start + tile_rows]))
             if d_rows is not None:
-                d_rows[start : start + ctx.tile_rows] = grads.pop(0)
+                d_rows[start : start + tile_rows] = grads.pop(0)
             if d_weight is not None:
-                d_weight += grads.pop(0)
-        return (
+                d_weight.add_(grads.pop(0))
+            return y_tile  # alive until the next tile's is, as a loop variable is
+
+        last = for_each_tile(math.ceil(rows.shape[0] / tile_rows), tile, uniform=rows.shape[0] // tile_rows)
+        grads = (
             None,
             None if d_rows is None else d_rows.view_as(x),
             None if d_weight is None else d_weight.to(weight.dtype),
             None,
         )
+        del last  # the last tile's output lives until here, as the loop variable it stands for would
+        return grads
 
 
 def _norm_body(norm_module, weight, x):

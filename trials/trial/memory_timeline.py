@@ -61,6 +61,7 @@ TECHNIQUE_CODE = (
     ("trials/stack/tiling.py", "_tiled_norm", "RMSNorm tile (norm_tile_tokens)"),
     ("trials/stack/tiling.py", "_mlp_body", "MLP tile (mlp_tile_tokens)"),
     ("trials/stack/tiling.py", "_tiled_mlp", "MLP tile (mlp_tile_tokens)"),
+    ("trials/stack/tiling.py", "TiledMLP", "MLP tile (mlp_tile_tokens)"),
     ("trials/stack/upipe.py", "", "UPipe head chunk (head_chunk)"),
     ("sequence_parallel/ulysses_sp.py", "", "Ulysses (ulysses_degree)"),
     ("deepspeed/sequence/", "", "Ulysses (ulysses_degree)"),

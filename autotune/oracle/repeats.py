@@ -1,0 +1,117 @@
+"""The memory oracle's stand-in for identical tiles: a ``trials.core.repeats.LoopWatcher`` over one fake trace.
+
+A tile loop at millions of tokens runs hundreds of identical iterations; under fake tensors each costs the
+oracle ~100 dispatches and computes nothing. ``TileWatcher.observe`` runs one iteration and returns its
+signature: how it changed the live device and host bytes by category and the number of live storages (not at
+all, or by one kept result), the highest live bytes above where it started, the segment it ran in, and every
+increment it made to the step counters (``StepCounter.recording``). Two consecutive iterations with equal signatures are the same
+computation on the same state (or, for a loop that keeps each result, on a state grown by one result); every
+further one would be too. ``repeat`` adds the counted increments again, in the same order, once per iteration
+not run, so the counts are those of the whole loop to the last bit. Memory needs nothing where the state
+repeats: the peak and every segment's peak were reached by the iterations that ran. Where each result is kept,
+``repeat`` allocates a stand-in of each (uncounted: no op of the step made it), so the iterations that still
+run start from the live bytes they would have, and does so only when none of the skipped iterations would have
+crossed a limit that stops the trace (its peak then is where it stopped).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Hashable
+
+import torch
+
+from trials.core.memory import DeviceMemoryTracker, TrackerListener
+from trials.core.repeats import LoopWatcher, watching
+
+EVERY_TILE_ENV = "AUTOTUNE_TRACE_EVERY_TILE"  # "1": trace every tile (the path the watcher shortens; benches)
+
+
+class _Highest(TrackerListener):
+    """The highest live device bytes while it listens."""
+
+    def __init__(self, start: int):
+        self.highest = start
+
+    def on_change(self, tracker: DeviceMemoryTracker) -> None:
+        self.highest = max(self.highest, tracker.device_bytes)
+
+
+def _state(tracker: DeviceMemoryTracker) -> tuple[int, ...]:
+    return (tracker.device_bytes, tracker.host_bytes, *tracker.current.values(), len(tracker.live_storages()))
+
+
+class TileWatcher(LoopWatcher):
+    """Shortens the identical tiles of one trace (see the module doc). ``segment()``: the trace's current segment;
+    ``counters``: its step counters (``StepCounter``), whose increments are recorded and repeated;
+    ``device_limit()``: the live device bytes above which the trace stops now, or None."""
+
+    def __init__(
+        self,
+        tracker: DeviceMemoryTracker,
+        segment: Callable[[], tuple],
+        counters: list,
+        device_limit: Callable[[], int | None] = lambda: None,
+    ):
+        self.tracker, self.segment, self.counters, self.device_limit = tracker, segment, counters, device_limit
+        self.repeated = 0  # iterations accounted for without running (tests and benches read it)
+
+    def observe(self, run: Callable[[], object], kept: bool) -> Hashable | None:
+        before, segment, phase = _state(self.tracker), self.segment(), self.tracker.phase
+        highest = _Highest(self.tracker.device_bytes)
+        self.tracker.add_listener(highest)
+        try:
+            with contextlib.ExitStack() as stack:
+                logs = [stack.enter_context(counter.recording()) for counter in self.counters]
+                result = run()
+        finally:
+            self.tracker.remove_listener(highest)
+        change = tuple(a - b for a, b in zip(_state(self.tracker), before))
+        if self.segment() != segment or self.tracker.phase != phase or any(log.other_changes for log in logs):
+            return None  # a collective, an optimizer step, a new segment: not what the counters can repeat
+        if kept:
+            info = self.tracker.storage_info(result) if isinstance(result, torch.Tensor) else None
+            if info is None or info.host or change[0] != info.nbytes or change[-1] != 1:
+                return None  # the state grew by more than the result
+        elif any(change):
+            return None  # it changed what the next iteration starts from: each must run
+        return (
+            change,
+            segment,
+            phase,
+            highest.highest - before[0],
+            tuple(tuple(log.increments) for log in logs),
+        )
+
+    def repeat(self, signature: Hashable, times: int, like=None) -> list | None:
+        change, _, _, above, increments = signature
+        stand_ins = None
+        if like is not None:
+            grown, limit = change[0], self.device_limit()
+            if limit is not None and self.tracker.device_bytes + (times - 1) * grown + above > limit:
+                return None  # one of them would stop the trace: they run, and it stops where it would
+            expected = tuple(now + times * c for now, c in zip(_state(self.tracker), change))
+            with contextlib.ExitStack() as stack:
+                for counter in self.counters:
+                    stack.enter_context(counter.paused())
+                stand_ins = [torch.empty_strided(like.shape, like.stride(), dtype=like.dtype) for _ in range(times)]
+            if _state(self.tracker) != expected:
+                raise RuntimeError(f"tile stand-ins changed the live state to {_state(self.tracker)}, not {expected}")
+        for counter, counted in zip(self.counters, increments):
+            counter.replay(counted, times)
+        self.repeated += times
+        return stand_ins
+
+
+def tile_watching(
+    tracker: DeviceMemoryTracker,
+    segment: Callable[[], tuple],
+    counters: list,
+    device_limit: Callable[[], int | None] = lambda: None,
+):
+    """A context in which the trace's tile loops are shortened, or a no-op where ``$AUTOTUNE_TRACE_EVERY_TILE``
+    is set."""
+    if os.environ.get(EVERY_TILE_ENV, "").strip() not in ("", "0"):
+        return contextlib.nullcontext()
+    return watching(TileWatcher(tracker, segment, counters, device_limit))

@@ -1,0 +1,140 @@
+"""Identical sequence tiles in the oracle (``trials.core.repeats``, ``autotune.oracle.repeats``): a trace that
+accounts for the middle tiles gives the record of one that traces every tile, count for count and byte for byte
+(full traces, stopped ones, the time counts), and the loop itself keeps what a ``for`` loop keeps."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from autotune.backends import Evaluation
+from autotune.backends.plan import PlanBackend
+from autotune.core.hardware import load_hardware
+from autotune.oracle import repeats as oracle_repeats
+from trials.core.memory import DeviceMemoryTracker
+from trials.core.repeats import LoopWatcher, for_each_tile, watching
+from trials.models.config import load_model_config
+from trials.stack.techniques import Techniques
+
+K = 1024
+TILED = dict(mlp_tile_tokens=512, loss_tile_tokens=256, norm_tile_tokens=512)  # 8-16 tiles of each per rank
+
+
+def _record(seq_len: int, memory_gib: float, every_tile: bool, monkeypatch, stop_above=None, **techniques) -> dict:
+    repeated = []
+    repeat = oracle_repeats.TileWatcher.repeat
+
+    def counting_repeat(self, signature, times, like=None):
+        stand_ins = repeat(self, signature, times, like)
+        repeated.append(times if like is None or stand_ins is not None else 0)
+        return stand_ins
+
+    monkeypatch.setattr(oracle_repeats.TileWatcher, "repeat", counting_repeat)
+    if every_tile:
+        monkeypatch.setenv(oracle_repeats.EVERY_TILE_ENV, "1")
+    else:
+        monkeypatch.delenv(oracle_repeats.EVERY_TILE_ENV, raising=False)
+    hardware = load_hardware("cpu").with_memory_gib(memory_gib)
+    evaluation = Evaluation(load_model_config("tiny-llama"), Techniques(**techniques), seq_len, 1, hardware)
+    record = PlanBackend(stop_above=stop_above).evaluate(evaluation).to_dict()
+    return record, sum(repeated)
+
+
+@pytest.mark.parametrize(
+    "techniques",
+    [
+        pytest.param(dict(TILED), marks=pytest.mark.slow),
+        dict(TILED, activation_checkpointing=True, activation_offload_layers=1),
+        pytest.param(dict(TILED, head_chunk=1, activation_checkpointing=True), marks=pytest.mark.slow),
+    ],
+    ids=["tiles", "tiles+checkpoint+offload", "tiles+head chunks"],
+)
+def test_repeated_tiles_give_the_record_of_every_tile(monkeypatch, techniques):
+    every, none_repeated = _record(8 * K, 4.0, True, monkeypatch, **techniques)
+    shortened, repeated = _record(8 * K, 4.0, False, monkeypatch, **techniques)
+    assert none_repeated == 0 and repeated > 0  # the watcher stood in for tiles, and only where asked
+    assert every["status"] == "ok" and every["tokens_per_s"] > 0
+    assert shortened == every
+
+
+def test_a_stopped_trace_stops_where_every_tile_would(monkeypatch):
+    """A search's trace that crosses the device's capacity: the same ``oom`` record, stopped at the same bytes."""
+    every, _ = _record(16 * K, 0.13, True, monkeypatch, stop_above=1.0, **TILED)
+    shortened, _ = _record(16 * K, 0.13, False, monkeypatch, stop_above=1.0, **TILED)
+    assert every["status"] == "oom"
+    assert shortened == every
+
+
+@pytest.mark.parametrize("capacity", [None, 7_000, 20_000])
+def test_kept_tiles_that_would_cross_the_capacity_run(capacity):
+    """Each tile makes a 1 KB temporary and keeps a 1 KB result: with a capacity that tile 5 (or none) crosses,
+    the tracker stops at the same tile and bytes as the loop run whole, and stand-ins are made only where none
+    of the tiles they stand for would cross it."""
+
+    def run(watched: bool):
+        tracker = DeviceMemoryTracker(capacity)
+        watcher = oracle_repeats.TileWatcher(tracker, lambda: ("tiles",), [], lambda: tracker.capacity_bytes)
+        made: list[int] = []
+
+        def body(index):
+            made.append(index)
+            temporary = torch.ones(256)  # 1 KB, freed when the tile ends
+            return temporary * index
+
+        with tracker, watching(watcher) if watched else contextlib.nullcontext():
+            try:
+                results = for_each_tile(12, body, uniform=12, keep_all=True)
+                stopped = None
+            except torch.OutOfMemoryError:
+                results, stopped = [], made[-1]
+        return stopped, tracker.peak_device_bytes, watcher.repeated, [tuple(t.shape) for t in results]
+
+    whole, shortened = run(False), run(True)
+    assert shortened[:2] == whole[:2] and shortened[3] == whole[3]
+    assert whole[0] == (None if capacity in (None, 20_000) else 5)
+    assert shortened[2] == (0 if whole[0] is not None else 8)
+
+
+class _Recorder(LoopWatcher):
+    """Stands in for every middle tile; remembers what it saw."""
+
+    def __init__(self):
+        self.signatures, self.repeats = [], []
+
+    def observe(self, run, kept):
+        result = run()
+        self.signatures.append(tuple(result.shape))
+        return self.signatures[-1]
+
+    def repeat(self, signature, times, like=None):
+        self.repeats.append(times)
+        return [torch.full(like.shape, -1.0) for _ in range(times)] if like is not None else None
+
+
+@pytest.mark.parametrize("watched", [False, True])
+def test_the_loop_keeps_what_a_for_loop_keeps(watched):
+    """Each result lives until the next exists (the previous one is alive while the next is computed), the last
+    is returned; with ``keep_all`` every result, in order, stand-ins for the tiles not run."""
+    alive_during: list[bool] = []
+    previous: list = []
+
+    def body(index):
+        alive_during.append(bool(previous) and previous[-1]() is not None)
+        tensor = torch.full((4,), float(index))
+        previous.append(__import__("weakref").ref(tensor))
+        return tensor
+
+    recorder = _Recorder()
+    with watching(recorder) if watched else __import__("contextlib").nullcontext():
+        last = for_each_tile(10, body, uniform=9)
+        kept = for_each_tile(10, lambda i: torch.full((2,), float(i)), uniform=9, keep_all=True)
+    assert last.tolist() == [9.0] * 4 and alive_during[1:] == [True] * (len(alive_during) - 1)
+    ran = [int(t[0]) for t in kept]
+    if watched:
+        # 0, 1, 2 run; 3..7 stood in for; 8 (the last full tile) and 9 (the short one) run
+        assert recorder.repeats == [5, 5] and len(alive_during) == 5
+        assert ran == [0, 1, 2, -1, -1, -1, -1, -1, 8, 9]
+    else:
+        assert len(alive_during) == 10 and ran == list(range(10))

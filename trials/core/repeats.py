@@ -1,0 +1,98 @@
+"""Loops of identical iterations (sequence tiles), which a watcher may account for without running them all.
+
+A tiled op runs the same ops on equal-shaped tiles: at millions of tokens the tiled loss runs hundreds of tiles,
+the tiled MLP and RMSNorm tens per layer. On real tensors every tile must run. Under fake tensors (the memory
+oracle) a tile computes nothing, yet each one costs the oracle ~100 dispatches through its modes, and tiles are
+most of a long trace's time. ``for_each_tile`` is the loop: it runs every iteration unless a ``LoopWatcher`` is
+active; then it runs iterations 0, 1 and 2, asks the watcher whether 1 and 2 did exactly the same thing to the
+same state (``observe``), and if so has the watcher account for the identical middle iterations (``repeat``)
+instead of running them. The last full tile and any shorter tile after it always run.
+
+Two kinds of loop: a tile whose result lives only until the next tile's does (the loss, RMSNorm, the MLP's
+backward: the state repeats), and a tile whose result is kept to the end (``keep_all``: the MLP forward's
+output tiles, concatenated after the loop: the state grows by one result per tile). For the second the watcher
+hands back a stand-in for each result not computed: a tensor of the same shape, stride and dtype.
+
+The watcher decides what "exactly the same" means; the memory oracle's (``autotune.oracle.repeats``) compares
+the live bytes before and after, the peak above them, the storages alive, and every count the time model takes,
+so that the step's peak and counts equal those of the full loop, byte for byte and count for count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Hashable
+
+_WATCHERS: list[LoopWatcher] = []
+
+# iterations run before the watcher may stand in: 0 (may allocate what later ones reuse), 1 and 2 (compared)
+_SEEN = 3
+
+
+class LoopWatcher:
+    """What stands in for iterations of a ``for_each_tile`` loop that are not run. Implement both methods.
+
+    ``observe(run, kept)`` calls ``run()`` (one iteration; it returns the iteration's result) and returns a
+    signature of what it did, equal for two iterations only when running one more would change everything the
+    watcher reports (memory, counts) exactly as the second did; or None when the iteration cannot stand for
+    others. ``kept``: the loop keeps every result (the state may grow by the result's storage, nothing else);
+    otherwise the state must come back to where it was (the previous result released as this one is made).
+    ``repeat(signature, times, like)`` accounts for ``times`` more iterations like the one that gave
+    ``signature``; with ``like`` (a result of a kept loop) it returns ``times`` stand-ins for their results, or
+    None when it cannot stand in for them (the loop then runs them)."""
+
+    def observe(self, run: Callable[[], object], kept: bool) -> Hashable | None:
+        raise NotImplementedError
+
+    def repeat(self, signature: Hashable, times: int, like=None) -> list | None:
+        raise NotImplementedError
+
+
+@contextlib.contextmanager
+def watching(watcher: LoopWatcher):
+    """``for_each_tile`` loops inside the block may be shortened by ``watcher``."""
+    _WATCHERS.append(watcher)
+    try:
+        yield watcher
+    finally:
+        _WATCHERS.remove(watcher)
+
+
+def for_each_tile(count: int, body: Callable[[int], object], uniform: int, keep_all: bool = False):
+    """``body(i)`` for i in range(count); iterations ``0 .. uniform - 1`` run the same ops on the same shapes (the
+    full tiles; a shorter last tile comes after them). Without a watcher every iteration runs.
+
+    ``keep_all``: returns every result, in order. Otherwise what ``body`` returns stays alive until the next
+    iteration has returned its own, as a ``for`` loop's variable does (a tile's output held while the next is
+    computed is part of the peak), and the last one is returned for the caller to hold as long as the loop's
+    variable would have lived."""
+    watcher = _WATCHERS[-1] if _WATCHERS else None
+    skippable = uniform - 1 - _SEEN  # iterations 3 .. uniform - 2
+    results = [None]  # keep_all: every result; else the loop variable, released as the next result exists
+
+    def run(index: int):
+        result = body(index)
+        if keep_all:
+            results.append(result)
+        else:
+            results[0] = result
+        return result
+
+    if keep_all:
+        results.clear()
+    if watcher is None or skippable < 1:
+        for index in range(count):
+            run(index)
+        return results if keep_all else results.pop()
+    run(0)
+    first = watcher.observe(lambda: run(1), keep_all)
+    second = watcher.observe(lambda: run(2), keep_all)
+    rest = range(_SEEN, count)
+    if first is not None and first == second:
+        stand_ins = watcher.repeat(second, skippable, results[-1] if keep_all else None)
+        if not keep_all or stand_ins is not None:
+            results.extend(stand_ins or [])
+            rest = range(uniform - 1, count)
+    for index in rest:
+        run(index)
+    return results if keep_all else results.pop()
