@@ -116,7 +116,9 @@ def _main_job(autotune: str, scratch: Path) -> tuple[bool, float, float]:
     print(f"  {'warm (repeated)':<15} {warm_wall:7.1f} s wall {warm_cpu:7.1f} s CPU   (the store the run above filled)")
     fronts = _front(old_out) == _front(new_out) == _front(warm_out)
     best = (old_out / "best.json").read_bytes() == (new_out / "best.json").read_bytes()
-    print(f"  fronts equal (lengths, tokens/s): {'yes' if fronts else 'NO'}; best.json equal: {'yes' if best else 'NO'}")
+    print(
+        f"  fronts equal (lengths, tokens/s): {'yes' if fronts else 'NO'}; best.json equal: {'yes' if best else 'NO'}"
+    )
     print(f"  repeated / every tile: {new_wall / old_wall:.2f}x the wall, {new_cpu / old_cpu:.2f}x the CPU time")
     return fronts and best, new_wall, old_wall
 
