@@ -28,6 +28,9 @@ Where ``Trainer`` meets the stack:
 - **The labels are shifted over the whole sequence first**, as ``transformers``' causal-LM loss does (the last
   position is ignored) and as ``trials.training.data.make_batch`` does: the token at the end of one rank's shard is
   predicted from the start of the next one.
+- **Packed documents run document-masked**: a batch whose ``position_ids`` restart at 0 at each document (TRL's
+  ``packing`` / ``padding_free``, examples carrying ``position_ids``) trains as the plain model on each document
+  alone (``trials.hf.batch``); a ring with TRL's ``packing`` or ``padding_free`` is refused.
 - **The loss is the plain model's.** Each rank returns ``sum of its tokens' cross-entropy * sp / labelled tokens
   of the whole sequence`` (``trials.training.step.loss_scale``): FSDP2 averages the gradients over every rank,
   which gives the plain single-process mean loss's gradient (the mean over replicas with several), and ``Trainer``'s
