@@ -312,14 +312,16 @@ def load_safetensors(model: TrainingModel, folder: Path) -> None:
 
 def batch(inputs: dict, mesh) -> Batch:
     """A Hugging Face batch (a collator's, ``Trainer``'s: the whole sequence, ``labels`` unshifted as
-    ``transformers`` takes them) -> this rank's shard of the shifted sequence: labels shifted left over the whole sequence (the last position ignored), then
-    this rank's columns of each (``trials.training.data.rank_columns``: its ring rank's zigzag columns, then its
-    Ulysses slice).
+    ``transformers`` takes them) -> this rank's shard of the shifted sequence: labels shifted left over the whole
+    sequence (the last position ignored), then this rank's columns of each (``trials.training.data.rank_columns``:
+    its ring rank's zigzag columns, then its Ulysses slice). What it cannot take: ValueError, one line naming the
+    key.
 
     Packed documents: ``position_ids`` that restart at 0 at each document (``transformers``'
     ``DataCollatorWithFlattening``, TRL's ``padding_free`` / ``packing``) give the batch its ``Documents``, derived on
     the host once per batch; attention then stays inside each document and the label at each document's last token
-    (the next document's first token) is ignored, as ``trials.training.data.make_batch`` packs them."""
+    (the next document's first token) is ignored, as ``trials.training.data.make_batch`` packs them.
+    """
     input_ids = inputs["input_ids"]
     labels = inputs.get("labels", input_ids)
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:

@@ -59,7 +59,8 @@ class Documents:
         """The documents of one packed sequence's ``position_ids`` (a ``[1, seq]`` or ``[seq]`` tensor or list, the
         whole sequence's): a document starts at each 0 and counts up by 1, the convention of ``transformers``'
         ``DataCollatorWithFlattening`` and TRL's padding-free batches. None: the sequence is one document (0 ..
-        seq-1). Read on the host (a few scalars and the starts), once per batch; ValueError for position ids of another shape."""
+        seq-1). Read on the host (a few scalars and the starts), once per batch; ValueError, naming the first token
+        that breaks the convention, for any other position ids."""
         import torch
 
         ids = torch.as_tensor(position_ids)
