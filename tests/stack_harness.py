@@ -4,7 +4,7 @@
     python tests/stack_harness.py CASES.json OUT.json                            (one rank)
 
 CASES.json: {"seq_len": int, "cases": [{"name", "model", "techniques": {...}, "step": bool,
-"batch_exchanges": bool, "pretrained": {"dir", "via"}, "documents": [lengths]}]}. Every rank builds,
+"batch_exchanges": bool, "pretrained": {"dir", "via"}, "documents": [lengths], "hf_batch": bool}]}. Every rank builds,
 for each (model, data-parallel size, pretrained folder), the plain single-process reference itself (cheap at these
 sizes): the loss and parameter gradients of ``dp`` replicas (sample r for replica r, DESIGN.md's data rule)
 averaged, plus the loss after one AdamW step. Then, per case: a fresh model with the techniques applied on the real
@@ -20,7 +20,9 @@ folder (``dir``, saved by ``transformers``) through the plugin ``trials.hf``: ``
 With ``"documents"`` (lengths summing to seq_len) the sequence packs those documents
 (``trials.training.data.make_batch(..., documents)``), and the reference is the plain model run on each document
 *alone* (its own tokens, positions from 0, its last label ignored): the sum of the documents' loss sums over the
-packed sequence's labelled tokens, and its gradient.
+packed sequence's labelled tokens, and its gradient. With ``"hf_batch"`` the stack gets the sequence as a Hugging
+Face batch through the plugin (``trials.hf.batch``: ``input_ids``, unshifted ``labels`` and ``position_ids`` that
+restart at 0 at each document, the documents' only trace), the reference still the lengths run alone.
 
 Rank 0 writes OUT.json: {"world_size", "results": [{"name", "loss_rel", "grad_rel", "grad_rel_param",
 "grad_maxabs_rel", "step_loss_rel"?, "seconds"}]}, where
@@ -103,14 +105,14 @@ def stacked_pretrained(pretrained: dict, techniques, mesh):
     raise ValueError(f"unknown pretrained via {pretrained['via']!r}")
 
 
-def documents_reference(model_config: dict, seq_len: int, dp: int, lengths) -> dict:
-    """Plain model, one process, each document of each replica's sequence run alone: the replicas' mean loss and
-    gradients, and the mean loss after one AdamW step."""
+def documents_reference(model_config: dict, seq_len: int, dp: int, lengths, pretrained_dir: str | None = None) -> dict:
+    """Plain model (``pretrained_dir``'s ``transformers`` model when given), one process, each document of each
+    replica's sequence run alone: the replicas' mean loss and gradients, and the mean loss after one AdamW step."""
     from trials.kernels.documents import Documents
     from trials.models.model import build_model
     from trials.training.data import make_batch, synthetic_sample
 
-    model = build_model(model_config)
+    model = plain_pretrained(pretrained_dir) if pretrained_dir else build_model(model_config)
     packed = Documents(tuple(lengths))
     valid = seq_len - len(packed.lengths)
     alone = []  # (replica, batch of one document)
@@ -145,7 +147,7 @@ def reference(model_config: dict, seq_len: int, dp: int, pretrained_dir: str | N
     from trials.training.step import forward_backward
 
     if documents:
-        return documents_reference(model_config, seq_len, dp, documents)
+        return documents_reference(model_config, seq_len, dp, documents, pretrained_dir)
     mesh = Mesh.single()
     model = plain_pretrained(pretrained_dir) if pretrained_dir else build_model(model_config)
     batches = [make_batch(synthetic_sample(r, seq_len, model.config.vocab_size, 0), 0, 1, "cpu") for r in range(dp)]
@@ -205,7 +207,14 @@ def run_case(case: dict, seq_len: int, refs: dict, meshes: dict) -> dict:
             layer.self_attn.forward.batch_exchanges = True
     tokens = synthetic_sample(mesh.dp_rank, seq_len, model.config.vocab_size, 0)
     documents = Documents(lengths) if lengths else None
-    batch = mesh_batch(tokens, mesh, documents=documents)
+    if case.get("hf_batch"):  # the plugin's seam: a Hugging Face batch, the documents only in its position_ids
+        from trials import hf  # (with documents: the last document's last label is ignored either way)
+
+        ids = tokens[:seq_len].unsqueeze(0)
+        positions = torch.tensor(documents.positions()).unsqueeze(0)
+        batch = hf.batch({"input_ids": ids, "labels": ids, "position_ids": positions}, mesh)
+    else:
+        batch = mesh_batch(tokens, mesh, documents=documents)
     loss = global_loss(forward_backward(model, batch, mesh), mesh)
     grads = full_grads(model)
     result = {"name": case["name"], "loss": loss, "loss_rel": abs(loss - ref["loss"]) / abs(ref["loss"])}

@@ -68,6 +68,31 @@ def test_exact_two_ranks(pretrained, tmp_path):
     _check_exact(_launch(HARNESS, 2, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=900), len(cases))
 
 
+PACKED_LENGTHS = [100, 1, 236, 175]  # uneven, one of a single token; on 2 ranks a boundary falls inside each shard
+
+
+def test_packed_documents_through_the_plugin_two_ranks(pretrained, tmp_path):
+    """A ``transformers`` model stacked by ``trials.hf.apply`` (Ulysses 2, head chunks, checkpointing) given a Hugging
+    Face batch whose ``position_ids`` restart at 0 at each document (``trials.hf.batch``) trains as the plain model
+    run on each document alone: loss and gradients, and (tiny-llama, with FSDP) the loss after one step."""
+    techniques = {"ulysses_degree": 2, "head_chunk": 1, "activation_checkpointing": True}
+    full = {"fsdp": True, "activation_offload_layers": 1, "mlp_tile_tokens": 96, "loss_tile_tokens": 80}
+    cases = [
+        {
+            "name": f"{model}/hf.apply/documents/ulysses2+head_chunk=1+checkpointing" + ("+fsdp+tiles" if step else ""),
+            "model": model,
+            "techniques": {**techniques, **(full if step else {})},
+            "step": step,
+            "documents": PACKED_LENGTHS,
+            "hf_batch": True,
+            "pretrained": {"dir": pretrained[model], "via": "apply"},
+        }
+        for model in MODELS
+        for step in ((False, True) if model == "tiny-llama" else (False,))
+    ]
+    _check_exact(_launch(HARNESS, 2, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=900), len(cases))
+
+
 # -- a plain transformers loop, in this process ---------------------------------------------------------------------
 
 LOOP_TECHNIQUES = {  # every knob that needs no process group (fsdp starts one: the harness runs those)
@@ -151,3 +176,35 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_refused(pretrained, tmp_pat
         save_file(changed, str(folder / "model.safetensors"))
         with pytest.raises((KeyError, ValueError), match="model.layers|lm_head"):
             hf.from_pretrained(folder, Techniques(), Mesh.single())
+
+
+def test_a_batch_reads_its_documents_from_position_ids_and_refuses_what_it_cannot_run():
+    """``trials.hf.batch``: position ids restarting at 0 give the documents, the label at each document's last token
+    ignored; position ids that do not count 0, 1, 2 ... within a document, and packed documents on a ring, are refused
+    in one line naming ``position_ids``."""
+    from types import SimpleNamespace
+
+    from trials import hf
+    from trials.core.dist import Mesh
+    from trials.kernels.documents import Documents
+
+    ids = torch.arange(10).unsqueeze(0)
+    packed = Documents((4, 1, 5))
+    batch = hf.batch(
+        {"input_ids": ids, "labels": ids, "position_ids": torch.tensor([packed.positions()])}, Mesh.single()
+    )
+    assert batch.documents == packed and batch.position_ids.tolist() == [packed.positions()]
+    assert batch.labels.tolist() == [[1, 2, 3, -100, -100, 6, 7, 8, 9, -100]] and batch.valid_tokens == 7
+    plain = hf.batch({"input_ids": ids, "labels": ids, "position_ids": torch.arange(10).unsqueeze(0)}, Mesh.single())
+    assert plain.documents is None and plain.labels.tolist() == [[*range(1, 10), -100]]
+
+    ring = SimpleNamespace(sp_degree=1, sp_rank=0, ring_degree=2, ring_rank=0)
+    for positions, said in (
+        ([0, 1, 2, 4, 0, 1, 2, 3, 4, 5], "token 3 has position 4, not 3"),
+        ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], "starts at position 0"),
+    ):
+        with pytest.raises(ValueError, match=said) as refused:
+            hf.batch({"input_ids": ids, "position_ids": torch.tensor([positions])}, Mesh.single())
+        assert str(refused.value).startswith("position_ids: ") and "\n" not in str(refused.value)
+    with pytest.raises(ValueError, match=r"^position_ids: ring_degree 2 does not run packed documents"):
+        hf.batch({"input_ids": ids, "position_ids": torch.tensor([packed.positions()])}, ring)

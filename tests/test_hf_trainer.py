@@ -10,7 +10,9 @@
   (``fsdp`` off on 2 processes) stops before training with one line naming the knob.
 - In one process: gradient accumulation over 2 micro-batches logs the plain ``Trainer``'s losses and gradient norms.
 - In one process: each ``TrainingArguments`` (and TRL ``SFTConfig``) field the stack needs, set otherwise, is
-  refused in one line naming it, before the trainer prepares anything.
+  refused in one line naming it, before the trainer prepares anything; so is TRL's ``packing`` on a ring.
+- ``--sft --packing``: TRL's ``SFTTrainer(packing=True)`` on 2 processes logs the plain one-process
+  ``SFTTrainer``'s first loss on the same packed documents (the plain model attending per document).
 """
 
 from __future__ import annotations
@@ -190,6 +192,57 @@ def test_trainer_trains_resumes_and_saves_like_the_plain_trainer_in_the_estimate
     assert "'loss'" not in refused.stdout and not list((root / "c").glob("checkpoint-*"))
 
 
+DOCUMENT_LENGTH = 1000  # each window of SEQ_LEN cut into documents of 1000, 1000 and 48 tokens; TRL packs them back
+
+# the plain one-process SFTTrainer packing the same documents (TRL's packing: best-fit decreasing, padding-free), the
+# plain model attending per document through transformers' own reading of position_ids that restart at 0 (torch SDPA
+# with the block-diagonal mask it builds from them when a batch has no attention_mask)
+PLAIN_PACKED_SFT = """
+import json, sys, torch
+import datasets
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import SFTConfig, SFTTrainer
+from trials.kernels.documents import Documents
+from trials.training.data import synthetic_sample
+folder, seq_len, steps, lr, length = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[6])
+model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+windows = [synthetic_sample(i, seq_len - 1, model.config.vocab_size, 0).tolist() for i in range(steps)]
+spans = Documents.packed(seq_len, [length]).spans()
+rows = datasets.Dataset.from_list([{"input_ids": w[a:b]} for w in windows for a, b in spans])
+args = SFTConfig(output_dir=sys.argv[5], max_steps=steps, per_device_train_batch_size=1, learning_rate=lr,
+    logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, train_sampling_strategy="sequential",
+    packing=True, padding_free=True, max_length=seq_len)
+trainer = SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=AutoTokenizer.from_pretrained(folder))
+trainer.train()
+print(json.dumps({e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}))
+"""
+
+
+@pytest.mark.slow
+def test_sft_packing_trains_document_masked_like_the_plain_sft_trainer(exported):
+    """TRL's ``SFTTrainer(packing=True)`` through the export's script (``--sft --packing``, 2 processes, KNOBS): its
+    batches' position_ids restart at each document, the stack masks the documents, and the first logged loss is the
+    plain one-process SFTTrainer's on the same packed documents."""
+    root = exported
+    packed = json.loads((root / "sp.autotune.json").read_text())
+    packed["documents"] = DOCUMENT_LENGTH
+    (root / "packed.json").write_text(json.dumps(packed))
+    run = launch(root / "sp.trainer.py", root / "sp.yaml", "--model", root / "model", "--output-dir", root / "packed",
+                 "--steps", 1, "--lr", LR, "--sft", "--packing", "--config", root / "packed.json",
+                 "--summary", root / "packed-sum.json", cwd=root)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    plain = subprocess.run(
+        [sys.executable, "-c", PLAIN_PACKED_SFT, root / "model", str(SEQ_LEN), "1", LR, root / "plain-packed",
+         str(DOCUMENT_LENGTH)],
+        capture_output=True, text=True, timeout=600, cwd=root, env={**os.environ, "PYTHONPATH": PYTHONPATH},
+    )  # fmt: skip
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    plain_losses = json.loads(plain.stdout.strip().splitlines()[-1])
+    losses = json.loads((root / "packed-sum.json").read_text())["losses"]
+    assert list(losses) == list(plain_losses) == ["1"]
+    assert losses["1"] == pytest.approx(plain_losses["1"], rel=1e-5), (losses, plain_losses)
+
+
 # each field the stack needs (TRL's SFTConfig's too), set to a value it cannot run; the script prints each refusal
 REFUSALS = """
 import json
@@ -222,6 +275,13 @@ try:
     StackTrainer(model=model.lm, args=TrainingArguments(output_dir="out", report_to=[], use_cpu=True))
 except StackTrainerError as exc:
     said["model"] = str(exc)
+import dataclasses
+model.mesh = dataclasses.replace(model.mesh, ring_degree=2)  # packed documents on a ring: refused
+try:
+    args = SFTConfig(output_dir="out", report_to=[], use_cpu=True, **training_arguments(sft=True), packing=True)
+    StackSFTTrainer(model=model, args=args, train_dataset=[])
+except StackTrainerError as exc:
+    said["packing"] = str(exc)
 print(json.dumps(said))
 """
 
@@ -239,7 +299,8 @@ def test_the_trainer_refuses_each_argument_the_stack_cannot_run_naming_it(tmp_pa
     )
     assert result.returncode == 0, result.stderr[-3000:]
     said = json.loads(result.stdout.strip().splitlines()[-1])
-    assert set(said) == {*REQUIRED_ARGUMENTS, *SFT_ARGUMENTS, "model"}
+    assert set(said) == {*REQUIRED_ARGUMENTS, *SFT_ARGUMENTS, "model", "packing"}
+    assert said["packing"].startswith("packing True: ring_degree 2 does not run packed documents"), said["packing"]
     for field, line in said.items():
         assert line is not None, field
         assert "\n" not in line and (line.startswith(f"{field} ") or line.startswith(f"{field}:")), (field, line)

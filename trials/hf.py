@@ -16,6 +16,13 @@ your own loop.
         result = train_step(model, optimizer, batch, mesh)        # forward, backward, reduce, step
         print(result.loss)
 
+A Hugging Face batch (a collator's ``input_ids``, unshifted ``labels``, and ``position_ids``) goes in as it is:
+``batch = hf.batch(collator(examples), mesh)``. Packed documents are ``position_ids`` that restart at 0 at each
+document (``transformers``' ``DataCollatorWithFlattening``, TRL's ``padding_free``): ``batch`` derives the
+``Documents`` from them on the host, once per batch, and attention stays inside each document (exact: the loss and
+gradients of the plain model run on each document alone). ``mesh_batch(tokens, mesh, documents=Documents(lengths))``
+takes them as lengths.
+
 Two entry points, both returning a ``trials.models.model.TrainingModel`` (its forward returns this rank's scaled loss;
 ``trials.training.step`` scales, reduces and steps so that every rank trains the plain single-process model's loss and
 gradients) with ``.mesh`` set:
@@ -40,11 +47,13 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from trials import stack
 from trials.core.dist import Mesh, init_mesh
 from trials.core.memory import active_tracker
 from trials.kernels import attention
+from trials.kernels.documents import Documents
 from trials.models import moe
 from trials.models.model import (
     TrainingModel,
@@ -54,10 +63,13 @@ from trials.models.model import (
     materialize,
     set_compute_dtype,
 )
+from trials.stack import rules
 from trials.stack.techniques import Techniques
+from trials.training.data import Batch, rank_columns
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
+IGNORE_INDEX = -100  # transformers' and trials' label that no loss is taken for
 
 
 def apply(
@@ -296,3 +308,46 @@ def load_safetensors(model: TrainingModel, folder: Path) -> None:
     unused = sorted(k for k in set(files) - loaded if not k.endswith("rotary_emb.inv_freq"))
     if unused:
         raise KeyError(f"{folder}: tensors the model has no parameter for: {', '.join(unused[:4])}")
+
+
+def batch(inputs: dict, mesh) -> Batch:
+    """A Hugging Face batch (a collator's, ``Trainer``'s: the whole sequence, ``labels`` unshifted as
+    ``transformers`` takes them) -> this rank's shard of the shifted sequence: labels shifted left over the whole
+    sequence (the last position ignored), then this rank's columns of each (``trials.training.data.rank_columns``:
+    its ring rank's zigzag columns, then its Ulysses slice). What it cannot take: ValueError, one line naming the
+    key.
+
+    Packed documents: ``position_ids`` that restart at 0 at each document (``transformers``'
+    ``DataCollatorWithFlattening``, TRL's ``padding_free`` / ``packing``) give the batch its ``Documents``, derived on
+    the host once per batch; attention then stays inside each document and the label at each document's last token
+    (the next document's first token) is ignored, as ``trials.training.data.make_batch`` packs them.
+    """
+    input_ids = inputs["input_ids"]
+    labels = inputs.get("labels", input_ids)
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids: one sequence per batch, not shape {list(input_ids.shape)}")
+    seq_len = input_ids.shape[1]
+    if seq_len % mesh.sp_degree:
+        raise ValueError(f"input_ids: {seq_len} tokens do not split over ulysses_degree {mesh.sp_degree}")
+    mask = inputs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        raise ValueError("attention_mask: padded sequences are not supported; pack or trim them")
+    positions, documents = inputs.get("position_ids"), None
+    if positions is None:
+        positions = torch.arange(seq_len, device=input_ids.device).unsqueeze(0)
+    elif tuple(positions.shape) != tuple(input_ids.shape):
+        raise ValueError(f"position_ids: shape {list(positions.shape)}, input_ids {list(input_ids.shape)}")
+    else:
+        documents = Documents.from_position_ids(positions)  # also checks them: 0 .. n-1 within each document
+        why = rules.ring_documents_problem(mesh.ring_degree, packed=documents is not None)
+        if why is not None:
+            raise ValueError(f"position_ids: {why}")
+    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    if documents is not None:  # no document predicts the next one's first token
+        shifted[:, [end - 1 for end in documents.offsets[1:]]] = IGNORE_INDEX
+    valid = int((shifted != IGNORE_INDEX).sum())
+    try:
+        cols = rank_columns(seq_len, mesh.sp_rank, mesh.sp_degree, mesh.ring_rank, mesh.ring_degree)
+    except ValueError as exc:
+        raise ValueError(f"input_ids: {exc}") from None
+    return Batch(input_ids[:, cols], shifted[:, cols], positions[:, cols], max(valid, 1), documents)

@@ -28,6 +28,9 @@ Where ``Trainer`` meets the stack:
 - **The labels are shifted over the whole sequence first**, as ``transformers``' causal-LM loss does (the last
   position is ignored) and as ``trials.training.data.make_batch`` does: the token at the end of one rank's shard is
   predicted from the start of the next one.
+- **Packed documents run document-masked**: a batch whose ``position_ids`` restart at 0 at each document (TRL's
+  ``packing`` / ``padding_free``, examples carrying ``position_ids``) trains as the plain model on each document
+  alone (``trials.hf.batch``); a ring with TRL's ``packing`` or ``padding_free`` is refused.
 - **The loss is the plain model's.** Each rank returns ``sum of its tokens' cross-entropy * sp / labelled tokens
   of the whole sequence`` (``trials.training.step.loss_scale``): FSDP2 averages the gradients over every rank,
   which gives the plain single-process mean loss's gradient (the mean over replicas with several), and ``Trainer``'s
@@ -48,15 +51,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from transformers import Trainer
 
+from trials import hf
 from trials.core.errors import ConfigError
 from trials.models.model import TrainingModel
+from trials.stack import rules
 from trials.training import checkpoint, step
-from trials.training.data import Batch, rank_columns
+from trials.training.data import Batch
 
-IGNORE_INDEX = -100  # transformers' and trials' label that no loss is taken for
+IGNORE_INDEX = hf.IGNORE_INDEX
 STATE = "stack-state"  # a checkpoint's DCP folder of the sharded model and optimizer
 SCHEDULER_FILE = "scheduler.pt"  # transformers.trainer.SCHEDULER_NAME
 
@@ -84,10 +88,9 @@ REQUIRED_ARGUMENTS = {
 }
 
 
-# What TRL's ``SFTConfig`` must say besides (checked where the arguments have the field)
+# What TRL's ``SFTConfig`` must say besides (checked where the arguments have the field). ``packing`` and
+# ``padding_free`` run: their batches' position_ids restart at each document, and the stack masks the documents.
 SFT_ARGUMENTS = {
-    "packing": (False, "packed documents are not supported with the stack; one document per sequence"),
-    "padding_free": (False, "padding-free batches are packed documents, not supported with the stack"),
     "activation_offloading": (False, "the config's activation_offload_layers offloads the activations"),
     "use_liger_kernel": (False, "the stack's tiles and attention are its kernels"),
 }
@@ -124,6 +127,10 @@ def problem(model, args) -> str | None:
         given = getattr(given, "value", given)  # an enum (eval_strategy) as its string
         if given not in ((value,) if not isinstance(value, tuple) else value):
             return f"{field} {given!r}: {why}"
+    for field in ("packing", "padding_free"):  # TRL's packed documents, which a ring does not run
+        why = rules.ring_documents_problem(mesh.ring_degree, bool(getattr(args, field, False)))
+        if why is not None:
+            return f"{field} True: {why}"
     return None
 
 
@@ -200,7 +207,8 @@ class StackTrainerMixin:
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mesh = self.stack_mesh
         batch = stack_batch(inputs, mesh)
-        loss = model(batch.input_ids, batch.position_ids, batch.labels, scale=step.loss_scale(batch, mesh))
+        scale = step.loss_scale(batch, mesh)
+        loss = model(batch.input_ids, batch.position_ids, batch.labels, scale=scale, documents=batch.documents)
         return (loss, {"loss": loss}) if return_outputs else loss
 
     def _clip_grad_norm(self, model):
@@ -253,28 +261,10 @@ class StackTrainer(StackTrainerMixin, Trainer):
 
 
 def stack_batch(inputs: dict, mesh) -> Batch:
-    """Trainer's batch (the whole sequence, ``labels`` unshifted as ``transformers`` takes them) -> this rank's
-    shard of the shifted sequence: labels shifted left over the whole sequence (the last position ignored), then
-    this rank's columns of each (``trials.training.data.rank_columns``: its ring rank's zigzag columns, then its
-    Ulysses slice)."""
-    input_ids = inputs["input_ids"]
-    labels = inputs.get("labels", input_ids)
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise StackTrainerError(f"input_ids: one sequence per batch, not shape {list(input_ids.shape)}")
-    seq_len = input_ids.shape[1]
-    if seq_len % mesh.sp_degree:
-        raise StackTrainerError(f"input_ids: {seq_len} tokens do not split over ulysses_degree {mesh.sp_degree}")
-    mask = inputs.get("attention_mask")
-    if mask is not None and not bool(mask.all()):
-        raise StackTrainerError("attention_mask: padded sequences are not supported; pack or trim them")
-    positions = torch.arange(seq_len, device=input_ids.device).unsqueeze(0)
-    given = inputs.get("position_ids")
-    if given is not None and not torch.equal(given, positions):
-        raise StackTrainerError("position_ids: packed documents are not supported; one document per sequence")
-    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-    valid = int((shifted != IGNORE_INDEX).sum())
+    """``trials.hf.batch`` of Trainer's batch: this rank's shard of the shifted sequence, with its packed documents
+    (``position_ids`` that restart at 0 at each document: ``DataCollatorWithFlattening``, TRL's ``packing`` /
+    ``padding_free``). What it cannot take is refused in one line naming the key."""
     try:
-        cols = rank_columns(seq_len, mesh.sp_rank, mesh.sp_degree, mesh.ring_rank, mesh.ring_degree)
+        return hf.batch(inputs, mesh)
     except ValueError as exc:
-        raise StackTrainerError(f"input_ids: {exc}") from None
-    return Batch(input_ids[:, cols], shifted[:, cols], positions[:, cols], valid_tokens=max(valid, 1))
+        raise StackTrainerError(str(exc)) from None

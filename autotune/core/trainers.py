@@ -336,8 +336,8 @@ ACCELERATE = Trainer(
         )
         for k in knobs()
     },
-    packing="the model's forward takes autotune_documents=trials.kernels.documents.Documents(lengths) beside "
-    "position_ids that restart at each document",
+    packing="position_ids that restart at 0 at each document (trials.hf.batch derives the documents from them; "
+    "the .trainer.py's --sft --packing: TRL's SFTTrainer(packing=True))",
 )
 
 ACCELERATE_DEEPSPEED = Trainer(

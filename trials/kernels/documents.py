@@ -54,6 +54,36 @@ class Documents:
             index += 1
         return cls(tuple(out))
 
+    @classmethod
+    def from_position_ids(cls, position_ids) -> Documents | None:
+        """The documents of one packed sequence's ``position_ids`` (a ``[1, seq]`` or ``[seq]`` tensor or list, the
+        whole sequence's): a document starts at each 0 and counts up by 1, the convention of ``transformers``'
+        ``DataCollatorWithFlattening`` and TRL's padding-free batches. None: the sequence is one document (0 ..
+        seq-1). Read on the host (a few scalars and the starts), once per batch; ValueError, naming the first token
+        that breaks the convention, for any other position ids."""
+        import torch
+
+        ids = torch.as_tensor(position_ids)
+        if ids.dim() == 2 and ids.shape[0] == 1:
+            ids = ids[0]
+        if ids.dim() != 1 or ids.numel() == 0:
+            raise ValueError(f"position_ids: one sequence's, not shape {list(ids.shape)}")
+        starts = (ids == 0).nonzero().flatten()
+        if starts.numel() == 0 or int(starts[0]) != 0:
+            raise ValueError("position_ids: the first document starts at position 0")
+        counted = torch.arange(ids.numel(), device=ids.device)
+        expected = counted - starts[(ids == 0).cumsum(0) - 1]  # each token's offset in its document
+        wrong = (ids != expected).nonzero().flatten()
+        if wrong.numel():
+            at = int(wrong[0])
+            raise ValueError(
+                f"position_ids: token {at} has position {int(ids[at])}, not {int(expected[at])}: each document counts "
+                "0, 1, 2, ..."
+            )
+        offsets = [*starts.tolist(), ids.numel()]
+        lengths = [end - start for start, end in zip(offsets, offsets[1:])]
+        return cls(tuple(lengths)) if len(lengths) > 1 else None
+
     @property
     def total(self) -> int:
         return sum(self.lengths)

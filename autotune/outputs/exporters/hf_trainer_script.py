@@ -23,7 +23,7 @@ lines (marked "the stack") and the TrainingArguments fields in STACK_ARGUMENTS (
 
     accelerate launch --config_file {accelerate_path} {script} --model HF_FOLDER --output-dir OUT [--steps N] \\
         [--data tokens.parquet] [--save-steps K] [--resume OUT/checkpoint-K] [--summary summary.json] \\
-        [--sft [--tokenizer FOLDER]]
+        [--sft [--tokenizer FOLDER] [--packing]]
 
 HF_FOLDER holds config.json and safetensors weights. Each example is one sequence of {config.seq_len:,} tokens
 (input_ids, labels = input_ids: the stack shifts them over the whole sequence): trials' seeded synthetic tokens, or
@@ -31,7 +31,10 @@ HF_FOLDER holds config.json and safetensors weights. Each example is one sequenc
 loads it). Rank 0 prints a "summary {{json}}" line, which --summary also writes: the logged losses and each rank's
 peak device bytes (on CPU the simulated device's, as trials measure it; on CUDA torch.cuda's max allocated), from
 before the model is built to the last step. A setting the stack cannot run stops it before training: one line, exit 2.
-Padded batches and packed documents (position_ids restarting: TRL's SFTTrainer(packing=True)) are not supported.
+Packed documents run document-masked: --sft --packing cuts each window into the config's documents ("documents";
+one: whole windows) and TRL's SFTTrainer packs them (packing=True, best-fit decreasing, padding-free: its batches'
+position_ids restart at 0 at each document, from which the stack derives the documents; attention stays inside each).
+A transformers.Trainer batch with such position_ids runs the same way. Padded batches are not supported.
 """
 
 import argparse
@@ -78,7 +81,17 @@ class Windows(torch.utils.data.Dataset):
         return {{"input_ids": tokens, "labels": tokens}}
 
 
-def sft_trainer(model, training_args, examples, tokenizer):
+def documents(examples, spec):
+    """The training rows: one per window, or with ``spec`` (the config's documents, to pack) those documents cut
+    from each window."""
+    windows = [examples[i]["input_ids"].tolist() for i in range(len(examples))]
+    packed = spec.for_length(len(windows[0])) if spec is not None and windows else None
+    if packed is None:
+        return [{{"input_ids": window}} for window in windows]
+    return [{{"input_ids": window[start:end]}} for window in windows for start, end in packed.spans()]
+
+
+def sft_trainer(model, training_args, examples, tokenizer, packed=None):
     import datasets
     from transformers import AutoTokenizer
     from trl import SFTTrainer
@@ -86,7 +99,7 @@ def sft_trainer(model, training_args, examples, tokenizer):
     class StackSFTTrainer(StackTrainerMixin, SFTTrainer):  # the stack
         pass
 
-    rows = datasets.Dataset.from_list([{{"input_ids": examples[i]["input_ids"].tolist()}} for i in range(len(examples))])
+    rows = datasets.Dataset.from_list(documents(examples, packed))
     return StackSFTTrainer(
         model=model,
         args=training_args,
@@ -114,19 +127,29 @@ def main(argv=None) -> int:
     parser.add_argument("--summary", default=None, help="write the JSON summary here (rank 0)")
     parser.add_argument("--sft", action="store_true", help="TRL's SFTTrainer instead of transformers' Trainer")
     parser.add_argument("--tokenizer", default=None, help="with --sft: the tokenizer's folder (default: --model)")
+    parser.add_argument(
+        "--packing", action="store_true", help="with --sft: TRL's packing of the config's documents, document-masked"
+    )
     args = parser.parse_args(argv)
+    if args.packing and not args.sft:
+        parser.error("--packing: TRL's packing, with --sft")
     config = parse_config(json.load(open(args.config)) if args.config else CONFIG, args.config or "CONFIG")
     allocator.configure()  # before CUDA starts: the allocator settings the trials measured under
     mesh = init_mesh(config.techniques.ulysses_degree)  # the process group Accelerate then joins
     if args.sft:
         from trl import SFTConfig
 
-        arguments_class, stack_arguments = SFTConfig, {{
-            **STACK_ARGUMENTS,
-            **SFT_STACK_ARGUMENTS,
+        packing = {{  # TRL packs the documents into sequences of seq_len; its batches carry position_ids
+            "packing": True,
+            "padding_free": True,
+            "max_length": config.seq_len,
+        }}
+        whole = {{
             "max_length": None,  # whole sequences, as the config was tuned for
             "dataset_kwargs": {{"skip_prepare_dataset": True}},  # the examples are token ids already
         }}
+        arguments_class = SFTConfig
+        stack_arguments = {{**STACK_ARGUMENTS, **SFT_STACK_ARGUMENTS, **(packing if args.packing else whole)}}
     else:
         arguments_class, stack_arguments = TrainingArguments, STACK_ARGUMENTS
     training_args = arguments_class(
@@ -150,7 +173,8 @@ def main(argv=None) -> int:
         steps = args.steps * training_args.gradient_accumulation_steps * mesh.dp_size
         examples = Windows(source, steps)
         if args.sft:
-            trainer = sft_trainer(model, training_args, examples, args.tokenizer or args.model)
+            packed = config.documents if args.packing else None
+            trainer = sft_trainer(model, training_args, examples, args.tokenizer or args.model, packed)
         else:
             trainer = StackTrainer(model=model, args=training_args, train_dataset=examples)
         trainer.train(resume_from_checkpoint=args.resume)
