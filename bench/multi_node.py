@@ -79,7 +79,8 @@ def main(argv=None) -> int:
         default=None,
         metavar="SEQ",
         help="instead of the table: the memory per segment and the largest live tensors at the peak of "
-        "Ulysses over all GPUs of --nodes (one number) at SEQ tokens",
+        "Ulysses over all GPUs of --nodes (one number) at SEQ tokens; with --layouts usp, of Ulysses per node x "
+        "a ring across the nodes",
     )
     args = parser.parse_args(argv)
 
@@ -107,12 +108,14 @@ def main(argv=None) -> int:
         from autotune.oracle import explain
 
         nodes = int(args.nodes)
+        usp = args.layouts == "usp"
+        degree, ring = (args.gpus, nodes) if usp else (nodes * args.gpus, 1)
         techniques = Techniques.from_dict(
-            dict(FULL_STACK, ulysses_degree=nodes * args.gpus), model_config["num_hidden_layers"]
+            dict(FULL_STACK, ulysses_degree=degree, ring_degree=ring), model_config["num_hidden_layers"]
         )
+        layout = f"Ulysses x{degree} per node x ring {ring}" if usp else f"Ulysses x{degree}"
         print(
-            f"{args.model}, full stack, Ulysses x{nodes * args.gpus} on {nodes} nodes x {args.gpus} {preset.name}, "
-            f"{args.explain:,} tokens"
+            f"{args.model}, full stack, {layout} on {nodes} nodes x {args.gpus} {preset.name}, {args.explain:,} tokens"
         )
         print(explain(Evaluation(model_config, techniques, args.explain, args.gpus, preset.for_nodes(nodes), nodes)))
         return 0

@@ -238,3 +238,55 @@ def test_the_space_factors_the_world_into_ulysses_x_ring_and_samples_only_runnab
         rings.add((techniques.ulysses_degree, techniques.ring_degree))
         study.tell(trial, 0.0)
     assert {(1, 8), (2, 4), (4, 2), (8, 1)} <= rings
+
+
+class _Sent:
+    """A send in flight: keeps its tensors alive until waited, as a process group's work does."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def wait(self):
+        self.tensors = None
+
+
+class _OneProcessRing(Ring):
+    """Ring rank ``rank`` of ``degree`` without processes: every exchange receives fresh (empty) buffers, enough to
+    count what ``ring_backward`` keeps alive."""
+
+    def __init__(self, degree: int, rank: int):
+        self.degree, self.rank = degree, rank
+
+    def exchange(self, *tensors):
+        return [torch.empty_like(t) for t in tensors], [_Sent(list(tensors))]
+
+
+@pytest.mark.parametrize("degree", [2, 3])
+def test_ring_backward_keeps_two_fp32_dkv_pairs_alive_at_most(degree):
+    """In flight per rank in backward: the dK/dV accumulators sent and those received, never a third pair."""
+    from trials.core.memory import DeviceMemoryTracker, TrackerListener
+    from trials.stack.ring import ring_backward, ring_forward
+
+    class Accumulators(TrackerListener):  # live fp32 storages shaped like one rank's K/V (dq: 2 x the heads)
+        def __init__(self, like):
+            self.like, self.live, self.most = like, set(), 0
+
+        def on_new_storage(self, tracker, info, tensor):
+            if tensor.dtype == torch.float32 and tensor.shape == self.like.shape:
+                self.live.add(id(info))
+                self.most = max(self.most, len(self.live))
+
+        def on_free(self, tracker, info):
+            self.live.discard(id(info))
+
+    torch.manual_seed(0)
+    query = torch.randn(1, 4, 32, 8, dtype=torch.bfloat16)  # K/V in bf16: fp32 ones are accumulators
+    key, value = (torch.randn(1, 2, 32, 8, dtype=torch.bfloat16) for _ in range(2))
+    ring = _OneProcessRing(degree, rank=degree - 1)
+    out, residuals = ring_forward(query, key, value, 8**-0.5, "sdpa", ring)
+    grad_out = torch.randn_like(out)
+    counter = Accumulators(key)
+    with DeviceMemoryTracker() as tracker:
+        tracker.add_listener(counter)
+        ring_backward(grad_out, query, key, value, out, residuals, 8**-0.5, "sdpa", ring)
+    assert counter.most == 4  # dK and dV, sent and received

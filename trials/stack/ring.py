@@ -25,7 +25,9 @@ next; the R-th send brings every block's accumulator home.
 Communication: point-to-point (``torch.distributed.batch_isend_irecv``) to the next ring rank and from the
 previous one, the next step's K/V received while this step's blocks compute (and in backward the dK/dV
 accumulators while the next step's blocks compute). In flight per rank: one more K/V of the local chunk in
-forward; one more K/V and two fp32 dK/dV accumulators (sent and received) in backward. K/V travel as the kv heads
+forward; in backward one more K/V, and the dK/dV accumulators (fp32) of two blocks: the one sent and the one
+received. A step's block gradients are added into the received accumulators in place, so besides dq no third pair
+of fp32 dK/dV buffers is ever live. K/V travel as the kv heads
 (GQA: never repeated to the query heads; the kernel call repeats them per block). With Ulysses, the ring runs
 inside the Ulysses exchange (USP): after the all-to-all a rank holds its ring rank's 2L columns for its heads and
 rings with the ranks of the same Ulysses rank in the other Ulysses groups (``trials.core.dist``).
@@ -164,12 +166,11 @@ def ring_backward(grad_out, query, key, value, out, residuals, scaling: float, k
     (lse,) = residuals
     dq = torch.zeros_like(query, dtype=torch.float32)
     k, v = key, value
-    dk = dv = None  # the accumulators of the block this rank holds (received from the previous rank)
-    dkv_works = None
+    accumulators = None  # (dk, dv) of the block this rank holds, in flight from the previous rank
+    accumulator_works = None
     for step in range(ring.degree):
         pending = ring.exchange(k, v) if step < ring.degree - 1 else None
-        block_dk = torch.zeros_like(k, dtype=torch.float32)
-        block_dv = torch.zeros_like(v, dtype=torch.float32)
+        block_grads = []  # (key rows, dk, dv) of each block, added once the block's accumulators are here
         for q_half, kv_half, causal in ring.blocks(step):
             q_rows, kv_rows = _rows(q_half, length), _rows(kv_half, length)
             grads = attention_backward(
@@ -185,19 +186,25 @@ def ring_backward(grad_out, query, key, value, out, residuals, scaling: float, k
                 causal=causal,
             )
             _seq(dq, q_rows, dim).add_(grads[0])
-            _seq(block_dk, kv_rows, dim).add_(grads[1])
-            _seq(block_dv, kv_rows, dim).add_(grads[2])
+            block_grads.append((kv_rows, grads[1], grads[2]))
             del grads
-        if dkv_works is not None:  # the accumulators of this block from the ranks it visited before
-            _wait(dkv_works)
-            block_dk.add_(dk)
-            block_dv.add_(dv)
-        (dk, dv), dkv_works = ring.exchange(block_dk, block_dv)
-        del block_dk, block_dv
+        if accumulators is None:  # step 0: this rank is the first to visit its own block
+            dk = torch.zeros_like(k, dtype=torch.float32)
+            dv = torch.zeros_like(v, dtype=torch.float32)
+        else:  # the accumulators of this block from the ranks it visited before: add to them in place
+            _wait(accumulator_works)
+            dk, dv = accumulators
+        for kv_rows, block_dk, block_dv in block_grads:
+            _seq(dk, kv_rows, dim).add_(block_dk)
+            _seq(dv, kv_rows, dim).add_(block_dv)
+        del block_grads, block_dk, block_dv, accumulators
+        accumulators, accumulator_works = ring.exchange(dk, dv)
+        del dk, dv  # in flight: the sent pair and the received one, no third
         if pending is not None:
             (k, v), works = pending
             _wait(works)
-    _wait(dkv_works)
+    _wait(accumulator_works)
+    dk, dv = accumulators
     return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
 
 
