@@ -35,7 +35,7 @@ from autotune.core.sizes import parse_tokens
 from autotune.core.trainers import AUTOTUNE, ExportJob, Trainer, memory_rank
 from trials.kernels.registry import attention_kernel_problem
 from trials.models.config import attention_features
-from trials.stack.rules import ulysses_degree_problem
+from trials.stack.rules import ring_documents_problem, ulysses_degree_problem
 from trials.stack.techniques import ALL_LAYERS, Knob, Techniques, knob_names, knobs
 
 SPACE_SCHEMA = "autotune/space-v1"
@@ -242,6 +242,7 @@ def load_space(
     on_gpu: bool = True,
     kernels: Sequence[str] | None = None,
     compute_capability_major: int | None = None,
+    packed_documents: bool = False,
 ) -> SearchSpace:
     """Read and validate a space file, then drop choices this model and node cannot run, and those ``trainer``
     does not run (``restrict_to_trainer``; a choice the trainer cannot run in the user's own file is bad input).
@@ -249,7 +250,9 @@ def load_space(
     ``kernels``: the attention kernels the hardware runs (``Hardware.kernels``; a local search, those this node
     runs; CPU trials: ``["sdpa"]``), what the choice ``hardware`` stands for; other kernels are dropped. None: every
     kernel the knob takes. ``compute_capability_major``: the GPUs' generation, whose limits a kernel declares (head
-    dims, softcaps); None: unknown."""
+    dims, softcaps); None: unknown. ``packed_documents``: the sequences pack several documents, which a ring does
+    not run (``trials.stack.rules.ring_documents_problem``): rings are dropped (offered in the user's own file, bad
+    input)."""
     user_file = path is not None
     path = Path(path) if path else DEFAULT_SPACE
     if not path.is_file():
@@ -287,6 +290,10 @@ def load_space(
             raw = _hardware_kernels(raw, kernels)
         choices[name] = [_coerce(path, name, value, model_config) for value in raw]
     choices = _filter(choices, model_config, gpus, path, on_gpu, kernels, compute_capability_major)
+    if packed_documents and any(ring > 1 for ring in choices["ring_degree"]):
+        if user_file and "ring_degree" in given:
+            raise UserError(f"search space {str(path)!r}: {ring_documents_problem(max(choices['ring_degree']), True)}")
+        choices["ring_degree"] = [1]
     choices = restrict_to_trainer(choices, trainer, model_config, gpus, target, path if user_file else None)
     return SearchSpace(
         choices=choices,
