@@ -325,6 +325,26 @@ CASES += [
     ),
 ]
 
+# ``autotune run --pack``: packing the trainer refuses (trials.train.packing), checked before launching
+CASES += [
+    (
+        "--pack with a token stream and no EOS id",
+        ["run", "--config", "{d}/run-config.json", "--data", "{d}/stream.parquet", "--pack"],
+        "has no document boundary: its 'tokens' hold no EOS id before the last token (the model names no eos_token_id",
+    ),
+    (
+        "--pack with one document",
+        ["run", "--config", "{d}/run-config.json", "--data", "{d}/one-document.parquet", "--pack"],
+        "has no document boundary: its rows of 'input_ids' hold one document",
+    ),
+    (
+        "--pack on a ring",
+        ["run", "--config", "{d}/ring-config.json", "--data", "{d}/documents.parquet", "--pack"],
+        "--pack: ring_degree 2 does not run packed documents",
+    ),
+    ("--pack without --data", ["run", "--config", "{d}/run-config.json", "--pack"], "--pack needs --data"),
+]
+
 # ``--memory-timeline`` / ``--memory-snapshot`` / ``--rank``: checked before any trace
 CASES += [
     (
@@ -374,6 +394,13 @@ def _make_run_files(root: Path) -> None:
     pq.write_table(pa.table({"tokens": ["17"] * (2 * RUN_SEQ)}), root / "string-tokens.parquet")
     pq.write_table(pa.table({"tokens": [17.5] * (2 * RUN_SEQ)}), root / "float-tokens.parquet")
     pq.write_table(pa.table({"input_ids": [[1, 2, 3]] * 100}), root / "short.parquet")  # 300 tokens < 513
+    pq.write_table(pa.table({"tokens": [7] * (2 * RUN_SEQ)}), root / "stream.parquet")
+    pq.write_table(pa.table({"input_ids": [[7] * (2 * RUN_SEQ)]}), root / "one-document.parquet")
+    pq.write_table(pa.table({"input_ids": [[7] * 100] * 12}), root / "documents.parquet")
+    ring = {"ulysses_degree": 1, "ring_degree": 2, "attention": "sdpa"}
+    (root / "ring-config.json").write_text(
+        json.dumps(_config(model="tiny-llama", hardware="cpu", gpus=2, seq_len=RUN_SEQ, techniques=ring))
+    )
 
 
 # the smallest valid command line of each command with numeric options; range_cases adds one bad option to it

@@ -534,3 +534,147 @@ def test_a_step_whose_loss_or_gradient_norm_is_not_finite_changes_no_weight_and_
         assert same_bits and param.grad is None, name
         for key, value in states[name].items():
             assert torch.equal(optimizer.state[param][key], value), (name, key)
+
+
+# -- packed documents -----------------------------------------------------------------------------------------------
+
+ROW_DOCUMENTS = (100, 1, 60, 200, 40)  # token counts of the rows of documents.parquet: one of 1, one past a window
+EOS_DOCUMENTS = (90, 120, 30, 150)  # token counts (each with its EOS) of the stream in eos.parquet
+
+
+def write_packed_config(path: Path, documents, gpus: int = 1, **techniques) -> str:
+    """``write_config``'s config, its estimate made for ``documents`` (the config file's ``documents``)."""
+    write_config(path, gpus=gpus, **techniques)
+    path.write_text(json.dumps({**json.loads(path.read_text()), "documents": documents}))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def packed(work) -> Path:
+    """documents.parquet (one document per row of ``input_ids``, ``ROW_DOCUMENTS``), eos.parquet (a ``tokens`` stream
+    of ``EOS_DOCUMENTS``, each ending in the pretrained model's EOS id) and configs for them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    generator = torch.Generator().manual_seed(3)
+    rows = [torch.randint(0, 4096, (n,), generator=generator).tolist() for n in ROW_DOCUMENTS]
+    pq.write_table(pa.table({"input_ids": rows}), work / "documents.parquet")
+    eos = json.loads((work / "pretrained" / "config.json").read_text())["eos_token_id"]
+    stream = [
+        token
+        for n in EOS_DOCUMENTS
+        for token in [*torch.randint(eos + 1, 4096, (n - 1,), generator=generator).tolist(), eos]
+    ]
+    pq.write_table(pa.table({"tokens": stream}), work / "eos.parquet")
+    write_packed_config(work / "eos-config.json", list(EOS_DOCUMENTS))
+    write_packed_config(work / "rows-config.json", list(ROW_DOCUMENTS))
+    write_packed_config(work / "ulysses-packed.json", list(ROW_DOCUMENTS), gpus=2, ulysses_degree=2)
+    return work
+
+
+def first_window_pieces(lengths, seq_len: int = SEQ_LEN) -> list[tuple[int, int]]:
+    """(start, end) in the stream of each document of window 1, documents cut at the window's end."""
+    pieces, start = [], 0
+    for n in lengths:
+        if start >= seq_len:
+            break
+        pieces.append((start, min(start + n, seq_len)))
+        start += n
+    return pieces
+
+
+def documents_alone_loss(folder: Path, stream: torch.Tensor, pieces) -> float:
+    """The mean token loss of ``transformers``' model (fp32, eager) run on each document alone: every document's
+    summed loss, over all documents' labelled tokens (a document of one token has none)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    total, labelled = 0.0, 0
+    with torch.no_grad():
+        for start, end in pieces:
+            if end - start < 2:
+                continue
+            document = stream[start:end][None]
+            total += float(model(document, labels=document).loss) * (end - start - 1)
+            labelled += end - start - 1
+    return total / labelled
+
+
+def stream_of(path: Path) -> torch.Tensor:
+    from trials.training.data import read_token_file
+
+    return read_token_file(str(path), 4096)
+
+
+@pytest.mark.parametrize(
+    "ranks, config, data, documents, flags",
+    [
+        (1, "one.json", "documents.parquet", ROW_DOCUMENTS, ["--pack"]),
+        (1, "eos-config.json", "eos.parquet", EOS_DOCUMENTS, []),  # packed as the config's documents say
+        (2, "ulysses-packed.json", "documents.parquet", ROW_DOCUMENTS, ["--pack"]),
+    ],
+    ids=["rows-pack", "eos-by-config", "rows-ulysses-2"],
+)
+def test_a_packed_step_ones_loss_is_each_documents_own_loss_and_the_log_counts_documents(
+    packed, tmp_path, ranks, config, data, documents, flags
+):
+    """Documents (rows of ``input_ids``, or a ``tokens`` stream cut after each EOS) packed into the window: step 1's
+    loss is that of the plain model on each document alone (position ids restart, no label crosses a boundary, the
+    document crossing the window's end cut there), and the log says how many documents the step held."""
+    args = ["--config", str(packed / config), "--init", str(packed / "pretrained"), "--data", str(packed / data)]
+    done = train(ranks, *args, *flags, "--steps", "1", "--lr", "1e-3", "--log-file", "log.jsonl", cwd=tmp_path)
+    summary_of(done)
+    (logged,) = log_of(tmp_path / "log.jsonl")
+    pieces = first_window_pieces(documents)
+    expected = documents_alone_loss(packed / "pretrained", stream_of(packed / data), pieces)
+    assert logged["loss"] == pytest.approx(expected, rel=1e-5)
+    assert logged["documents"] == len(pieces)
+    assert f"{len(pieces)} documents" in done.stdout
+    warned = [line for line in done.stderr.splitlines() if line.startswith("trials.train: warning:")]
+    if config == "one.json":  # its estimate was for one document per window
+        assert warned == [
+            "trials.train: warning: the config's estimate assumed one document per sequence; --data "
+            f"{packed / data} packs {len(documents)} documents of {sum(documents) / len(documents):,.0f} tokens on "
+            f"average (autotune estimate --documents {packed / data} prices them)"
+        ]
+    else:
+        assert warned == []
+
+
+def test_no_pack_reads_the_stream_as_before_and_says_the_estimate_assumed_documents(packed, tmp_path):
+    """``--no-pack`` trains windows of the stream across documents, as a run without packing does; a config whose
+    estimate assumed packed documents is told so in one warning."""
+    args = ["--config", str(packed / "rows-config.json"), "--init", str(packed / "pretrained")]
+    args += ["--data", str(packed / "documents.parquet"), "--steps", "1", "--log-file", "log.jsonl"]
+    done = train(1, *args, "--no-pack", cwd=tmp_path)
+    summary_of(done)
+    (logged,) = log_of(tmp_path / "log.jsonl")
+    window = stream_of(packed / "documents.parquet")[: SEQ_LEN + 1]
+    assert logged["loss"] == pytest.approx(hf_loss(packed / "pretrained", window), rel=1e-5)
+    assert logged["documents"] == 1
+    warned = [line for line in done.stderr.splitlines() if "warning" in line]
+    assert warned == [
+        f"trials.train: warning: the config's estimate assumed {len(ROW_DOCUMENTS)} documents of "
+        f"{sum(ROW_DOCUMENTS) / len(ROW_DOCUMENTS):,.0f} tokens on average; this run trains each window as one "
+        "document (--no-pack)"
+    ]
+
+
+def test_packed_windows_cut_documents_at_their_edges_and_wrap_around_the_stream():
+    """Window w of a packed stream holds tokens [w * seq, (w + 1) * seq) of the stream read around its end; its
+    documents are the stream's, cut at the window's edges."""
+    import numpy as np
+
+    from trials.train import TokenSource
+
+    lengths = [2, 5, 1, 5]  # 13 tokens: windows of 4 cross the stream's end, and a document after it
+    stream = torch.arange(sum(lengths))
+    ends = np.cumsum(lengths)
+    source = TokenSource(4, 100, stream=stream, ends=ends)
+    owner = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))  # each token's document
+    for index in range(12):
+        picked = (torch.arange(4) + index * 4) % stream.numel()
+        assert torch.equal(source.window(index)[:4], stream[picked])
+        runs = torch.unique_consecutive(owner[picked], return_counts=True)[1]
+        assert source.documents(index).lengths == tuple(runs.tolist()), index
+    assert source.documents_in(0, 3) == sum(len(source.documents(i).lengths) for i in range(3))

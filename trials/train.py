@@ -10,13 +10,16 @@
   only its FSDP2 shards' rows of each tensor (``trials.hf``). Without it, seeded random weights (as trials).
 - Data: synthetic tokens by default (the trials' seeded stream: step 1 matches the trial's loss), or token ids from
   a Parquet/Arrow file: a column ``input_ids`` (list of ints per row) or ``tokens`` (ints), read as one stream of
-  windows of seq_len + 1 tokens. A step takes ``accumulate * dp`` consecutive windows (replica r, micro-batch m:
+  windows of seq_len + 1 tokens (``--no-pack``). Packed (``--pack``; the default when the config's ``documents`` is
+  not "one"): documents (rows of ``input_ids``, or the ``tokens`` stream cut after each of the model's EOS ids) back
+  to back in windows of seq_len tokens, a document crossing a window's end cut there, each window's boundaries
+  passed to the stack (position ids restart, no label crosses a boundary). A step takes ``accumulate * dp`` consecutive windows (replica r, micro-batch m:
   window ``consumed + m * dp + r``), wrapping around; ``consumed`` is kept in checkpoints.
 - Checkpoints (``trials.training.checkpoint``): every ``--save-every`` steps and at the end, atomically; ``--resume``
   continues from the newest complete one, on any world size; ``--steps`` is the run's total.
 - Log: rank 0 prints each step (a progress bar on a terminal), appends one JSON object per step to ``--log-file``
   and to TensorBoard with ``--tensorboard``; a final ``summary {json}`` line.
-Bad options and a ``--data`` file training cannot use (``trials.training.data.read_token_file``: empty, no documents,
+Bad options and a ``--data`` file training cannot use (``trials.training.data.read_token_data``: empty, no documents,
 an id outside the vocabulary, ...): one line on stderr, exit 2, before any rank builds a model; an option is spelt in
 full (``--log`` is no ``--log-file``). A failed checkpoint save: exit 1 with the cause. A step whose loss or gradient
 norm is not finite is not applied, and the run stops there with exit 1 (``DivergenceError``, naming the step and the
@@ -37,16 +40,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from trials.core import allocator
 from trials.core.dist import collective_timeout_s, init_mesh
 from trials.core.errors import ConfigError
 from trials.core.memory import DeviceMemoryTracker
+from trials.kernels.documents import Documents, DocumentsSpec
 from trials.models.config import load_model_config
+from trials.stack.rules import ring_documents_problem
 from trials.training import checkpoint
 from trials.training.config_file import load_config_file
-from trials.training.data import mesh_batch, read_token_file, synthetic_sample
+from trials.training.data import TokenData, mesh_batch, read_token_data, synthetic_sample, window_documents
 from trials.training.step import (
     DivergenceError,
     build_training,
@@ -59,7 +65,7 @@ from trials.training.step import (
 )
 
 SCHEDULES = ("constant", "cosine")
-LOG_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_device_gib", "host_gib", "elapsed_s")
+LOG_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_device_gib", "host_gib", "elapsed_s", "documents")
 
 
 @dataclass
@@ -87,26 +93,118 @@ class TrainOptions:
     accumulate: int = 1
     log_file: str | None = None
     tensorboard: str | None = None
+    pack: bool | None = None  # None: pack when the config's documents are not "one" (``packing``)
 
 
 class TokenSource:
-    """Windows of seq_len + 1 tokens, from the synthetic stream or a Parquet/Arrow file."""
+    """Windows of seq_len + 1 tokens, from the synthetic stream or a Parquet/Arrow file; packed documents when
+    ``ends`` (where each document of the stream ends, ``TokenData.document_ends``) is given."""
 
     def __init__(
-        self, seq_len: int, vocab_size: int, seed: int = 0, path: str | None = None, stream: torch.Tensor | None = None
+        self,
+        seq_len: int,
+        vocab_size: int,
+        seed: int = 0,
+        path: str | None = None,
+        stream: torch.Tensor | None = None,
+        ends: np.ndarray | None = None,
     ):
-        """``stream``: the file's tokens already read (``read_token_file``), else ``path`` is read here."""
-        self.seq_len, self.vocab_size, self.seed = seq_len, vocab_size, seed
-        self.stream = stream if stream is not None or not path else read_token_file(path, vocab_size)
+        """``stream``: the file's tokens already read (``read_token_data``), else ``path`` is read here."""
+        self.seq_len, self.vocab_size, self.seed, self.ends = seq_len, vocab_size, seed, ends
+        self.stream = stream if stream is not None or not path else read_token_data(path, vocab_size).tokens
 
     def window(self, index: int) -> torch.Tensor:
-
+        """Window ``index``: seq_len + 1 tokens, windows back to back around the stream; packed, windows start
+        seq_len tokens apart (the last token is only a label, and packed it predicts nothing: ``documents``)."""
         if self.stream is None:
             return synthetic_sample(index, self.seq_len, self.vocab_size, self.seed)
         width = self.seq_len + 1
-        start = (index * width) % self.stream.numel()
+        start = (index * (self.seq_len if self.ends is not None else width)) % self.stream.numel()
         picked = torch.arange(start, start + width) % self.stream.numel()
         return self.stream[picked]
+
+    def documents(self, index: int) -> Documents | None:
+        """The packed documents of window ``index`` (its first seq_len tokens), or None: not packed."""
+        if self.ends is None:
+            return None
+        return window_documents(self.ends, (index * self.seq_len) % self.stream.numel(), self.seq_len)
+
+    def documents_in(self, first: int, windows: int) -> int:
+        """How many documents (pieces cut at a window's edge counted as one each) ``windows`` windows from
+        ``first`` hold: one per window when not packed."""
+        if self.ends is None:
+            return windows
+        return sum(len(self.documents(index).lengths) for index in range(first, first + windows))
+
+
+@dataclass
+class Packing:
+    """How the ``--data`` file trains: the documents' ends in its stream (None: windows of one stream, unpacked),
+    and a line to warn with when that differs from the documents the config's estimate assumed."""
+
+    ends: np.ndarray | None
+    warning: str | None = None
+
+
+def packing(options: TrainOptions, config, model_config: dict, data: TokenData) -> Packing:
+    """Whether and how ``data`` is packed (``--pack``, ``--no-pack``, else packed when the config's documents are
+    not "one" and the data has boundaries); ``ValueError`` (one line) for ``--pack`` with data that has no document
+    boundaries, or packing on a ring."""
+    ends = data.document_ends(eos_token_ids(options, model_config))
+    wanted = options.pack if options.pack is not None else not config.documents.one
+    if options.pack and ends is None:
+        if data.row_lengths is not None:
+            why = "its rows of 'input_ids' hold one document"
+        else:
+            eos = eos_token_ids(options, model_config)
+            named = (
+                f"the model's eos_token_id is {', '.join(map(str, eos))}"
+                if eos
+                else "the model names no eos_token_id: --init a folder whose config.json does"
+            )
+            why = f"its 'tokens' hold no EOS id before the last token ({named})"
+        raise ValueError(f"--pack: --data {options.data} has no document boundary: {why}")
+    problem = ring_documents_problem(config.techniques.ring_degree, bool(wanted and ends is not None))
+    if problem is not None:
+        raise ValueError(f"--pack: {problem}" if options.pack else problem)
+    assumed = config.documents
+    if not (wanted and ends is not None):
+        if assumed.one:
+            return Packing(None)
+        why = "--no-pack" if options.pack is False else "the data has no document boundary"
+        return Packing(
+            None,
+            f"the config's estimate assumed {assumed.describe()}; this run trains each window as one document ({why})",
+        )
+    lengths = np.diff(ends, prepend=0)
+    if _same_documents(assumed, lengths):
+        return Packing(ends)
+    return Packing(
+        ends,
+        f"the config's estimate assumed {assumed.describe()}; --data {options.data} packs "
+        f"{DocumentsSpec(tuple(lengths.tolist())).describe()} (autotune estimate --documents {options.data} prices them)",
+    )
+
+
+def _same_documents(spec: DocumentsSpec, lengths: np.ndarray) -> bool:
+    """Whether a file's document ``lengths`` are those ``spec`` packs: the same list, or all of one fixed length
+    (the last one possibly shorter)."""
+    if len(spec.lengths) == 1:
+        return bool((lengths[:-1] == spec.lengths[0]).all() and lengths[-1] <= spec.lengths[0])
+    return tuple(lengths.tolist()) == spec.lengths
+
+
+def eos_token_ids(options: TrainOptions, model_config: dict) -> tuple[int, ...]:
+    """The model's end-of-sequence ids, which cut a ``tokens`` stream into documents: the ``--init`` folder's
+    ``config.json``'s ``eos_token_id`` (an id or a list), else the config's model's; () when neither names one."""
+    value = None
+    if options.init is not None and (Path(options.init) / "config.json").is_file():
+        with contextlib.suppress(ValueError, OSError):
+            value = json.loads((Path(options.init) / "config.json").read_text()).get("eos_token_id")
+    if value is None:
+        value = model_config.get("eos_token_id")
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    return tuple(int(v) for v in values if isinstance(v, int) and not isinstance(v, bool))
 
 
 def options_problem(options: TrainOptions, model_config: dict) -> str | None:
@@ -229,7 +327,7 @@ class StepLog:
         line = (
             f"loss {entry['loss']:.6f}  lr {entry['lr']:.3g}  grad_norm {entry['grad_norm']:.4f}  "
             f"{entry['tokens_per_s']:,.0f} tokens/s  peak {entry['peak_device_gib']:.3f} GiB  "
-            f"host {entry['host_gib']:.2f} GiB"
+            f"host {entry['host_gib']:.2f} GiB  {entry['documents']:,} documents"
         )
         if self.bar is not None:  # compact enough for an 80-column terminal; the log file has every figure
             self.bar.update(
@@ -274,9 +372,12 @@ class _Silent:
         pass
 
 
-def train(options: TrainOptions, print_fn=print, tokens: torch.Tensor | None = None) -> dict:
+def train(
+    options: TrainOptions, print_fn=print, tokens: torch.Tensor | None = None, ends: np.ndarray | None = None
+) -> dict:
     """Train as ``options`` say; returns rank 0's summary (every rank returns one). ``tokens``: the ``--data`` file's
-    stream, when the caller has read it (``main`` does, before any rank builds a model)."""
+    stream, when the caller has read it (``main`` does, before any rank builds a model); ``ends``: where its
+    documents end, when it is packed (``packing``)."""
     config = load_config_file(options.config)
     techniques, seq_len = config.techniques, config.seq_len
     mesh = init_mesh(
@@ -314,11 +415,13 @@ def train(options: TrainOptions, print_fn=print, tokens: torch.Tensor | None = N
                     f"nothing to train: the run is at step {state.step} and --steps {options.steps} is its total "
                     f"(a larger --steps trains on)"
                 )
-            source = TokenSource(seq_len, model.config.vocab_size, options.seed, options.data, tokens)
+            source = TokenSource(seq_len, model.config.vocab_size, options.seed, options.data, tokens, ends)
             started = time.perf_counter() - state.elapsed_s
             while state.step < options.steps:
                 step_start = time.perf_counter()
                 lr = optimizer.param_groups[0]["lr"]
+                windows = options.accumulate * mesh.dp_size
+                documents = source.documents_in(state.windows_consumed, windows) if mesh.rank == 0 else windows
                 loss, norm = _step(model, optimizer, source, state.windows_consumed, options, mesh, tracker)
                 if not (math.isfinite(loss) and math.isfinite(norm)):  # every rank reads the same two values
                     raise DivergenceError(divergence(state.step + 1, loss, norm, options.save))
@@ -340,6 +443,7 @@ def train(options: TrainOptions, print_fn=print, tokens: torch.Tensor | None = N
                         "peak_device_gib": peak / 2**30,
                         "host_gib": _peak_host_bytes() / 2**30,
                         "elapsed_s": state.elapsed_s,
+                        "documents": documents,
                     }
                 )
                 due = options.save_every is not None and state.step % options.save_every == 0
@@ -430,7 +534,7 @@ def _step(model, optimizer, source: TokenSource, consumed: int, options: TrainOp
     scaled = torch.zeros((), device=mesh.device)
     for micro in range(options.accumulate):
         index = consumed + micro * mesh.dp_size + mesh.dp_rank
-        batch = mesh_batch(source.window(index), mesh)
+        batch = mesh_batch(source.window(index), mesh, documents=source.documents(index))
         last = micro == options.accumulate - 1
         scaled += forward_backward(model, batch, mesh, tracker, options.accumulate, reduce=last)
     loss = summed_loss(scaled, mesh)  # on the device, as the norm: clipping and the optimizer step queue without a sync
@@ -484,6 +588,15 @@ def parser() -> argparse.ArgumentParser:
     add("--config", required=True, help="autotune/config-v1 JSON (best.json)")
     add("--steps", type=int, default=defaults.steps, help="the run's total optimizer steps (a resumed run too)")
     add("--data", default=None, help="Parquet/Arrow file of token ids (default: synthetic tokens)")
+    add(
+        "--pack",
+        dest="pack",
+        action="store_true",
+        default=None,
+        help="pack --data's documents (rows of input_ids, or tokens cut after the EOS id) into each window, "
+        "attention inside each (default: when the config's documents are not 'one')",
+    )
+    add("--no-pack", dest="pack", action="store_false", help="read --data as one stream of windows, unpacked")
     add("--seed", type=int, default=defaults.seed, help="seed of the random weights and synthetic tokens")
     add("--init", default=None, help="Hugging Face model folder to start from (config.json + safetensors)")
     add("--save", default=None, help="folder of the run's checkpoints")
@@ -508,14 +621,20 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    tokens = None
+    tokens = ends = None
     try:
         options = parse_options(argv)
         config = load_config_file(options.config)
         model_config = load_model_config(config.model)
         problem = options_problem(options, model_config)
         if problem is None and options.data is not None:  # the whole file checked before any rank builds a model
-            tokens = read_token_file(options.data, model_config["vocab_size"])
+            data = read_token_data(options.data, model_config["vocab_size"])
+            packed = packing(options, config, model_config, data)
+            tokens, ends = data.tokens, packed.ends
+            if packed.warning is not None and rank0:
+                print(f"trials.train: warning: {packed.warning}", file=sys.stderr, flush=True)
+        elif problem is None and options.pack:
+            problem = "--pack needs --data (the synthetic tokens are one document per window)"
     except (ConfigError, ValueError, OSError) as exc:  # OptionsError and DataError are ValueErrors
         problem = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if problem is not None:
@@ -524,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     allocator.configure()  # before CUDA starts: the allocator settings the trials measured under
     try:
-        train(options, tokens=tokens)
+        train(options, tokens=tokens, ends=ends)
     except (checkpoint.CheckpointSaveError, DivergenceError) as exc:
         if rank0:
             print(f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

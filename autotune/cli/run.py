@@ -8,8 +8,9 @@ cannot train (no seq_len, several nodes), a ``--data`` file that is missing or e
 Parquet/Arrow, has no token column of integers, no documents or no tokens, a null or an id outside the model's
 vocabulary (the first one named with its place), or fewer tokens than one sequence, and whatever
 ``trials.train.options_problem`` finds in the options (an ``--init`` folder that is not the tuned model,
-``--resume`` without a checkpoint, ...). The data file is read with ``trials.training.data.read_token_file``,
-exactly as the training reads it. The command line is passed to the training as given. Training that fails exits 1 with its
+``--resume`` without a checkpoint, ...), and packing the trainer refuses (``trials.train.packing``: ``--pack`` with
+data that has no document boundary, packing on a ring). The data file is read with
+``trials.training.data.read_token_data``, exactly as the training reads it. The command line is passed to the training as given. Training that fails exits 1 with its
 root cause (the first exception a rank raised) on the last line of stderr."""
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def run(ctx: typer.Context):
     from autotune.backends.setup import check_local_node
     from autotune.outputs.exporters import trainer_launcher
     from trials.models.config import load_model_config
-    from trials.train import OptionsError, options_problem, parse_options
+    from trials.train import OptionsError, options_problem, packing, parse_options
     from trials.training.config_file import load_config_file
 
     try:
@@ -126,7 +127,13 @@ def run(ctx: typer.Context):
     loaded.techniques.validate(model_config, loaded.gpus, loaded.seq_len, on_gpu=torch.cuda.is_available())
     check_local_node(loaded.gpus, loaded.techniques.attention)
     if options.data is not None:
-        check_token_file(Path(options.data), model_config["vocab_size"], loaded.seq_len)
+        data = check_token_file(Path(options.data), model_config["vocab_size"], loaded.seq_len)
+        try:  # its warning, if any, the trainer prints
+            packing(options, loaded, model_config, data)
+        except ValueError as exc:
+            fail(str(exc))
+    elif options.pack:
+        fail("--pack needs --data (the synthetic tokens are one document per window)")
     problem = options_problem(options, model_config)
     if problem is not None:
         fail(problem)
@@ -139,21 +146,21 @@ def run(ctx: typer.Context):
     raise typer.Exit(train(command, stdout=OUT.file))
 
 
-def check_token_file(path: Path, vocab_size: int, seq_len: int) -> int:
-    """The number of tokens in ``path``, a Parquet/Arrow token file for a model of ``vocab_size`` trained on
-    ``seq_len``-token sequences; ``UserError`` (one line) when training could not use it."""
-    from trials.training.data import DataError, read_token_file
+def check_token_file(path: Path, vocab_size: int, seq_len: int):
+    """The tokens of ``path`` (``trials.training.data.TokenData``), a Parquet/Arrow token file for a model of
+    ``vocab_size`` trained on ``seq_len``-token sequences; ``UserError`` (one line) when training could not use it."""
+    from trials.training.data import DataError, read_token_data
 
     try:
-        stream = read_token_file(str(path), vocab_size)
+        data = read_token_data(str(path), vocab_size)
     except DataError as exc:  # one line: the file, then what is wrong with it
         raise UserError(f"--data {exc}") from None
-    if stream.numel() < seq_len + 1:
+    if data.tokens.numel() < seq_len + 1:
         raise UserError(
-            f"--data {str(path)!r} holds {stream.numel():,} tokens, fewer than one sequence of "
+            f"--data {str(path)!r} holds {data.tokens.numel():,} tokens, fewer than one sequence of "
             f"{seq_len:,} (+1 for the shifted labels)"
         )
-    return stream.numel()
+    return data
 
 
 def train(command: list[str], stdout) -> int:

@@ -114,8 +114,48 @@ def make_batch(
     return Batch(input_ids.to(device), labels.to(device), positions.to(device), valid, documents)
 
 
+@dataclass
+class TokenData:
+    """A token file's contents: its ids as one stream, and the lengths of its rows of ``input_ids`` (one document
+    each, in order; None for a ``tokens`` column, whose documents are found at the model's EOS id)."""
+
+    tokens: torch.Tensor  # int64 [n]
+    row_lengths: np.ndarray | None = None
+
+    def document_ends(self, eos_token_ids=()) -> np.ndarray | None:
+        """Where each document of the stream ends (exclusive, sorted, the last one the stream's end), or None when
+        the data has no boundary inside the stream: rows of ``input_ids`` are documents; a ``tokens`` stream is cut
+        after each of ``eos_token_ids`` (each document keeps its EOS)."""
+        total = self.tokens.numel()
+        if self.row_lengths is not None:
+            ends = np.cumsum(self.row_lengths)
+        else:
+            ids = self.tokens.numpy()
+            ends = np.flatnonzero(np.isin(ids, np.asarray(list(eos_token_ids), dtype=np.int64))) + 1
+        ends = np.unique(np.append(ends[(ends > 0) & (ends < total)], total))  # rows of no tokens end nothing
+        return ends if ends.size > 1 else None
+
+
+def window_documents(ends: np.ndarray, start: int, seq_len: int) -> Documents:
+    """The documents of the ``seq_len`` tokens from ``start`` of a stream whose documents end at ``ends`` (the last
+    one its length), read around its end: a document crossing the window's start or end is cut there."""
+    total = int(ends[-1])
+    cuts, lap, stop = [], 0, start + seq_len
+    while lap * total < stop:
+        low, high = start - lap * total, stop - lap * total
+        inside = ends[np.searchsorted(ends, low, "right") : np.searchsorted(ends, high, "left")]
+        cuts.extend(int(end) + lap * total - start for end in inside)
+        lap += 1
+    return Documents(tuple(np.diff([0, *cuts, seq_len]).tolist()))
+
+
 def read_token_file(path: str, vocab_size: int) -> torch.Tensor:
-    """The token stream of a Parquet/Arrow file for a model of ``vocab_size``: a column ``input_ids`` (one document,
+    """The token stream of a Parquet/Arrow file for a model of ``vocab_size`` (``read_token_data``'s ids)."""
+    return read_token_data(path, vocab_size).tokens
+
+
+def read_token_data(path: str, vocab_size: int) -> TokenData:
+    """The tokens of a Parquet/Arrow file for a model of ``vocab_size``: a column ``input_ids`` (one document,
     a list of ids, per row) or ``tokens`` (one id per row), flattened in row order; ``DataError`` when the file is
     missing, empty, not Parquet/Arrow, holds no documents or no tokens, a null, a non-integer column, or an id
     outside ``[0, vocab_size)``. The ids are checked whole, vectorized, before any rank builds a model."""
@@ -164,7 +204,10 @@ def read_token_file(path: str, vocab_size: int) -> torch.Tensor:
         )
     if ids.size < 2:
         raise DataError(f"{path}: holds fewer than 2 tokens")
-    return torch.from_numpy(np.require(ids, np.int64, ["W"]))  # Arrow's buffers are read-only: copied once if so
+    tokens = torch.from_numpy(np.require(ids, np.int64, ["W"]))  # Arrow's buffers are read-only: copied once if so
+    if documents is None:
+        return TokenData(tokens)
+    return TokenData(tokens, pc.list_value_length(documents).fill_null(0).to_numpy(zero_copy_only=False))
 
 
 def first_outside_vocabulary(ids: np.ndarray, vocab_size: int) -> int | None:
