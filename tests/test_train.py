@@ -464,7 +464,7 @@ def test_the_trainers_collective_timeout_follows_the_step_time_its_config_record
     path.write_text(json.dumps({**config, **records}))
     timeouts = []
 
-    def init_mesh(sp_degree, device=None, timeout_s=None):
+    def init_mesh(sp_degree, device=None, timeout_s=None, ring_degree=1):
         timeouts.append(timeout_s)
         raise _MeshMade
 
