@@ -97,9 +97,10 @@ def test_each_trainer_says_how_it_masks_packed_documents_or_that_it_does_not():
         assert not TRAINERS[name].packing_note(packed, "sdpa").startswith("PACKED DOCUMENTS NOT MASKED")
 
 
-def test_a_search_over_packed_documents_offers_no_ring(tmp_path):
-    """A ring does not run packed documents: the default space drops its rings, a user's space offering one is bad
-    input (one line), and a search of one document per sequence still offers them."""
+def test_a_search_over_packed_documents_or_windows_offers_no_ring(tmp_path):
+    """A ring runs neither packed documents nor sliding windows: the default space drops its rings (for documents,
+    and for a windowed model), a user's space offering one is bad input (one line), and a search of one document
+    per sequence of a model without windows still offers them."""
     from autotune.core.errors import UserError
     from autotune.search.space import load_space
     from trials.models.config import load_model_config
@@ -107,6 +108,8 @@ def test_a_search_over_packed_documents_offers_no_ring(tmp_path):
     model = load_model_config("tiny-llama")
     assert max(load_space(None, model, 4, 8192, on_gpu=False).choices["ring_degree"]) > 1
     assert load_space(None, model, 4, 8192, on_gpu=False, packed_documents=True).choices["ring_degree"] == [1]
+    windowed = load_model_config("tiny-mistral")
+    assert load_space(None, windowed, 4, 8192, on_gpu=False).choices["ring_degree"] == [1]
     space = tmp_path / "space.yaml"
     space.write_text("knobs:\n  ulysses_degree: [1, 2]\n  ring_degree: [1, 2]\n")
     with pytest.raises(UserError, match="ring_degree 2 does not run packed documents"):

@@ -35,7 +35,7 @@ from autotune.core.sizes import parse_tokens
 from autotune.core.trainers import AUTOTUNE, ExportJob, Trainer, memory_rank
 from trials.kernels.registry import attention_kernel_problem
 from trials.models.config import attention_features
-from trials.stack.rules import ring_documents_problem, ulysses_degree_problem
+from trials.stack.rules import ring_degree_problem, ring_documents_problem, ulysses_degree_problem
 from trials.stack.techniques import ALL_LAYERS, Knob, Techniques, knob_names, knobs
 
 SPACE_SCHEMA = "autotune/space-v1"
@@ -290,10 +290,14 @@ def load_space(
             raw = _hardware_kernels(raw, kernels)
         choices[name] = [_coerce(path, name, value, model_config) for value in raw]
     choices = _filter(choices, model_config, gpus, path, on_gpu, kernels, compute_capability_major)
-    if packed_documents and any(ring > 1 for ring in choices["ring_degree"]):
-        if user_file and "ring_degree" in given:
-            raise UserError(f"search space {str(path)!r}: {ring_documents_problem(max(choices['ring_degree']), True)}")
-        choices["ring_degree"] = [1]
+    ring = max(choices["ring_degree"])
+    if ring > 1:  # a ring runs neither packed documents nor sliding windows: dropped (the user's own choice: refused)
+        windowed = "window" in attention_features(model_config)
+        problem = ring_documents_problem(ring, packed_documents) or ring_degree_problem(ring, 1, ring, windowed)
+        if problem:
+            if user_file and "ring_degree" in given:
+                raise UserError(f"search space {str(path)!r}: {problem}")
+            choices["ring_degree"] = [1]
     choices = restrict_to_trainer(choices, trainer, model_config, gpus, target, path if user_file else None)
     return SearchSpace(
         choices=choices,
