@@ -593,8 +593,7 @@ def parser() -> argparse.ArgumentParser:
         dest="pack",
         action="store_true",
         default=None,
-        help="pack --data's documents (rows of input_ids, or tokens cut after the EOS id) into each window, "
-        "attention inside each (default: when the config's documents are not 'one')",
+        help="pack --data's documents (input_ids rows, or cut after EOS) into windows (default: if the config packs)",
     )
     add("--no-pack", dest="pack", action="store_false", help="read --data as one stream of windows, unpacked")
     add("--seed", type=int, default=defaults.seed, help="seed of the random weights and synthetic tokens")

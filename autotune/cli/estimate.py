@@ -19,6 +19,7 @@ from autotune.cli.common import (
     note_rates,
     print_record,
     say,
+    validate_run,
 )
 from autotune.cli.options import ranged_option
 from autotune.core.documents import DOCUMENTS_HELP
@@ -109,14 +110,7 @@ def estimate(
     check_node_size(hw, run.gpus, run.nodes)
     if run.seq_len is None and not max_seq:
         fail("--seq is required (or --max-seq, or a config file with seq_len)")
-    run.techniques.validate(
-        run.model_config,
-        run.gpus * run.nodes,
-        run.seq_len if not max_seq else None,
-        on_gpu=not hw.device_is_host,
-        compute_capability_major=hw.compute_capability or None,
-        packed_documents=not run.documents.one,
-    )
+    validate_run(run, hw, run.seq_len if not max_seq else None)
     if unlisted := hw.kernel_problem(run.techniques.attention):
         fail(unlisted)
     _check_timeline_options(memory_timeline, memory_snapshot, rank, run.gpus * run.nodes)
@@ -218,14 +212,7 @@ def trial(
     if run.seq_len is None:
         fail(f"--seq is required: {'--config baseline' if config == 'baseline' else 'the config file'} has no seq_len")
     hw = trial_hardware("local", run.hardware, memory_gib).for_nodes(run.nodes)
-    run.techniques.validate(
-        run.model_config,
-        run.gpus * run.nodes,
-        run.seq_len,
-        on_gpu=not hw.device_is_host,
-        compute_capability_major=hw.compute_capability or None,
-        packed_documents=not run.documents.one,
-    )
+    validate_run(run, hw, run.seq_len)
     check_local_node(run.gpus, run.techniques.attention)
     check_depth(depth)
     _check_timeline_options(memory_timeline, memory_snapshot, rank, run.gpus * run.nodes)
