@@ -69,6 +69,17 @@ def default_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def end_workers(executor: ProcessPoolExecutor) -> None:
+    """End ``executor``'s worker processes now: what they are computing is dropped, queued work cancelled."""
+    processes = list((executor._processes or {}).values())
+    executor.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(timeout=5)
+
+
 def _start_worker(options: dict) -> None:
     global _backend
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the search's to handle; it ends the workers
@@ -159,15 +170,8 @@ class PooledBackend(Backend):
         executor, self._executor = self._executor, None
         self._running.clear()
         self._done.clear()
-        if executor is None:
-            return
-        processes = list((executor._processes or {}).values())
-        executor.shutdown(wait=False, cancel_futures=True)
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-        for process in processes:
-            process.join(timeout=5)
+        if executor is not None:
+            end_workers(executor)
 
     def __enter__(self):
         return self

@@ -12,7 +12,7 @@ from typing import Any
 from autotune.backends import Backend, make_backend
 from autotune.backends.plan import PlanBackend
 from autotune.backends.plan_store import default_store
-from autotune.backends.pool import default_workers, sigint_deferred
+from autotune.backends.pool import default_workers, end_workers, sigint_deferred
 from autotune.core import quiet
 from autotune.core.evaluation import Evaluation
 from autotune.core.record import ResultRecord
@@ -218,15 +218,8 @@ class _SecondProcess:
         return self
 
     def __exit__(self, *exc):
-        if self.executor is None:
-            return
-        processes = list((self.executor._processes or {}).values())
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-        for process in processes:
-            process.join(timeout=5)
+        if self.executor is not None:
+            end_workers(self.executor)
 
 
 def _model_guess(
