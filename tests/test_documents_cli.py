@@ -97,20 +97,25 @@ def test_each_trainer_says_how_it_masks_packed_documents_or_that_it_does_not():
         assert not TRAINERS[name].packing_note(packed, "sdpa").startswith("PACKED DOCUMENTS NOT MASKED")
 
 
-def test_a_search_over_packed_documents_or_windows_offers_no_ring(tmp_path):
-    """A ring runs neither packed documents nor sliding windows: the default space drops its rings (for documents,
-    and for a windowed model), a user's space offering one is bad input (one line), and a search of one document
-    per sequence of a model without windows still offers them."""
+def test_a_search_offers_the_rings_that_split_its_documents_and_none_for_windows(tmp_path):
+    """A ring splits each packed document into 2 x ring chunks and runs no sliding window: the default space drops
+    the rings that do not divide every document's length (all of them for documents of 1,002 tokens: 2 x 2 does
+    not divide 1,002), and every ring for a windowed model; a user's space offering one is bad input (one line);
+    documents of 1,000 tokens keep rings 2 and 4 (1,000 = 4 x 250 = 8 x 125) and drop 8 (16 does not divide 1,000)."""
     from autotune.core.errors import UserError
     from autotune.search.space import load_space
+    from trials.kernels.documents import DocumentsSpec
     from trials.models.config import load_model_config
 
     model = load_model_config("tiny-llama")
-    assert max(load_space(None, model, 4, 8192, on_gpu=False).choices["ring_degree"]) > 1
-    assert load_space(None, model, 4, 8192, on_gpu=False, packed_documents=True).choices["ring_degree"] == [1]
+    assert load_space(None, model, 4, 8192, on_gpu=False).choices["ring_degree"] == [1, 2, 4, 8]
+    split = load_space(None, model, 4, 8192, on_gpu=False, documents=DocumentsSpec((1000,)))
+    assert split.choices["ring_degree"] == [1, 2, 4]
+    unsplit = DocumentsSpec((1002,))
+    assert load_space(None, model, 4, 8192, on_gpu=False, documents=unsplit).choices["ring_degree"] == [1]
     windowed = load_model_config("tiny-mistral")
     assert load_space(None, windowed, 4, 8192, on_gpu=False).choices["ring_degree"] == [1]
     space = tmp_path / "space.yaml"
     space.write_text("knobs:\n  ulysses_degree: [1, 2]\n  ring_degree: [1, 2]\n")
-    with pytest.raises(UserError, match="ring_degree 2 does not run packed documents"):
-        load_space(str(space), model, 4, 8192, on_gpu=False, packed_documents=True)
+    with pytest.raises(UserError, match="ring_degree 2 splits each packed document into 2 x ring_degree = 4 chunks"):
+        load_space(str(space), model, 4, 8192, on_gpu=False, documents=unsplit)

@@ -180,8 +180,8 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_refused(pretrained, tmp_pat
 
 def test_a_batch_reads_its_documents_from_position_ids_and_refuses_what_it_cannot_run():
     """``trials.hf.batch``: position ids restarting at 0 give the documents, the label at each document's last token
-    ignored; position ids that do not count 0, 1, 2 ... within a document, and packed documents on a ring, are refused
-    in one line naming ``position_ids``."""
+    ignored; position ids that do not count 0, 1, 2 ... within a document, and packed documents a ring cannot split,
+    are refused in one line naming ``position_ids``; a ring holds its zigzag chunks of each document."""
     from types import SimpleNamespace
 
     from trials import hf
@@ -206,5 +206,11 @@ def test_a_batch_reads_its_documents_from_position_ids_and_refuses_what_it_canno
         with pytest.raises(ValueError, match=said) as refused:
             hf.batch({"input_ids": ids, "position_ids": torch.tensor([positions])}, Mesh.single())
         assert str(refused.value).startswith("position_ids: ") and "\n" not in str(refused.value)
-    with pytest.raises(ValueError, match=r"^position_ids: ring_degree 2 does not run packed documents"):
+    with pytest.raises(ValueError, match=r"^position_ids: ring_degree 2 splits each packed document into 2 x "):
         hf.batch({"input_ids": ids, "position_ids": torch.tensor([packed.positions()])}, ring)
+    # documents of multiples of 2 x ring: ring rank 0 holds chunks 0 and 3 of each, positions restarting per document
+    split = Documents((4, 8))
+    ids = torch.arange(12).unsqueeze(0)
+    held = hf.batch({"input_ids": ids, "labels": ids, "position_ids": torch.tensor([split.positions()])}, ring)
+    assert held.input_ids.tolist() == [[0, 3, 4, 5, 10, 11]] and held.position_ids.tolist() == [[0, 3, 0, 1, 6, 7]]
+    assert held.labels.tolist() == [[1, -100, 5, 6, 11, -100]] and held.documents == split

@@ -18,7 +18,7 @@ import torch
 from tests.test_stack import HARNESS, _check_exact, _launch
 from trials.core.errors import ConfigError
 from trials.models.config import load_model_config
-from trials.stack.ring import Ring, _rows
+from trials.stack.ring import Ring
 from trials.stack.techniques import Techniques
 from trials.training.data import make_batch, zigzag_columns
 
@@ -131,9 +131,9 @@ def test_ring_schedule_visits_each_causal_pair_once_with_equal_work(degree):
         ring = _ring(rank, degree)
         for step in range(degree):
             work = 0
-            for q_half, kv_half, causal in ring.blocks(step):
-                q_cols = columns[rank][_rows(q_half, local)]
-                k_cols = columns[ring.source(step)][_rows(kv_half, local)]
+            for q_start, q_rows, kv_start, kv_rows, causal in ring.blocks(step, local):
+                q_cols = columns[rank][q_start : q_start + q_rows]
+                k_cols = columns[ring.source(step)][kv_start : kv_start + kv_rows]
                 visible = torch.ones(len(q_cols), len(k_cols), dtype=torch.bool)
                 if causal:
                     visible = visible.tril()

@@ -339,7 +339,7 @@ def batch(inputs: dict, mesh) -> Batch:
         raise ValueError(f"position_ids: shape {list(positions.shape)}, input_ids {list(input_ids.shape)}")
     else:
         documents = Documents.from_position_ids(positions)  # also checks them: 0 .. n-1 within each document
-        why = rules.ring_documents_problem(mesh.ring_degree, packed=documents is not None)
+        why = rules.ring_documents_problem(mesh.ring_degree, documents.lengths if documents is not None else ())
         if why is not None:
             raise ValueError(f"position_ids: {why}")
     shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
@@ -347,7 +347,7 @@ def batch(inputs: dict, mesh) -> Batch:
         shifted[:, [end - 1 for end in documents.offsets[1:]]] = IGNORE_INDEX
     valid = int((shifted != IGNORE_INDEX).sum())
     try:
-        cols = rank_columns(seq_len, mesh.sp_rank, mesh.sp_degree, mesh.ring_rank, mesh.ring_degree)
+        cols = rank_columns(seq_len, mesh.sp_rank, mesh.sp_degree, mesh.ring_rank, mesh.ring_degree, documents)
     except ValueError as exc:
         raise ValueError(f"input_ids: {exc}") from None
     return Batch(input_ids[:, cols], shifted[:, cols], positions[:, cols], max(valid, 1), documents)

@@ -30,7 +30,8 @@ Where ``Trainer`` meets the stack:
   predicted from the start of the next one.
 - **Packed documents run document-masked**: a batch whose ``position_ids`` restart at 0 at each document (TRL's
   ``packing`` / ``padding_free``, examples carrying ``position_ids``) trains as the plain model on each document
-  alone (``trials.hf.batch``); a ring with TRL's ``packing`` or ``padding_free`` is refused.
+  alone (``trials.hf.batch``); a ring splits each document into 2 x ring chunks, so a batch with a document whose
+  length is not a multiple of 2 x ring is refused in one line.
 - **The loss is the plain model's.** Each rank returns ``sum of its tokens' cross-entropy * sp / labelled tokens
   of the whole sequence`` (``trials.training.step.loss_scale``): FSDP2 averages the gradients over every rank,
   which gives the plain single-process mean loss's gradient (the mean over replicas with several), and ``Trainer``'s
@@ -56,7 +57,6 @@ from transformers import Trainer
 from trials import hf
 from trials.core.errors import ConfigError
 from trials.models.model import TrainingModel
-from trials.stack import rules
 from trials.training import checkpoint, step
 from trials.training.data import Batch
 
@@ -127,10 +127,6 @@ def problem(model, args) -> str | None:
         given = getattr(given, "value", given)  # an enum (eval_strategy) as its string
         if given not in ((value,) if not isinstance(value, tuple) else value):
             return f"{field} {given!r}: {why}"
-    for field in ("packing", "padding_free"):  # TRL's packed documents, which a ring does not run
-        why = rules.ring_documents_problem(mesh.ring_degree, bool(getattr(args, field, False)))
-        if why is not None:
-            return f"{field} True: {why}"
     return None
 
 

@@ -149,7 +149,7 @@ class Packing:
 def packing(options: TrainOptions, config, model_config: dict, data: TokenData) -> Packing:
     """Whether and how ``data`` is packed (``--pack``, ``--no-pack``, else packed when the config's documents are
     not "one" and the data has boundaries); ``ValueError`` (one line) for ``--pack`` with data that has no document
-    boundaries, or packing on a ring."""
+    boundaries, or documents the ring cannot split (each a multiple of 2 x ring_degree)."""
     ends = data.document_ends(eos_token_ids(options, model_config))
     wanted = options.pack if options.pack is not None else not config.documents.one
     if options.pack and ends is None:
@@ -164,9 +164,10 @@ def packing(options: TrainOptions, config, model_config: dict, data: TokenData) 
             )
             why = f"its 'tokens' hold no EOS id before the last token ({named})"
         raise ValueError(f"--pack: --data {options.data} has no document boundary: {why}")
-    problem = ring_documents_problem(config.techniques.ring_degree, bool(wanted and ends is not None))
-    if problem is not None:
-        raise ValueError(f"--pack: {problem}" if options.pack else problem)
+    if wanted and ends is not None:  # the windows cut documents at multiples of seq_len only (``window_documents``)
+        problem = ring_documents_problem(config.techniques.ring_degree, np.diff(ends, prepend=0).tolist())
+        if problem is not None:
+            raise ValueError(f"--data {options.data}: {problem}")
     assumed = config.documents
     if not (wanted and ends is not None):
         if assumed.one:

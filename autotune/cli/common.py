@@ -212,5 +212,5 @@ def validate_run(run, hw, seq_len: int | None) -> None:
         seq_len,
         on_gpu=not hw.device_is_host,
         compute_capability_major=hw.compute_capability or None,
-        packed_documents=not run.documents.one,
+        documents=run.documents,
     )

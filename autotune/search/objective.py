@@ -63,7 +63,7 @@ def make_objective(job: SearchJob, study: optuna.Study, on_record: Callable | No
             seq_len,
             on_gpu=not job.hardware.device_is_host,
             compute_capability_major=job.hardware.compute_capability or None,
-            packed_documents=not job.documents.one,
+            documents=job.documents,
         )
         trial.set_user_attr("techniques", techniques.to_dict())
         if asked != techniques:

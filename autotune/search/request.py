@@ -102,7 +102,7 @@ def prepare_search(request: SearchRequest) -> PreparedSearch:
         on_gpu=not hw.device_is_host,
         kernels=search_kernels(backend_name, hw),
         compute_capability_major=hw.compute_capability or None,
-        packed_documents=not documents.one,
+        documents=documents,
     )
     if backend_name == "local":
         prefilter = make_backend("plan", stop_above=1 + hw.oracle_margin) if request.prefilter else None

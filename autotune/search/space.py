@@ -33,6 +33,7 @@ from optuna.trial import TrialState
 from autotune.core.errors import UserError
 from autotune.core.sizes import parse_tokens
 from autotune.core.trainers import AUTOTUNE, ExportJob, Trainer, memory_rank
+from trials.kernels.documents import ONE, DocumentsSpec
 from trials.kernels.registry import attention_kernel_problem
 from trials.models.config import attention_features
 from trials.stack.rules import ring_degree_problem, ring_documents_problem, ulysses_degree_problem
@@ -242,7 +243,7 @@ def load_space(
     on_gpu: bool = True,
     kernels: Sequence[str] | None = None,
     compute_capability_major: int | None = None,
-    packed_documents: bool = False,
+    documents: DocumentsSpec = ONE,
 ) -> SearchSpace:
     """Read and validate a space file, then drop choices this model and node cannot run, and those ``trainer``
     does not run (``restrict_to_trainer``; a choice the trainer cannot run in the user's own file is bad input).
@@ -250,9 +251,9 @@ def load_space(
     ``kernels``: the attention kernels the hardware runs (``Hardware.kernels``; a local search, those this node
     runs; CPU trials: ``["sdpa"]``), what the choice ``hardware`` stands for; other kernels are dropped. None: every
     kernel the knob takes. ``compute_capability_major``: the GPUs' generation, whose limits a kernel declares (head
-    dims, softcaps); None: unknown. ``packed_documents``: the sequences pack several documents, which a ring does
-    not run (``trials.stack.rules.ring_documents_problem``): rings are dropped (offered in the user's own file, bad
-    input)."""
+    dims, softcaps); None: unknown. ``documents``: the documents each sequence packs; a ring splits each into 2 x
+    ring chunks, so rings that do not divide every document's length are dropped
+    (``trials.stack.rules.ring_documents_problem``; offered in the user's own file, bad input)."""
     user_file = path is not None
     path = Path(path) if path else DEFAULT_SPACE
     if not path.is_file():
@@ -290,14 +291,15 @@ def load_space(
             raw = _hardware_kernels(raw, kernels)
         choices[name] = [_coerce(path, name, value, model_config) for value in raw]
     choices = _filter(choices, model_config, gpus, path, on_gpu, kernels, compute_capability_major)
-    ring = max(choices["ring_degree"])
-    if ring > 1:  # a ring runs neither packed documents nor sliding windows: dropped (the user's own choice: refused)
-        windowed = "window" in attention_features(model_config)
-        problem = ring_documents_problem(ring, packed_documents) or ring_degree_problem(ring, 1, ring, windowed)
+    windowed = "window" in attention_features(model_config)
+    for ring in sorted(choices["ring_degree"], reverse=True):
+        # a ring runs no sliding window and splits each packed document: a ring that cannot is dropped (the user's
+        # own choice: refused)
+        problem = ring_degree_problem(ring, 1, ring, windowed) or ring_documents_problem(ring, documents.lengths)
         if problem:
             if user_file and "ring_degree" in given:
                 raise UserError(f"search space {str(path)!r}: {problem}")
-            choices["ring_degree"] = [1]
+            choices["ring_degree"] = [r for r in choices["ring_degree"] if r != ring]
     choices = restrict_to_trainer(choices, trainer, model_config, gpus, target, path if user_file else None)
     return SearchSpace(
         choices=choices,

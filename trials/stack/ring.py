@@ -11,7 +11,19 @@ K/V of ring rank j = (r - s) mod R, chunks [j | 2R-1-j], and under the causal ma
                     chunks precede B and follow A
 
 so every step after the first does two L x L blocks: the zigzag's load balance, and on every rank the same
-shapes (the memory oracle traces one rank for all). Each block returns its output and
+shapes (the memory oracle traces one rank for all).
+
+Packed documents (``trials.kernels.documents.Documents``, global over the sequence) split per document, as
+TransformerEngine's context parallelism splits each sequence of ``cu_seqlens``: ring rank r holds chunks r and
+2R-1-r of every document (each document's length divisible by 2R), document after document, so its local columns
+are one [A_d | B_d] pair of c_d = L_d / 2R tokens per document d (``local_documents``: the local layout, the same on
+every ring rank). Attention never crosses a document, and K/V of document d only meet queries of document d: the
+rules above hold per document, with d's chunks for the sequence's -- at step 0 one causal block of 2c_d x 2c_d per
+document, at every later step two c_d x c_d blocks per document. Every rank thus still runs the same block shapes in
+the same order (only which rows differs), so every rank allocates the same shapes, and the oracle's trace of rank 0
+stands for all; each document's causal work is balanced over the ring, as the sequence's is without documents.
+
+Each block returns its output and
 logsumexp (the kernel's own: ``trials.kernels.attention.attention_forward``, ``causal=False`` for the unmasked
 blocks); blocks merge by their logsumexps (online softmax, in fp32):
 
@@ -47,7 +59,24 @@ from trials.kernels.attention import (
     flash_inputs,
     head_layout,
 )
+from trials.kernels.documents import Documents, documents_of
 from trials.stack.ulysses import apply_ulysses, attention_modules
+
+Block = tuple[int, int, int, int, bool]  # (first query row, query rows, first key row, key rows, causal)
+
+
+def local_documents(documents: Documents | None, degree: int) -> Documents | None:
+    """The layout of every ring rank's columns of packed ``documents`` (global, each length divisible by 2 x
+    ``degree``): L_d / degree tokens of each document d, its two zigzag chunks back to back. None: one document."""
+    if documents is None or len(documents.lengths) == 1:
+        return None
+    unit = 2 * degree
+    odd = next((i for i, n in enumerate(documents.lengths) if n % unit), None)
+    if odd is not None:
+        raise ValueError(
+            f"document {odd} of {documents.lengths[odd]} tokens is not divisible by 2 x ring_degree {degree}"
+        )
+    return Documents(tuple(n // degree for n in documents.lengths))
 
 
 class Ring:
@@ -64,17 +93,22 @@ class Ring:
         """The ring rank whose K/V this rank holds at ``step``."""
         return (self.rank - step) % self.degree
 
-    def blocks(self, step: int) -> list[tuple[slice, slice, bool]]:
-        """(query rows, key rows, causal) of the blocks visible at ``step``, as fractions of the local columns:
-        ``slice(None)`` = all, ``slice(0, 1)`` the first chunk, ``slice(1, 2)`` the second (see the module
-        docstring)."""
+    def blocks(self, step: int, length: int, documents: Documents | None = None) -> list[Block]:
+        """The blocks visible at ``step`` over ``length`` local columns (see the module docstring), each document's
+        in turn when the columns hold packed ``documents`` (their local layout: ``local_documents``)."""
         source = self.source(step)
-        if source == self.rank:
-            return [(slice(None), slice(None), True)]
-        first, second = slice(0, 1), slice(1, 2)
-        if source < self.rank:
-            return [(first, first, False), (second, first, False)]
-        return [(second, first, False), (second, second, False)]
+        spans = [(0, length)] if documents is None else documents.spans()
+        blocks = []
+        for start, end in spans:
+            chunk = (end - start) // 2
+            first, second = start, start + chunk
+            if source == self.rank:
+                blocks.append((start, end - start, start, end - start, True))
+            elif source < self.rank:
+                blocks += [(first, chunk, first, chunk, False), (second, chunk, first, chunk, False)]
+            else:
+                blocks += [(second, chunk, first, chunk, False), (second, chunk, second, chunk, False)]
+        return blocks
 
     def exchange(self, *tensors) -> tuple[list, list]:
         """Send ``tensors`` to the next rank and receive as many of their shapes from the previous one; returns
@@ -88,18 +122,6 @@ class Ring:
 def _wait(works) -> None:
     for work in works:
         work.wait()
-
-
-def _rows(half: slice, length: int) -> slice:
-    """A ``Ring.blocks`` fraction as rows of ``length`` local columns."""
-    if half.start is None:
-        return slice(None)
-    chunk = length // 2
-    return slice(half.start * chunk, half.stop * chunk)
-
-
-def _seq(tensor, rows: slice, dim: int):
-    return tensor if rows == slice(None) else tensor.narrow(dim, rows.start, rows.stop - rows.start)
 
 
 def _weights(lse, layout: str):
@@ -121,31 +143,47 @@ def _block_residuals(kernel: str, lse, like) -> tuple:
     return (lse,)
 
 
-def ring_forward(query, key, value, scaling: float, kernel: str, ring: Ring, softcap=None):
-    """Ring attention in ``head_layout(kernel)``, no autograd; returns (out, (lse,)) with lse [b, h, s] fp32."""
+def _local(documents: Documents | None, ring: Ring, length: int) -> Documents | None:
+    """The local layout of the global ``documents`` on a rank holding ``length`` columns (None: one document)."""
+    if documents is not None and documents.total != length * ring.degree:
+        raise ValueError(f"documents cover {documents.total} tokens, the ring holds {length * ring.degree}")
+    return local_documents(documents, ring.degree)
+
+
+def ring_forward(query, key, value, scaling: float, kernel: str, ring: Ring, softcap=None, documents=None):
+    """Ring attention in ``head_layout(kernel)``, no autograd, inside each of the packed ``documents`` (global over
+    the sequence) when given; returns (out, (lse,)) with lse [b, h, s] fp32."""
     layout = head_layout(kernel)
     dim = 2 if layout == "bhsd" else 1
     length = query.shape[dim]
+    local = _local(documents, ring, length)
     out = lse = None
     k, v = key, value
     for step in range(ring.degree):
         pending = ring.exchange(k, v) if step < ring.degree - 1 else None
-        for q_half, kv_half, causal in ring.blocks(step):
-            q_rows, kv_rows = _rows(q_half, length), _rows(kv_half, length)
+        for q_start, q_rows, kv_start, kv_rows, causal in ring.blocks(step, length, local):
             block_out, residuals = attention_forward(
-                _seq(query, q_rows, dim),
-                _seq(k, kv_rows, dim),
-                _seq(v, kv_rows, dim),
+                query.narrow(dim, q_start, q_rows),
+                k.narrow(dim, kv_start, kv_rows),
+                v.narrow(dim, kv_start, kv_rows),
                 scaling,
                 kernel,
                 softcap=softcap,
                 causal=causal,
             )
-            block_lse = residuals[0][..., : block_out.shape[dim]].float()
-            if out is None:  # step 0 covers every query
-                out, lse = block_out.float(), block_lse.clone()
+            block_lse = residuals[0][..., :q_rows].float()
+            if step == 0:  # step 0's blocks cover every query once
+                if q_rows == length:  # one document: its block is the whole output
+                    out, lse = block_out.float(), block_lse.clone()
+                    continue
+                if out is None:
+                    out = query.new_empty(query.shape, dtype=torch.float32)
+                    lse = query.new_empty(block_lse.shape[:-1] + (length,), dtype=torch.float32)
+                out.narrow(dim, q_start, q_rows).copy_(block_out)
+                lse.narrow(2, q_start, q_rows).copy_(block_lse)
+                del block_out, residuals, block_lse
                 continue
-            old_out, old_lse = _seq(out, q_rows, dim), _seq(lse, q_rows, 2)
+            old_out, old_lse = out.narrow(dim, q_start, q_rows), lse.narrow(2, q_start, q_rows)
             new_lse = torch.logaddexp(old_lse, block_lse)
             old_out.mul_(_weights(old_lse - new_lse, layout).exp()).add_(
                 block_out.float() * _weights(block_lse - new_lse, layout).exp()
@@ -158,11 +196,14 @@ def ring_forward(query, key, value, scaling: float, kernel: str, ring: Ring, sof
     return out.to(query.dtype), (lse,)
 
 
-def ring_backward(grad_out, query, key, value, out, residuals, scaling: float, kernel: str, ring: Ring, softcap=None):
+def ring_backward(
+    grad_out, query, key, value, out, residuals, scaling: float, kernel: str, ring: Ring, softcap=None, documents=None
+):
     """Gradients (dq, dk, dv) of ``ring_forward``, in the layout and dtypes of (query, key, value)."""
     layout = head_layout(kernel)
     dim = 2 if layout == "bhsd" else 1
     length = query.shape[dim]
+    local = _local(documents, ring, length)
     (lse,) = residuals
     dq = torch.zeros_like(query, dtype=torch.float32)
     k, v = key, value
@@ -170,23 +211,22 @@ def ring_backward(grad_out, query, key, value, out, residuals, scaling: float, k
     accumulator_works = None
     for step in range(ring.degree):
         pending = ring.exchange(k, v) if step < ring.degree - 1 else None
-        block_grads = []  # (key rows, dk, dv) of each block, added once the block's accumulators are here
-        for q_half, kv_half, causal in ring.blocks(step):
-            q_rows, kv_rows = _rows(q_half, length), _rows(kv_half, length)
+        block_grads = []  # (first key row, key rows, dk, dv) of each block, added once its accumulators are here
+        for q_start, q_rows, kv_start, kv_rows, causal in ring.blocks(step, length, local):
             grads = attention_backward(
-                _seq(grad_out, q_rows, dim).contiguous(),
-                _seq(query, q_rows, dim),
-                _seq(k, kv_rows, dim),
-                _seq(v, kv_rows, dim),
-                _seq(out, q_rows, dim),
-                _block_residuals(kernel, _seq(lse, q_rows, 2).contiguous(), query),
+                grad_out.narrow(dim, q_start, q_rows).contiguous(),
+                query.narrow(dim, q_start, q_rows),
+                k.narrow(dim, kv_start, kv_rows),
+                v.narrow(dim, kv_start, kv_rows),
+                out.narrow(dim, q_start, q_rows),
+                _block_residuals(kernel, lse.narrow(2, q_start, q_rows).contiguous(), query),
                 scaling,
                 kernel,
                 softcap=softcap,
                 causal=causal,
             )
-            _seq(dq, q_rows, dim).add_(grads[0])
-            block_grads.append((kv_rows, grads[1], grads[2]))
+            dq.narrow(dim, q_start, q_rows).add_(grads[0])
+            block_grads.append((kv_start, kv_rows, grads[1], grads[2]))
             del grads
         if accumulators is None:  # step 0: this rank is the first to visit its own block
             dk = torch.zeros_like(k, dtype=torch.float32)
@@ -194,9 +234,9 @@ def ring_backward(grad_out, query, key, value, out, residuals, scaling: float, k
         else:  # the accumulators of this block from the ranks it visited before: add to them in place
             _wait(accumulator_works)
             dk, dv = accumulators
-        for kv_rows, block_dk, block_dv in block_grads:
-            _seq(dk, kv_rows, dim).add_(block_dk)
-            _seq(dv, kv_rows, dim).add_(block_dv)
+        for kv_start, kv_rows, block_dk, block_dv in block_grads:
+            dk.narrow(dim, kv_start, kv_rows).add_(block_dk)
+            dv.narrow(dim, kv_start, kv_rows).add_(block_dv)
         del block_grads, block_dk, block_dv, accumulators
         accumulators, accumulator_works = ring.exchange(dk, dv)
         del dk, dv  # in flight: the sent pair and the received one, no third
@@ -212,23 +252,24 @@ class _RingAttention(torch.autograd.Function):
     """A whole layer's ring attention in the kernel's layout: saves q, k, v, out and the merged logsumexp."""
 
     @staticmethod
-    def forward(ctx, query, key, value, scaling, kernel, ring, softcap):
-        out, (lse,) = ring_forward(query, key, value, scaling, kernel, ring, softcap)
+    def forward(ctx, query, key, value, scaling, kernel, ring, softcap, documents):
+        out, (lse,) = ring_forward(query, key, value, scaling, kernel, ring, softcap, documents)
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.scaling, ctx.kernel, ctx.ring, ctx.softcap = scaling, kernel, ring, softcap
+        ctx.scaling, ctx.kernel, ctx.ring, ctx.softcap, ctx.documents = scaling, kernel, ring, softcap, documents
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_backward(
-            grad_out, query, key, value, out, (lse,), ctx.scaling, ctx.kernel, ctx.ring, ctx.softcap
+            grad_out, query, key, value, out, (lse,), ctx.scaling, ctx.kernel, ctx.ring, ctx.softcap, ctx.documents
         )
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
-def ring_attention(query, key, value, scaling, kernel: str, ring: Ring, softcap=None):
-    """[b, hq, s, d] x [b, hkv, s, d] (Hugging Face's layout, this rank's zigzag columns) -> [b, s, hq, d]."""
+def ring_attention(query, key, value, scaling, kernel: str, ring: Ring, softcap=None, documents=None):
+    """[b, hq, s, d] x [b, hkv, s, d] (Hugging Face's layout, this rank's zigzag columns) -> [b, s, hq, d], inside
+    each of the packed ``documents`` (global over the sequence) when given."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     if kernel in FLASH_KERNELS:
         query, key, value = flash_inputs(query, key, value, kernel=kernel)
@@ -239,15 +280,17 @@ def ring_attention(query, key, value, scaling, kernel: str, ring: Ring, softcap=
             query, key, value = (t.to(dtype) for t in (query, key, value))
     if head_layout(kernel) == "bshd":
         query, key, value = (t.transpose(1, 2).contiguous() for t in (query, key, value))
-        return _RingAttention.apply(query, key, value, scaling, kernel, ring, softcap)
-    return _RingAttention.apply(query, key, value, scaling, kernel, ring, softcap).transpose(1, 2)
+        return _RingAttention.apply(query, key, value, scaling, kernel, ring, softcap, documents)
+    return _RingAttention.apply(query, key, value, scaling, kernel, ring, softcap, documents).transpose(1, 2)
 
 
 def _ring_core(kernel: str, ring: Ring):
     def core(module, query, key, value, attention_mask, scaling=None, **kwargs):
         if kwargs.get("sliding_window"):
             raise ValueError("ring attention has no sliding window")
-        return ring_attention(query, key, value, scaling, kernel, ring, softcap=kwargs.get("softcap")), None
+        documents = documents_of(kwargs, key.shape[2] * ring.degree)  # global: the ring holds 1/degree of them
+        out = ring_attention(query, key, value, scaling, kernel, ring, kwargs.get("softcap"), documents)
+        return out, None
 
     return core
 

@@ -33,12 +33,21 @@ def ulysses_degree_problem(degree: int, world: int, heads: int, kv_heads: int) -
     return None
 
 
-def ring_documents_problem(ring: int, packed: bool) -> str | None:
-    """Why a ring cannot run packed documents (None: it can): the zigzag split balances one causal sequence; each
-    document's own split is not built."""
-    if ring > 1 and packed:
-        return f"ring_degree {ring} does not run packed documents (--documents): use ring_degree 1"
-    return None
+def ring_documents_problem(ring: int, lengths) -> str | None:
+    """Why a ring cannot split packed documents of ``lengths`` (None: it can). The ring splits each document into
+    2 x ring zigzag chunks (``trials.stack.ring``), so every document's length is a multiple of 2 x ring; Ulysses
+    splits a ring rank's columns as a whole, so it adds nothing per document (the sequence's own rule,
+    ``ring_length_problem``, covers it)."""
+    if ring <= 1:
+        return None
+    unit = 2 * ring
+    odd = next((n for n in lengths if n % unit), None)
+    if odd is None:
+        return None
+    return (
+        f"ring_degree {ring} splits each packed document into 2 x ring_degree = {unit} chunks: a document of "
+        f"{odd:,} tokens is not a multiple of {unit}"
+    )
 
 
 def ring_degree_problem(ring: int, degree: int, world: int, windowed: bool = False) -> str | None:

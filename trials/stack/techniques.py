@@ -183,16 +183,20 @@ class Techniques:
         seq_len: int | None = None,
         on_gpu: bool | None = None,
         compute_capability_major: int | None = None,
-        packed_documents: bool = False,
+        documents=None,
     ) -> Techniques:
         """Refuse (``ConfigError``, the first reason) what cannot run on ``gpus`` ranks; returns self. With
         ``on_gpu`` (the devices are GPUs, or the CPU), also an attention kernel that cannot run the model's
         attention there (``trials.kernels.registry.attention_kernel_problem``), by the limits the kernel declares
         for GPUs of ``compute_capability_major`` when it is known. A ring also refuses a model with sliding
-        windows (``trials.stack.rules.ring_degree_problem``), and packed documents (``packed_documents``)."""
+        windows (``trials.stack.rules.ring_degree_problem``), and packed ``documents`` (a
+        ``trials.kernels.documents.DocumentsSpec``; those of a ``seq_len`` sequence when given) whose lengths it
+        cannot split (``trials.stack.rules.ring_documents_problem``)."""
         found = problems(self, model_config, gpus, seq_len)
-        if packed := ring_documents_problem(self.ring_degree, packed_documents):
-            found.append(packed)
+        if documents is not None and self.ring_degree > 1:
+            packed = documents.for_length(seq_len) if seq_len is not None else documents
+            if split := ring_documents_problem(self.ring_degree, packed.lengths if packed is not None else ()):
+                found.append(split)
         if self.ring_degree > 1 or on_gpu is not None:
             from trials.models.config import attention_features
 

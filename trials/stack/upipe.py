@@ -206,7 +206,8 @@ class UPipeAttention:
             None if self.q_norm is None else self.q_norm.weight,
             None if self.k_norm is None else self.k_norm.weight,
         )
-        documents = documents_of(kwargs, hidden_states.shape[1] * self.plan.degree)
+        ring = 1 if self.ring is None else self.ring.degree  # a ring holds 1/ring of the sequence per rank
+        documents = documents_of(kwargs, hidden_states.shape[1] * self.plan.degree * ring)
         out = _HeadChunkedAttention.apply(self, documents, hidden_states, cos, sin, *params)
         return m.o_proj(out), None
 
@@ -384,7 +385,7 @@ class _HeadChunkedAttention(torch.autograd.Function):
                     )
                 else:
                     o_heads, chunk_residuals = ring_forward(
-                        q_heads, k_heads, v_heads, layer.scaling, layer.kernel, layer.ring, layer.softcap
+                        q_heads, k_heads, v_heads, layer.scaling, layer.kernel, layer.ring, layer.softcap, documents
                     )
                 del q_heads
                 (o_local,) = layer.to_seq(o_heads)  # [b, s_l, P, c, d]
@@ -540,6 +541,7 @@ class _HeadChunkedAttention(torch.autograd.Function):
                         layer.kernel,
                         layer.ring,
                         layer.softcap,
+                        documents,
                     )
                 del q_heads, o_heads, do_heads
                 dk_heads = dk_c if dk_heads is None else dk_heads.add_(dk_c)

@@ -20,7 +20,11 @@ positions, so rotary embeddings see where each token sits in the whole sequence.
 
 With packed documents (``trials.kernels.documents.Documents``, global over the sequence) position ids restart at
 0 at each document, and the label of each document's last token (the next document's first token) is -100: no
-label crosses a boundary, so the loss is the sum of each document's own loss.
+label crosses a boundary, so the loss is the sum of each document's own loss. A ring then splits each document
+instead of the sequence (the per-document zigzag, as TransformerEngine's context parallelism splits each sequence
+of ``cu_seqlens``): every document of L_d tokens (L_d divisible by 2R) is cut into 2R chunks and ring rank r holds
+chunks r and 2R-1-r of every document, document after document, so every document's causal work is balanced over
+the ring and every rank holds L_d / R tokens of each.
 """
 
 from __future__ import annotations
@@ -52,29 +56,44 @@ def synthetic_sample(index: int, seq_len: int, vocab_size: int, seed: int = 0) -
     return torch.randint(0, vocab_size, (seq_len + 1,), generator=generator)
 
 
-def zigzag_columns(seq_len: int, ring_rank: int, ring_degree: int) -> torch.Tensor:
+def zigzag_columns(seq_len: int, ring_rank: int, ring_degree: int, documents: Documents | None = None) -> torch.Tensor:
     """The global columns ring rank ``ring_rank`` holds: chunks r and 2R-1-r of 2R equal chunks (all of them
-    when ``ring_degree`` is 1)."""
-    if seq_len % (2 * ring_degree):
-        raise ValueError(f"seq_len {seq_len} is not divisible by 2 x ring_degree {ring_degree}")
+    when ``ring_degree`` is 1); with packed ``documents``, chunks r and 2R-1-r of each document, in the documents'
+    order (each document's length divisible by 2R)."""
+    spans = [(0, seq_len)] if documents is None else documents.spans()
+    if documents is not None and documents.total != seq_len:
+        raise ValueError(f"documents cover {documents.total} tokens, the sequence has {seq_len}")
     if ring_degree == 1:
         return torch.arange(seq_len)
-    chunk = seq_len // (2 * ring_degree)
-    first, second = ring_rank, 2 * ring_degree - 1 - ring_rank
-    return torch.cat(
-        [torch.arange(first * chunk, (first + 1) * chunk), torch.arange(second * chunk, (second + 1) * chunk)]
-    )
+    unit = 2 * ring_degree
+    held = []
+    for index, (start, end) in enumerate(spans):
+        if (end - start) % unit:
+            what = f"seq_len {seq_len}" if documents is None else f"document {index} of {end - start} tokens"
+            raise ValueError(f"{what} is not divisible by 2 x ring_degree {ring_degree}")
+        chunk = (end - start) // unit
+        for which in (ring_rank, unit - 1 - ring_rank):
+            held.append(torch.arange(start + which * chunk, start + (which + 1) * chunk))
+    return torch.cat(held)
 
 
-def rank_columns(seq_len: int, sp_rank: int, sp_degree: int, ring_rank: int = 0, ring_degree: int = 1):
-    """The global columns of a ``seq_len`` sequence this rank holds: its ring rank's zigzag columns, then its Ulysses
-    slice of them (a ``slice`` without a ring, so the shard is a view; a tensor of indices with one)."""
+def rank_columns(
+    seq_len: int,
+    sp_rank: int,
+    sp_degree: int,
+    ring_rank: int = 0,
+    ring_degree: int = 1,
+    documents: Documents | None = None,
+):
+    """The global columns of a ``seq_len`` sequence this rank holds: its ring rank's zigzag columns (of each of
+    ``documents`` when given), then its Ulysses slice of them (a ``slice`` without a ring, so the shard is a view; a
+    tensor of indices with one)."""
     if seq_len % sp_degree:
         raise ValueError(f"seq_len {seq_len} is not divisible by ulysses_degree {sp_degree}")
     if ring_degree == 1:
         local = seq_len // sp_degree
         return slice(sp_rank * local, (sp_rank + 1) * local)
-    columns = zigzag_columns(seq_len, ring_rank, ring_degree)
+    columns = zigzag_columns(seq_len, ring_rank, ring_degree, documents)
     if columns.numel() % sp_degree:
         raise ValueError(
             f"seq_len {seq_len} is not divisible by 2 x ring_degree {ring_degree} x ulysses_degree {sp_degree}"
@@ -92,12 +111,10 @@ def make_batch(
     ring_degree: int = 1,
     documents: Documents | None = None,
 ) -> Batch:
-    """tokens [seq + 1] -> this rank's shard of the shifted sequence (its ring rank's zigzag columns, then its
-    Ulysses slice of them: ``rank_columns``), of packed ``documents`` when given."""
+    """tokens [seq + 1] -> this rank's shard of the shifted sequence (its ring rank's zigzag columns, per document
+    when packed ``documents`` are given, then its Ulysses slice of them: ``rank_columns``)."""
     seq_len = tokens.numel() - 1
-    if documents is not None and ring_degree > 1:
-        raise ValueError("packed documents do not run with ring_degree > 1 (the zigzag split is per sequence)")
-    cols = rank_columns(seq_len, sp_rank, sp_degree, ring_rank, ring_degree)
+    cols = rank_columns(seq_len, sp_rank, sp_degree, ring_rank, ring_degree, documents)
     input_ids = tokens[:-1][cols].unsqueeze(0)
     positions = torch.arange(seq_len)
     valid = seq_len
