@@ -242,6 +242,28 @@ CONFIGS = [
         mlp_tile_tokens=1024,
         loss_tile_tokens=1024,
     ),
+    # ring attention over packed documents (the per-document zigzag: each rank holds two chunks of every document)
+    _c("tiny-llama", 2, 4 * K, ring_degree=2, documents=(1000,)),
+    _c(
+        "tiny-qwen3",
+        2,
+        4 * K,
+        fsdp=True,
+        ring_degree=2,
+        head_chunk=1,
+        activation_checkpointing=True,
+        documents=(700, 300, 1500),
+    ),
+    _c(
+        "tiny-llama",
+        4,
+        8 * K,
+        fsdp=True,
+        ulysses_degree=2,
+        ring_degree=2,
+        activation_checkpointing=True,
+        documents=(2044, 1000),
+    ),
 ]
 
 

@@ -2,12 +2,17 @@
 documents packed into it, beside one 64K document alone.
 
     .venv/bin/python bench/packed_documents.py [--seq 5M] [--documents 64K] | tee bench/results/packed_documents.txt
+    .venv/bin/python bench/packed_documents.py --ring 2 | grep -v WARNING | tee bench/results/packed_documents_ring.txt
 
 The config is the main job's best at 5M (``bench/results/main_job.txt``: the front's point at exactly 5,242,880
 tokens). Every row is the plan backend's prediction (memory oracle + time model) on 8x h100-sxm; the packed row's
 fake step runs each document's attention as the real step does, and the time model prices each document's causal
 pairs per kernel tile. The last lines check the issue's goals: the packed attention time within 5% of one
 document's x the documents per sequence, and the packed step at least 10x faster than one document per sequence.
+
+``--ring R``: the same config with its context-parallel world split into Ulysses (degree / R) x ring R; the ring
+splits each packed document into 2R chunks (the per-document zigzag), so every row runs each document's own ring
+blocks, and the packed attention is again the documents per sequence x one document's, each on the same ring.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ def main(argv=None) -> int:
     parser.add_argument("--documents", default="64K")
     parser.add_argument("--hardware", default="h100-sxm")
     parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--ring", type=int, default=1, help="ring degree: Ulysses degree / RING x ring RING")
     args = parser.parse_args(argv)
 
     from autotune.backends import Evaluation
@@ -59,9 +65,15 @@ def main(argv=None) -> int:
     (length,) = packed.lengths
     hardware = load_hardware(args.hardware)
     knobs = main_job_best(seq)
+    if args.ring > 1:  # the same context-parallel world, split into Ulysses x ring
+        knobs = {**knobs, "ulysses_degree": knobs["ulysses_degree"] // args.ring, "ring_degree": args.ring}
     techniques = Techniques.from_dict(knobs, config["num_hidden_layers"])
     rates = hardware.rates_for(args.gpus).for_kernel(techniques.attention, techniques.head_chunk)
-    print(f"{args.model} on {args.gpus}x {hardware.name}, predicted (plan backend); the main job's best at {seq:,}:")
+    changed = f", with ring_degree {args.ring}" if args.ring > 1 else ""
+    print(
+        f"{args.model} on {args.gpus}x {hardware.name}, predicted (plan backend); the main job's best at {seq:,}"
+        f"{changed}:"
+    )
     print(f"{json.dumps(knobs, sort_keys=True)}\n")
     print(f"{'workload':<40} {'status':>6} {'step s':>10} {'attention s':>12} {'tokens/s':>10} {'peak GiB':>9}")
     rows = {}
