@@ -9,7 +9,7 @@ Parquet/Arrow, has no token column of integers, no documents or no tokens, a nul
 vocabulary (the first one named with its place), or fewer tokens than one sequence, and whatever
 ``trials.train.options_problem`` finds in the options (an ``--init`` folder that is not the tuned model,
 ``--resume`` without a checkpoint, ...), and packing the trainer refuses (``trials.train.packing``: ``--pack`` with
-data that has no document boundary, packing on a ring). The data file is read with
+data that has no document boundary, documents a ring cannot split). The data file is read with
 ``trials.training.data.read_token_data``, exactly as the training reads it. The command line is passed to the training as given. Training that fails exits 1 with its
 root cause (the first exception a rank raised) on the last line of stderr."""
 

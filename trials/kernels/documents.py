@@ -6,8 +6,9 @@ position ids restart at 0 at each document (RoPE sees every document as it would
 packing carry them in ``position_ids`` and flash-attn's varlen entry points in ``cu_seqlens``.
 
 The boundaries are host integers, global over the whole sequence: under Ulysses each rank attends over the full
-sequence for its heads, so every rank holds every boundary; the memory oracle runs the step under FakeTensorMode,
-where tensor values do not exist, so boundaries never come from a tensor's values.
+sequence for its heads, so every rank holds every boundary; a ring (``trials.stack.ring``) derives its ranks' layout of
+every document from the global boundaries; the memory oracle runs the step under FakeTensorMode, where tensor values
+do not exist, so boundaries never come from a tensor's values.
 
 ``Documents`` travels with the batch (``trials.training.data.Batch.documents``) and reaches attention as the
 keyword ``DOCUMENTS_KWARG`` of the Hugging Face model's forward, which every decoder layer hands to its attention
