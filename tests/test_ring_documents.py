@@ -10,7 +10,8 @@ chunks, the full stack, ring 4 and Ulysses 2 x ring 2 on 4 ranks slow.
 
 Without processes: the per-document split gives every column to one rank, positions restarting per document; the
 ring's block schedule over documents, run for every rank and step, visits exactly each document's causal (query,
-key) pairs once and no pair across documents, every rank running the same block shapes; and the rules.
+key) pairs once and no pair across documents, every rank running the same block shapes; the step counter sees each
+document's blocks (what the time model prices); and the rules.
 """
 
 from __future__ import annotations
@@ -185,3 +186,39 @@ def test_a_ring_runs_documents_it_can_split_and_refuses_others_in_one_line():
         assert str(error.value) == message
     with pytest.raises(ConfigError, match="sliding-window"):
         Techniques(ring_degree=2).validate(load_model_config("tiny-mistral"), 2, 256, documents=DocumentsSpec((64,)))
+
+
+# -- the time model: the counter sees each document's ring blocks ----------------------------------------------------
+
+
+@pytest.mark.parametrize("degree", [2, 3])
+def test_the_counter_prices_a_ring_over_documents_as_each_document_on_the_ring(degree):
+    """A rank's counted attention over packed documents (forward and backward) equals the sum of each document's on
+    the same ring alone, call shape by call shape: the time model prices each document's blocks, not the sequence's."""
+    from autotune.timing.counting import StepCounter
+    from tests.test_ring import _OneProcessRing
+    from trials.stack.ring import ring_backward, ring_forward
+
+    def counted(lengths, documents):
+        local = sum(lengths) // degree
+        query = torch.randn(1, 4, local, 8)
+        key, value = torch.randn(1, 2, local, 8), torch.randn(1, 2, local, 8)
+        ring = _OneProcessRing(degree, rank=degree - 1)
+        counter = StepCounter()
+        with counter:
+            out, residuals = ring_forward(query, key, value, 8**-0.5, "sdpa", ring, documents=documents)
+            ring_backward(
+                torch.ones_like(out), query, key, value, out, residuals, 8**-0.5, "sdpa", ring, documents=documents
+            )
+        return counter.counts
+
+    lengths = [2 * degree * 6, 2 * degree, 2 * degree * 3]
+    packed = counted(lengths, Documents(tuple(lengths)))
+    alone = [counted([n], None) for n in lengths]
+    assert packed.attention_flops == sum(c.attention_flops for c in alone) > 0
+    calls = {}
+    for counts in alone:
+        for key, heads in counts.attention_calls.items():
+            calls[key] = calls.get(key, 0) + heads
+    assert packed.attention_calls == calls
+    assert packed.attention_flops < counted([sum(lengths)], None).attention_flops  # the whole sequence's ring
