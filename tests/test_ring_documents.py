@@ -51,10 +51,12 @@ def test_ring_over_documents_exact_two_ranks(tmp_path):
 
 
 @pytest.mark.slow
-def test_ring_over_documents_exact_two_ranks_with_head_chunks_and_the_full_stack(tmp_path):
+def test_ring_over_documents_exact_two_ranks_with_head_chunks_the_full_stack_and_the_plugins_batch(tmp_path):
     cases = [
         _case("ring2+head_chunk=1", "tiny-llama", ring_degree=2, head_chunk=1),
         _case("ring2+full+head_chunk=2", "tiny-qwen3", step=True, ring_degree=2, head_chunk=2, **FULL),
+        # the plugin's seam: a Hugging Face batch, the documents only in its position_ids (trials.hf.batch)
+        {**_case("ring2 (trials.hf.batch)", "tiny-llama", ring_degree=2), "hf_batch": True},
     ]
     _check_exact(_launch(HARNESS, 2, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=600), len(cases))
 
