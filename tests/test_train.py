@@ -540,6 +540,7 @@ def test_a_step_whose_loss_or_gradient_norm_is_not_finite_changes_no_weight_and_
 
 ROW_DOCUMENTS = (100, 1, 60, 200, 40)  # token counts of the rows of documents.parquet: one of 1, one past a window
 EOS_DOCUMENTS = (90, 120, 30, 150)  # token counts (each with its EOS) of the stream in eos.parquet
+RING_DOCUMENTS = (100, 4, 60, 200, 40)  # ring-documents.parquet: multiples of 4, what a ring of 2 splits
 
 
 def write_packed_config(path: Path, documents, gpus: int = 1, **techniques) -> str:
@@ -552,13 +553,16 @@ def write_packed_config(path: Path, documents, gpus: int = 1, **techniques) -> s
 @pytest.fixture(scope="module")
 def packed(work) -> Path:
     """documents.parquet (one document per row of ``input_ids``, ``ROW_DOCUMENTS``), eos.parquet (a ``tokens`` stream
-    of ``EOS_DOCUMENTS``, each ending in the pretrained model's EOS id) and configs for them."""
+    of ``EOS_DOCUMENTS``, each ending in the pretrained model's EOS id), ring-documents.parquet (``RING_DOCUMENTS``)
+    and configs for them."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     generator = torch.Generator().manual_seed(3)
     rows = [torch.randint(0, 4096, (n,), generator=generator).tolist() for n in ROW_DOCUMENTS]
     pq.write_table(pa.table({"input_ids": rows}), work / "documents.parquet")
+    ring_rows = [torch.randint(0, 4096, (n,), generator=generator).tolist() for n in RING_DOCUMENTS]
+    pq.write_table(pa.table({"input_ids": ring_rows}), work / "ring-documents.parquet")
     eos = json.loads((work / "pretrained" / "config.json").read_text())["eos_token_id"]
     stream = [
         token
@@ -569,6 +573,7 @@ def packed(work) -> Path:
     write_packed_config(work / "eos-config.json", list(EOS_DOCUMENTS))
     write_packed_config(work / "rows-config.json", list(ROW_DOCUMENTS))
     write_packed_config(work / "ulysses-packed.json", list(ROW_DOCUMENTS), gpus=2, ulysses_degree=2)
+    write_packed_config(work / "ring-packed.json", list(RING_DOCUMENTS), gpus=2, ring_degree=2)
     return work
 
 
@@ -612,8 +617,11 @@ def stream_of(path: Path) -> torch.Tensor:
         (1, "one.json", "documents.parquet", ROW_DOCUMENTS, ["--pack"]),
         (1, "eos-config.json", "eos.parquet", EOS_DOCUMENTS, []),  # packed as the config's documents say
         (2, "ulysses-packed.json", "documents.parquet", ROW_DOCUMENTS, ["--pack"]),
+        pytest.param(
+            2, "ring-packed.json", "ring-documents.parquet", RING_DOCUMENTS, ["--pack"], marks=pytest.mark.slow
+        ),  # the ring splits each document (the per-document zigzag)
     ],
-    ids=["rows-pack", "eos-by-config", "rows-ulysses-2"],
+    ids=["rows-pack", "eos-by-config", "rows-ulysses-2", "rows-ring-2"],
 )
 def test_a_packed_step_ones_loss_is_each_documents_own_loss_and_the_log_counts_documents(
     packed, tmp_path, ranks, config, data, documents, flags
