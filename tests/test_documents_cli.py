@@ -100,6 +100,27 @@ def test_each_trainer_says_how_it_masks_packed_documents_or_that_it_does_not():
         assert not TRAINERS[name].packing_note(packed, "sdpa").startswith("PACKED DOCUMENTS NOT MASKED")
 
 
+def test_estimate_of_a_packed_config_for_a_trainer_that_attends_across_says_so(tmp_path):
+    """``autotune estimate --config`` of a packed config searched for DeepSpeed, with SDPA (which its Ulysses runs
+    over the whole window): one line saying it attends across the documents; with autotune's runner, none."""
+    config = TrialConfig(
+        model="tiny-llama",
+        hardware="cpu",
+        gpus=1,
+        seq_len=2 * K,
+        techniques=Techniques(),
+        documents=DocumentsSpec((512,)),
+    )
+    for trainer, says in (("deepspeed", True), (None, False)):
+        path = tmp_path / f"{trainer}.json"
+        path.write_text(json.dumps({**config.to_dict(), **({"trainer": trainer} if trainer else {})}))
+        done = autotune("estimate", "--config", str(path), "--json")
+        assert_exit(done, 0)
+        lines = [line for line in done.stderr.splitlines() if "PACKED DOCUMENTS NOT MASKED" in line]
+        assert len(lines) == says, done.stderr
+        assert all("for DeepSpeed: PACKED DOCUMENTS NOT MASKED: DeepSpeed with attention 'sdpa'" in x for x in lines)
+
+
 def test_a_search_over_packed_documents_or_windows_offers_no_ring(tmp_path):
     """A ring runs neither packed documents nor sliding windows: the default space drops its rings (for documents,
     and for a windowed model), a user's space offering one is bad input (one line), and a search of one document

@@ -216,8 +216,8 @@ class Trainer:
         kernels = f" with attention {attention!r}" if self.packing is not None else ""
         return (
             f"PACKED DOCUMENTS NOT MASKED: {self.words}{kernels} attends across the boundaries of the packed "
-            f"documents ({documents.describe()}): what it runs is re-estimated with attention over each whole "
-            "window (--documents one)"
+            f"documents ({documents.describe()}): it runs attention over each whole window, as --documents one "
+            "prices it"
         )
 
     def cannot_run(self) -> list[str]:
