@@ -31,6 +31,9 @@ to bench/results/throughput_fidelity.txt. Goal: every ratio within [0.8, 1.25], 
 
     .venv/bin/python bench/throughput_fidelity.py            # calibrate, then 25 configs x 2 passes (~25 min)
     .venv/bin/python bench/throughput_fidelity.py --quick --passes 1   # 4 configs
+    .venv/bin/python bench/throughput_fidelity.py --preset bench/results/calibrated-cpu.yaml --only ring documents
+        # the 4 ring and 4 packed-document configs on the shipped calibration, into
+        # bench/results/throughput_fidelity_ring_documents.txt (the 25 configs' table stays)
     .venv/bin/python bench/throughput_fidelity.py --summarize bench/results/throughput_fidelity.txt \\
         > bench/results/throughput_fidelity_summary.txt
 """
@@ -133,8 +136,30 @@ CONFIGS = [
     ("tiny-llama", 2048, 4, {"ulysses_degree": 2, "fsdp": True}),
     ("tiny-qwen3", 4096, 4, {"ulysses_degree": 4, "activation_checkpointing": True}),
     ("tiny-llama", 3072, 4, {"fsdp": True, "activation_checkpointing": True}),
+    # -- ring attention (issue 49): its K/V steps around the ring, on 2 and 4 ranks --
+    ("tiny-llama", 4096, 2, {"ring_degree": 2}),
+    ("tiny-qwen3", 6144, 2, {"ring_degree": 2, "activation_checkpointing": True}),
+    ("tiny-llama", 4096, 4, {"ulysses_degree": 2, "ring_degree": 2}),
+    ("tiny-llama", 4096, 2, {"ring_degree": 2, "head_chunk": 2}),
+    # -- packed documents (issue 50): attention inside each document ("documents": their length, as --documents) --
+    ("tiny-llama", 4096, 1, {"documents": 1024}),
+    ("tiny-llama", 8192, 2, {"documents": 2048, "ulysses_degree": 2}),
+    ("tiny-llama", 8192, 2, {"documents": 1024, "ulysses_degree": 2, "head_chunk": 1}),
+    (
+        "tiny-qwen3",
+        6144,
+        1,
+        {"documents": 1536, "activation_checkpointing": True, "mlp_tile_tokens": 1024, "loss_tile_tokens": 1024},
+    ),
 ]
 NEW_FROM = 13  # CONFIGS[NEW_FROM:] are the ones no calibration or model change was tuned on
+# the configs ``--only`` names by group: the rings and the packed documents (each measured alone, stored apart)
+GROUPS = {
+    "ring": [i for i, config in enumerate(CONFIGS) if config[3].get("ring_degree", 1) > 1],
+    "documents": [i for i, config in enumerate(CONFIGS) if "documents" in config[3]],
+}
+MAIN = [c for i, c in enumerate(CONFIGS) if not any(i in group for group in GROUPS.values())]  # a default run's
+RING_DOCUMENTS_TABLE = REPO / "bench" / "results" / "throughput_fidelity_ring_documents.txt"
 RANGE = (0.8, 1.25)  # the goal: predicted / measured step time
 QUICK = [CONFIGS[0], CONFIGS[3], CONFIGS[6], CONFIGS[8]]
 CONTENDED = 0.10  # others' share of the machine's CPUs above which a step does not count
@@ -200,21 +225,29 @@ def worker(spec_path: str, out_dir: str) -> None:
 # -----------------------------------------------------------------------------------------------------------
 
 
-def measure(model: str, seq_len: int, ranks: int, techniques: dict, steps: int, attempts: int) -> dict:
-    """Launch the trial (as the local backend does) until a launch has clean steps; its steps, clean and contended."""
-    from autotune.timing.calibration.sampling import wait_for_idle
-    from trials.core import allocator
+def trial_spec(model: str, seq_len: int, techniques: dict, steps: int) -> dict:
+    """The trial a config launches (``trials.trial.spec.TrialSpec`` as a dict): its knobs, its packed documents."""
     from trials.models.config import load_model_config
 
-    spec = {
+    knobs, documents = split_documents(techniques)
+    return {
         "model_config": load_model_config(model),
-        "techniques": techniques,
+        "techniques": knobs,
+        "documents": list(documents.lengths),
         "seq_len": seq_len,
         "steps": steps,
         "warmup": 1,
         "capacity_bytes": None,
         "seed": 0,
     }
+
+
+def measure(model: str, seq_len: int, ranks: int, techniques: dict, steps: int, attempts: int) -> dict:
+    """Launch the trial (as the local backend does) until a launch has clean steps; its steps, clean and contended."""
+    from autotune.timing.calibration.sampling import wait_for_idle
+    from trials.core import allocator
+
+    spec = trial_spec(model, seq_len, techniques, steps)
     clean, contended, last_error = [], [], None
     for _attempt in range(attempts):
         wait_for_idle(0.05, 120)
@@ -290,9 +323,10 @@ def predict(model: str, seq_len: int, ranks: int, techniques: dict, hardware):
     from trials.stack.techniques import Techniques
 
     cfg = load_model_config(model)
-    tech = Techniques.from_dict(techniques, cfg["num_hidden_layers"])
+    knobs, documents = split_documents(techniques)
+    tech = Techniques.from_dict(knobs, cfg["num_hidden_layers"])
     backend = PlanBackend()
-    evaluation = Evaluation(cfg, tech, seq_len, ranks, hardware)
+    evaluation = Evaluation(cfg, tech, seq_len, ranks, hardware, documents=documents)
     record = backend.evaluate(evaluation)
     counts = step_counts(backend.last_prediction) if record.step_time_s is not None else None
     timing = (
@@ -301,6 +335,15 @@ def predict(model: str, seq_len: int, ranks: int, techniques: dict, hardware):
         else None
     )
     return record, timing, counts
+
+
+def split_documents(techniques: dict):
+    """A config's knobs and its packed documents (``DocumentsSpec``): its ``documents`` entry, a length as
+    ``--documents LEN`` takes it, is no knob; without it, one document per sequence."""
+    from trials.kernels.documents import ONE, DocumentsSpec
+
+    knobs = {k: v for k, v in techniques.items() if k != "documents"}
+    return knobs, DocumentsSpec((techniques["documents"],)) if "documents" in techniques else ONE
 
 
 def _rank_wait_note(world: dict) -> str:
@@ -464,6 +507,8 @@ def describe(techniques: dict) -> str:
         "loss_tile_tokens": "losstile",
         "head_chunk": "chunk",
         "fsdp": "fsdp",
+        "ring_degree": "ring",
+        "documents": "docs",
     }
     parts = []
     for key, value in techniques.items():
@@ -472,15 +517,30 @@ def describe(techniques: dict) -> str:
     return "+".join(parts) or "baseline"
 
 
+def selected(words: list[str] | None) -> list[int]:
+    """The config indices ``--only`` names (indices or group names, in order, each once); ``ValueError`` (one
+    line) for a word that is neither."""
+    indices: list[int] = []
+    for word in words or []:
+        if word in GROUPS:
+            picked = GROUPS[word]
+        elif word.isdigit() and int(word) < len(CONFIGS):
+            picked = [int(word)]
+        else:
+            raise ValueError(f"--only {word!r}: a config index 0-{len(CONFIGS) - 1} or a group ({', '.join(GROUPS)})")
+        indices += [i for i in picked if i not in indices]
+    return indices
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 configs")
     parser.add_argument(
         "--only",
-        type=int,
         nargs="+",
-        metavar="INDEX",
-        help="only these configs (0-based indices into CONFIGS), e.g. to re-measure an outlier",
+        metavar="INDEX|GROUP",
+        help="only these configs: 0-based indices into CONFIGS (e.g. to re-measure an outlier) or the groups "
+        f"{' and '.join(GROUPS)} (their table goes to {RING_DOCUMENTS_TABLE.relative_to(REPO)} unless --out)",
     )
     parser.add_argument("--steps", type=int, default=5, help="measured steps per launch (after 1 warm-up)")
     parser.add_argument("--attempts", type=int, default=4, help="launches per config when every step is contended")
@@ -496,13 +556,20 @@ def main(argv=None) -> int:
         default=2,
         help="calibration runs per world (`autotune calibrate --repeats`: one whole run is kept)",
     )
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "throughput_fidelity.txt"))
+    parser.add_argument("--out", default=None, help="the table (default: bench/results/throughput_fidelity.txt)")
     parser.add_argument("--summarize", metavar="TABLE", help="print the verdict lines of a table this bench wrote")
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT_DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(*args.worker)
         return 0
+    try:
+        only = selected(args.only)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.out is None:
+        grouped = args.only and all(word in GROUPS for word in args.only)
+        args.out = str(RING_DOCUMENTS_TABLE if grouped else REPO / "bench" / "results" / "throughput_fidelity.txt")
     if args.summarize:
         if not Path(args.summarize).is_file():
             parser.error(f"no table at {args.summarize}")
@@ -550,7 +617,7 @@ def main(argv=None) -> int:
     ]
     print("\n".join(lines), flush=True)
     rows = []
-    configs = [CONFIGS[i] for i in args.only] if args.only else QUICK if args.quick else CONFIGS
+    configs = [CONFIGS[i] for i in only] if only else QUICK if args.quick else MAIN
     # every config is launched once per pass, the passes minutes apart: this machine's speed drifts over time
     passes: list[list[dict]] = [[] for _ in configs]
     for pass_index in range(args.passes):

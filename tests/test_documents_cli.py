@@ -92,9 +92,33 @@ def test_each_trainer_says_how_it_masks_packed_documents_or_that_it_does_not():
     deepspeed = TRAINERS["deepspeed"]
     assert "position_ids" in deepspeed.packing_note(packed, "flash")
     assert deepspeed.packing_note(packed, "sdpa").startswith("PACKED DOCUMENTS NOT MASKED")  # HF SDPA ignores them
-    assert TRAINERS["arctic"].packing_note(packed, "flash").startswith("PACKED DOCUMENTS NOT MASKED")
+    arctic = TRAINERS["arctic"]  # its causal data factory packs with restarting position_ids
+    assert "position_ids" in arctic.packing_note(packed, "flash")
+    assert arctic.packing_note(packed, "sdpa").startswith("PACKED DOCUMENTS NOT MASKED")
+    assert TRAINERS["accelerate-deepspeed"].packing_note(packed, "flash").startswith("PACKED DOCUMENTS NOT MASKED")
     for name in ("autotune", "accelerate"):
         assert not TRAINERS[name].packing_note(packed, "sdpa").startswith("PACKED DOCUMENTS NOT MASKED")
+
+
+def test_estimate_of_a_packed_config_for_a_trainer_that_attends_across_says_so(tmp_path):
+    """``autotune estimate --config`` of a packed config searched for DeepSpeed, with SDPA (which its Ulysses runs
+    over the whole window): one line saying it attends across the documents; with autotune's runner, none."""
+    config = TrialConfig(
+        model="tiny-llama",
+        hardware="cpu",
+        gpus=1,
+        seq_len=2 * K,
+        techniques=Techniques(),
+        documents=DocumentsSpec((512,)),
+    )
+    for trainer, says in (("deepspeed", True), (None, False)):
+        path = tmp_path / f"{trainer}.json"
+        path.write_text(json.dumps({**config.to_dict(), **({"trainer": trainer} if trainer else {})}))
+        done = autotune("estimate", "--config", str(path), "--json")
+        assert_exit(done, 0)
+        lines = [line for line in done.stderr.splitlines() if "PACKED DOCUMENTS NOT MASKED" in line]
+        assert len(lines) == says, done.stderr
+        assert all("for DeepSpeed: PACKED DOCUMENTS NOT MASKED: DeepSpeed with attention 'sdpa'" in x for x in lines)
 
 
 def test_a_search_offers_the_rings_that_split_its_documents_and_none_for_windows(tmp_path):

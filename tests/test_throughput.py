@@ -451,3 +451,31 @@ def test_reference_step_times_the_calibrations_in_step_run_outside_the_trials_di
     assert Counting.calls == 0 and seconds > 0
     assert batch.input_ids.shape == (1, IN_STEP_TOKENS) and mesh.sp_degree == 1  # one process: the 1-rank run
     assert tracker.peak_device_bytes > 0  # its own tracker saw the step
+
+
+def test_the_fidelity_bench_measures_and_prices_its_packed_configs_packed():
+    """bench/throughput_fidelity.py's ``--only documents`` configs launch their trials with the documents packed and
+    price them so (attention inside each document: a faster step than the same config on whole windows);
+    ``--only ring`` picks the rings, and a word that is neither is refused."""
+    import sys
+
+    from conftest import ROOT
+
+    from trials.kernels.documents import DocumentsSpec
+    from trials.trial.spec import TrialSpec
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import throughput_fidelity as bench
+
+    assert [bench.CONFIGS[i][3]["ring_degree"] for i in bench.selected(["ring"])] == [2, 2, 2, 2]
+    assert bench.selected(["0", "ring"])[0] == 0 and len(bench.MAIN) == 25
+    with pytest.raises(ValueError, match="a config index"):
+        bench.selected(["rings"])
+    hardware = load_hardware(str(ROOT / "bench" / "results" / "calibrated-cpu.yaml"))
+    model, seq_len, ranks, techniques = bench.CONFIGS[bench.selected(["documents"])[0]]
+    spec = TrialSpec.from_dict(bench.trial_spec(model, seq_len, techniques, steps=1))
+    assert DocumentsSpec(tuple(spec.documents)) == DocumentsSpec((techniques["documents"],))
+    assert spec.techniques == Techniques(**bench.split_documents(techniques)[0])
+    packed, _, _ = bench.predict(model, seq_len, ranks, techniques, hardware)
+    whole, _, _ = bench.predict(model, seq_len, ranks, bench.split_documents(techniques)[0], hardware)
+    assert packed.status == whole.status == "ok" and packed.step_time_s < whole.step_time_s

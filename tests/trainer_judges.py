@@ -8,6 +8,8 @@ the trainers set up process groups, loggers and environment variables that must 
                                                                       ParallelismConfig, DeepSpeedPlugin, and the
                                                                       Trainer snippet's TrainingArguments
     python tests/trainer_judges.py alst ALST_PY MODEL_DIR             a DeepSpeed .alst.py run on a tiny model
+    python tests/trainer_judges.py alst-packed ALST_PY MODEL_DIR LENGTHS  the same on documents of LENGTHS
+                                                                      (comma-separated) packed by the .alst.py
 
 Prints one JSON object per judged file; a refusal is the trainer's exception (the process exits non-zero).
 """
@@ -225,6 +227,72 @@ def run_alst(alst_path: str, model_dir: str) -> None:
     )
 
 
+def run_alst_packed(alst_path: str, model_dir: str, lengths: list[int]) -> None:
+    """Import a DeepSpeed ``.alst.py``, pack seeded documents of ``lengths`` with its ``packed_windows`` and train
+    its first window one step (one rank, CPU, SDPA: transformers masks the documents its position_ids mark)
+    against the plain model run on each document of that window alone: the loss (each document's predictions,
+    none across a boundary) and the gradients."""
+    import importlib.util
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = importlib.util.spec_from_file_location("alst", alst_path)
+    alst = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(alst)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    generator = torch.Generator().manual_seed(1)
+    documents = [torch.randint(0, config["vocab_size"], (n,), generator=generator).tolist() for n in lengths]
+    batch = next(iter(alst.packed_windows(documents)))
+    alst.before_model()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**config, attn_implementation=alst.ATTENTION))
+    alst.after_model(model)
+    model.train()
+    with alst.offload_context():
+        loss = alst.tiled_loss(model, batch)
+        loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    type(model.model.layers[0].mlp).forward = alst._mlp  # the plain model: nothing of ALST
+    model.gradient_checkpointing_disable()
+    pieces, start = [], 0  # the window's documents as packed: back to back, the last cut at the window's end
+    for n in lengths:
+        take = min(n, alst.SEQ_LEN - start)
+        pieces.append(batch["input_ids"][0, start : start + take])
+        start += take
+        if start == alst.SEQ_LEN:
+            break
+    predictions = sum(len(piece) - 1 for piece in pieces)
+    reference = (
+        sum(
+            model(input_ids=piece[None], labels=piece[None]).loss * (len(piece) - 1)
+            for piece in pieces
+            if len(piece) > 1
+        )
+        / predictions
+    )
+    reference.backward()
+    worst = max(
+        float((grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp(min=1e-12))
+        for n, p in model.named_parameters()
+    )
+    print(
+        json.dumps(
+            {
+                "path": alst_path,
+                "documents": [len(piece) for piece in pieces],
+                "window": int(batch["input_ids"].shape[-1]),
+                "position_ids_restart": int((batch["position_ids"][0] == 0).sum()) if "position_ids" in batch else 0,
+                "loss": float(loss),
+                "reference": float(reference),
+                "worst_relative_grad_error": worst,
+            }
+        ),
+        flush=True,
+    )
+
+
 if __name__ == "__main__":
     trainer, rest = sys.argv[1], sys.argv[2:]
     if trainer == "arctic":
@@ -235,5 +303,7 @@ if __name__ == "__main__":
         judge_accelerate_deepspeed(rest)
     elif trainer == "alst":
         run_alst(rest[0], rest[1])
+    elif trainer == "alst-packed":
+        run_alst_packed(rest[0], rest[1], [int(n) for n in rest[2].split(",")])
     else:
         raise SystemExit(f"unknown trainer {trainer!r}")

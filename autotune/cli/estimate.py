@@ -279,9 +279,15 @@ def _say_trainer(run) -> None:
     if trainer is None:
         say(f"autotune: the config names trainer {run.trainer!r}, which this autotune does not know")
         return
-    note = trainer.prediction_note(run.techniques)
-    if note:
-        say(f"autotune: for {trainer.words}: {note}")
+    for note in (trainer.prediction_note(run.techniques), _unmasked_note(trainer, run)):
+        if note:
+            say(f"autotune: for {trainer.words}: {note}")
+
+
+def _unmasked_note(trainer, run) -> str | None:
+    """The trainer's line on packed documents its attention crosses (``Trainer.masks_documents``), or None."""
+    masks = run.documents.one or trainer.masks_documents(run.techniques.attention)
+    return None if masks else trainer.packing_note(run.documents, run.techniques.attention)
 
 
 def _show_progress(line: str, elapsed_s: float, deadline_s: float) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from trials.kernels.documents import ONE, DocumentsSpec
 from trials.kernels.registry import FLASH_KERNELS, KERNELS
 from trials.stack.knobs import Knob
 from trials.stack.techniques import Techniques, knobs
@@ -23,7 +24,8 @@ from trials.stack.techniques import Techniques, knobs
 
 @dataclass(frozen=True)
 class ExportJob:
-    """One front config as a trainer would run it: the model, the node's GPU count, the length, the techniques."""
+    """One front config as a trainer would run it: the model, the node's GPU count, the length, the techniques,
+    the documents packed into each sequence (``--documents``)."""
 
     model: str
     model_config: dict
@@ -31,6 +33,7 @@ class ExportJob:
     seq_len: int
     techniques: Techniques
     nodes: int = 1  # nodes of ``gpus`` each
+    documents: DocumentsSpec = ONE
 
     @property
     def layers(self) -> int:
@@ -192,19 +195,29 @@ class Trainer:
             f"elements): up to {gib:.1f} GiB more per rank in bf16, not in the predicted peak"
         )
 
-    def packing_note(self, documents, attention: str) -> str | None:
-        """The export's line on packed ``documents`` (a ``DocumentsSpec``; None when one document per sequence):
-        how this trainer is told their boundaries, or that it attends across them (the prediction, made for masked
-        documents, then does not describe its attention time)."""
+    def masks_documents(self, attention: str) -> bool:
+        """Whether the trainer keeps attention inside each packed document when it runs ``attention`` (a
+        ``trials.kernels`` name): it has a way to be told the boundaries (``packing``) that this kernel honours."""
+        return self.packing is not None and (self.packing_kernels is None or attention in self.packing_kernels)
+
+    def documents_run(self, documents: DocumentsSpec, attention: str) -> DocumentsSpec:
+        """The documents the trainer's attention runs for packed ``documents``: those documents where it masks
+        them, else one document per sequence (it attends across their boundaries, over each whole window)."""
+        return documents if self.masks_documents(attention) else ONE
+
+    def packing_note(self, documents: DocumentsSpec, attention: str) -> str | None:
+        """The export's line on packed ``documents`` (None when one document per sequence): how this trainer is
+        told their boundaries, or that it attends across them (then the export re-estimates the config with
+        attention over each whole window, ``documents_run``)."""
         if documents.one:
             return None
-        masks = self.packing is not None and (self.packing_kernels is None or attention in self.packing_kernels)
-        if masks:
+        if self.masks_documents(attention):
             return f"packed documents ({documents.describe()}): {self.packing}"
         kernels = f" with attention {attention!r}" if self.packing is not None else ""
         return (
             f"PACKED DOCUMENTS NOT MASKED: {self.words}{kernels} attends across the boundaries of the packed "
-            f"documents ({documents.describe()}); the prediction is for masked documents"
+            f"documents ({documents.describe()}): it runs attention over each whole window, as --documents one "
+            "prices it"
         )
 
     def cannot_run(self) -> list[str]:
@@ -290,8 +303,9 @@ DEEPSPEED = Trainer(
         ),
     },
     sharding="zero3",
-    packing="position_ids that restart at each document (UlyssesSPDataLoaderAdapter shards them; e.g. transformers' "
-    "DataCollatorWithFlattening); transformers' flash_attention_2 derives cu_seqlens from them",
+    packing="position_ids that restart at each document, labels that never cross one (.alst.py's packed_windows "
+    "packs your documents into windows with transformers' DataCollatorWithFlattening; UlyssesSPDataLoaderAdapter "
+    "shards them); transformers' flash_attention_2 derives cu_seqlens from them",
     packing_kernels=("flash",),
 )
 
@@ -324,6 +338,11 @@ ARCTIC = Trainer(
         ),
     },
     sharding="zero3",
+    # arctic_training/data/causal_factory.py (0.8): slice_and_pack_causal_batch packs, it has no key to turn it off
+    packing="type causal packs each text row of data.sources (a document) into max_length windows with "
+    "position_ids restarting at each; transformers' flash_attention_2 derives cu_seqlens from them (its labels "
+    "still cross the boundaries: each document's first token is a label of the one before)",
+    packing_kernels=("flash",),
 )
 
 ACCELERATE = Trainer(

@@ -103,11 +103,15 @@ def training_script(config: TrialConfig, notes: list[str], accelerate_path: str)
 """Train a Hugging Face causal LM with this autotune config, every knob applied by the plugin trials.hf.
 
     accelerate launch --config_file {accelerate_path} {script} --model HF_FOLDER [--steps N] \\
-        [--data tokens.parquet] [--summary summary.json]
+        [--data tokens.parquet [--pack | --no-pack]] [--summary summary.json]
 
 HF_FOLDER holds config.json and safetensors weights (model.safetensors or an index of several files). Each step
 trains one sequence of {config.seq_len:,} tokens per data-parallel replica: trials' seeded synthetic tokens, or
---data, a Parquet/Arrow file of token ids (a column input_ids of lists, or tokens) read as one stream. Rank 0
+--data, a Parquet/Arrow file of token ids (a column input_ids of lists, or tokens). --data is packed as autotune
+run --pack packs it (trials.train.packing; the default when the config's documents, {config.documents.to_json()!r},
+are not "one"): its documents (rows of input_ids, or tokens cut after the model's EOS) back to back in windows,
+each window's boundaries passed to the stack (position ids restart, attention and labels stay inside each
+document); --no-pack reads it as one stream of windows. Rank 0
 prints the loss of each step (the mean over the global batch) and a final "summary {{json}}" line, which --summary
 also writes: the losses and each rank's peak device bytes (on CPU the simulated device's, as trials measure it; on
 CUDA torch.cuda's max allocated and max reserved), from before the model is built to the last step.
@@ -127,11 +131,11 @@ from trials import hf
 
 from trials.core import allocator
 from trials.training.config_file import parse_config
-from trials.training.data import mesh_batch
+from trials.training.data import mesh_batch, read_token_data
 from trials.core.dist import init_mesh
 from trials.core.memory import DeviceMemoryTracker
 from trials.training.step import make_optimizer, train_step
-from trials.train import TokenSource
+from trials.train import TokenSource, TrainOptions, packing
 
 CONFIG = json.loads(
     r"""
@@ -149,11 +153,28 @@ def peak_bytes(mesh, tracker) -> dict:
     }}
 
 
+def token_data(args, config):
+    """--data's tokens, where its documents end when packed (None: one stream of windows) and a warning where that
+    differs from the documents the config's estimate assumed (trials.train.packing); all None without --data."""
+    if args.data is None:
+        if args.pack:
+            raise ValueError("--pack needs --data (the synthetic tokens are one document per window)")
+        return None, None, None
+    with open(os.path.join(args.model, "config.json")) as file:
+        data = read_token_data(args.data, json.load(file)["vocab_size"])
+    options = TrainOptions(config="", data=args.data, pack=args.pack, init=args.model)  # EOS: the folder's
+    packed = packing(options, config, {{}}, data)
+    return data.tokens, packed.ends, packed.warning
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="Hugging Face model folder (config.json + safetensors)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--data", default=None, help="Parquet/Arrow file of token ids (default: synthetic tokens)")
+    parser.add_argument("--pack", dest="pack", action="store_true", default=None,
+                        help="pack --data's documents into windows (default: if the config's documents are packed)")
+    parser.add_argument("--no-pack", dest="pack", action="store_false", help="read --data as one stream of windows")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic tokens")
     parser.add_argument("--config", default=None, help="another autotune config file (default: the one above)")
@@ -161,6 +182,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     config = parse_config(json.load(open(args.config)) if args.config else CONFIG, args.config or "CONFIG")
     techniques, seq_len = config.techniques, config.seq_len
+    try:  # --data read and checked whole before any rank builds the model, and packed as autotune run packs it
+        stream, ends, warning = token_data(args, config)
+    except ValueError as exc:  # trials' DataError is one; every rank refuses alike, the first says why
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{{os.path.basename(sys.argv[0])}}: {{str(exc).strip().splitlines()[0]}}", file=sys.stderr)
+        return 2
+    if warning is not None and int(os.environ.get("RANK", "0")) == 0:
+        print(f"warning: {{warning}}", file=sys.stderr, flush=True)
     allocator.configure()  # before CUDA starts: the allocator settings the trials measured under
     mesh = init_mesh(techniques.ulysses_degree, ring_degree=techniques.ring_degree)
     tracker = DeviceMemoryTracker() if mesh.device.type != "cuda" else None
@@ -170,10 +199,10 @@ def main(argv=None) -> int:
     with tracker if tracker is not None else contextlib.nullcontext():
         model = hf.from_pretrained(args.model, techniques, mesh)
         optimizer = make_optimizer(model, techniques, mesh, lr=args.lr)
-        source = TokenSource(seq_len, model.config.vocab_size, args.seed, args.data)
+        source = TokenSource(seq_len, model.config.vocab_size, args.seed, stream=stream, ends=ends)
         for step in range(args.steps):
-            tokens = source.window(step * mesh.dp_size + mesh.dp_rank)
-            batch = mesh_batch(tokens, mesh)
+            index = step * mesh.dp_size + mesh.dp_rank
+            batch = mesh_batch(source.window(index), mesh, documents=source.documents(index))
             start = time.perf_counter()
             result = train_step(model, optimizer, batch, mesh)
             losses.append(result.loss)

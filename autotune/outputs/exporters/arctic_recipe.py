@@ -8,6 +8,9 @@ with ``sequence_parallel_size > 1`` the logits + loss are always tiled (DeepSpee
 about 1 GiB of fp32 logits per tile, ``arctic_training/trainer/sft_trainer.py``), and not at all without it;
 ``activation_checkpoint_cpu_offload`` offloads every checkpointed layer input. Activation checkpointing is its
 default (``model.disable_activation_checkpoint`` turns it off). It has no head chunking and no tiled RMSNorm.
+``type: causal`` packs: its data factory puts each text row (a document) into ``max_length`` windows back to back
+with ``position_ids`` restarting at each (``slice_and_pack_causal_batch``; no key turns it off), which
+``flash_attention_2`` masks by; with another kernel the export re-estimates it attending across the documents.
 The recipe uses the Hugging Face model factory, not ``type: liger``: Liger's kernels change the memory in ways
 the oracle does not model, so a recipe using them could not claim the length it was estimated at.
 """

@@ -100,6 +100,7 @@ def alst_python(config: TrialConfig, notes: list[str], json_name: str) -> str:
     model = AutoModelForCausalLM.from_pretrained(MODEL, attn_implementation=ATTENTION, dtype=torch.bfloat16)
     after_model(model)                          # activation checkpointing
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config="{json_name}", mpu=mpu)
+    loader = packed_windows(documents)          # your documents (lists of token ids) packed, as autotune run --pack
     loader = sequence_parallel_loader(loader, engine.device)  # each batch: input_ids, labels, position_ids
     for batch in loader:
         with offload_context():                 # checkpointed inputs to the host, through forward and backward
@@ -119,10 +120,12 @@ from deepspeed.runtime.sequence_parallel.ulysses_sp import (
     TiledFusedLogitsLoss, TiledMLP, UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter,
 )
 from deepspeed.utils import groups
+from transformers import DataCollatorWithFlattening
 {imports}
 
 MODEL = {hf_model_name(config.model)!r}
 SEQ_LEN = {config.seq_len}                 # tokens per sequence
+DOCUMENTS = {json.dumps(config.documents.to_json())}  # what the estimate packed per sequence ("one": whole sequences)
 SEQUENCE_PARALLEL = {t.ulysses_degree}     # Ulysses degree
 ATTENTION = {hf_attention(t)!r}
 CHECKPOINTING = {t.activation_checkpointing}
@@ -153,6 +156,25 @@ def sequence_parallel_loader(loader, device):
     group = groups._get_sequence_parallel_group()
     return UlyssesSPDataLoaderAdapter(loader, sp_rank=dist.get_rank(group), sp_group=group,
                                       sp_world_size=SEQUENCE_PARALLEL, device=device)
+
+
+def packed_windows(documents):
+    """``documents`` (lists of token ids) back to back in windows of SEQ_LEN tokens, a document crossing a window's
+    end cut there (the last, partial window dropped): each window one batch of input_ids, labels and position_ids
+    that restart at 0 at each document (transformers' DataCollatorWithFlattening: each document's first label is
+    -100, so no label crosses a boundary). Attention stays inside each document where the kernel reads the
+    position_ids (transformers' flash_attention_2 derives cu_seqlens from them)."""
+    collate = DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
+    pieces, room = [], SEQ_LEN
+    for document in documents:
+        document = list(document)
+        while document:
+            piece, document = document[:room], document[room:]
+            pieces.append({{"input_ids": piece}})
+            room -= len(piece)
+            if room == 0:
+                yield collate(pieces)
+                pieces, room = [], SEQ_LEN
 
 
 def offload_context():

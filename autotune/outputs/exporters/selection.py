@@ -8,7 +8,9 @@ exit 1) names the longest length the format's expressible configs reach; with ``
 config at the target is exported anyway. Whenever the trainer runs anything differently from the searched config
 (``Exporter.gaps``), the plan backend re-estimates what the trainer will run, and where that does not fit at the
 config's length the export is for the longest length it fits (``find_max_seq``): an export never claims a length
-its trainer cannot reach.
+its trainer cannot reach. Packed documents the trainer cannot mask (``Trainer.masks_documents``: it attends across
+their boundaries) are re-estimated the same way, with attention over each whole window (``Trainer.documents_run``:
+``--documents one``), printed beside the estimate as searched.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from autotune.core.errors import UserError
 from autotune.core.record import ResultRecord
 from autotune.outputs.exporters.base import Exporter, ExportJob, Gap, Rendered
 from autotune.outputs.exporters.front import entry_config, entry_techniques, load_front
+from trials.kernels.documents import DocumentsSpec
 from trials.models.config import load_model_config
 from trials.training.config_file import TrialConfig
 
@@ -57,6 +60,7 @@ def export_job(front_doc: dict, entry: dict, model_config: dict) -> ExportJob:
         seq_len=entry["seq_len"],
         techniques=entry_techniques(entry),
         nodes=front_doc.get("nodes", 1),
+        documents=DocumentsSpec.from_json(front_doc.get("documents")),
     )
 
 
@@ -113,15 +117,17 @@ def search_hardware(front_doc: dict):
 def re_estimate(
     exporter: Exporter, job: ExportJob, hardware, progress: Callable[[str], None] | None = None
 ) -> tuple[ExportJob, ResultRecord]:
-    """What the trainer runs for ``job`` (its techniques, at ``job``'s length or, where that does not fit, at the
-    longest length it fits) and the plan backend's record of it; the record is a failure where it fits nowhere.
-    Lengths tried are multiples of 1024 and of what the length must divide (the Ulysses degree), not of the
-    trainer's tile sizes: tiles need not divide the sequence."""
+    """What the trainer runs for ``job`` (its techniques on ``job``'s documents, at ``job``'s length or, where that
+    does not fit, at the longest length it fits) and the plan backend's record of it; the record is a failure where
+    it fits nowhere. Lengths tried are multiples of 1024 and of what the length must divide (the Ulysses degree), not
+    of the trainer's tile sizes: tiles need not divide the sequence."""
     from autotune.backends import Evaluation, make_backend
     from autotune.search.max_seq import find_trainer_max_seq, trainer_techniques_at
 
     say = progress or (lambda line: None)
-    asked = Evaluation(job.model_config, job.techniques, job.seq_len, job.gpus, hardware, job.nodes)
+    asked = Evaluation(
+        job.model_config, job.techniques, job.seq_len, job.gpus, hardware, job.nodes, documents=job.documents
+    )
     plan = make_backend("plan")
     trainer_job = dataclasses.replace(job, techniques=trainer_techniques_at(exporter.trainer, asked, job.seq_len))
     evaluation = dataclasses.replace(asked, techniques=trainer_job.techniques)
@@ -183,23 +189,33 @@ def export_entry(
     record = entry["record"]
     where = f"{searched.nodes} nodes x " if searched.nodes > 1 else ""
     which = "best.json's config, trial" if entry == front_doc.get("best") else "front trial"
+    packed = "" if searched.documents.one else f" ({searched.documents.describe()}, each attended alone)"
     notes = [
-        f"autotune: {searched.model}, {searched.seq_len:,} tokens on {where}{searched.gpus}x {searched.hardware}, "
-        f"{which} {entry['trial']}: {_record_line(record, hardware.device_memory_bytes)}"
+        f"autotune: {searched.model}, {searched.seq_len:,} tokens{packed} on {where}{searched.gpus}x "
+        f"{searched.hardware}, {which} {entry['trial']}: {_record_line(record, hardware.device_memory_bytes)}"
     ]
     estimate = None
     seq_len = searched.seq_len
-    if gaps:
-        trainer_job, estimate = re_estimate(exporter, job, hardware, progress)
-        partial = any(gap.needs_more_memory for gap in gaps)
+    # packed documents the trainer cannot mask: its attention runs over each whole window
+    documents = exporter.trainer.documents_run(searched.documents, trainer_job.techniques.attention)
+    unmasked = documents != searched.documents
+    if gaps or unmasked:
+        trainer_job, estimate = re_estimate(exporter, dataclasses.replace(job, documents=documents), hardware, progress)
+        if gaps:
+            partial = any(gap.needs_more_memory for gap in gaps)
+            notes.append(
+                f"PARTIAL EXPORT (--allow-partial): {exporter.trainer.words} will not do all that trial "
+                f"{entry['trial']} does:"
+                if partial
+                else f"{exporter.trainer.words} does some of it its own way, never with more device memory:"
+            )
+            notes += [f"  {gap.line(exporter.trainer.words)}" for gap in gaps]
+        if unmasked:
+            notes.append(exporter.trainer.packing_note(searched.documents, trainer_job.techniques.attention))
+        across = " attending across the documents (--documents one)" if unmasked else ""
         notes.append(
-            f"PARTIAL EXPORT (--allow-partial): {exporter.trainer.words} will not do all that trial {entry['trial']} does:"
-            if partial
-            else f"{exporter.trainer.words} does some of it its own way, never with more device memory:"
-        )
-        notes += [f"  {gap.line(exporter.trainer.words)}" for gap in gaps]
-        notes.append(
-            f"re-estimate of what {exporter.trainer.words} runs: {_record_line(estimate, hardware.device_memory_bytes)}"
+            f"re-estimate of what {exporter.trainer.words} runs{across}: "
+            f"{_record_line(estimate, hardware.device_memory_bytes)}"
         )
         if estimate.status != "ok":
             raise NotExpressible(
@@ -224,7 +240,7 @@ def export_entry(
         documents=searched.documents,
     )
     packing = exporter.trainer.packing_note(searched.documents, config.techniques.attention)
-    if packing:
+    if packing and not unmasked:  # an unmasked one is said beside its re-estimate
         notes.append(packing)
     unpredicted = exporter.trainer.prediction_note(config.techniques)
     if unpredicted:
