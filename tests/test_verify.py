@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import time
 
 import optuna
 import pyarrow.parquet as pq
@@ -64,16 +63,14 @@ def verified(tmp_path_factory):
         "front": json.loads((out / "pareto.json").read_text())["front"],
         "best": json.loads((out / "best.json").read_text()),
     }
-    start = time.monotonic()
     first = run_cli("verify", str(out), "--top", "2", "--json")
-    first_s = time.monotonic() - start
     assert first.returncode == 0, first.stderr[-3000:]
-    return out, before, json.loads(first.stdout), first, first_s
+    return out, before, json.loads(first.stdout), first
 
 
 @pytest.mark.slow
 def test_verify_measures_the_top_of_the_front_and_the_best(verified):
-    out, before, result, first, _ = verified
+    out, before, result, first = verified
     fastest = sorted(before["front"], key=lambda f: -f["tokens_per_s"])[:2]
     ran = {o["trial"]: o for o in result["verified"] if o["ran"]}
     assert {f["trial"] for f in fastest} <= set(ran), (fastest, list(ran))
@@ -105,7 +102,7 @@ def test_verify_measures_the_top_of_the_front_and_the_best(verified):
 
 @pytest.mark.slow
 def test_front_and_best_carry_the_measured_records(verified, capsys):
-    out, _, result, _, _ = verified
+    out, _, result, _ = verified
     doc = json.loads((out / "pareto.json").read_text())
     measured = {o["trial"]: o["measured"] for o in result["verified"]}
     for entry in doc["front"]:
@@ -131,11 +128,9 @@ def test_front_and_best_carry_the_measured_records(verified, capsys):
 
 @pytest.mark.slow
 def test_a_second_run_skips_what_was_measured(verified):
-    out, _, result, _, first_s = verified
+    out, _, result, _ = verified
     before = pq.read_table(out / "trials.parquet").to_pylist()
-    start = time.monotonic()
     again = run_cli("verify", str(out), "--top", "2", "--json")
-    again_s = time.monotonic() - start
     assert again.returncode == 0, again.stderr[-3000:]
     second = json.loads(again.stdout)
     assert second["verified"] and not any(o["ran"] for o in second["verified"])
@@ -143,7 +138,6 @@ def test_a_second_run_skips_what_was_measured(verified):
     assert {o["trial"] for o in second["verified"]} <= ran_first | {o["trial"] for o in result["verified"]}
     assert "already measured" in again.stderr
     assert pq.read_table(out / "trials.parquet").to_pylist() == before
-    assert again_s < min(30.0, first_s), (again_s, first_s)
 
 
 # --- the logic, with a scripted backend (no real trials) -----------------------------------------------------------
