@@ -24,7 +24,14 @@ TILED = dict(mlp_tile_tokens=512, loss_tile_tokens=256, norm_tile_tokens=512)  #
 
 
 def _record(
-    seq_len: int, memory_gib: float, every_tile: bool, monkeypatch, stop_above=None, documents=ONE, **techniques
+    seq_len: int,
+    memory_gib: float,
+    every_tile: bool,
+    monkeypatch,
+    stop_above=None,
+    documents=ONE,
+    hardware="cpu",
+    **techniques,
 ) -> dict:
     repeated = []
     repeat = oracle_repeats.TileWatcher.repeat
@@ -39,9 +46,8 @@ def _record(
         monkeypatch.setenv(oracle_repeats.EVERY_TILE_ENV, "1")
     else:
         monkeypatch.delenv(oracle_repeats.EVERY_TILE_ENV, raising=False)
-    hardware = load_hardware("cpu").with_memory_gib(memory_gib)
-    model = load_model_config("tiny-llama")
-    evaluation = Evaluation(model, Techniques(**techniques), seq_len, 1, hardware, documents=documents)
+    model, on = load_model_config("tiny-llama"), load_hardware(hardware).with_memory_gib(memory_gib)
+    evaluation = Evaluation(model, Techniques(**techniques), seq_len, 1, on, documents=documents)
     record = PlanBackend(stop_above=stop_above).evaluate(evaluation).to_dict()
     return record, sum(repeated)
 
@@ -68,15 +74,16 @@ def test_repeated_tiles_give_the_record_of_every_tile(monkeypatch, techniques):
     [
         ((512,), {}),  # 16 documents of one length: a whole layer's per-document calls
         ((512,) * 12 + (1024, 1024), dict(head_chunk=1, activation_checkpointing=True)),  # head chunks; a longer tail
+        ((512,), dict(attention="flash", head_chunk=1, hardware="h100-sxm")),  # FA2's residuals: lse and RNG state
     ],
-    ids=["whole layer", "head chunks+checkpoint"],
+    ids=["whole layer", "head chunks+checkpoint", "flash head chunks"],
 )
 def test_repeated_documents_give_the_record_of_every_document(monkeypatch, documents, techniques):
     """Packed documents of one length are identical iterations of each layer's attention, forward and backward:
     the record accounting for them equals the one tracing each document, byte for byte and count for count."""
     spec = DocumentsSpec(documents)
-    every, none_repeated = _record(8 * K, 4.0, True, monkeypatch, documents=spec, **techniques)
-    shortened, repeated = _record(8 * K, 4.0, False, monkeypatch, documents=spec, **techniques)
+    every, none_repeated = _record(8 * K, 80.0, True, monkeypatch, documents=spec, **techniques)
+    shortened, repeated = _record(8 * K, 80.0, False, monkeypatch, documents=spec, **techniques)
     assert none_repeated == 0 and repeated > 0
     assert every["status"] == "ok"  # no tile knobs: what was repeated is documents
     assert shortened == every
