@@ -4,9 +4,13 @@ store of its own (``AUTOTUNE_CACHE_DIR`` in a temp dir):
 
 1. ``autotune estimate --config <the full stack> --max-seq`` for llama3-8b on 8x h100-sxm (the length model);
 2. the README's main job, ``autotune search --model llama3-8b --target 5M``, cold; then again warm (its store).
+   With ``--documents 64K`` the search is over packed documents (``--documents 64K``: 80 per 5M sequence, each its
+   own attention call, identical documents accounted for like tiles), and its best config is set beside the
+   single-document best (``bench/results/main_job.txt``'s point at 5,242,880 tokens).
 
     .venv/bin/python bench/planner_speed.py
     .venv/bin/python bench/planner_speed.py --skip-main-job     # the --max-seq lines only
+    .venv/bin/python bench/planner_speed.py --skip-max-seq --skip-warm --documents 64K   # the packed search
 
 Each line gives the wall time and the CPU time of the process: on a shared machine the wall follows the load
 (printed), the CPU time much less. The answers must be equal: the --max-seq record whole, the main job's
@@ -98,43 +102,72 @@ def _front(out: Path) -> list:
     return [(e["seq_len"], e["tokens_per_s"]) for e in json.loads((out / "pareto.json").read_text())["front"]]
 
 
-def _main_job(autotune: str, scratch: Path) -> tuple[bool, float, float]:
-    print(f"$ autotune search --model llama3-8b --target 5M   (cold: an empty plan store each; {_load()})")
+def _main_job(autotune: str, scratch: Path, documents: str | None, warm: bool) -> tuple[bool, float, float]:
+    search = ["search", "--model", "llama3-8b", "--target", "5M"] + (["--documents", documents] if documents else [])
+    print(f"$ autotune {' '.join(search)}   (cold: an empty plan store each; {_load()})")
     runs = {}
     for name, extra in PATHS:
         env = dict(os.environ, AUTOTUNE_CACHE_DIR=str(scratch / f"store-{len(runs)}"), **extra)
         out = scratch / f"out-{len(runs)}"
-        command = [autotune, "search", "--model", "llama3-8b", "--target", "5M", "--out", str(out)]
-        _, wall, cpu = _run(command, env)
+        _, wall, cpu = _run([autotune, *search, "--out", str(out)], env)
         runs[name] = (out, wall, cpu, env)
-        print(f"  {name:<15} {wall:7.1f} s wall {cpu:7.1f} s CPU   front {len(_front(out))} points", flush=True)
+        print(
+            f"  {name:<15} {wall:7.1f} s wall {cpu:7.1f} s CPU   front {len(_front(out))} points   (after: {_load()})",
+            flush=True,
+        )
     (old_out, old_wall, old_cpu, _), (new_out, new_wall, new_cpu, new_env) = runs.values()
-    warm_out = scratch / "out-warm"
-    _, warm_wall, warm_cpu = _run(
-        [autotune, "search", "--model", "llama3-8b", "--target", "5M", "--out", str(warm_out)], new_env
-    )
-    print(f"  {'warm (repeated)':<15} {warm_wall:7.1f} s wall {warm_cpu:7.1f} s CPU   (the store the run above filled)")
-    fronts = _front(old_out) == _front(new_out) == _front(warm_out)
+    outs = [old_out, new_out]
+    if warm:
+        outs.append(scratch / "out-warm")
+        _, warm_wall, warm_cpu = _run([autotune, *search, "--out", str(outs[-1])], new_env)
+        print(
+            f"  {'warm (repeated)':<15} {warm_wall:7.1f} s wall {warm_cpu:7.1f} s CPU   (the store the run above filled)"
+        )
+    fronts = all(_front(out) == _front(old_out) for out in outs)
     best = (old_out / "best.json").read_bytes() == (new_out / "best.json").read_bytes()
     print(
         f"  fronts equal (lengths, tokens/s): {'yes' if fronts else 'NO'}; best.json equal: {'yes' if best else 'NO'}"
     )
     print(f"  repeated / every tile: {new_wall / old_wall:.2f}x the wall, {new_cpu / old_cpu:.2f}x the CPU time")
+    if documents:
+        _beside_single_document(new_out / "best.json")
     return fronts and best, new_wall, old_wall
+
+
+def _beside_single_document(best_json: Path) -> None:
+    """The packed search's best config beside the single-document best at 5M (``bench/results/main_job.txt``)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from packed_documents import main_job_best
+
+    best = json.loads(best_json.read_text())
+    single = main_job_best(5 * 1024**2)
+    techniques = best["techniques"]
+    differs = {k: (single.get(k), v) for k, v in techniques.items() if single.get(k) != v}
+    print(f"  best.json: {best['seq_len']:,} tokens at {best['predicted']['tokens_per_s']:,.0f} tokens/s")
+    print(f"  best config: {json.dumps(techniques, sort_keys=True)}")
+    if differs:
+        said = ", ".join(f"{k} {a} -> {b}" for k, a, b in ((k, *ab) for k, ab in sorted(differs.items())))
+        print(f"  differs from the single-document best at 5M (bench/results/main_job.txt) in: {said}")
+    else:
+        print("  the same config as the single-document best at 5M (bench/results/main_job.txt)")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--autotune", default=str(Path(sys.executable).parent / "autotune"))
     parser.add_argument("--skip-main-job", action="store_true")
+    parser.add_argument("--skip-max-seq", action="store_true")
+    parser.add_argument("--skip-warm", action="store_true", help="no warm run of the search after the cold ones")
+    parser.add_argument("--documents", help="search over packed documents (the search's --documents)")
     args = parser.parse_args(argv)
     scratch = Path(tempfile.mkdtemp(prefix="planner_speed-"))
-    ok = _max_seq(args.autotune, scratch)
+    ok = args.skip_max_seq or _max_seq(args.autotune, scratch)
     if args.skip_main_job:
         return 0 if ok else 1
-    equal, new_wall, old_wall = _main_job(args.autotune, scratch)
+    equal, new_wall, old_wall = _main_job(args.autotune, scratch, args.documents, not args.skip_warm)
     print(f"after: {_load()}")
-    print(f"cold main job: {new_wall:.0f} s wall ({new_wall / old_wall:.2f}x tracing every tile)")
+    job = f"packed search (--documents {args.documents})" if args.documents else "main job"
+    print(f"cold {job}: {new_wall:.0f} s wall ({new_wall / old_wall:.2f}x tracing every tile)")
     return 0 if ok and equal else 1
 
 

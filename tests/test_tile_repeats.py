@@ -15,6 +15,7 @@ from autotune.core.hardware import load_hardware
 from autotune.oracle import repeats as oracle_repeats
 from trials.core.memory import DeviceMemoryTracker
 from trials.core.repeats import LoopWatcher, for_each_tile, watching
+from trials.kernels.documents import ONE, DocumentsSpec
 from trials.models.config import load_model_config
 from trials.stack.techniques import Techniques
 
@@ -22,7 +23,16 @@ K = 1024
 TILED = dict(mlp_tile_tokens=512, loss_tile_tokens=256, norm_tile_tokens=512)  # 8-16 tiles of each per rank
 
 
-def _record(seq_len: int, memory_gib: float, every_tile: bool, monkeypatch, stop_above=None, **techniques) -> dict:
+def _record(
+    seq_len: int,
+    memory_gib: float,
+    every_tile: bool,
+    monkeypatch,
+    stop_above=None,
+    documents=ONE,
+    hardware="cpu",
+    **techniques,
+) -> dict:
     repeated = []
     repeat = oracle_repeats.TileWatcher.repeat
 
@@ -36,8 +46,8 @@ def _record(seq_len: int, memory_gib: float, every_tile: bool, monkeypatch, stop
         monkeypatch.setenv(oracle_repeats.EVERY_TILE_ENV, "1")
     else:
         monkeypatch.delenv(oracle_repeats.EVERY_TILE_ENV, raising=False)
-    hardware = load_hardware("cpu").with_memory_gib(memory_gib)
-    evaluation = Evaluation(load_model_config("tiny-llama"), Techniques(**techniques), seq_len, 1, hardware)
+    model, on = load_model_config("tiny-llama"), load_hardware(hardware).with_memory_gib(memory_gib)
+    evaluation = Evaluation(model, Techniques(**techniques), seq_len, 1, on, documents=documents)
     record = PlanBackend(stop_above=stop_above).evaluate(evaluation).to_dict()
     return record, sum(repeated)
 
@@ -56,6 +66,26 @@ def test_repeated_tiles_give_the_record_of_every_tile(monkeypatch, techniques):
     shortened, repeated = _record(8 * K, 4.0, False, monkeypatch, **techniques)
     assert none_repeated == 0 and repeated > 0  # the watcher stood in for tiles, and only where asked
     assert every["status"] == "ok" and every["tokens_per_s"] > 0
+    assert shortened == every
+
+
+@pytest.mark.parametrize(
+    "documents, techniques",
+    [
+        ((512,), {}),  # 16 documents of one length: a whole layer's per-document calls
+        ((512,) * 12 + (1024, 1024), dict(head_chunk=1, activation_checkpointing=True)),  # head chunks; a longer tail
+        ((512,), dict(attention="flash", head_chunk=1, hardware="h100-sxm")),  # FA2's residuals: lse and RNG state
+    ],
+    ids=["whole layer", "head chunks+checkpoint", "flash head chunks"],
+)
+def test_repeated_documents_give_the_record_of_every_document(monkeypatch, documents, techniques):
+    """Packed documents of one length are identical iterations of each layer's attention, forward and backward:
+    the record accounting for them equals the one tracing each document, byte for byte and count for count."""
+    spec = DocumentsSpec(documents)
+    every, none_repeated = _record(8 * K, 80.0, True, monkeypatch, documents=spec, **techniques)
+    shortened, repeated = _record(8 * K, 80.0, False, monkeypatch, documents=spec, **techniques)
+    assert none_repeated == 0 and repeated > 0
+    assert every["status"] == "ok"  # no tile knobs: what was repeated is documents
     assert shortened == every
 
 

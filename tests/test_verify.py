@@ -18,6 +18,7 @@ from autotune.core.record import ResultRecord
 from autotune.outputs import report, verify
 from autotune.search.front import front_points, measurements
 from autotune.search.job import SearchJob
+from trials.kernels.documents import DocumentsSpec
 from trials.models.config import load_model_config
 from trials.stack.techniques import BASELINE
 from trials.training.config_file import load_config_file
@@ -140,6 +141,32 @@ def test_a_second_run_skips_what_was_measured(verified):
     assert pq.read_table(out / "trials.parquet").to_pylist() == before
 
 
+@pytest.mark.slow
+def test_verify_for_other_documents_measures_them_and_keeps_the_search_records(verified):
+    """``--documents`` other than the search's: one line says so; each chosen config is predicted and measured for
+    those documents; the folder's study and outputs stay the search's."""
+    out = verified[0]
+    files = {name: (out / name).read_bytes() for name in ("pareto.json", "best.json", "trials.parquet")}
+    study = verify.open_folder(out).study
+    stored = measurements(study)
+    done = run_cli("verify", str(out), "--top", "1", "--documents", "512", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if "--documents" in line]
+    assert said == [
+        f"--documents 512 overrides the search's one: each config is predicted and measured for documents of 512 "
+        f"tokens; {str(out)!r} keeps the search's records"
+    ]
+    result = json.loads(done.stdout)
+    assert result["documents"] == 512 and result["verified"] and all(o["ran"] for o in result["verified"])
+    for outcome in result["verified"]:
+        searched = study.trials[outcome["trial"]].user_attrs["record"]
+        assert outcome["measured"]["status"] == "ok" and outcome["measured"]["source"] == "measured"
+        # 4 documents of 512 tokens: a quarter of the causal pairs of one 2K document, predicted faster
+        assert outcome["predicted"]["tokens_per_s"] > searched["tokens_per_s"]
+    assert {name: (out / name).read_bytes() for name in files} == files
+    assert measurements(verify.open_folder(out).study) == stored
+
+
 # --- the logic, with a scripted backend (no real trials) -----------------------------------------------------------
 
 
@@ -249,6 +276,36 @@ def test_a_measured_oom_drops_a_config_and_the_new_best_is_measured_too(tmp_path
     assert backend.calls[3:] == [4096, 2048]
 
 
+class Remembering(Scripted):
+    """A scripted backend that keeps each evaluation it was given."""
+
+    def __init__(self, answers: dict, source: str = "measured"):
+        super().__init__(answers, source)
+        self.evaluations = []
+
+    def evaluate(self, evaluation):
+        self.evaluations.append(evaluation)
+        return super().evaluate(evaluation)
+
+
+def test_verify_for_documents_predicts_and_measures_them_and_stores_nothing(tmp_path):
+    folder = _folder(tmp_path, [(FSDP, 2048, 2000.0), (PLAIN, 1024, 2500.0)])
+    written = {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.suffix in (".json", ".parquet")}
+    ok = {"status": "ok", "peak_device_bytes": 2**27, "host_bytes": 0}
+    predictor = Remembering({2048: {**ok, "tokens_per_s": 4000.0}, 1024: {**ok, "tokens_per_s": 4500.0}}, "predicted")
+    backend = Remembering({2048: {**ok, "tokens_per_s": 3800.0}, 1024: {**ok, "tokens_per_s": 4400.0}})
+    node = load_hardware("cpu").with_memory_gib(0.25)
+    packed = DocumentsSpec((512,))
+    result = verify.verify_for_documents(folder, verify.select(folder, None), packed, backend, predictor, node)
+    assert [(o.trial, o.seq_len, o.ran) for o in result.outcomes] == [(1, 1024, True), (0, 2048, True)]
+    assert [o.ratio("tokens_per_s") for o in result.outcomes] == [4400.0 / 4500.0, 3800.0 / 4000.0]
+    assert all(e.documents == packed for e in predictor.evaluations + backend.evaluations)
+    assert {e.hardware for e in predictor.evaluations} == {folder.job.hardware}  # predicted for the search's
+    assert {e.hardware for e in backend.evaluations} == {node}  # measured on this node
+    assert measurements(folder.study) == {}
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.name in written} == written
+
+
 def test_a_failed_trial_is_reported_and_tried_again(tmp_path):
     folder = _folder(tmp_path, [(FSDP, 2048, 2000.0)])
     hw = load_hardware("cpu").with_memory_gib(0.5)
@@ -293,7 +350,17 @@ def _old_folder(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "case", ["not a search folder", "a file", "--top 0", "--depth", "older folder", "no study.db", "unknown --study"]
+    "case",
+    [
+        "not a search folder",
+        "a file",
+        "--top 0",
+        "--depth",
+        "older folder",
+        "no study.db",
+        "unknown --study",
+        "--documents",
+    ],
 )
 def test_bad_input_exits_2_with_one_line(case, tmp_path, capsys):
     argv = {
@@ -308,6 +375,12 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path, capsys):
             str(_folder(tmp_path, [(FSDP, 2048, 1.0)]).directory),
             "--study",
             "other",
+        ],
+        "--documents": lambda: [
+            "verify",
+            str(_folder(tmp_path, [(FSDP, 2048, 1.0)]).directory),
+            "--documents",
+            "half",
         ],
     }[case]()
     code = main(argv)

@@ -13,6 +13,7 @@ from rich.table import Table
 from autotune.cli.common import OUT, RDZV_HELP, app, console, fail, follow, say
 from autotune.cli.interrupts import interrupts_deferred
 from autotune.cli.options import ranged_option
+from autotune.core.documents import DOCUMENTS_HELP
 
 
 @app.command()
@@ -41,6 +42,9 @@ def verify(
         "the nodes the search planned for (default: the search's; with --rdzv-endpoint say it on every node)",
     ),
     rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help=RDZV_HELP + "; only the driver needs DIR"),
+    documents: str | None = typer.Option(
+        None, help=DOCUMENTS_HELP + " (default: the search's; others are predicted and measured, not stored)"
+    ),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ):
     """Re-measure a search's front with real trials on this node (or its nodes); outputs gain the measured
@@ -54,20 +58,28 @@ def verify(
         follow(make_backend("local", group=group), "verify")
         return
     try:
-        _verify(directory, top, depth, force, memory_gib, trial_timeout, storage, study, nodes, group, as_json)
+        _verify(
+            directory, top, depth, force, memory_gib, trial_timeout, storage, study, nodes, group, documents, as_json
+        )
     finally:
         if group is not None:
             group.finish()
 
 
-def _verify(directory, top, depth, force, memory_gib, trial_timeout, storage, study, nodes, group, as_json) -> None:
+def _verify(
+    directory, top, depth, force, memory_gib, trial_timeout, storage, study, nodes, group, documents, as_json
+) -> None:
     from autotune.backends import make_backend
     from autotune.backends.plan_store import default_store
+    from autotune.core.documents import describe_documents, parse_documents
     from autotune.outputs import verify as verify_mod
 
+    spec = parse_documents(documents) if documents is not None else None
     if not directory.exists():
         fail(f"{str(directory)!r} does not exist: give the --out folder of a search")
     folder = verify_mod.open_folder(directory, storage, study)
+    if spec == folder.job.documents:
+        spec = None  # the search's own: verified as without --documents
     if nodes is not None and nodes != folder.job.nodes:
         fail(f"--nodes {nodes}, but the search in {str(directory)!r} planned for {folder.job.nodes} node(s)")
     if folder.job.nodes > 1 and group is None:
@@ -99,13 +111,23 @@ def _verify(directory, top, depth, force, memory_gib, trial_timeout, storage, st
     def on_outcome(outcome, index, total):
         say(verify_mod.progress_line(outcome, index, total))
 
-    with interrupts_deferred() as deferral:  # once measuring stops, the outputs are written whatever comes
-        result = verify_mod.verify(
-            folder, chosen, backend, hw, depth=depth, force=force, on_outcome=on_outcome, interruptible=deferral.lifted
+    if spec is not None:
+        say(
+            f"--documents {describe_documents(spec)} overrides the search's {describe_documents(folder.job.documents)}: "
+            f"each config is predicted and measured for {spec.describe()}; {str(directory)!r} keeps the search's records"
         )
+    with interrupts_deferred() as deferral:  # once measuring stops, the outputs are written whatever comes
+        if spec is None:
+            result = verify_mod.verify(
+                folder, chosen, backend, hw, depth, force, on_outcome=on_outcome, interruptible=deferral.lifted
+            )
+        else:
+            result = verify_mod.verify_for_documents(
+                folder, chosen, spec, backend, plan, hw, depth, on_outcome=on_outcome, interruptible=deferral.lifted
+            )
     result.interrupted = result.interrupted or deferral.arrived
     if as_json:
-        OUT.print(json.dumps(verify_mod.to_json(folder, result, depth, hw)))
+        OUT.print(json.dumps(verify_mod.to_json(folder, result, depth, hw, spec)))
     else:
         _print_table(result, directory)
     for outcome in result.failed:

@@ -1,17 +1,19 @@
 """The memory oracle's stand-in for identical tiles: a ``trials.core.repeats.LoopWatcher`` over one fake trace.
 
-A tile loop at millions of tokens runs hundreds of identical iterations; under fake tensors each costs the
-oracle ~100 dispatches and computes nothing. ``TileWatcher.observe`` runs one iteration and returns its
-signature: how it changed the live device and host bytes by category and the number of live storages (not at
-all, or by one kept result), the highest live bytes above where it started, the segment it ran in, and every
-increment it made to the step counters (``StepCounter.recording``). Two consecutive iterations with equal signatures are the same
-computation on the same state (or, for a loop that keeps each result, on a state grown by one result); every
-further one would be too. ``repeat`` adds the counted increments again, in the same order, once per iteration
-not run, so the counts are those of the whole loop to the last bit. Memory needs nothing where the state
-repeats: the peak and every segment's peak were reached by the iterations that ran. Where each result is kept,
-``repeat`` allocates a stand-in of each (uncounted: no op of the step made it), so the iterations that still
-run start from the live bytes they would have, and does so only when none of the skipped iterations would have
-crossed a limit that stops the trace (its peak then is where it stopped).
+A tile loop at millions of tokens runs hundreds of identical iterations (sequence tiles; packed documents of one
+length, each its own attention call); under fake tensors each costs the oracle ~100 dispatches and computes
+nothing. ``TileWatcher.observe`` runs one iteration and returns its signature: how it changed the live device
+and host bytes by category and the number of live storages (not at all, or by one kept result), the highest
+live bytes above where it started, the segment it ran in, and every increment it made to the step counters
+(``StepCounter.recording``: the phases' counts and the attention calls). Two consecutive iterations with equal
+signatures are the same computation on the same state (or, for a loop that keeps each result, on a state grown
+by one result); every further one would be too. ``repeat`` adds the counted increments again, in the same order,
+once per iteration not run, so the counts are those of the whole loop to the last bit. Memory needs nothing where
+the state repeats: the peak and every segment's peak were reached by the iterations that ran. Where each result
+is kept, ``repeat`` allocates a stand-in of each (a tensor, or a tuple of tensors: a kernel's residuals;
+uncounted: no op of the step made it), so the iterations that still run start from the live bytes they would
+have, and does so only when none of the skipped iterations would have crossed a limit that stops the trace (its
+peak then is where it stopped).
 """
 
 from __future__ import annotations
@@ -40,6 +42,20 @@ class _Highest(TrackerListener):
 
 def _state(tracker: DeviceMemoryTracker) -> tuple[int, ...]:
     return (tracker.device_bytes, tracker.host_bytes, *tracker.current.values(), len(tracker.live_storages()))
+
+
+def _kept_tensors(result) -> tuple:
+    """The tensors a kept iteration's result is: one tensor, or a tuple of tensors (a kernel's residuals); ()
+    for anything else."""
+    parts = result if isinstance(result, tuple) else (result,)
+    return parts if all(isinstance(part, torch.Tensor) for part in parts) else ()
+
+
+def _stand_in(like):
+    """A tensor (or tuple of tensors) of ``like``'s shapes, strides, dtypes and devices."""
+    if isinstance(like, tuple):
+        return tuple(_stand_in(part) for part in like)
+    return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
 
 
 class TileWatcher(LoopWatcher):
@@ -71,8 +87,11 @@ class TileWatcher(LoopWatcher):
         if self.segment() != segment or self.tracker.phase != phase or any(log.other_changes for log in logs):
             return None  # a collective, an optimizer step, a new segment: not what the counters can repeat
         if kept:
-            info = self.tracker.storage_info(result) if isinstance(result, torch.Tensor) else None
-            if info is None or info.host or change[0] != info.nbytes or change[-1] != 1:
+            parts = _kept_tensors(result)
+            infos = [self.tracker.storage_info(part) for part in parts]
+            if not infos or any(info is None or info.host for info in infos) or len(set(map(id, infos))) < len(infos):
+                return None  # not tensors each in a device storage of its own
+            if change[0] != sum(info.nbytes for info in infos) or change[-1] != len(infos):
                 return None  # the state grew by more than the result
         elif any(change):
             return None  # it changed what the next iteration starts from: each must run
@@ -95,7 +114,7 @@ class TileWatcher(LoopWatcher):
             with contextlib.ExitStack() as stack:
                 for counter in self.counters:
                     stack.enter_context(counter.paused())
-                stand_ins = [torch.empty_strided(like.shape, like.stride(), dtype=like.dtype) for _ in range(times)]
+                stand_ins = [_stand_in(like) for _ in range(times)]
             if _state(self.tracker) != expected:
                 raise RuntimeError(f"tile stand-ins changed the live state to {_state(self.tracker)}, not {expected}")
         for counter, counted in zip(self.counters, increments):

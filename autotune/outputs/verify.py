@@ -19,8 +19,10 @@ untouched. So a killed verify loses nothing, and running it again skips every co
 At the end the folder's outputs are rewritten (``report.write_outputs``): trials.parquet gains the ``measured_*``
 columns, the front and best.json are ranked by measured records where they exist.
 
-The search job (model, target, gpus, the hardware the predictions are for) comes from the study's ``search_job``
-attribute, which ``report.write_outputs`` stores; a folder written before it existed is refused with the remedy.
+The search job (model, target, gpus, the hardware the predictions are for, the documents) comes from the study's
+``search_job`` attribute, which ``report.write_outputs`` stores; a folder written before it existed is refused with
+the remedy. Verifying for other documents than the search's (``verify_for_documents``) predicts each chosen config
+anew for them beside its measurement and stores nothing: the folder's records are for its own documents.
 """
 
 from __future__ import annotations
@@ -367,6 +369,41 @@ def _measure_chosen(folder, chosen, backend, hardware, depth, force, on_outcome,
         queue.append((best, "best"))
 
 
+def verify_for_documents(
+    folder: Folder,
+    chosen: list[Point],
+    documents: DocumentsSpec,
+    backend: Backend,
+    predictor: Backend,
+    hardware: Hardware,
+    depth: str = "full",
+    on_outcome: Callable[[Outcome, int, int | None], None] | None = None,
+    interruptible: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> Verification:
+    """Measure ``chosen`` on this node training on ``documents``, not the documents the search was for: each config
+    is predicted anew for them (``predictor``, on the search's hardware) beside its measurement. Nothing is stored:
+    the folder's records, front and best are the search's, for its own documents."""
+    result = Verification(summary={"best": None, "message": None})
+    layers = folder.job.model_config["num_hidden_layers"]
+    try:
+        with interruptible():
+            for point in chosen:
+                techniques = Techniques.from_dict(point.techniques, layers)
+                seq_len, job = int(point.own["seq_len"]), folder.job
+                planned = Evaluation(
+                    job.model_config, techniques, seq_len, job.gpus, job.hardware, job.nodes, documents
+                )
+                predicted = predictor.evaluate(planned).to_dict()
+                measured = backend.evaluate(dataclasses.replace(planned, hardware=hardware)).to_dict()
+                outcome = Outcome(point.number, seq_len, point.techniques, predicted, measured, depth, True)
+                result.outcomes.append(outcome)
+                if on_outcome is not None:
+                    on_outcome(outcome, len(result.outcomes), len(chosen))
+    except KeyboardInterrupt:
+        result.interrupted = True
+    return result
+
+
 def _gib(value) -> str:
     return "-" if value is None else f"{value / 2**30:.2f}"
 
@@ -420,11 +457,15 @@ def table_rows(result: Verification) -> list[tuple[str, ...]]:
     return rows
 
 
-def to_json(folder: Folder, result: Verification, depth: str, hardware: Hardware) -> dict:
+def to_json(
+    folder: Folder, result: Verification, depth: str, hardware: Hardware, documents: DocumentsSpec | None = None
+) -> dict:
+    """``--json``'s object; ``documents``: what the trials trained on (default: the search's documents)."""
     summary = result.summary or {}
     return {
         "dir": str(folder.directory),
         "depth": depth,
+        "documents": (documents or folder.job.documents).to_json(),
         "node": hardware.name,
         "gpus": folder.job.gpus,
         "nodes": folder.job.nodes,

@@ -261,6 +261,7 @@ class StepCounter(TorchDispatchMode):
         super().__init__()
         self.tracker = tracker
         self.counts = StepCounts(seq_len=seq_len)
+        self._recordings: list[_Recording] = []  # open ``recording`` blocks: attention calls are logged to them
         self.world_size = world_size
         self._scopes: list[tuple[Any, str]] = []  # open record_function regions (handle, name)
         # ops the counter could not count, {op: the first error}: counts then miss work, so whoever predicts a
@@ -322,15 +323,18 @@ class StepCounter(TorchDispatchMode):
     # -- recording and repeating (the oracle's identical tiles: ``autotune.oracle.repeats``) ---------------------
     @contextlib.contextmanager
     def recording(self):
-        """Record, in order, every increment the counter makes to a phase's counts inside the block; the log's
-        ``other_changes`` says whether anything else in the counts changed (collectives, optimizer elements)."""
+        """Record, in order, every increment the counter makes to a phase's counts and to the attention calls inside
+        the block; the log's ``other_changes`` says whether anything else in the counts changed (collectives,
+        optimizer elements)."""
         log = _Recording()
         phases = self.counts.phases
         others = _others(self.counts)
         self.counts.phases = {name: _RecordingPhase(counts, name, log) for name, counts in phases.items()}
+        self._recordings.append(log)
         try:
             yield log
         finally:
+            self._recordings.remove(log)
             self.counts.phases = phases
             log.other_changes = _others(self.counts) != others
 
@@ -347,11 +351,14 @@ class StepCounter(TorchDispatchMode):
     def replay(self, increments, times: int) -> None:
         """Add ``increments`` (a recording's, in its order) ``times`` more times: the counts the recorded ops would
         leave had they run ``times`` more times, to the bit."""
-        phases = self.counts.phases
+        phases, calls = self.counts.phases, self.counts.attention_calls
         for _ in range(times):
             for (phase, name), value in increments:
-                counts = phases[phase]
-                setattr(counts, name, getattr(counts, name) + value)
+                if phase == _CALLS:
+                    calls[name] = calls.get(name, 0) + value
+                else:
+                    counts = phases[phase]
+                    setattr(counts, name, getattr(counts, name) + value)
 
     # -- the mode ------------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -499,6 +506,8 @@ class StepCounter(TorchDispatchMode):
         fwd, bwd, dense = attention_flops(b, hq, sq, sk, d, dv, causal, window)
         key = attention_key(phase, backward, sq, sk, d, dv, causal, window)
         self.counts.attention_calls[key] = self.counts.attention_calls.get(key, 0) + b * hq
+        for log in self._recordings:
+            log.increments.append(((_CALLS, key), b * hq))
         if backward:
             pc.attention_bwd_flops += bwd
             pc.attention_dense_flops += dense * (6 * d + 4 * dv) / (8 * d + 6 * dv)
@@ -625,7 +634,8 @@ _ACTIVE_COUNTERS: list[StepCounter] = []
 
 
 class _Recording:
-    """What ``StepCounter.recording`` saw: ((phase, field), value) per increment, in order."""
+    """What ``StepCounter.recording`` saw, in order: ((phase, field), value) per increment of a phase's counts,
+    (("attention_calls", key), b * hq) per attention call."""
 
     def __init__(self):
         self.increments: list[tuple[tuple[str, str], Any]] = []
@@ -660,9 +670,12 @@ class _RecordingPhase:
         setattr(object.__getattribute__(self, "_target")[0], name, value)
 
 
+_CALLS = "attention_calls"  # a recording's increments to ``StepCounts.attention_calls``: ((_CALLS, key), b * hq)
+
+
 def _others(counts: StepCounts) -> str:
-    """Everything in ``counts`` but the phases' counts, comparable."""
-    return repr({k: v for k, v in vars(counts).items() if k != "phases"})
+    """Everything in ``counts`` but what a recording logs (the phases' counts, the attention calls), comparable."""
+    return repr({k: v for k, v in vars(counts).items() if k not in ("phases", _CALLS)})
 
 
 class _HostTransfers(TrackerListener):

@@ -30,6 +30,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from trials.core.repeats import for_each_tile
 from trials.kernels.documents import Documents, documents_of
 from trials.kernels.registry import (
     FLASH_KERNELS,
@@ -144,7 +145,7 @@ def causal_attention(
 ):
     """[b, hq, s, d] x [b, hkv, s, d] -> [b, s, hq, d], causal (within ``window`` keys when given), inside each of
     ``documents`` when given."""
-    if documents is not None and len(documents.lengths) > 1:
+    if _packed(documents):
         return _document_attention(query, key, value, scaling, kernel, window, softcap, documents)
     window = band(window, key.shape[2])
     if kernel in FLASH_KERNELS:
@@ -261,7 +262,7 @@ def attention_forward(
     keys, ``trials.stack.ring``; no window, one document)."""
     if not causal and (window or documents is not None):
         raise ValueError("a sliding window and packed documents are causal")
-    if documents is not None and len(documents.lengths) > 1:
+    if _packed(documents):
         return _per_document_forward(query, key, value, scaling, kernel, window, softcap, documents)
     if kernel in FLASH_KERNELS:
         _require(kernel, query.device)
@@ -313,7 +314,7 @@ def attention_backward(
     causal: bool = True,
 ):
     """Gradients (dq, dk, dv) of ``attention_forward``, same layout and shapes as (query, key, value)."""
-    if documents is not None and len(documents.lengths) > 1:
+    if _packed(documents):
         return _per_document_backward(
             grad_out, query, key, value, out, residuals, scaling, kernel, window, softcap, documents
         )
@@ -354,44 +355,62 @@ def attention_backward(
 # -- packed documents -------------------------------------------------------------------------------------------------
 # Each document is a causal sequence of its own: the kernel runs on its rows of q/k/v (views, no copy of the whole
 # sequence), within its window. A flash kernel with a varlen entry point runs a whole layer in one call instead.
+# The per-document calls are a ``for_each_tile`` loop: documents of one length run the same ops on the same shapes,
+# so the memory oracle traces a few of them and accounts for the rest (``trials.core.repeats``); on real tensors
+# every document runs.
 
 
 def _seq_dim(kernel: str) -> int:
     return 1 if head_layout(kernel) == "bshd" else 2
 
 
+def _packed(documents: Documents | None) -> bool:
+    return documents is not None and len(documents.lengths) > 1
+
+
+def _for_each_document(documents: Documents, tokens: int, kernel: str, body, keep_all: bool = False):
+    """``body(index, rows)`` for each document in order, ``rows`` the ``Tensor.narrow`` arguments of its tokens in
+    ``kernel``'s layout; ``for_each_tile``'s result (``keep_all``: every body's result). The documents of the first
+    one's length ahead of any other are the loop's identical iterations."""
+    if documents.total != tokens:
+        raise ValueError(f"documents cover {documents.total} tokens, attention sees {tokens}")
+    dim, spans, lengths = _seq_dim(kernel), documents.spans(), documents.lengths
+    uniform = next((index for index, length in enumerate(lengths) if length != lengths[0]), len(lengths))
+    return for_each_tile(
+        len(spans), lambda index: body(index, (dim, spans[index][0], lengths[index])), uniform, keep_all=keep_all
+    )
+
+
 def _per_document_forward(query, key, value, scaling, kernel, window, softcap, documents: Documents):
-    dim = _seq_dim(kernel)
-    if documents.total != key.shape[dim]:
-        raise ValueError(f"documents cover {documents.total} tokens, attention sees {key.shape[dim]}")
-    out, residuals = None, []
-    for start, end in documents.spans():
-        rows = (dim, start, end - start)
-        part, part_residuals = attention_forward(
+    out = None
+
+    def document(_, rows):
+        nonlocal out
+        part, residuals = attention_forward(
             query.narrow(*rows), key.narrow(*rows), value.narrow(*rows), scaling, kernel, window, softcap
         )
         if out is None:
             out = part.new_empty(query.shape)
         out.narrow(*rows).copy_(part)
-        residuals += part_residuals
-        del part
-    return out, tuple(residuals)
+        return residuals
+
+    kept = _for_each_document(documents, key.shape[_seq_dim(kernel)], kernel, document, keep_all=True)
+    return out, tuple(residual for residuals in kept for residual in residuals)
 
 
 def _per_document_backward(grad_out, query, key, value, out, residuals, scaling, kernel, window, softcap, documents):
-    dim = _seq_dim(kernel)
-    spans = documents.spans()
-    per = len(residuals) // len(spans)
+    per = len(residuals) // len(documents.lengths)
     grads = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
-    for index, (start, end) in enumerate(spans):
-        rows = (dim, start, end - start)
+
+    def document(index, rows):
+        at = index * per
         parts = attention_backward(
             grad_out.narrow(*rows).contiguous(),
             query.narrow(*rows),
             key.narrow(*rows),
             value.narrow(*rows),
             out.narrow(*rows),
-            residuals[index * per : (index + 1) * per],
+            residuals[at : at + per],
             scaling,
             kernel,
             window,
@@ -399,7 +418,8 @@ def _per_document_backward(grad_out, query, key, value, out, residuals, scaling,
         )
         for grad, part in zip(grads, parts):
             grad.narrow(*rows).copy_(part)
-        del parts
+
+    _for_each_document(documents, key.shape[_seq_dim(kernel)], kernel, document)
     return grads
 
 
