@@ -49,6 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autotune.timing.attention_cost import attention_flops
 from autotune.timing.counts import PHASES, CollectiveCounts, PhaseCounts, StepCounts, attention_key
 from trials.core.memory import TrackerListener
+from trials.stack.ring import WAITED_SCOPE
 
 _DEBUG = bool(os.environ.get("AUTOTUNE_COUNTER_DEBUG"))
 
@@ -581,11 +582,11 @@ class StepCounter(TorchDispatchMode):
             return
         elif name in ("send", "recv_", "recv_any_source_"):
             # ring attention's point-to-point K/V (and dK/dV) to the next ring rank (trials.stack.ring): priced by
-            # its sends, each received once
+            # its sends, each received once; those waited at once (its ``WAITED_SCOPE``) are "p2p_waited"
             self.counts.phases[phase].ops += 1
             if name != "send":
                 return
-            kind = "p2p"
+            kind = "p2p_waited" if self._in_scope(WAITED_SCOPE) else "p2p"
             nbytes = sum(_nbytes(t) for t in _tensors(args))
             size = _group_size(bound, self.world_size)
             factor = 1.0

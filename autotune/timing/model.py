@@ -216,10 +216,11 @@ def ring_transfer_time(
     """(seconds of the ring's point-to-point transfers, seconds of them not hidden) per step.
 
     Each ring step sends the K/V it holds to the next rank while it computes attention on them (in backward also
-    the dK/dV accumulators), so a step costs max(attention on the chunk, transfer): per phase the transfers hide
+    the dV accumulator), so a step costs max(attention on the chunk, transfer): per phase the transfers hide
     behind the attention of every ring step but the last, ``attention x (R-1)/R``. In backward a layer makes
-    2R-1 transfers (R-1 of K/V, R of dK/dV) and the last has nothing after it: at least 1/(2R-1) of them shows.
-    A hop inside a node moves over NVLink; a hop across nodes through the sending rank's own NIC
+    2R-1 such transfers (R-1 of K/V, R of dV) and the last has nothing after it: at least 1/(2R-1) of them shows.
+    The dK accumulator's R sends are waited at once (``p2p_waited``: one fp32 buffer fewer in flight), so they
+    all show. A hop inside a node moves over NVLink; a hop across nodes through the sending rank's own NIC
     (``ring_crosses_nodes``), its latency the fabric's."""
     ring = techniques.ring_degree
     if ring <= 1:
@@ -238,6 +239,10 @@ def ring_transfer_time(
         floor = seconds / (2 * ring - 1) if phase == "backward" else 0.0
         total += seconds
         exposed += max(floor, seconds - hidden)
+    for c in counts.by_phase("p2p_waited").values():
+        seconds = c.wire_bytes / link + c.calls * latency
+        total += seconds
+        exposed += seconds
     return total, exposed
 
 

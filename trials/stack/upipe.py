@@ -514,12 +514,15 @@ class _HeadChunkedAttention(torch.autograd.Function):
                 del received
                 i = chunk_index[chunk]
                 chunk_residuals = tuple(residuals[i * per_chunk : (i + 1) * per_chunk])
+                last = index == len(group) - 1
+                kv = [k_heads, v_heads]
+                if last:  # no later chunk of the group needs the k/v: ``kv`` holds the only references
+                    del k_heads, v_heads
                 if layer.ring is None:
                     dq_heads, dk_c, dv_c = attention_backward(
                         do_heads,
                         q_heads,
-                        k_heads,
-                        v_heads,
+                        *kv,
                         o_heads,
                         chunk_residuals,
                         layer.scaling,
@@ -529,11 +532,10 @@ class _HeadChunkedAttention(torch.autograd.Function):
                         documents,
                     )
                 else:
-                    dq_heads, dk_c, dv_c = ring_backward(
+                    dq_heads, dk_c, dv_c = ring_backward(  # empties ``kv``: its own K/V freed after its first step
                         do_heads,
                         q_heads,
-                        k_heads,
-                        v_heads,
+                        kv,
                         o_heads,
                         chunk_residuals,
                         layer.scaling,
@@ -541,13 +543,11 @@ class _HeadChunkedAttention(torch.autograd.Function):
                         layer.ring,
                         layer.softcap,
                     )
-                del q_heads, o_heads, do_heads
+                del kv, q_heads, o_heads, do_heads
                 dk_heads = dk_c if dk_heads is None else dk_heads.add_(dk_c)
                 dv_heads = dv_c if dv_heads is None else dv_heads.add_(dv_c)
                 del dk_c, dv_c
-                last = index == len(group) - 1
                 if last:  # the group's k/v gradients travel back with its last chunk's dq
-                    del k_heads, v_heads
                     dq, dk_local, dv_local = layer.to_seq(dq_heads, dk_heads, dv_heads)
                     del dk_heads, dv_heads
                 else:
