@@ -49,6 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autotune.timing.attention_cost import attention_flops
 from autotune.timing.counts import PHASES, CollectiveCounts, PhaseCounts, StepCounts, attention_key
 from trials.core.memory import TrackerListener
+from trials.stack.offload import PREFETCH_SCOPE
 from trials.stack.ring import WAITED_SCOPE
 
 _DEBUG = bool(os.environ.get("AUTOTUNE_COUNTER_DEBUG"))
@@ -534,7 +535,10 @@ class StepCounter(TorchDispatchMode):
         nbytes = _nbytes(dst)
         if src_type != dst_type:
             if src_type == "cpu" and dst_type != "meta":
-                pc.h2d_bytes += nbytes
+                if self._in_scope(PREFETCH_SCOPE):
+                    pc.waited_h2d_bytes += nbytes
+                else:
+                    pc.h2d_bytes += nbytes
                 if self._in_scope("FSDP::"):
                     self.counts.fsdp_h2d_bytes += nbytes
             elif dst_type == "cpu" and src_type != "meta":
@@ -546,7 +550,10 @@ class StepCounter(TorchDispatchMode):
         if src_type == "cpu" and self.tracker is not None:
             # CPU path: a copy out of an offloaded (host-marked) tensor into a device one is the prefetch
             if self._is_host(src, "cpu") and not self._is_host(dst, "cpu"):
-                pc.h2d_bytes += nbytes
+                if self._in_scope(PREFETCH_SCOPE):
+                    pc.waited_h2d_bytes += nbytes
+                else:
+                    pc.h2d_bytes += nbytes
             elif name == "copy_" and self._is_host(dst, "cpu") and not self._is_host(src, "cpu"):
                 pc.d2h_bytes += nbytes
 

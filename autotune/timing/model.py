@@ -13,7 +13,8 @@ A small roofline-style model, every rate and efficiency a named field of the har
                         (link: NVLink inside a node; a group spanning nodes is bound by the NICs: ``_transfer_time``)
        FSDP comm      = same for FSDP's; hidden behind compute up to the compute time (side streams) except
                         the first all-gather and the last reduce-scatter
-       host transfers = (d2h, h2d) / host link per direction, per phase; hidden behind that phase's compute
+       host transfers = (d2h, h2d) / host link per direction, per phase; hidden behind that phase's compute,
+                        but activation offload's inputs back (``waited_h2d_bytes``), which the next layer waits for
        optimizer      = optimizer bytes / host_optimizer_bytes_per_s (offloaded) or as elementwise (device)
        step_time      = compute + recompute + exposed comm + exposed host + optimizer
 
@@ -336,9 +337,14 @@ def predict_step_time(
         t = max(sum(d2h.get(p, 0) for p in group), sum(h2d.get(p, 0) for p in group)) / host_bw
         host_total += t
         exposed_host += max(0.0, t - r.side_stream_overlap * busy_t)
+    # activation offload's layer inputs come back once the layer after them is done: the next layer waits for them
+    waited = sum(counts.phases[p].waited_h2d_bytes for p in COMPUTE_PHASES)
+    host_total += waited / host_bw
+    exposed_host += waited / host_bw
     detail["host_transfer_s"] = host_total
     detail["host_d2h_bytes"] = float(sum(d2h.values()))
-    detail["host_h2d_bytes"] = float(sum(h2d.values()))
+    detail["host_h2d_bytes"] = float(sum(h2d.values()) + waited)
+    detail["host_waited_h2d_bytes"] = float(waited)
 
     # the optimizer step
     opt = counts.phases["optimizer"]
