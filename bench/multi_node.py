@@ -1,8 +1,9 @@
 """Multi-node: the longest sequence Llama-3-8B trains on with the full stack on 1, 2, 4 and 8 nodes of 8x H100 80 GB.
 
     .venv/bin/python bench/multi_node.py [--model llama3-8b] [--hardware h100-sxm] [--nodes 1,2,4,8]
-        | tee bench/results/multi_node.txt
-    .venv/bin/python bench/multi_node.py --nodes 2 --explain 11796480   # where the memory goes at that length
+        --layouts all,per-node | tee bench/results/multi_node.txt
+    .venv/bin/python bench/multi_node.py --nodes 2,4,8 --layouts usp | tee bench/results/multi_node_usp.txt
+    .venv/bin/python bench/multi_node.py --nodes 2 --explain 12910592   # where the memory goes at that length
 
 Every row is the plan backend's ``find_max_seq`` (``autotune estimate --nodes N --gpus 8 --max-seq``: the memory
 oracle on a fake world of N x 8 ranks, the time model with the preset's inter-node fabric), for the full stack of
