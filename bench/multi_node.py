@@ -1,8 +1,9 @@
-"""Multi-node: the longest sequence Llama-3-8B trains on with the full stack on 1, 2 and 4 nodes of 8x H100 80 GB.
+"""Multi-node: the longest sequence Llama-3-8B trains on with the full stack on 1, 2, 4 and 8 nodes of 8x H100 80 GB.
 
-    .venv/bin/python bench/multi_node.py [--model llama3-8b] [--hardware h100-sxm] [--nodes 1,2,4]
-        | tee bench/results/multi_node.txt
-    .venv/bin/python bench/multi_node.py --nodes 2 --explain 11796480   # where the memory goes at that length
+    .venv/bin/python bench/multi_node.py [--model llama3-8b] [--hardware h100-sxm] [--nodes 1,2,4,8]
+        --layouts all,per-node | tee bench/results/multi_node.txt
+    .venv/bin/python bench/multi_node.py --nodes 2,4,8 --layouts usp | tee bench/results/multi_node_usp.txt
+    .venv/bin/python bench/multi_node.py --nodes 2 --explain 12910592   # where the memory goes at that length
 
 Every row is the plan backend's ``find_max_seq`` (``autotune estimate --nodes N --gpus 8 --max-seq``: the memory
 oracle on a fake world of N x 8 ranks, the time model with the preset's inter-node fabric), for the full stack of
@@ -15,6 +16,9 @@ bench/ablation.py with two ways to use the nodes:
 - Ulysses over each node's 8 GPUs x a ring across the nodes (USP, ``ring_degree`` N): one sequence spans the nodes
   in zigzag chunks, the all-to-alls stay on NVLink and only the ring's K/V (and dK/dV) cross the fabric, each hop
   through the sending GPU's own NIC.
+
+A layout the model cannot run (Ulysses over more GPUs than the model has query heads: Llama-3-8B's 32 on 8 nodes)
+is a row saying why (``Techniques.validate``'s reason), not a search.
 
 Columns: the longest length that fits, the predicted peak per rank there (device, and host per rank against the
 node's RAM share), which memory binds one grid step further, the predicted tokens/s and step time, the collectives'
@@ -98,6 +102,7 @@ def main(argv=None) -> int:
     from autotune.core.sizes import format_tokens
     from autotune.search.max_seq import find_max_seq
     from autotune.timing.model import predict_step_time
+    from trials.core.errors import ConfigError
     from trials.models.config import load_model_config
     from trials.stack.rules import length_unit
     from trials.stack.techniques import Techniques
@@ -153,6 +158,11 @@ def main(argv=None) -> int:
         for degree, label in layouts:
             ring = world // degree if "ring" in label else 1
             techniques = Techniques.from_dict(dict(FULL_STACK, ulysses_degree=degree, ring_degree=ring), layers)
+            try:
+                techniques.validate(model_config, world)
+            except ConfigError as why:
+                print(f"{nodes:>5} {world:>4} {label:<24} {'not possible':>22}: {why}", flush=True)
+                continue
             guess = 7 * 1024 * K * world // (args.gpus * max(1, world // (degree * ring)))
             evaluation = Evaluation(model_config, techniques, guess, args.gpus, hardware, nodes)
             backend = PlanBackend()

@@ -558,3 +558,18 @@ def test_the_sbatch_script_trains_on_two_nodes_under_srun(tmp_path):
     assert one.returncode == 0, err
     assert len(summary) == 1 and summary[0]["world_size"] == 2, logs[-3000:]  # rank 0 of the one job
     assert summary[0]["first_loss"] == pytest.approx(json.loads(out)["loss"], rel=1e-5), summary[0]
+
+
+def test_the_bench_says_why_a_layout_cannot_run_instead_of_searching_it():
+    """Ulysses over 64 GPUs exceeds llama3-8b's 32 query heads: bench/multi_node.py's row says so and it goes on."""
+    done = subprocess.run(
+        [sys.executable, "bench/multi_node.py", "--nodes", "8", "--layouts", "all"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.lstrip().startswith("8 ")]
+    assert len(rows) == 1
+    assert "not possible: ulysses_degree 64 does not divide the 32 query heads" in rows[0]

@@ -211,3 +211,32 @@ def test_a_registration_failing_for_another_reason_is_an_error(monkeypatch):
     with pytest.raises(RuntimeError, match="cudaError 1") as raised:
         pinned_bytes(4096)
     assert not isinstance(raised.value, MemoryError)
+
+
+def test_a_layers_input_comes_back_once_the_layer_after_it_is_done(monkeypatch):
+    """Layer i-1's input is copied back to the device after every gradient of layer i (so it never adds to layer i's
+    backward peak) and before any of layer i-1's."""
+    from trials.stack import offload
+
+    config = _config(4)
+    events = []
+    prefetch = offload._SavedInput.prefetch
+
+    def recorded(self):
+        if self.device_tensor is None and self.host_tensor is not None:
+            events.append(("back", self.layer_index))
+        prefetch(self)
+
+    monkeypatch.setattr(offload._SavedInput, "prefetch", recorded)
+    with DeviceMemoryTracker() as tracker:
+        model, optimizer, batch, mesh = _training(config, _offload(4), tracker)
+        for index, layer in enumerate(model.layers):
+            for param in layer.parameters():
+                param.register_hook(lambda grad, index=index: events.append(("grad", index)))
+        forward_backward(model, batch, mesh, tracker)
+    backs = [i for kind, i in events if kind == "back"]
+    assert sorted(backs) == [0, 1, 2, 3]
+    for i in range(1, 4):  # layer i-1's input: after layer i's last gradient, before layer i-1's first
+        at = events.index(("back", i - 1))
+        assert max(n for n, e in enumerate(events) if e == ("grad", i)) < at
+        assert at < min(n for n, e in enumerate(events) if e == ("grad", i - 1))

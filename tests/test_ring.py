@@ -191,6 +191,7 @@ def _ring_counts(phase: str, wire: float, calls: int, attention_bh: float):
 
 def test_ring_transfers_hide_behind_attention_and_cross_nodes_on_the_nic():
     from autotune.core.hardware import load_hardware
+    from autotune.timing.counts import CollectiveCounts
     from autotune.timing.model import attention_time, predict_step_time, ring_crosses_nodes
 
     r = load_hardware("h100-sxm").rates
@@ -211,6 +212,15 @@ def test_ring_transfers_hide_behind_attention_and_cross_nodes_on_the_nic():
                 breakdown = predict_step_time(counts, r, 16, usp, gpus_per_node=gpus_per_node)
                 assert breakdown.detail["ring_transfer_s"] == pytest.approx(seconds)
                 assert breakdown.detail["ring_exposed_s"] == pytest.approx(max(floor * seconds, seconds - hidden))
+    # the dK sends waited at once show whole, beside the hideable ones
+    counts = _ring_counts("backward", wire, calls, 4096.0)
+    counts.collectives["p2p_waited/backward/sync/2"] = CollectiveCounts(calls, wire / 2, wire / 2, wire / 2 / calls)
+    link, latency = r.inter_node_bytes_per_s * r.inter_node_efficiency, r.inter_node_latency_s
+    hideable, waited = wire / link + calls * latency, wire / 2 / link + calls * latency
+    hidden = attention_time(counts, ("backward",), r) / 2
+    breakdown = predict_step_time(counts, r, 16, usp, gpus_per_node=8)
+    assert breakdown.detail["ring_transfer_s"] == pytest.approx(hideable + waited)
+    assert breakdown.detail["ring_exposed_s"] == pytest.approx(max(hideable / 3, hideable - hidden) + waited)
     # without a ring the sends do not exist, and tokens/s count one replica per Ulysses x ring group
     plain = predict_step_time(_ring_counts("forward", wire, calls, 1.0), r, 16, Techniques(ulysses_degree=8), 1024)
     ring = predict_step_time(_ring_counts("forward", wire, calls, 1.0), r, 16, usp, 1024)
@@ -262,22 +272,34 @@ class _OneProcessRing(Ring):
 
 
 @pytest.mark.parametrize("degree", [2, 3])
-def test_ring_backward_keeps_two_fp32_dkv_pairs_alive_at_most(degree):
-    """In flight per rank in backward: the dK/dV accumulators sent and those received, never a third pair."""
+def test_ring_backward_keeps_three_fp32_dkv_accumulators_alive_at_most(degree):
+    """In flight per rank in backward: dK then dV, each exchange waited before the next, so three accumulators at
+    most (dK sent, dK received, dV; then dK received, dV sent, dV received), never both pairs. The K/V handed over
+    are freed once the next step's have arrived (two pairs at most: the ones held and the ones arriving), and a
+    block's dK goes into an accumulator already here at once (the blocks of a step keep one dK at most)."""
     from trials.core.memory import DeviceMemoryTracker, TrackerListener
     from trials.stack.ring import ring_backward, ring_forward
 
-    class Accumulators(TrackerListener):  # live fp32 storages shaped like one rank's K/V (dq: 2 x the heads)
+    class Live(TrackerListener):  # the most live storages of each (dtype, shape), and every event in order
         def __init__(self, like):
-            self.like, self.live, self.most = like, set(), 0
+            self.like, self.live, self.most, self.events = tuple(like.shape), {}, {}, []
+            self.most_kv_bytes = 0  # the most bytes of K/V-shaped storages (bf16 K/V and fp32 accumulators) at once
 
         def on_new_storage(self, tracker, info, tensor):
-            if tensor.dtype == torch.float32 and tensor.shape == self.like.shape:
-                self.live.add(id(info))
-                self.most = max(self.most, len(self.live))
+            key = (tensor.dtype, tuple(tensor.shape))
+            self.live.setdefault(key, set()).add(id(info))
+            self.most[key] = max(self.most.get(key, 0), len(self.live[key]))
+            self.events.append(("new", key, id(info)))
+            kv_bytes = sum(
+                len(self.live.get((dtype, self.like), ())) * size
+                for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2))
+            )
+            self.most_kv_bytes = max(self.most_kv_bytes, kv_bytes)
 
         def on_free(self, tracker, info):
-            self.live.discard(id(info))
+            for live in self.live.values():
+                live.discard(id(info))
+            self.events.append(("free", None, id(info)))
 
     torch.manual_seed(0)
     query = torch.randn(1, 4, 32, 8, dtype=torch.bfloat16)  # K/V in bf16: fp32 ones are accumulators
@@ -285,8 +307,42 @@ def test_ring_backward_keeps_two_fp32_dkv_pairs_alive_at_most(degree):
     ring = _OneProcessRing(degree, rank=degree - 1)
     out, residuals = ring_forward(query, key, value, 8**-0.5, "sdpa", ring)
     grad_out = torch.randn_like(out)
-    counter = Accumulators(key)
+    counter = Live(key)
     with DeviceMemoryTracker() as tracker:
         tracker.add_listener(counter)
-        ring_backward(grad_out, query, key, value, out, residuals, 8**-0.5, "sdpa", ring)
-    assert counter.most == 4  # dK and dV, sent and received
+        ring_backward(grad_out, query, [key.clone(), value.clone()], out, residuals, 8**-0.5, "sdpa", ring)
+    kv, block = (1, 2, 32, 8), (1, 2, 16, 8)
+    assert counter.most[(torch.float32, kv)] == 3
+    # the handed-over K/V (the first two storages) are freed before step 1's blocks (half-sized gradients) start
+    handed = [info for _, _, info in counter.events[:2]]
+    step_one = counter.events.index(next(e for e in counter.events if e[1] == (torch.bfloat16, block)))
+    assert all(("free", None, info) in counter.events[:step_one] for info in handed)
+    assert counter.most[(torch.bfloat16, block)] == 3  # the first block's dV, the second's dK and dV
+    # K/V-sized bytes at most (per element): at step 0 its own K/V, the next step's arriving and the block's dV in
+    # bf16, dK and dV in fp32, made from the block's gradients (each freed once copied; the step's K/V freed before
+    # dK travels); at a middle step (rings of 3 or more) two K/V pairs in bf16 and dK, dV and the dV sent in fp32
+    step_zero = (2 + 2 + 1) * 2 + 2 * 4
+    middle = (2 + 2) * 2 + 3 * 4 if degree > 2 else 0
+    assert counter.most_kv_bytes == max(step_zero, middle)
+
+
+def test_the_counter_keeps_the_ring_backward_s_waited_dk_sends_apart():
+    """Traced on a fake world of 2 ranks: forward sends K/V R-1 times; backward sends K/V R-1 times and dV R times
+    overlapped, and dK R times waited at once (``p2p_waited``). dK and dV are alike, so the waited bytes are the
+    backward's overlapped bytes less the forward's."""
+    from autotune.backends import Evaluation
+    from autotune.backends.plan import PlanBackend, step_counts
+    from autotune.core.hardware import load_hardware
+
+    backend = PlanBackend()
+    evaluation = Evaluation(
+        load_model_config("tiny-llama"), Techniques(ring_degree=2), SEQ, 2, load_hardware("h100-sxm")
+    )
+    record = backend.evaluate(evaluation)
+    assert record.status == "ok", record.error
+    counts = step_counts(backend.last_prediction)
+    overlapped, waited = counts.by_phase("p2p"), counts.by_phase("p2p_waited")
+    assert set(waited) == {"backward"}
+    assert waited["backward"].wire_bytes > 0
+    assert waited["backward"].wire_bytes == overlapped["backward"].wire_bytes - overlapped["forward"].wire_bytes
+    assert waited["backward"].calls == overlapped["backward"].calls - overlapped["forward"].calls

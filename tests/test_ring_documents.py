@@ -210,7 +210,7 @@ def test_the_counter_prices_a_ring_over_documents_as_each_document_on_the_ring(d
         with counter:
             out, residuals = ring_forward(query, key, value, 8**-0.5, "sdpa", ring, documents=documents)
             ring_backward(
-                torch.ones_like(out), query, key, value, out, residuals, 8**-0.5, "sdpa", ring, documents=documents
+                torch.ones_like(out), query, [key, value], out, residuals, 8**-0.5, "sdpa", ring, documents=documents
             )
         return counter.counts
 

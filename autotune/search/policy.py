@@ -11,9 +11,9 @@ from optuna.trial import TrialState
 
 from autotune.core.record import ResultRecord
 from autotune.search.job import SearchJob
-from autotune.search.space import param_name, split_unit
+from autotune.search.space import param_name
 from autotune.search.study import FINISHED
-from trials.stack.rules import length_unit
+from trials.stack.rules import length_unit, split_unit
 from trials.stack.techniques import Techniques, knobs
 
 

@@ -36,7 +36,7 @@ from autotune.core.trainers import AUTOTUNE, ExportJob, Trainer, memory_rank
 from trials.kernels.documents import ONE, DocumentsSpec
 from trials.kernels.registry import attention_kernel_problem
 from trials.models.config import attention_features
-from trials.stack.rules import ring_degree_problem, ring_documents_problem, ulysses_degree_problem
+from trials.stack.rules import ring_degree_problem, ring_documents_problem, split_unit, ulysses_degree_problem
 from trials.stack.techniques import ALL_LAYERS, Knob, Techniques, knob_names, knobs
 
 SPACE_SCHEMA = "autotune/space-v1"
@@ -50,12 +50,6 @@ KNOBS = knob_names()
 _SEQ_KEYS = {"min_fraction": 0.0625, "max_fraction": 4.0, "points_per_doubling": 2, "multiple_of": 1024}
 _TABLE = {k.name: k for k in knobs()}
 HARDWARE_KERNELS = "hardware"  # the attention choice that stands for the kernels the hardware runs
-
-
-def split_unit(ulysses_degree: int, ring_degree: int) -> int:
-    """What a length must be a multiple of to split over Ulysses x ring: the Ulysses degree, or with a ring its 2 x
-    ring zigzag chunks each split by Ulysses."""
-    return 2 * ring_degree * ulysses_degree if ring_degree > 1 else ulysses_degree
 
 
 def param_name(knob: Knob, values: dict) -> str:

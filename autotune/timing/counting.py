@@ -49,6 +49,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autotune.timing.attention_cost import attention_flops
 from autotune.timing.counts import PHASES, CollectiveCounts, PhaseCounts, StepCounts, attention_key
 from trials.core.memory import TrackerListener
+from trials.stack.offload import PREFETCH_SCOPE
+from trials.stack.ring import WAITED_SCOPE
 
 _DEBUG = bool(os.environ.get("AUTOTUNE_COUNTER_DEBUG"))
 
@@ -542,7 +544,10 @@ class StepCounter(TorchDispatchMode):
         nbytes = _nbytes(dst)
         if src_type != dst_type:
             if src_type == "cpu" and dst_type != "meta":
-                pc.h2d_bytes += nbytes
+                if self._in_scope(PREFETCH_SCOPE):
+                    pc.waited_h2d_bytes += nbytes
+                else:
+                    pc.h2d_bytes += nbytes
                 if self._in_scope("FSDP::"):
                     self.counts.fsdp_h2d_bytes += nbytes
             elif dst_type == "cpu" and src_type != "meta":
@@ -554,7 +559,10 @@ class StepCounter(TorchDispatchMode):
         if src_type == "cpu" and self.tracker is not None:
             # CPU path: a copy out of an offloaded (host-marked) tensor into a device one is the prefetch
             if self._is_host(src, "cpu") and not self._is_host(dst, "cpu"):
-                pc.h2d_bytes += nbytes
+                if self._in_scope(PREFETCH_SCOPE):
+                    pc.waited_h2d_bytes += nbytes
+                else:
+                    pc.h2d_bytes += nbytes
             elif name == "copy_" and self._is_host(dst, "cpu") and not self._is_host(src, "cpu"):
                 pc.d2h_bytes += nbytes
 
@@ -590,11 +598,11 @@ class StepCounter(TorchDispatchMode):
             return
         elif name in ("send", "recv_", "recv_any_source_"):
             # ring attention's point-to-point K/V (and dK/dV) to the next ring rank (trials.stack.ring): priced by
-            # its sends, each received once
+            # its sends, each received once; those waited at once (its ``WAITED_SCOPE``) are "p2p_waited"
             self.counts.phases[phase].ops += 1
             if name != "send":
                 return
-            kind = "p2p"
+            kind = "p2p_waited" if self._in_scope(WAITED_SCOPE) else "p2p"
             nbytes = sum(_nbytes(t) for t in _tensors(args))
             size = _group_size(bound, self.world_size)
             factor = 1.0

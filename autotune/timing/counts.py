@@ -22,7 +22,8 @@ class PhaseCounts:
     ops: int = 0  # ops that do work (kernel launches)
     views: int = 0  # dispatched ops that do no work (views, detach, metadata)
     d2h_bytes: float = 0.0  # device -> host copies (activation offload, grad offload)
-    h2d_bytes: float = 0.0  # host -> device copies (prefetch, param offload)
+    h2d_bytes: float = 0.0  # host -> device copies hidden behind compute (param offload)
+    waited_h2d_bytes: float = 0.0  # host -> device copies the step waits for (activation offload's inputs back)
 
     def add(self, other: PhaseCounts) -> None:
         for f in fields(self):

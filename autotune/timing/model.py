@@ -13,7 +13,8 @@ A small roofline-style model, every rate and efficiency a named field of the har
                         (link: NVLink inside a node; a group spanning nodes is bound by the NICs: ``_transfer_time``)
        FSDP comm      = same for FSDP's; hidden behind compute up to the compute time (side streams) except
                         the first all-gather and the last reduce-scatter
-       host transfers = (d2h, h2d) / host link per direction, per phase; hidden behind that phase's compute
+       host transfers = (d2h, h2d) / host link per direction, per phase; hidden behind that phase's compute,
+                        but activation offload's inputs back (``waited_h2d_bytes``), which the next layer waits for
        optimizer      = optimizer bytes / host_optimizer_bytes_per_s (offloaded) or as elementwise (device)
        step_time      = compute + recompute + exposed comm + exposed host + optimizer
 
@@ -216,10 +217,11 @@ def ring_transfer_time(
     """(seconds of the ring's point-to-point transfers, seconds of them not hidden) per step.
 
     Each ring step sends the K/V it holds to the next rank while it computes attention on them (in backward also
-    the dK/dV accumulators), so a step costs max(attention on the chunk, transfer): per phase the transfers hide
+    the dV accumulator), so a step costs max(attention on the chunk, transfer): per phase the transfers hide
     behind the attention of every ring step but the last, ``attention x (R-1)/R``. In backward a layer makes
-    2R-1 transfers (R-1 of K/V, R of dK/dV) and the last has nothing after it: at least 1/(2R-1) of them shows.
-    A hop inside a node moves over NVLink; a hop across nodes through the sending rank's own NIC
+    2R-1 such transfers (R-1 of K/V, R of dV) and the last has nothing after it: at least 1/(2R-1) of them shows.
+    The dK accumulator's R sends are waited at once (``p2p_waited``: one fp32 buffer fewer in flight), so they
+    all show. A hop inside a node moves over NVLink; a hop across nodes through the sending rank's own NIC
     (``ring_crosses_nodes``), its latency the fabric's."""
     ring = techniques.ring_degree
     if ring <= 1:
@@ -238,6 +240,10 @@ def ring_transfer_time(
         floor = seconds / (2 * ring - 1) if phase == "backward" else 0.0
         total += seconds
         exposed += max(floor, seconds - hidden)
+    for c in counts.by_phase("p2p_waited").values():
+        seconds = c.wire_bytes / link + c.calls * latency
+        total += seconds
+        exposed += seconds
     return total, exposed
 
 
@@ -331,9 +337,14 @@ def predict_step_time(
         t = max(sum(d2h.get(p, 0) for p in group), sum(h2d.get(p, 0) for p in group)) / host_bw
         host_total += t
         exposed_host += max(0.0, t - r.side_stream_overlap * busy_t)
+    # activation offload's layer inputs come back once the layer after them is done: the next layer waits for them
+    waited = sum(counts.phases[p].waited_h2d_bytes for p in COMPUTE_PHASES)
+    host_total += waited / host_bw
+    exposed_host += waited / host_bw
     detail["host_transfer_s"] = host_total
     detail["host_d2h_bytes"] = float(sum(d2h.values()))
-    detail["host_h2d_bytes"] = float(sum(h2d.values()))
+    detail["host_h2d_bytes"] = float(sum(h2d.values()) + waited)
+    detail["host_waited_h2d_bytes"] = float(waited)
 
     # the optimizer step
     opt = counts.phases["optimizer"]

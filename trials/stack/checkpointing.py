@@ -2,8 +2,8 @@
 
 Uses torch's non-reentrant checkpoint through ``checkpoint_wrapper`` (the torchtitan way), which composes
 with FSDP2 (shard the wrapper after wrapping). With ``offload_layers = N > 0`` the first N layers' kept inputs
-live on the host (``trials.stack.offload``); layer N's wrapper also takes part, to prefetch layer N-1's input one layer
-ahead in backward.
+live on the host (``trials.stack.offload``); layer N's wrapper also takes part, to bring layer N-1's input back once
+layer N's backward is done.
 """
 
 from __future__ import annotations

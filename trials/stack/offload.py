@@ -10,10 +10,13 @@ call in ``torch.autograd.graph.saved_tensors_hooks`` whose pack hook sees exactl
                             non-blocking; the device tensor is kept alive by ``record_stream`` until the copy
                             ends); returns a handle, so autograd no longer references the device tensor and
                             it is freed when the model's loop moves on to the next layer.
-    backward, layer i:      unpack(handle_i) -> the device copy of hidden_i (already prefetched by layer i+1, or
-                            copied now), and start prefetching hidden_{i-1} (side stream, H2D) so that copy
-                            overlaps layer i's recompute + backward: "one layer ahead".
-    layers >= N:            pack keeps the tensor on the device; the handle of layer N still prefetches layer N-1.
+    backward, layer i:      unpack(handle_i) -> the device copy of hidden_i (prefetched when layer i+1's backward
+                            ended, or copied now); when layer i's backward ends (the gradient of hidden_i is
+                            computed: a hook on it), start copying hidden_{i-1} back (side stream, H2D), so the
+                            copy runs while FSDP moves from layer i to layer i-1 and never adds to layer i's peak,
+                            where the backward's largest temporaries live. Layer i-1's recompute waits for it: the
+                            copy's bytes are ``PREFETCH_SCOPE``'s, which the time model prices exposed.
+    layers >= N:            pack keeps the tensor on the device; the hook of layer N still prefetches layer N-1.
 
 Host buffers (``HostArena``): one per offloaded layer, allocated at its first forward and reused by every later
 step, so the host memory activation offload holds is exactly the offloaded inputs' bytes, allocated once. On CUDA
@@ -48,6 +51,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from trials.core.errors import HostOutOfMemoryError
 from trials.core.memory import active_tracker
 
+PREFETCH_SCOPE = "activation_offload::prefetch"  # the ``record_function`` region of the copies back to the device
 _CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, as torch's own pinning
 _CUDA_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation: the host cannot page-lock that much
 
@@ -187,14 +191,15 @@ class _SavedInput:
         # allocated on the consuming (current) stream, so its block returns to that stream's pool when freed;
         # record_stream keeps the block from reuse until the side stream's copy into it is done
         device_tensor = torch.empty(host.shape, dtype=host.dtype, device=self.device)
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
-                device_tensor.copy_(host, non_blocking=True)
-                self.event = self.stream.record_event()
-            device_tensor.record_stream(self.stream)
-        else:
-            device_tensor.copy_(host)
+        with torch.profiler.record_function(PREFETCH_SCOPE):
+            if self.stream is not None:
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self.stream):
+                    device_tensor.copy_(host, non_blocking=True)
+                    self.event = self.stream.record_event()
+                device_tensor.record_stream(self.stream)
+            else:
+                device_tensor.copy_(host)
         self.device_tensor = device_tensor
 
     def get(self) -> torch.Tensor:
@@ -202,8 +207,8 @@ class _SavedInput:
         if self.event is not None:
             torch.cuda.current_stream(self.device).wait_event(self.event)
             self.event = None
-        if self.previous is not None:
-            self.previous.prefetch()  # the next layer backward needs: overlap its copy with this layer
+        if self.previous is not None:  # no hook on this layer's input (it needs no gradient): start it now
+            self.previous.prefetch()
             self.previous = None
         tensor = self.device_tensor
         if self.offloaded:
@@ -211,6 +216,16 @@ class _SavedInput:
             # in case the graph is unpacked again (retain_graph)
             self.device_tensor = None
         return tensor
+
+
+def _prefetch_when_done(previous: _SavedInput):
+    """A gradient hook on layer i's input: its gradient is layer i's backward done, so layer i-1's input comes back
+    now. It holds the earlier layer's entry only (a host copy), never the tensor it hooks."""
+
+    def hook(grad):
+        previous.prefetch()
+
+    return hook
 
 
 class ActivationOffload:
@@ -251,6 +266,9 @@ class ActivationOffload:
                 stream = self.stream_for(tensor)
                 slot = self.arena.slot(layer_index, tensor, pinned=stream is not None) if offload else None
                 saved = _SavedInput(tensor, slot, layer_index, self._last, stream)
+                if saved.previous is not None and tensor.requires_grad:
+                    tensor.register_hook(_prefetch_when_done(saved.previous))
+                    saved.previous = None
                 entry.append(saved)
                 return saved
 

@@ -35,11 +35,15 @@ K/V: after each step a rank sends the accumulator of the block it holds to the n
 next; the R-th send brings every block's accumulator home.
 
 Communication: point-to-point (``torch.distributed.batch_isend_irecv``) to the next ring rank and from the
-previous one, the next step's K/V received while this step's blocks compute (and in backward the dK/dV
-accumulators while the next step's blocks compute). In flight per rank: one more K/V of the local chunk in
-forward; in backward one more K/V, and the dK/dV accumulators (fp32) of two blocks: the one sent and the one
-received. A step's block gradients are added into the received accumulators in place, so besides dq no third pair
-of fp32 dK/dV buffers is ever live. K/V travel as the kv heads
+previous one, the next step's K/V received while this step's blocks compute. In backward the dK/dV accumulators
+travel one after the other: dK's exchange is waited at once (``WAITED_SCOPE``: the time model prices it exposed),
+then dV's travels while the next step's blocks compute. In flight per rank: one more K/V of the local chunk in
+forward; in backward one more K/V and, besides dq, three fp32 accumulators at most (dK sent, dK received and dV;
+then dK received, dV sent and dV received), one fewer than sending the pair together. A step's block gradients are
+added into the received accumulators in place (dK's at once, as it is here already); at step 0 the accumulators are
+fp32 copies of the blocks' gradients (the step's blocks cover each local row once: one block, or one per document),
+each made as the gradient is freed, and the next step's K/V are waited for before the accumulators travel, so a
+caller that hands its K/V over (``ring_backward``'s ``kv``) has them freed then. K/V travel as the kv heads
 (GQA: never repeated to the query heads; the kernel call repeats them per block). With Ulysses, the ring runs
 inside the Ulysses exchange (USP): after the all-to-all a rank holds its ring rank's 2L columns for its heads and
 rings with the ranks of the same Ulysses rank in the other Ulysses groups (``trials.core.dist``).
@@ -62,6 +66,7 @@ from trials.kernels.attention import (
 from trials.kernels.documents import Documents, documents_of
 from trials.stack.ulysses import apply_ulysses, attention_modules
 
+WAITED_SCOPE = "ring::waited"  # the ``record_function`` region of sends waited at once (the time model: exposed)
 Block = tuple[int, int, int, int, bool]  # (first query row, query rows, first key row, key rows, causal)
 
 
@@ -197,21 +202,27 @@ def ring_forward(query, key, value, scaling: float, kernel: str, ring: Ring, sof
 
 
 def ring_backward(
-    grad_out, query, key, value, out, residuals, scaling: float, kernel: str, ring: Ring, softcap=None, documents=None
+    grad_out, query, kv: list, out, residuals, scaling: float, kernel: str, ring: Ring, softcap=None, documents=None
 ):
-    """Gradients (dq, dk, dv) of ``ring_forward``, in the layout and dtypes of (query, key, value)."""
+    """Gradients (dq, dk, dv) of ``ring_forward``, in the layout and dtypes of (query, key, value).
+
+    ``kv`` is the list [key, value], handed over: it is emptied, so when the caller keeps no other reference this
+    rank's own K/V are freed as soon as the next step's have arrived."""
     layout = head_layout(kernel)
     dim = 2 if layout == "bhsd" else 1
     length = query.shape[dim]
     local = _local(documents, ring, length)
     (lse,) = residuals
+    k, v = kv
+    kv.clear()
+    key_dtype, value_dtype = k.dtype, v.dtype
     dq = torch.zeros_like(query, dtype=torch.float32)
-    k, v = key, value
-    accumulators = None  # (dk, dv) of the block this rank holds, in flight from the previous rank
+    accumulators = None  # (dk, dv) of the block this rank holds: dk here (waited), dv in flight from the previous rank
     accumulator_works = None
     for step in range(ring.degree):
         pending = ring.exchange(k, v) if step < ring.degree - 1 else None
-        block_grads = []  # (first key row, key rows, dk, dv) of each block, added once its accumulators are here
+        dk = None if accumulators is None else accumulators[0]
+        block_grads = []  # [first key row, key rows, dk or None, dv] of each block, added once its accumulators are here
         for q_start, q_rows, kv_start, kv_rows, causal in ring.blocks(step, length, local):
             grads = attention_backward(
                 grad_out.narrow(dim, q_start, q_rows).contiguous(),
@@ -226,26 +237,51 @@ def ring_backward(
                 causal=causal,
             )
             dq.narrow(dim, q_start, q_rows).add_(grads[0])
-            block_grads.append((kv_start, kv_rows, grads[1], grads[2]))
+            if dk is not None:  # the dK accumulator is here already: add at once, keep only the block's dv
+                dk.narrow(dim, kv_start, kv_rows).add_(grads[1])
+                block_grads.append([kv_start, kv_rows, None, grads[2]])
+            else:
+                block_grads.append([kv_start, kv_rows, grads[1], grads[2]])
             del grads
-        if accumulators is None:  # step 0: this rank is the first to visit its own block
-            dk = torch.zeros_like(k, dtype=torch.float32)
-            dv = torch.zeros_like(v, dtype=torch.float32)
+        if accumulators is None:  # step 0: this rank is the first to visit its own columns
+            # = zeros + the blocks' gradients (they cover each row once), with one bf16 buffer fewer alive meanwhile
+            dk = _copied(k, dim, block_grads, 2)
+            dv = _copied(v, dim, block_grads, 3)
         else:  # the accumulators of this block from the ranks it visited before: add to them in place
             _wait(accumulator_works)
-            dk, dv = accumulators
-        for kv_start, kv_rows, block_dk, block_dv in block_grads:
-            dk.narrow(dim, kv_start, kv_rows).add_(block_dk)
-            dv.narrow(dim, kv_start, kv_rows).add_(block_dv)
-        del block_grads, block_dk, block_dv, accumulators
-        accumulators, accumulator_works = ring.exchange(dk, dv)
-        del dk, dv  # in flight: the sent pair and the received one, no third
-        if pending is not None:
-            (k, v), works = pending
+            dv = accumulators[1]
+            for kv_start, kv_rows, block_dk, block_dv in block_grads:
+                if block_dk is not None:
+                    dk.narrow(dim, kv_start, kv_rows).add_(block_dk)
+                dv.narrow(dim, kv_start, kv_rows).add_(block_dv)
+            del block_dk, block_dv
+        del block_grads, accumulators
+        if pending is not None:  # the next step's K/V, before the accumulators travel: this step's are freed here
+            (k, v), works = pending  # (unless the caller holds them)
             _wait(works)
+        # dK, then dV: dK's exchange is waited before dV's starts, so three accumulators are alive at most (dK sent,
+        # dK received, dV; then dK received, dV sent, dV received); dV travels while the next step computes
+        with torch.profiler.record_function(WAITED_SCOPE):
+            (dk_received,), works = ring.exchange(dk)
+            del dk
+            _wait(works)
+        (dv_received,), accumulator_works = ring.exchange(dv)
+        del dv
+        accumulators = dk_received, dv_received
+        del dk_received, dv_received
     _wait(accumulator_works)
     dk, dv = accumulators
-    return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
+    return dq.to(query.dtype), dk.to(key_dtype), dv.to(value_dtype)
+
+
+def _copied(like, dim: int, block_grads: list, index: int):
+    """An fp32 tensor shaped as ``like`` holding each block's gradient ``block_grads[i][index]`` in its rows (the
+    blocks cover every row once); each gradient is dropped from its block once copied, so it is freed then."""
+    copy = torch.empty_like(like, dtype=torch.float32)
+    for block in block_grads:
+        copy.narrow(dim, block[0], block[1]).copy_(block[index])
+        block[index] = None
+    return copy
 
 
 class _RingAttention(torch.autograd.Function):
@@ -262,7 +298,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         query, key, value, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_backward(
-            grad_out, query, key, value, out, (lse,), ctx.scaling, ctx.kernel, ctx.ring, ctx.softcap, ctx.documents
+            grad_out, query, [key, value], out, (lse,), ctx.scaling, ctx.kernel, ctx.ring, ctx.softcap, ctx.documents
         )
         return dq, dk, dv, None, None, None, None, None
 

@@ -62,9 +62,16 @@ def ring_degree_problem(ring: int, degree: int, world: int, windowed: bool = Fal
     return None
 
 
+def split_unit(ulysses_degree: int, ring_degree: int) -> int:
+    """What a length must be a multiple of to split over Ulysses x ring: the Ulysses degree, or with a ring its 2 x
+    ring zigzag chunks each split by Ulysses."""
+    return 2 * ring_degree * ulysses_degree if ring_degree > 1 else ulysses_degree
+
+
 def ring_length_problem(ring: int, degree: int, seq_len: int) -> str | None:
-    """Why ``seq_len`` cannot be split by a ring (2 x ring zigzag chunks, each rank's two split by Ulysses)."""
-    unit = 2 * ring * degree
+    """Why ``seq_len`` cannot be split by a ring (``split_unit``: 2 x ring zigzag chunks, each rank's two split by
+    Ulysses)."""
+    unit = split_unit(degree, ring)
     if ring > 1 and seq_len % unit:
         return f"seq_len {seq_len:,} is not divisible by 2 x ring_degree {ring} x ulysses_degree {degree} = {unit}"
     return None
@@ -158,5 +165,5 @@ def length_unit(techniques, base: int = 1024) -> int:
             unit = math.lcm(unit, int(value))
     ring = getattr(techniques, "ring_degree", 1)
     if ring > 1:
-        unit = math.lcm(unit, 2 * ring * max(1, techniques.ulysses_degree))
+        unit = math.lcm(unit, split_unit(max(1, techniques.ulysses_degree), ring))
     return unit

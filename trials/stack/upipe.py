@@ -226,6 +226,35 @@ class UPipeAttention:
         return tuple(blocks)
 
     # -- pieces shared by forward and backward ----------------------------------------------------------
+    def core_forward(self, q_heads, k_heads, v_heads, documents):
+        """One chunk's attention in the kernel's layout: the kernel on this rank, or around the ring; returns (out,
+        residuals)."""
+        if self.ring is None:
+            return attention_forward(
+                q_heads, k_heads, v_heads, self.scaling, self.kernel, self.window, self.softcap, documents
+            )
+        return ring_forward(q_heads, k_heads, v_heads, self.scaling, self.kernel, self.ring, self.softcap, documents)
+
+    def core_backward(self, do_heads, q_heads, kv: list, o_heads, residuals, documents):
+        """(dq, dk, dv) of ``core_forward``. ``kv`` is [k, v], handed over: the ring empties it, so K/V the caller
+        no longer holds are freed once the ring's next ones have arrived."""
+        if self.ring is None:
+            return attention_backward(
+                do_heads,
+                q_heads,
+                *kv,
+                o_heads,
+                residuals,
+                self.scaling,
+                self.kernel,
+                self.window,
+                self.softcap,
+                documents,
+            )
+        return ring_backward(
+            do_heads, q_heads, kv, o_heads, residuals, self.scaling, self.kernel, self.ring, self.softcap, documents
+        )
+
     def _norm(self, norm_module, weight, x):
         if norm_module is None:
             return x
@@ -379,14 +408,7 @@ class _HeadChunkedAttention(torch.autograd.Function):
                 else:
                     (q_heads,) = layer.to_heads(q)
                 del q
-                if layer.ring is None:
-                    o_heads, chunk_residuals = attention_forward(
-                        q_heads, k_heads, v_heads, layer.scaling, layer.kernel, layer.window, layer.softcap, documents
-                    )
-                else:
-                    o_heads, chunk_residuals = ring_forward(
-                        q_heads, k_heads, v_heads, layer.scaling, layer.kernel, layer.ring, layer.softcap, documents
-                    )
+                o_heads, chunk_residuals = layer.core_forward(q_heads, k_heads, v_heads, documents)
                 del q_heads
                 (o_local,) = layer.to_seq(o_heads)  # [b, s_l, P, c, d]
                 del o_heads
@@ -515,41 +537,16 @@ class _HeadChunkedAttention(torch.autograd.Function):
                 del received
                 i = chunk_index[chunk]
                 chunk_residuals = tuple(residuals[i * per_chunk : (i + 1) * per_chunk])
-                if layer.ring is None:
-                    dq_heads, dk_c, dv_c = attention_backward(
-                        do_heads,
-                        q_heads,
-                        k_heads,
-                        v_heads,
-                        o_heads,
-                        chunk_residuals,
-                        layer.scaling,
-                        layer.kernel,
-                        layer.window,
-                        layer.softcap,
-                        documents,
-                    )
-                else:
-                    dq_heads, dk_c, dv_c = ring_backward(
-                        do_heads,
-                        q_heads,
-                        k_heads,
-                        v_heads,
-                        o_heads,
-                        chunk_residuals,
-                        layer.scaling,
-                        layer.kernel,
-                        layer.ring,
-                        layer.softcap,
-                        documents,
-                    )
-                del q_heads, o_heads, do_heads
+                last = index == len(group) - 1
+                kv = [k_heads, v_heads]
+                if last:  # no later chunk of the group needs the k/v: ``kv`` holds the only references
+                    del k_heads, v_heads
+                dq_heads, dk_c, dv_c = layer.core_backward(do_heads, q_heads, kv, o_heads, chunk_residuals, documents)
+                del kv, q_heads, o_heads, do_heads
                 dk_heads = dk_c if dk_heads is None else dk_heads.add_(dk_c)
                 dv_heads = dv_c if dv_heads is None else dv_heads.add_(dv_c)
                 del dk_c, dv_c
-                last = index == len(group) - 1
                 if last:  # the group's k/v gradients travel back with its last chunk's dq
-                    del k_heads, v_heads
                     dq, dk_local, dv_local = layer.to_seq(dq_heads, dk_heads, dv_heads)
                     del dk_heads, dv_heads
                 else:
