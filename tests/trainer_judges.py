@@ -177,17 +177,32 @@ def judge_accelerate_deepspeed(configs: list[str]) -> None:
         )
 
 
-def run_alst(alst_path: str, model_dir: str) -> None:
-    """Import a DeepSpeed ``.alst.py`` and train one step of a tiny Llama with it (one rank, CPU): its tiled MLP,
-    tiled loss and checkpoint offload, against the model's own loss and gradients without any of them."""
+def _import_alst(alst_path: str):
+    """The exported DeepSpeed ``.alst.py`` as a module."""
     import importlib.util
-
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     spec = importlib.util.spec_from_file_location("alst", alst_path)
     alst = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(alst)
+    return alst
+
+
+def _worst_relative_grad_error(grads: dict, model) -> float:
+    """The largest |grads[n] - reference| / |reference| (max norms) over ``model``'s parameters, whose ``.grad`` holds
+    the reference."""
+    return max(
+        float((grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp(min=1e-12))
+        for n, p in model.named_parameters()
+    )
+
+
+def run_alst(alst_path: str, model_dir: str) -> None:
+    """Import a DeepSpeed ``.alst.py`` and train one step of a tiny Llama with it (one rank, CPU): its tiled MLP,
+    tiled loss and checkpoint offload, against the model's own loss and gradients without any of them."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    alst = _import_alst(alst_path)
     config = {k: v for k, v in json.loads((Path(model_dir) / "config.json").read_text()).items()}
     mpu = alst.before_model()
     torch.manual_seed(0)
@@ -206,10 +221,7 @@ def run_alst(alst_path: str, model_dir: str) -> None:
     model.gradient_checkpointing_disable()
     reference = model(input_ids=ids, labels=ids, position_ids=batch["position_ids"]).loss
     reference.backward()
-    worst = max(
-        float((grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp(min=1e-12))
-        for n, p in model.named_parameters()
-    )
+    worst = _worst_relative_grad_error(grads, model)
     print(
         json.dumps(
             {
@@ -232,14 +244,10 @@ def run_alst_packed(alst_path: str, model_dir: str, lengths: list[int]) -> None:
     its first window one step (one rank, CPU, SDPA: transformers masks the documents its position_ids mark)
     against the plain model run on each document of that window alone: the loss (each document's predictions,
     none across a boundary) and the gradients."""
-    import importlib.util
-
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    spec = importlib.util.spec_from_file_location("alst", alst_path)
-    alst = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(alst)
+    alst = _import_alst(alst_path)
     config = json.loads((Path(model_dir) / "config.json").read_text())
     generator = torch.Generator().manual_seed(1)
     documents = [torch.randint(0, config["vocab_size"], (n,), generator=generator).tolist() for n in lengths]
@@ -273,10 +281,7 @@ def run_alst_packed(alst_path: str, model_dir: str, lengths: list[int]) -> None:
         / predictions
     )
     reference.backward()
-    worst = max(
-        float((grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp(min=1e-12))
-        for n, p in model.named_parameters()
-    )
+    worst = _worst_relative_grad_error(grads, model)
     print(
         json.dumps(
             {
