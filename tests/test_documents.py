@@ -170,7 +170,7 @@ def test_documents_spans_and_positions():
     documents = Documents.packed(10, [4, 3])
     assert documents.lengths == (4, 3, 3)
     assert documents.offsets == (0, 4, 7, 10)
-    assert documents.positions() == [0, 1, 2, 3, 0, 1, 2, 0, 1, 2]
+    assert documents.positions().tolist() == [0, 1, 2, 3, 0, 1, 2, 0, 1, 2]
     assert Documents.fixed(10, 4).lengths == (4, 4, 2)
     with pytest.raises(ValueError):
         Documents((3, 0))

@@ -191,9 +191,9 @@ def test_a_batch_reads_its_documents_from_position_ids_and_refuses_what_it_canno
     ids = torch.arange(10).unsqueeze(0)
     packed = Documents((4, 1, 5))
     batch = hf.batch(
-        {"input_ids": ids, "labels": ids, "position_ids": torch.tensor([packed.positions()])}, Mesh.single()
+        {"input_ids": ids, "labels": ids, "position_ids": torch.tensor(packed.positions()).unsqueeze(0)}, Mesh.single()
     )
-    assert batch.documents == packed and batch.position_ids.tolist() == [packed.positions()]
+    assert batch.documents == packed and batch.position_ids.tolist() == [packed.positions().tolist()]
     assert batch.labels.tolist() == [[1, 2, 3, -100, -100, 6, 7, 8, 9, -100]] and batch.valid_tokens == 7
     plain = hf.batch({"input_ids": ids, "labels": ids, "position_ids": torch.arange(10).unsqueeze(0)}, Mesh.single())
     assert plain.documents is None and plain.labels.tolist() == [[*range(1, 10), -100]]
@@ -207,10 +207,12 @@ def test_a_batch_reads_its_documents_from_position_ids_and_refuses_what_it_canno
             hf.batch({"input_ids": ids, "position_ids": torch.tensor([positions])}, Mesh.single())
         assert str(refused.value).startswith("position_ids: ") and "\n" not in str(refused.value)
     with pytest.raises(ValueError, match=r"^position_ids: ring_degree 2 splits each packed document into 2 x "):
-        hf.batch({"input_ids": ids, "position_ids": torch.tensor([packed.positions()])}, ring)
+        hf.batch({"input_ids": ids, "position_ids": torch.tensor(packed.positions()).unsqueeze(0)}, ring)
     # documents of multiples of 2 x ring: ring rank 0 holds chunks 0 and 3 of each, positions restarting per document
     split = Documents((4, 8))
     ids = torch.arange(12).unsqueeze(0)
-    held = hf.batch({"input_ids": ids, "labels": ids, "position_ids": torch.tensor([split.positions()])}, ring)
+    held = hf.batch(
+        {"input_ids": ids, "labels": ids, "position_ids": torch.tensor(split.positions()).unsqueeze(0)}, ring
+    )
     assert held.input_ids.tolist() == [[0, 3, 4, 5, 10, 11]] and held.position_ids.tolist() == [[0, 3, 0, 1, 6, 7]]
     assert held.labels.tolist() == [[1, -100, 5, 6, 11, -100]] and held.documents == split

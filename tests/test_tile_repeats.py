@@ -31,6 +31,7 @@ def _record(
     stop_above=None,
     documents=ONE,
     hardware="cpu",
+    world=1,
     **techniques,
 ) -> dict:
     repeated = []
@@ -47,7 +48,7 @@ def _record(
     else:
         monkeypatch.delenv(oracle_repeats.EVERY_TILE_ENV, raising=False)
     model, on = load_model_config("tiny-llama"), load_hardware(hardware).with_memory_gib(memory_gib)
-    evaluation = Evaluation(model, Techniques(**techniques), seq_len, 1, on, documents=documents)
+    evaluation = Evaluation(model, Techniques(**techniques), seq_len, world, on, documents=documents)
     record = PlanBackend(stop_above=stop_above).evaluate(evaluation).to_dict()
     return record, sum(repeated)
 
@@ -75,8 +76,10 @@ def test_repeated_tiles_give_the_record_of_every_tile(monkeypatch, techniques):
         ((512,), {}),  # 16 documents of one length: a whole layer's per-document calls
         ((512,) * 12 + (1024, 1024), dict(head_chunk=1, activation_checkpointing=True)),  # head chunks; a longer tail
         ((512,), dict(attention="flash", head_chunk=1, hardware="h100-sxm")),  # FA2's residuals: lse and RNG state
+        ((512,) * 12 + (1024, 1024), dict(ring_degree=2, world=2)),  # each ring step's blocks per document
+        ((512,), dict(ring_degree=2, world=2, attention="flash", hardware="h100-sxm", activation_checkpointing=True)),
     ],
-    ids=["whole layer", "head chunks+checkpoint", "flash head chunks"],
+    ids=["whole layer", "head chunks+checkpoint", "flash head chunks", "ring", "flash ring+checkpoint"],
 )
 def test_repeated_documents_give_the_record_of_every_document(monkeypatch, documents, techniques):
     """Packed documents of one length are identical iterations of each layer's attention, forward and backward:
@@ -124,7 +127,7 @@ def test_kept_tiles_that_would_cross_the_capacity_run(capacity):
     whole, shortened = run(False), run(True)
     assert shortened[:2] == whole[:2] and shortened[3] == whole[3]
     assert whole[0] == (None if capacity in (None, 20_000) else 5)
-    assert shortened[2] == (0 if whole[0] is not None else 8)
+    assert shortened[2] == (0 if whole[0] is not None else 9)  # 0 and 1 run, 2..10 stood in for, 11 runs
 
 
 class _Recorder(LoopWatcher):
@@ -163,8 +166,9 @@ def test_the_loop_keeps_what_a_for_loop_keeps(watched):
     assert last.tolist() == [9.0] * 4 and alive_during[1:] == [True] * (len(alive_during) - 1)
     ran = [int(t[0]) for t in kept]
     if watched:
-        # 0, 1, 2 run; 3..7 stood in for; 8 (the last full tile) and 9 (the short one) run
-        assert recorder.repeats == [5, 5] and len(alive_during) == 5
-        assert ran == [0, 1, 2, -1, -1, -1, -1, -1, 8, 9]
+        # 0 and 1 run and are the same; 2..8 stood in for, 9 (the short tile) runs; keeping every result, 8 (the
+        # last full tile) runs too
+        assert recorder.repeats == [7, 6] and len(alive_during) == 3
+        assert ran == [0, 1, -1, -1, -1, -1, -1, -1, 8, 9]
     else:
         assert len(alive_during) == 10 and ran == list(range(10))

@@ -2,12 +2,14 @@
 
 A tiled op runs the same ops on equal-shaped tiles: at millions of tokens the tiled loss runs hundreds of tiles,
 the tiled MLP and RMSNorm tens per layer, and attention over packed documents one kernel call per document
-(``trials.kernels.attention``: 80 per layer for 64K-token documents in a 5M sequence). On real tensors every tile must run. Under fake tensors (the memory
-oracle) a tile computes nothing, yet each one costs the oracle ~100 dispatches through its modes, and tiles are
-most of a long trace's time. ``for_each_tile`` is the loop: it runs every iteration unless a ``LoopWatcher`` is
-active; then it runs iterations 0, 1 and 2, asks the watcher whether 1 and 2 did exactly the same thing to the
-same state (``observe``), and if so has the watcher account for the identical middle iterations (``repeat``)
-instead of running them. The last full tile and any shorter tile after it always run.
+(``trials.kernels.attention``: 80 per layer for 64K-token documents in a 5M sequence). On real tensors every tile
+must run. Under fake tensors (the memory oracle) a tile computes nothing, yet each one costs the oracle ~100
+dispatches through its modes, and tiles are most of a long trace's time. ``for_each_tile`` is the loop: it runs
+every iteration unless a ``LoopWatcher`` is active; then it runs iterations 0 and 1 and asks the watcher whether
+they did exactly the same thing to the same state (``observe``); where iteration 0 differs (it allocated what
+later ones reuse) it runs iteration 2 and compares 1 and 2. Once two are the same, the watcher accounts for the
+identical iterations after them (``repeat``) instead of running them. Any shorter tile after the full ones always
+runs, and so does the last full one of a loop that keeps every result (its peak stands on all of them).
 
 Two kinds of loop: a tile whose result lives only until the next tile's does (the loss, RMSNorm, the MLP's
 backward: the state repeats), and a tile whose result is kept to the end (``keep_all``: the MLP forward's
@@ -26,7 +28,7 @@ from collections.abc import Callable, Hashable
 
 _WATCHERS: list[LoopWatcher] = []
 
-# iterations run before the watcher may stand in: 0 (may allocate what later ones reuse), 1 and 2 (compared)
+# iterations run at most before the watcher may stand in: 0 (may allocate what later ones reuse), 1 and 2
 _SEEN = 3
 
 
@@ -68,7 +70,8 @@ def for_each_tile(count: int, body: Callable[[int], object], uniform: int, keep_
     computed is part of the peak), and the last one is returned for the caller to hold as long as the loop's
     variable would have lived."""
     watcher = _WATCHERS[-1] if _WATCHERS else None
-    skippable = uniform - 1 - _SEEN  # iterations 3 .. uniform - 2
+    # the last iteration the watcher may stand for: the last full tile, except in a loop keeping every result
+    end = uniform - 1 if keep_all else uniform
     results = [None]  # keep_all: every result; else the loop variable, released as the next result exists
 
     def run(index: int):
@@ -81,19 +84,21 @@ def for_each_tile(count: int, body: Callable[[int], object], uniform: int, keep_
 
     if keep_all:
         results.clear()
-    if watcher is None or skippable < 1:
+    if watcher is None or end < 3:  # nothing to stand for after iterations 0 and 1
         for index in range(count):
             run(index)
         return results if keep_all else results.pop()
-    run(0)
-    first = watcher.observe(lambda: run(1), keep_all)
-    second = watcher.observe(lambda: run(2), keep_all)
-    rest = range(_SEEN, count)
-    if first is not None and first == second:
-        stand_ins = watcher.repeat(second, skippable, results[-1] if keep_all else None)
+    signature = watcher.observe(lambda: run(0), keep_all)
+    ran, same = 1, False
+    while ran < _SEEN and not same:
+        previous, signature = signature, watcher.observe(lambda index=ran: run(index), keep_all)
+        ran += 1
+        same = signature is not None and signature == previous
+    if same and end > ran:
+        stand_ins = watcher.repeat(signature, end - ran, results[-1] if keep_all else None)
         if not keep_all or stand_ins is not None:
             results.extend(stand_ins or [])
-            rest = range(uniform - 1, count)
-    for index in rest:
+            ran = end
+    for index in range(ran, count):
         run(index)
     return results if keep_all else results.pop()

@@ -258,8 +258,8 @@ def attention_forward(
 ):
     """Causal attention (within ``window`` keys, inside each of ``documents``) without autograd, in
     ``head_layout(kernel)``; returns (out, residuals tuple). Packed documents run one call per document: the
-    residuals are each document's in turn. ``causal=False``: every query sees every key (a ring's block of earlier
-    keys, ``trials.stack.ring``; no window, one document)."""
+    residuals are then one fp32 logsumexp [b, h, s] holding each document's rows. ``causal=False``: every query sees
+    every key (a ring's block of earlier keys, ``trials.stack.ring``; no window, one document)."""
     if not causal and (window or documents is not None):
         raise ValueError("a sliding window and packed documents are causal")
     if _packed(documents):
@@ -352,6 +352,21 @@ def attention_backward(
     return dq, _sum_kv_groups(dk, groups), _sum_kv_groups(dv, groups)
 
 
+def residuals_from_lse(kernel: str, lse, like) -> tuple:
+    """The residuals ``attention_backward`` takes for ``kernel``, from one call's rows of a logsumexp kept for
+    several calls (a ring's blocks merged, packed documents side by side; fp32 [b, h, rows], contiguous):
+    FlashAttention 2 also takes an RNG state, CUDA SDPA (memory-efficient) a philox seed and offset and a logsumexp
+    padded to 32 rows; none is read without dropout."""
+    if kernel == "flash":
+        return (lse, None)
+    if kernel == "sdpa" and like.device.type == "cuda":
+        rows = lse.shape[-1]
+        padded = torch.nn.functional.pad(lse, (0, -rows % 32))
+        empty = torch.empty((), dtype=torch.int64, device=like.device)
+        return (padded, empty, empty)
+    return (lse,)
+
+
 # -- packed documents -------------------------------------------------------------------------------------------------
 # Each document is a causal sequence of its own: the kernel runs on its rows of q/k/v (views, no copy of the whole
 # sequence), within its window. A flash kernel with a varlen entry point runs a whole layer in one call instead.
@@ -375,42 +390,44 @@ def _for_each_document(documents: Documents, tokens: int, kernel: str, body, kee
     if documents.total != tokens:
         raise ValueError(f"documents cover {documents.total} tokens, attention sees {tokens}")
     dim, spans, lengths = _seq_dim(kernel), documents.spans(), documents.lengths
-    uniform = next((index for index, length in enumerate(lengths) if length != lengths[0]), len(lengths))
     return for_each_tile(
-        len(spans), lambda index: body(index, (dim, spans[index][0], lengths[index])), uniform, keep_all=keep_all
+        len(spans),
+        lambda index: body(index, (dim, spans[index][0], lengths[index])),
+        documents.leading_run,
+        keep_all=keep_all,
     )
 
 
 def _per_document_forward(query, key, value, scaling, kernel, window, softcap, documents: Documents):
-    out = None
+    """(out, (lse,)): each document's output and logsumexp in its rows of one output and one fp32 logsumexp
+    [b, h, s], both made before the first call, so every document's call is the same and nothing else is kept."""
+    dim = _seq_dim(kernel)
+    out = query.new_empty(query.shape)
+    lse = query.new_empty((query.shape[0], query.shape[3 - dim], query.shape[dim]), dtype=torch.float32)
 
     def document(_, rows):
-        nonlocal out
         part, residuals = attention_forward(
             query.narrow(*rows), key.narrow(*rows), value.narrow(*rows), scaling, kernel, window, softcap
         )
-        if out is None:
-            out = part.new_empty(query.shape)
         out.narrow(*rows).copy_(part)
-        return residuals
+        lse.narrow(2, rows[1], rows[2]).copy_(residuals[0][..., : rows[2]])
 
-    kept = _for_each_document(documents, key.shape[_seq_dim(kernel)], kernel, document, keep_all=True)
-    return out, tuple(residual for residuals in kept for residual in residuals)
+    _for_each_document(documents, key.shape[dim], kernel, document)
+    return out, (lse,)
 
 
 def _per_document_backward(grad_out, query, key, value, out, residuals, scaling, kernel, window, softcap, documents):
-    per = len(residuals) // len(documents.lengths)
+    (lse,) = residuals
     grads = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
-    def document(index, rows):
-        at = index * per
+    def document(_, rows):
         parts = attention_backward(
             grad_out.narrow(*rows).contiguous(),
             query.narrow(*rows),
             key.narrow(*rows),
             value.narrow(*rows),
             out.narrow(*rows),
-            residuals[at : at + per],
+            residuals_from_lse(kernel, lse.narrow(2, rows[1], rows[2]).contiguous(), query),
             scaling,
             kernel,
             window,
@@ -469,7 +486,8 @@ def _document_attention(query, key, value, scaling, kernel, window, softcap, doc
 
 class _DocumentAttention(torch.autograd.Function):
     """Attention of a whole layer over packed documents, one kernel call per document (the kernel's layout in and
-    out): saves q, k, v, out and each document's logsumexp, what the kernel's own autograd saves for one sequence."""
+    out): saves q, k, v, out and the documents' logsumexps side by side in one tensor, what the kernel's own
+    autograd saves for one sequence."""
 
     @staticmethod
     def forward(ctx, query, key, value, scaling, kernel, window, softcap, documents):

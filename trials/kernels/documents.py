@@ -98,14 +98,26 @@ class Documents:
     def max_length(self) -> int:
         return max(self.lengths)
 
+    @property
+    def leading_run(self) -> int:
+        """How many documents, from the first, have the first one's length: the identical iterations of a loop
+        over the documents (``trials.core.repeats.for_each_tile``'s ``uniform``)."""
+        first = self.lengths[0]
+        return next((index for index, length in enumerate(self.lengths) if length != first), len(self.lengths))
+
     def spans(self):
         """(start, end) of each document."""
         offsets = self.offsets
         return list(zip(offsets, offsets[1:]))
 
-    def positions(self) -> list[int]:
-        """Position ids over the whole sequence: 0 .. n-1 within each document."""
-        return [i for n in self.lengths for i in range(n)]
+    def positions(self):
+        """Position ids over the whole sequence, a numpy int64 array: 0 .. n-1 within each document (built
+        vectorized: a 5M-token window is one array, not five million Python ints)."""
+        import numpy as np
+
+        lengths = np.asarray(self.lengths, dtype=np.int64)
+        starts = np.cumsum(lengths) - lengths
+        return np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(starts, lengths)
 
     def cu_seqlens(self, device):
         """flash-attn's ``cu_seqlens``: int32 [documents + 1] on ``device``."""

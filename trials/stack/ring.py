@@ -56,12 +56,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from trials.core.repeats import for_each_tile
 from trials.kernels.attention import (
     FLASH_KERNELS,
     attention_backward,
     attention_forward,
     flash_inputs,
     head_layout,
+    residuals_from_lse,
 )
 from trials.kernels.documents import Documents, documents_of
 from trials.stack.ulysses import apply_ulysses, attention_modules
@@ -101,19 +103,23 @@ class Ring:
     def blocks(self, step: int, length: int, documents: Documents | None = None) -> list[Block]:
         """The blocks visible at ``step`` over ``length`` local columns (see the module docstring), each document's
         in turn when the columns hold packed ``documents`` (their local layout: ``local_documents``)."""
+        return [block for blocks in self.document_blocks(step, length, documents) for block in blocks]
+
+    def document_blocks(self, step: int, length: int, documents: Documents | None = None) -> list[list[Block]]:
+        """``blocks``, one list per document (one list without ``documents``)."""
         source = self.source(step)
         spans = [(0, length)] if documents is None else documents.spans()
-        blocks = []
+        per_document = []
         for start, end in spans:
             chunk = (end - start) // 2
             first, second = start, start + chunk
             if source == self.rank:
-                blocks.append((start, end - start, start, end - start, True))
+                per_document.append([(start, end - start, start, end - start, True)])
             elif source < self.rank:
-                blocks += [(first, chunk, first, chunk, False), (second, chunk, first, chunk, False)]
+                per_document.append([(first, chunk, first, chunk, False), (second, chunk, first, chunk, False)])
             else:
-                blocks += [(second, chunk, first, chunk, False), (second, chunk, second, chunk, False)]
-        return blocks
+                per_document.append([(second, chunk, first, chunk, False), (second, chunk, second, chunk, False)])
+        return per_document
 
     def exchange(self, *tensors) -> tuple[list, list]:
         """Send ``tensors`` to the next rank and receive as many of their shapes from the previous one; returns
@@ -134,20 +140,6 @@ def _weights(lse, layout: str):
     return lse.unsqueeze(-1) if layout == "bhsd" else lse.transpose(1, 2).unsqueeze(-1)
 
 
-def _block_residuals(kernel: str, lse, like) -> tuple:
-    """A block's residuals in the form ``attention_backward`` takes for ``kernel``, from its rows of the merged
-    logsumexp: FlashAttention 2 also takes an RNG state, CUDA SDPA (memory-efficient) a philox seed and offset and a
-    logsumexp padded to 32 rows; none is read without dropout."""
-    if kernel == "flash":
-        return (lse, None)
-    if kernel == "sdpa" and like.device.type == "cuda":
-        rows = lse.shape[-1]
-        padded = torch.nn.functional.pad(lse, (0, -rows % 32))
-        empty = torch.empty((), dtype=torch.int64, device=like.device)
-        return (padded, empty, empty)
-    return (lse,)
-
-
 def _local(documents: Documents | None, ring: Ring, length: int) -> Documents | None:
     """The local layout of the global ``documents`` on a rank holding ``length`` columns (None: one document)."""
     if documents is not None and documents.total != length * ring.degree:
@@ -163,10 +155,15 @@ def ring_forward(query, key, value, scaling: float, kernel: str, ring: Ring, sof
     length = query.shape[dim]
     local = _local(documents, ring, length)
     out = lse = None
+    if local is not None:  # documents: each one's step-0 block fills its rows (made first: each document's is the same)
+        heads = query.shape[1] if layout == "bhsd" else query.shape[2]
+        out = query.new_empty(query.shape, dtype=torch.float32)
+        lse = query.new_empty((query.shape[0], heads, length), dtype=torch.float32)
     k, v = key, value
-    for step in range(ring.degree):
-        pending = ring.exchange(k, v) if step < ring.degree - 1 else None
-        for q_start, q_rows, kv_start, kv_rows, causal in ring.blocks(step, length, local):
+
+    def document(blocks: list[Block], step: int) -> None:
+        nonlocal out, lse
+        for q_start, q_rows, kv_start, kv_rows, causal in blocks:
             block_out, residuals = attention_forward(
                 query.narrow(dim, q_start, q_rows),
                 k.narrow(dim, kv_start, kv_rows),
@@ -181,9 +178,6 @@ def ring_forward(query, key, value, scaling: float, kernel: str, ring: Ring, sof
                 if q_rows == length:  # one document: its block is the whole output
                     out, lse = block_out.float(), block_lse.clone()
                     continue
-                if out is None:
-                    out = query.new_empty(query.shape, dtype=torch.float32)
-                    lse = query.new_empty(block_lse.shape[:-1] + (length,), dtype=torch.float32)
                 out.narrow(dim, q_start, q_rows).copy_(block_out)
                 lse.narrow(2, q_start, q_rows).copy_(block_lse)
                 del block_out, residuals, block_lse
@@ -195,6 +189,11 @@ def ring_forward(query, key, value, scaling: float, kernel: str, ring: Ring, sof
             )
             old_lse.copy_(new_lse)
             del block_out, residuals, block_lse, new_lse
+
+    for step in range(ring.degree):
+        pending = ring.exchange(k, v) if step < ring.degree - 1 else None
+        per_document = ring.document_blocks(step, length, local)
+        for_each_tile(len(per_document), lambda index: document(per_document[index], step), _leading_run(local))
         if pending is not None:
             (k, v), works = pending
             _wait(works)
@@ -222,27 +221,44 @@ def ring_backward(
     for step in range(ring.degree):
         pending = ring.exchange(k, v) if step < ring.degree - 1 else None
         dk = None if accumulators is None else accumulators[0]
+
+        def document(blocks: list[Block]) -> tuple:
+            """The document's blocks' gradients: dq added, dk added where its accumulator is here; returns the
+            gradients kept for later (each block's dv, and its dk without an accumulator), in block order."""
+            kept = []
+            for q_start, q_rows, kv_start, kv_rows, causal in blocks:
+                grads = attention_backward(
+                    grad_out.narrow(dim, q_start, q_rows).contiguous(),
+                    query.narrow(dim, q_start, q_rows),
+                    k.narrow(dim, kv_start, kv_rows),
+                    v.narrow(dim, kv_start, kv_rows),
+                    out.narrow(dim, q_start, q_rows),
+                    residuals_from_lse(kernel, lse.narrow(2, q_start, q_rows).contiguous(), query),
+                    scaling,
+                    kernel,
+                    softcap=softcap,
+                    causal=causal,
+                )
+                dq.narrow(dim, q_start, q_rows).add_(grads[0])
+                if dk is not None:  # the dK accumulator is here already: add at once, keep only the block's dv
+                    dk.narrow(dim, kv_start, kv_rows).add_(grads[1])
+                    kept.append(grads[2])
+                else:
+                    kept += [grads[1], grads[2]]
+                del grads
+            return tuple(kept)
+
+        per_document = ring.document_blocks(step, length, local)
+        kept = for_each_tile(
+            len(per_document), lambda index: document(per_document[index]), _leading_run(local), keep_all=True
+        )
         block_grads = []  # [first key row, key rows, dk or None, dv] of each block, added once its accumulators are here
-        for q_start, q_rows, kv_start, kv_rows, causal in ring.blocks(step, length, local):
-            grads = attention_backward(
-                grad_out.narrow(dim, q_start, q_rows).contiguous(),
-                query.narrow(dim, q_start, q_rows),
-                k.narrow(dim, kv_start, kv_rows),
-                v.narrow(dim, kv_start, kv_rows),
-                out.narrow(dim, q_start, q_rows),
-                _block_residuals(kernel, lse.narrow(2, q_start, q_rows).contiguous(), query),
-                scaling,
-                kernel,
-                softcap=softcap,
-                causal=causal,
-            )
-            dq.narrow(dim, q_start, q_rows).add_(grads[0])
-            if dk is not None:  # the dK accumulator is here already: add at once, keep only the block's dv
-                dk.narrow(dim, kv_start, kv_rows).add_(grads[1])
-                block_grads.append([kv_start, kv_rows, None, grads[2]])
-            else:
-                block_grads.append([kv_start, kv_rows, grads[1], grads[2]])
-            del grads
+        for blocks, grads in zip(per_document, kept):
+            grads = list(grads)
+            for _, _, kv_start, kv_rows, _ in blocks:
+                block_dk = None if dk is not None else grads.pop(0)
+                block_grads.append([kv_start, kv_rows, block_dk, grads.pop(0)])
+        del kept, grads, block_dk
         if accumulators is None:  # step 0: this rank is the first to visit its own columns
             # = zeros + the blocks' gradients (they cover each row once), with one bf16 buffer fewer alive meanwhile
             dk = _copied(k, dim, block_grads, 2)
@@ -272,6 +288,11 @@ def ring_backward(
     _wait(accumulator_works)
     dk, dv = accumulators
     return dq.to(query.dtype), dk.to(key_dtype), dv.to(value_dtype)
+
+
+def _leading_run(documents: Documents | None) -> int:
+    """The identical iterations of a loop over the ring's documents (one, the whole sequence, without them)."""
+    return 1 if documents is None else documents.leading_run
 
 
 def _copied(like, dim: int, block_grads: list, index: int):
