@@ -143,3 +143,19 @@ def test_a_search_offers_the_rings_that_split_its_documents_and_none_for_windows
     space.write_text("knobs:\n  ulysses_degree: [1, 2]\n  ring_degree: [1, 2]\n")
     with pytest.raises(UserError, match="ring_degree 2 splits each packed document into 2 x ring_degree = 4 chunks"):
         load_space(str(space), model, 4, 8192, on_gpu=False, documents=unsplit)
+
+
+def test_a_search_for_a_trainer_that_attends_across_documents_prices_whole_windows(tmp_path):
+    """DeepSpeed's Ulysses with SDPA (the only kernel on a CPU) attends across packed documents' boundaries: its
+    search over 1K documents evaluates whole-window attention, so its front is the one-document front, length for
+    length and tokens/s for tokens/s (priced as masked, the same lengths run faster)."""
+
+    def front(*extra: str) -> list:
+        out = tmp_path / "-".join(extra)
+        done = autotune(
+            "search", *tiny_plan_search("4K"), "--trials", "4", "--out", str(out), "--trainer", "deepspeed", *extra
+        )
+        assert_exit(done, 0)
+        return [(e["seq_len"], e["tokens_per_s"]) for e in json.loads((out / "pareto.json").read_text())["front"]]
+
+    assert front("--documents", "1K") == front()

@@ -152,14 +152,9 @@ def write_front_timeline(job, front: list[dict], out: Path) -> Path | None:
     entry = peak_front_entry(front)
     if entry is None:
         return None
+    techniques = Techniques.from_dict(entry["techniques"])
     evaluation = Evaluation(
-        job.model_config,
-        Techniques.from_dict(entry["techniques"]),
-        entry["seq_len"],
-        job.gpus,
-        job.hardware,
-        job.nodes,
-        job.documents,
+        job.model_config, techniques, entry["seq_len"], job.gpus, job.hardware, job.nodes, job.documents_for(techniques)
     )
     timeline = predicted_timeline(evaluation, 0, job.model)
     title = f"{timeline.title} (the front's peak config, trial {entry['trial']})"

@@ -43,3 +43,9 @@ class SearchJob:
     def trainer(self) -> Trainer:
         """The trainer the search is for (its space's)."""
         return self.space.trainer if self.space is not None else AUTOTUNE
+
+    def documents_for(self, techniques) -> DocumentsSpec:
+        """The documents a config's attention runs over when the search's trainer runs it: the packed ones where
+        the trainer masks them with that kernel, else one per sequence (``Trainer.documents_run``: it attends
+        across their boundaries, so it pays for, and reaches what, whole-window attention does)."""
+        return self.trainer.documents_run(self.documents, techniques.attention)

@@ -63,12 +63,14 @@ def make_objective(job: SearchJob, study: optuna.Study, on_record: Callable | No
             seq_len,
             on_gpu=not job.hardware.device_is_host,
             compute_capability_major=job.hardware.compute_capability or None,
-            documents=job.documents,
+            documents=job.documents_for(techniques),
         )
         trial.set_user_attr("techniques", techniques.to_dict())
         if asked != techniques:
             trial.set_user_attr("asked", asked.to_dict())  # the sampled config, the same at every length
-        evaluation = Evaluation(job.model_config, techniques, seq_len, job.gpus, job.hardware, job.nodes, job.documents)
+        evaluation = Evaluation(
+            job.model_config, techniques, seq_len, job.gpus, job.hardware, job.nodes, job.documents_for(techniques)
+        )
         answered = claim_or_answer(study, trial, techniques, seq_len)  # None: claimed, no other worker runs it
         how = None
         if answered is not None:

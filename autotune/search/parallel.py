@@ -74,7 +74,15 @@ def upcoming(job: SearchJob, study: optuna.Study, current: Evaluation) -> tuple[
             continue
         if infer_record(study, techniques, seq_len) is None:
             wanted.append(
-                Evaluation(job.model_config, techniques, seq_len, job.gpus, job.hardware, job.nodes, job.documents)
+                Evaluation(
+                    job.model_config,
+                    techniques,
+                    seq_len,
+                    job.gpus,
+                    job.hardware,
+                    job.nodes,
+                    job.documents_for(techniques),
+                )
             )
     likely = []
     for evaluation in [current] + wanted:
@@ -83,7 +91,13 @@ def upcoming(job: SearchJob, study: optuna.Study, current: Evaluation) -> tuple[
         if longer and infer_record(study, evaluation.techniques, longer[0]) is None:
             likely.append(
                 Evaluation(
-                    job.model_config, evaluation.techniques, longer[0], job.gpus, job.hardware, job.nodes, job.documents
+                    job.model_config,
+                    evaluation.techniques,
+                    longer[0],
+                    job.gpus,
+                    job.hardware,
+                    job.nodes,
+                    evaluation.documents,
                 )
             )
     return wanted, likely
