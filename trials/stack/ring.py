@@ -66,6 +66,7 @@ from trials.kernels.attention import (
     residuals_from_lse,
 )
 from trials.kernels.documents import Documents, documents_of
+from trials.stack.rules import ring_documents_problem
 from trials.stack.ulysses import apply_ulysses, attention_modules
 
 WAITED_SCOPE = "ring::waited"  # the ``record_function`` region of sends waited at once (the time model: exposed)
@@ -77,12 +78,9 @@ def local_documents(documents: Documents | None, degree: int) -> Documents | Non
     ``degree``): L_d / degree tokens of each document d, its two zigzag chunks back to back. None: one document."""
     if documents is None or len(documents.lengths) == 1:
         return None
-    unit = 2 * degree
-    odd = next((i for i, n in enumerate(documents.lengths) if n % unit), None)
-    if odd is not None:
-        raise ValueError(
-            f"document {odd} of {documents.lengths[odd]} tokens is not divisible by 2 x ring_degree {degree}"
-        )
+    problem = ring_documents_problem(degree, documents.lengths)
+    if problem:
+        raise ValueError(problem)
     return Documents(tuple(n // degree for n in documents.lengths))
 
 

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from trials.kernels.documents import Documents
+from trials.stack.rules import ring_documents_problem
 
 
 class DataError(ValueError):
@@ -66,11 +67,14 @@ def zigzag_columns(seq_len: int, ring_rank: int, ring_degree: int, documents: Do
     if ring_degree == 1:
         return torch.arange(seq_len)
     unit = 2 * ring_degree
+    if documents is not None:
+        problem = ring_documents_problem(ring_degree, documents.lengths)
+    else:
+        problem = f"seq_len {seq_len} is not divisible by 2 x ring_degree {ring_degree}" if seq_len % unit else None
+    if problem:
+        raise ValueError(problem)
     held = []
-    for index, (start, end) in enumerate(spans):
-        if (end - start) % unit:
-            what = f"seq_len {seq_len}" if documents is None else f"document {index} of {end - start} tokens"
-            raise ValueError(f"{what} is not divisible by 2 x ring_degree {ring_degree}")
+    for start, end in spans:
         chunk = (end - start) // unit
         for which in (ring_rank, unit - 1 - ring_rank):
             held.append(torch.arange(start + which * chunk, start + (which + 1) * chunk))
