@@ -276,3 +276,23 @@ def test_follow_ups_find_the_exhaustive_front(tmp_path):
         ratios[follow] = hypervolume(found) / hypervolume(points)
     assert ratios[True] >= 0.95, ratios
     assert ratios[True] > ratios[False], ratios
+
+
+def test_over_packed_documents_the_seeds_run_a_kernel_the_trainer_masks_them_with(tmp_path):
+    """DeepSpeed masks packed documents with FlashAttention-2 only: a search for it over 64K documents seeds FA2,
+    where one document per sequence (or autotune's runner, which masks with every kernel) seeds the fastest, FA3."""
+    from autotune.core.trainers import TRAINERS
+    from autotune.search.job import SearchJob
+    from autotune.search.policy import seed_kernel
+    from trials.kernels.documents import ONE, DocumentsSpec
+
+    model_config, hardware = load_model_config("llama3-8b"), load_hardware("h100-sxm")
+
+    def seeded(trainer: str, documents) -> str:
+        space = load_space(None, model_config, 8, 1024**2, trainer=TRAINERS[trainer])
+        job = SearchJob("llama3-8b", model_config, 1024**2, 8, hardware, space, None, tmp_path, 1, documents=documents)
+        return seed_kernel(job)
+
+    packed = DocumentsSpec((64 * 1024,))
+    assert seeded("deepspeed", packed) == "flash"
+    assert seeded("deepspeed", ONE) == seeded("autotune", packed) == "flash3"

@@ -70,8 +70,12 @@ def seed_params(job: SearchJob) -> list[dict]:
 def seed_kernel(job: SearchJob) -> str:
     """The attention kernel of every seed: of the space's kernels, the fastest the hardware preset prices (FA3 on
     an H100 that lists it), else ALST's where the space has it, else the space's first. The flash kernels' memory
-    differs by their backward scratch only, so a wall climbed with one holds for the others to within it."""
+    differs by their backward scratch only, so a wall climbed with one holds for the others to within it. Over
+    packed documents only the kernels with which the search's trainer masks them are considered, where it has
+    any (DeepSpeed: FlashAttention-2): attention inside each document is a fraction of attention over the window."""
     choices = job.space.choices["attention"]
+    if not job.documents.one:
+        choices = [a for a in choices if job.trainer.masks_documents(a)] or choices
     (knob,) = [k for k in knobs() if k.name == "attention"]
     fallback = knob.alst if knob.alst in choices else choices[0]
     return job.hardware.fastest_kernel(choices) or fallback
