@@ -33,6 +33,7 @@ from pathlib import Path
 
 EVERY_TILE_ENV = "AUTOTUNE_TRACE_EVERY_TILE"
 PATHS = (("every tile", {EVERY_TILE_ENV: "1"}), ("tiles repeated", {EVERY_TILE_ENV: ""}))
+MAIN_JOB = ["search", "--model", "llama3-8b", "--target", "5M"]  # README's main job
 
 
 def _children_cpu_s() -> float:
@@ -104,7 +105,7 @@ def _front(out: Path) -> list:
 
 
 def _main_job(autotune: str, scratch: Path, documents: str | None, warm: bool) -> tuple[bool, float, float, float]:
-    search = ["search", "--model", "llama3-8b", "--target", "5M"] + (["--documents", documents] if documents else [])
+    search = MAIN_JOB + (["--documents", documents] if documents else [])
     print(f"$ autotune {' '.join(search)}   (cold: an empty plan store each; {_load()})")
     runs = {}
     for name, extra in PATHS:
@@ -183,7 +184,7 @@ def main(argv=None) -> int:
 def _single_document_job(autotune: str, scratch: Path) -> tuple[float, float]:
     """The README's main job (one document per sequence) cold, identical tiles accounted for: the packed search's
     yardstick, run right after it."""
-    search = ["search", "--model", "llama3-8b", "--target", "5M"]
+    search = MAIN_JOB
     env = dict(os.environ, AUTOTUNE_CACHE_DIR=str(scratch / "store-single"), **dict(PATHS)["tiles repeated"])
     print(f"$ autotune {' '.join(search)}   (cold, tiles repeated; {_load()})")
     _, wall, cpu = _run([autotune, *search, "--out", str(scratch / "out-single")], env)
