@@ -171,7 +171,7 @@ if args[:2] == ["-m", "pip"]:
         sys.exit(0)
     for wanted in args[3:]:  # pip installs torch: its build follows the index (PyPI's: CUDA 13)
         if wanted.startswith("torch=="):
-            cuda = "12.8" if any(a.endswith("/cu128") for a in args) else "13.0"
+            cuda = "12.8" if any(a.endswith("/cu128") for a in args) else "13.2"
             installed = wanted[len("torch=="):] + ("+cu128" if cuda == "12.8" else "")
             Path(os.environ["FAKE_LOG"] + ".torch").write_text(f"{installed},{cuda}")
     if "--no-index" in args:
@@ -314,13 +314,15 @@ def test_a_driver_older_than_580_gets_torchs_cuda_12_build_and_fa4_without_the_c
     done, pip, _ = _setup_gpu(tmp_path, H100_OLD_DRIVER, "none")
     assert done.returncode == 0, done.stderr
     (torch_install,) = [line for line in pip if re.search(r"install .*\btorch==", line.split(" | ")[0])]
-    assert "--index-url https://download.pytorch.org/whl/cu128 torch==2.13.0" in torch_install, torch_install
+    assert f"--index-url https://download.pytorch.org/whl/cu128 torch=={node_setup.torch_pin()}" in torch_install, (
+        torch_install
+    )
     assert any("--only-binary flash-attn-4 flash-attn-4 |" in line for line in pip), pip
     assert not any("[cu13]" in line for line in pip), pip
 
 
 @pytest.mark.parametrize(
-    "driver, cuda, index", [(580, "13.0", None), (595, "13.0", None), (579, "12.8", "cu128"), (525, "12.8", "cu128")]
+    "driver, cuda, index", [(580, "13.2", None), (595, "13.2", None), (579, "12.8", "cu128"), (525, "12.8", "cu128")]
 )
 def test_the_cuda_build_follows_the_driver(driver, cuda, index):
     gpus = node_setup.read_gpus(f"NVIDIA H100, 9.0, {driver}.10.01\n")
@@ -328,7 +330,7 @@ def test_the_cuda_build_follows_the_driver(driver, cuda, index):
     assert (choice.cuda, choice.keep) == (cuda, False)
     assert (choice.index_url or "").endswith(index or "") and bool(choice.index_url) == bool(index)
     fa4 = [plan for plan in node_setup.choose_kernels(gpus, choice.cuda) if plan.name == "flash4"]
-    assert fa4[0].requirement == ("flash-attn-4[cu13]" if cuda == "13.0" else "flash-attn-4")
+    assert fa4[0].requirement == ("flash-attn-4[cu13]" if cuda.startswith("13.") else "flash-attn-4")
 
 
 @pytest.mark.parametrize(

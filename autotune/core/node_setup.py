@@ -54,11 +54,11 @@ class CudaBuild:
 # Newest first: the first one the driver runs is installed.
 CUDA_BUILDS = (
     CudaBuild(
-        "13.0",
+        "13.2",
         580,
         None,
-        "PyPI's Linux x86_64 torch 2.11-2.15 wheels require cuda-toolkit 13.x (their metadata); CUDA 13.0 needs "
-        "driver 580 or newer (NVIDIA's CUDA 13.0 release notes)",
+        "PyPI's Linux x86_64 torch 2.11-2.15 wheels require cuda-toolkit 13.x (their metadata; 2.15.0: 13.2.2); "
+        "CUDA 13.x runs on drivers 580 and newer (NVIDIA's CUDA 13.0 release notes, minor-version compatibility)",
     ),
     CudaBuild(
         "12.8",
