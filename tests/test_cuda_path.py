@@ -4,6 +4,8 @@ accumulation across loss tiles and head chunks, and the measured record's alloca
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -131,12 +133,74 @@ def test_allocator_settings_are_merged_into_the_trial_environment_and_known_to_t
     getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)  # torch 2.11 has no getter
     if getter is not None:
         assert all(f"{key}:{value}" in getter() for key, value in supported_settings().items())
-    # what the releases at the ends of pyproject's range know (as measured): 2.11 no pinned_max_* key, 2.13 to 2.15 all
+    # what the releases at the ends of pyproject's range know (as measured): 2.11 no pinned_max_* key, 2.13 to 2.15
+    # both; from 2.14 the host allocator's blocks are cached (no cache limit)
     release = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
     if release == (2, 11):
         assert supported_settings() == {"expandable_segments": "True"}
-    elif release >= (2, 13):
+    elif release == (2, 13):
+        assert supported_settings() == {**SETTINGS, "pinned_max_cached_size_mb": "1"}
+    elif release >= (2, 14):
         assert supported_settings() == SETTINGS
+
+
+def test_pinned_host_blocks_are_cached_on_a_torch_whose_host_allocator_compares_their_sizes():
+    """Review item 4: where the host allocator cannot hand a request a smaller block (2.14 on), FSDP2's offloaded
+    gradients are pinned once and reused, not pinned and unpinned every step; before 2.14 a block above 1 MiB is
+    never cached, so never handed to a larger request."""
+    from trials.core.allocator import settings_for, torch_release, trial_environment
+
+    assert torch_release("2.15.0+cu132") == (2, 15, 0) and torch_release("2.14.0") == (2, 14, 0)
+    for version in ("2.11.0", "2.12.1", "2.13.0+cpu"):
+        assert settings_for(torch_release(version))["pinned_max_cached_size_mb"] == "1", version
+    for version in ("2.14.0", "2.14.1+cu130", "2.15.0+cu132"):
+        settings = settings_for(torch_release(version))
+        assert "pinned_max_cached_size_mb" not in settings and settings["pinned_max_round_threshold_mb"] == "1"
+    if torch_release(torch.__version__) >= (2, 14):  # the running torch's trials: the user's own limit is kept
+        env = trial_environment({"PYTORCH_ALLOC_CONF": "pinned_max_cached_size_mb:64"})["PYTORCH_ALLOC_CONF"]
+        assert "pinned_max_cached_size_mb:64" in env and "pinned_max_round_threshold_mb:1" in env
+
+
+def _cached_pinned_blocks(requests, frees, steps=4):
+    """Bytes torch's caching host allocator (2.14 on, ``CachingHostAllocator.h``) holds after each step, for blocks
+    above 1 MiB at exact sizes: a free puts its block at the back of its ``Log2_64_Ceil`` bucket (events are
+    processed oldest first), a request takes the last block of its bucket at least its size, or pins a new one."""
+    buckets, held, history = {}, 0, []
+    for _ in range(steps):
+        live = {}
+        for key, nbytes in requests:
+            bucket = buckets.setdefault(math.ceil(math.log2(nbytes)), [])
+            found = next((i for i in range(len(bucket) - 1, -1, -1) if bucket[i] >= nbytes), None)
+            live[key] = bucket.pop(found) if found is not None else nbytes
+            held += 0 if found is not None else nbytes
+        history.append(held)
+        for key in frees:
+            if key in live:
+                block = live.pop(key)
+                buckets[math.ceil(math.log2(block))].append(block)
+    return history
+
+
+def test_fsdp2s_offloaded_gradients_find_their_own_pinned_blocks_every_step_for_every_shipped_model():
+    """With pinned blocks cached (torch 2.14 on) the host allocator holds what FSDP2's offloaded gradient shards
+    need, and nothing more, for every shipped model at 1 to 64 ranks: the host peak the oracle counts (the optimizer
+    step, every gradient live) is what the process pins. A bucket with shards of two sizes (phi3-mini's, qwen3-30b-a3b's)
+    could otherwise leave a block a smaller gradient took and pin another for the larger."""
+    from trials.models.config import load_model_config, model_names
+    from trials.models.model import build_model
+
+    for name in model_names():
+        model = build_model(load_model_config(name), device="meta")
+        layer_params = [list(layer.parameters()) for layer in model.layers]
+        in_layers = {id(param) for params in layer_params for param in params}
+        root_params = [param for param in model.parameters() if id(param) not in in_layers]
+        # FSDP2's reduce-scatters in backward: the last layer's group first, the root's last; frees: zero_grad
+        order = [param for params in reversed(layer_params) for param in params] + root_params
+        for ranks in (1, 2, 4, 8, 16, 32, 64):
+            sizes = {id(p): -(-p.shape[0] // ranks) * (p.numel() // p.shape[0]) * 4 for p in model.parameters()}
+            requests = [(id(p), sizes[id(p)]) for p in order if sizes[id(p)] > 1 << 20]
+            held = _cached_pinned_blocks(requests, [id(p) for p in model.parameters()])
+            assert held == [sum(nbytes for _, nbytes in requests)] * len(held), (name, ranks, held)
 
 
 def test_trial_deadlines_follow_the_predicted_step_time():

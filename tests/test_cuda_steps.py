@@ -124,3 +124,28 @@ def test_the_layer_clock_splits_a_cuda_step_along_its_layers():
     # identical middle layers take about the same time
     middle = [sum(s.layer_s[i] for s in splits) / len(splits) for i in range(1, layers - 1)]
     assert max(middle) < 2 * min(middle), middle
+
+
+def test_optimizer_offload_pins_its_gradients_once_where_pinned_blocks_are_cached():
+    """Review item 4 on the GPU: from torch 2.14 pinned host blocks are cached (``trials.core.allocator``), so FSDP2's
+    offloaded gradient shards (tiny-llama's embedding and head: 2 MiB each) are pinned in the first step and reused
+    after it; with the pre-2.14 limit each step would pin and unpin them again."""
+    from trials.core import allocator
+    from trials.core.dist import Mesh
+    from trials.stack.techniques import Techniques
+    from trials.training.data import make_batch, synthetic_sample
+    from trials.training.step import build_training, train_step
+
+    if allocator.torch_release(torch.__version__) < allocator.UNCHECKED_REUSE_BEFORE:
+        pytest.skip(f"torch {torch.__version__} does not cache pinned blocks above 1 MiB (trials.core.allocator)")
+    allocator.configure()
+    mesh = Mesh.single(torch.device("cuda", 0))
+    techniques = Techniques.from_dict({"fsdp": True, "optimizer_offload": True}, 2)
+    model, optimizer = build_training(_config(2), techniques, mesh, seed=0)
+    batch = make_batch(synthetic_sample(0, 2048, model.config.vocab_size, 0), 0, 1, mesh.device)
+    pinned_blocks_made = []
+    for _ in range(3):
+        train_step(model, optimizer, batch, mesh)
+        torch.cuda.synchronize()
+        pinned_blocks_made.append(torch.cuda.host_memory_stats()["num_host_alloc"])
+    assert pinned_blocks_made[0] > 0 and pinned_blocks_made[2] == pinned_blocks_made[1], pinned_blocks_made
