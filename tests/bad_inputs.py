@@ -337,12 +337,6 @@ CASES += [
         ["run", "--config", "{d}/run-config.json", "--data", "{d}/one-document.parquet", "--pack"],
         "has no document boundary: its rows of 'input_ids' hold one document",
     ),
-    (
-        "--pack on a ring with documents it cannot split",
-        ["run", "--config", "{d}/ring-config.json", "--data", "{d}/documents.parquet", "--pack"],
-        "documents.parquet: ring_degree 2 splits each packed document into 2 x ring_degree = 4 chunks: a document of "
-        "102 tokens is not a multiple of 4",
-    ),
     ("--pack without --data", ["run", "--config", "{d}/run-config.json", "--pack"], "--pack needs --data"),
 ]
 
@@ -397,11 +391,6 @@ def _make_run_files(root: Path) -> None:
     pq.write_table(pa.table({"input_ids": [[1, 2, 3]] * 100}), root / "short.parquet")  # 300 tokens < 513
     pq.write_table(pa.table({"tokens": [7] * (2 * RUN_SEQ)}), root / "stream.parquet")
     pq.write_table(pa.table({"input_ids": [[7] * (2 * RUN_SEQ)]}), root / "one-document.parquet")
-    pq.write_table(pa.table({"input_ids": [[7] * 102] * 12}), root / "documents.parquet")  # a ring 2 splits by 4
-    ring = {"ulysses_degree": 1, "ring_degree": 2, "attention": "sdpa"}
-    (root / "ring-config.json").write_text(
-        json.dumps(_config(model="tiny-llama", hardware="cpu", gpus=2, seq_len=RUN_SEQ, techniques=ring))
-    )
 
 
 # the smallest valid command line of each command with numeric options; range_cases adds one bad option to it

@@ -198,6 +198,45 @@ def test_a_packed_batch_restarts_positions_and_labels_no_boundary():
         assert batch.documents == documents
 
 
+def test_documents_padded_for_a_ring_train_as_the_documents_themselves():
+    """Each document padded to a multiple of 4 (``pad_documents``, as the trainer pads for a ring of 2): no pad is
+    a label or has one, so one rank's step over the padded window has the unpadded window's loss and gradients
+    (fp32; the pads are after every real token of their document, which causal attention never lets one see)."""
+    import numpy as np
+
+    from trials.core.dist import Mesh
+    from trials.models.config import load_model_config
+    from trials.stack.techniques import Techniques
+    from trials.training.data import make_batch, pad_documents
+    from trials.training.step import build_training, forward_backward
+
+    lengths = (5, 9, 2, 16)  # padded: 8, 12, 4, 16
+    stream = torch.randint(0, 4096, (32,), generator=torch.Generator().manual_seed(0))
+    padded, ends, pads = pad_documents(stream, np.cumsum(lengths), 4)
+    assert ends.tolist() == [8, 20, 24, 40] and int(pads.sum()) == 8
+    assert padded[~pads].tolist() == stream.tolist() and not padded[pads].any()
+    next_token = torch.tensor([7])  # the window's last token: only a label, of nothing when packed
+    cases = {
+        "documents": (torch.cat([stream, next_token]), Documents(lengths), None),
+        "padded": (
+            torch.cat([padded, next_token]),
+            Documents((8, 12, 4, 16)),
+            torch.cat([pads, torch.tensor([False])]),
+        ),
+    }
+    mesh = Mesh.single(torch.device("cpu"))
+    losses, grads = {}, {}
+    for name, (tokens, documents, window_pads) in cases.items():
+        model, _ = build_training(load_model_config("tiny-llama"), Techniques(), mesh, seed=0)
+        batch = make_batch(tokens, 0, 1, "cpu", documents=documents, pads=window_pads)
+        assert batch.valid_tokens == 32 - len(lengths)
+        losses[name] = float(forward_backward(model, batch, mesh)) * batch.valid_tokens
+        grads[name] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert losses["padded"] == pytest.approx(losses["documents"], rel=1e-6)
+    for name, grad in grads["documents"].items():
+        assert torch.allclose(grads["padded"][name], grad, rtol=1e-5, atol=1e-7), name
+
+
 @pytest.mark.slow
 def test_the_oracle_traces_packed_trials_to_the_byte():
     """The memory oracle's fake step packs the same documents as the real CPU trial: equal peaks, to the byte, for

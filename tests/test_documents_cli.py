@@ -121,28 +121,63 @@ def test_estimate_of_a_packed_config_for_a_trainer_that_attends_across_says_so(t
         assert all("for DeepSpeed: PACKED DOCUMENTS NOT MASKED: DeepSpeed with attention 'sdpa'" in x for x in lines)
 
 
-def test_a_search_offers_the_rings_that_split_its_documents_and_none_for_windows(tmp_path):
-    """A ring splits each packed document into 2 x ring chunks and runs no sliding window: the default space drops
-    the rings that do not divide every document's length (all of them for documents of 1,002 tokens: 2 x 2 does
-    not divide 1,002), and every ring for a windowed model; a user's space offering one is bad input (one line);
-    documents of 1,000 tokens keep rings 2 and 4 (1,000 = 4 x 250 = 8 x 125) and drop 8 (16 does not divide 1,000)."""
+def test_a_search_offers_every_ring_where_its_trainer_pads_documents_and_none_for_windows(tmp_path):
+    """A ring splits each packed document into 2 x ring chunks and runs no sliding window. autotune's trainer pads
+    each document to a multiple of the chunks, so its search keeps every ring whatever the documents; a trainer that
+    does not pad them (Accelerate with trials.hf: the user's batches) drops the rings that do not divide every
+    document's length (all of them for documents of 1,002 tokens: 2 x 2 does not divide 1,002; for 1,000 tokens
+    rings 2 and 4, 16 does not divide 1,000), and a user's space offering one is bad input (one line). No trainer
+    gets a ring for a windowed model."""
     from autotune.core.errors import UserError
+    from autotune.core.trainers import TRAINERS
     from autotune.search.space import load_space
     from trials.kernels.documents import DocumentsSpec
     from trials.models.config import load_model_config
 
-    model = load_model_config("tiny-llama")
+    model, accelerate = load_model_config("tiny-llama"), TRAINERS["accelerate"]
     assert load_space(None, model, 4, 8192, on_gpu=False).choices["ring_degree"] == [1, 2, 4, 8]
-    split = load_space(None, model, 4, 8192, on_gpu=False, documents=DocumentsSpec((1000,)))
-    assert split.choices["ring_degree"] == [1, 2, 4]
     unsplit = DocumentsSpec((1002,))
-    assert load_space(None, model, 4, 8192, on_gpu=False, documents=unsplit).choices["ring_degree"] == [1]
+    assert load_space(None, model, 4, 8192, on_gpu=False, documents=unsplit).choices["ring_degree"] == [1, 2, 4, 8]
+    split = load_space(None, model, 4, 8192, trainer=accelerate, on_gpu=False, documents=DocumentsSpec((1000,)))
+    assert split.choices["ring_degree"] == [1, 2, 4]
+    unpadded = load_space(None, model, 4, 8192, trainer=accelerate, on_gpu=False, documents=unsplit)
+    assert unpadded.choices["ring_degree"] == [1]
     windowed = load_model_config("tiny-mistral")
     assert load_space(None, windowed, 4, 8192, on_gpu=False).choices["ring_degree"] == [1]
     space = tmp_path / "space.yaml"
     space.write_text("knobs:\n  ulysses_degree: [1, 2]\n  ring_degree: [1, 2]\n")
+    assert load_space(str(space), model, 4, 8192, on_gpu=False, documents=unsplit).choices["ring_degree"] == [1, 2]
     with pytest.raises(UserError, match="ring_degree 2 splits each packed document into 2 x ring_degree = 4 chunks"):
-        load_space(str(space), model, 4, 8192, on_gpu=False, documents=unsplit)
+        load_space(str(space), model, 4, 8192, trainer=accelerate, on_gpu=False, documents=unsplit)
+
+
+def test_an_estimate_prices_a_rings_documents_padded_to_its_chunks(tmp_path):
+    """On a ring of 2 documents of 1,002 tokens run padded to 1,004 (the trainer pads them): the estimate of those
+    documents is the estimate of documents of 1,004 tokens, and differs from the same config's without a ring
+    only by what the ring does, not by a refusal."""
+    config = tmp_path / "ring.json"
+    techniques = {"fsdp": True, "ulysses_degree": 2, "ring_degree": 2, "activation_checkpointing": True}
+    config.write_text(
+        json.dumps(
+            {
+                "schema": "autotune/config-v1",
+                "model": "tiny-llama",
+                "hardware": "cpu",
+                "gpus": 4,
+                "seq_len": 8192,
+                "techniques": techniques,
+            }
+        )
+    )
+    records = {}
+    for documents in ("1002", "1004"):
+        done = autotune("estimate", "--config", str(config), "--documents", documents, "--json", "--memory-gib", "4")
+        assert_exit(done, 0)
+        records[documents] = json.loads(done.stdout)
+        said = "ring_degree 2 runs each packed document padded to a multiple of 4 tokens (0.20% of the tokens are pads)"
+        assert (said in done.stderr) == (documents == "1002"), done.stderr
+    keys = ("peak_device_bytes", "step_time_s", "tokens_per_s")
+    assert {k: records["1002"][k] for k in keys} == {k: records["1004"][k] for k in keys}
 
 
 def test_a_search_for_a_trainer_that_attends_across_documents_prices_whole_windows(tmp_path):

@@ -169,25 +169,27 @@ def test_the_schedule_visits_each_documents_causal_pairs_once_and_no_pair_across
 # -- the rules --------------------------------------------------------------------------------------------------
 
 
-def test_a_ring_runs_documents_it_can_split_and_refuses_others_in_one_line():
+def test_a_ring_runs_packed_documents_padded_to_its_chunks():
+    """Any documents run on a ring: each padded up to a multiple of 2 x ring (what autotune's trainer runs, and so
+    what the predictions price), the sequence's own rules unchanged."""
+    from trials.stack.rules import ring_document_unit
+
     llama = load_model_config("tiny-llama")
     usp = Techniques(ulysses_degree=2, ring_degree=2)
-    usp.validate(llama, 4, 256, documents=DocumentsSpec((36, 8, 212)))  # multiples of 4 (2 x ring), not of 8
-    usp.validate(llama, 4, 256, documents=DocumentsSpec((64,)))
-    usp.validate(llama, 4, 256, documents=DocumentsSpec((1000,)))  # longer than the sequence: one document
-    Techniques(ring_degree=4).validate(llama, 4, 256, documents=DocumentsSpec((24,)))  # 10 x 24 + 16: all split
-    refused = {
-        "ring_degree 2 splits each packed document into 2 x ring_degree = 4 chunks: a document of 30 tokens is not "
-        "a multiple of 4": (usp, DocumentsSpec((30, 2)), 256),
-        "ring_degree 4 splits each packed document into 2 x ring_degree = 8 chunks: a document of 20 tokens is not "
-        "a multiple of 8": (Techniques(ring_degree=4), DocumentsSpec((20,)), None),
-    }
-    for message, (techniques, documents, seq) in refused.items():
-        with pytest.raises(ConfigError) as error:
-            techniques.validate(llama, 4, seq, documents=documents)
-        assert str(error.value) == message
+    usp.validate(llama, 4, 256)
+    assert [ring_document_unit(ring) for ring in (1, 2, 4)] == [1, 4, 8]
+    spec = DocumentsSpec((30, 2))
+    assert spec.padded(4) == DocumentsSpec((32, 4)) and spec.padded(1) is spec
+    assert spec.pad_share(4) == pytest.approx(4 / 36) and DocumentsSpec((36, 8)).pad_share(4) == 0.0
+    assert spec.for_length(256, 4) == Documents((32, 4) * 7 + (4,))  # the last one cut at the sequence's end
+    assert spec.for_length(256) == Documents((30, 2) * 8)
+    assert DocumentsSpec((20,)).for_length(256, 8) == Documents((24,) * 10 + (16,))
+    assert DocumentsSpec((255,)).for_length(256, 4) is None  # padded to 256: the sequence is one document
+    for ring, documents in ((2, spec), (4, DocumentsSpec((20,)))):
+        packed = documents.for_length(256, ring_document_unit(ring))
+        assert all(n % (2 * ring) == 0 for n in packed.lengths), (ring, packed)
     with pytest.raises(ConfigError, match="sliding-window"):
-        Techniques(ring_degree=2).validate(load_model_config("tiny-mistral"), 2, 256, documents=DocumentsSpec((64,)))
+        Techniques(ring_degree=2).validate(load_model_config("tiny-mistral"), 2, 256)
 
 
 # -- the time model: the counter sees each document's ring blocks ----------------------------------------------------

@@ -341,7 +341,10 @@ def batch(inputs: dict, mesh) -> Batch:
         documents = Documents.from_position_ids(positions)  # also checks them: 0 .. n-1 within each document
         why = rules.ring_documents_problem(mesh.ring_degree, documents.lengths if documents is not None else ())
         if why is not None:
-            raise ValueError(f"position_ids: {why}")
+            raise ValueError(
+                f"position_ids: {why}; pad each document to a multiple, its pad tokens labelled -100 "
+                "(autotune run pads them so)"
+            )
     shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     if documents is not None:  # no document predicts the next one's first token
         shifted[:, [end - 1 for end in documents.offsets[1:]]] = IGNORE_INDEX

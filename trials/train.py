@@ -49,10 +49,17 @@ from trials.core.errors import ConfigError
 from trials.core.memory import DeviceMemoryTracker
 from trials.kernels.documents import Documents, DocumentsSpec
 from trials.models.config import load_model_config
-from trials.stack.rules import ring_documents_problem
+from trials.stack.rules import ring_document_unit
 from trials.training import checkpoint
 from trials.training.config_file import load_config_file
-from trials.training.data import TokenData, mesh_batch, read_token_data, synthetic_sample, window_documents
+from trials.training.data import (
+    TokenData,
+    mesh_batch,
+    pad_documents,
+    read_token_data,
+    synthetic_sample,
+    window_documents,
+)
 from trials.training.step import (
     DivergenceError,
     build_training,
@@ -98,7 +105,8 @@ class TrainOptions:
 
 class TokenSource:
     """Windows of seq_len + 1 tokens, from the synthetic stream or a Parquet/Arrow file; packed documents when
-    ``ends`` (where each document of the stream ends, ``TokenData.document_ends``) is given."""
+    ``ends`` (where each document of the stream ends, ``TokenData.document_ends``) is given, and ``pads`` (bool, one
+    per token of the stream) where ``pad_documents`` padded them for a ring."""
 
     def __init__(
         self,
@@ -108,9 +116,10 @@ class TokenSource:
         path: str | None = None,
         stream: torch.Tensor | None = None,
         ends: np.ndarray | None = None,
+        pads: torch.Tensor | None = None,
     ):
         """``stream``: the file's tokens already read (``read_token_data``), else ``path`` is read here."""
-        self.seq_len, self.vocab_size, self.seed, self.ends = seq_len, vocab_size, seed, ends
+        self.seq_len, self.vocab_size, self.seed, self.ends, self.pads = seq_len, vocab_size, seed, ends, pads
         self.stream = stream if stream is not None or not path else read_token_data(path, vocab_size).tokens
 
     def window(self, index: int) -> torch.Tensor:
@@ -118,10 +127,17 @@ class TokenSource:
         seq_len tokens apart (the last token is only a label, and packed it predicts nothing: ``documents``)."""
         if self.stream is None:
             return synthetic_sample(index, self.seq_len, self.vocab_size, self.seed)
+        return self.stream[self._picked(index)]
+
+    def _picked(self, index: int) -> torch.Tensor:
         width = self.seq_len + 1
         start = (index * (self.seq_len if self.ends is not None else width)) % self.stream.numel()
-        picked = torch.arange(start, start + width) % self.stream.numel()
-        return self.stream[picked]
+        return torch.arange(start, start + width) % self.stream.numel()
+
+    def batch(self, index: int, mesh):
+        """This rank's ``Batch`` of window ``index`` (``mesh_batch``): its documents, and their pads, when packed."""
+        pads = self.pads[self._picked(index)] if self.pads is not None else None
+        return mesh_batch(self.window(index), mesh, documents=self.documents(index), pads=pads)
 
     def documents(self, index: int) -> Documents | None:
         """The packed documents of window ``index`` (its first seq_len tokens), or None: not packed."""
@@ -140,16 +156,22 @@ class TokenSource:
 @dataclass
 class Packing:
     """How the ``--data`` file trains: the documents' ends in its stream (None: windows of one stream, unpacked),
-    and a line to warn with when that differs from the documents the config's estimate assumed."""
+    a line to warn with when that differs from the documents the config's estimate assumed, and on a ring whose
+    chunks do not divide every document, the stream with each document padded (``pad_documents``: ``tokens``,
+    ``pads``) and a line saying so (``note``)."""
 
     ends: np.ndarray | None
     warning: str | None = None
+    tokens: torch.Tensor | None = None  # None: the file's stream as it is
+    pads: torch.Tensor | None = None
+    note: str | None = None
 
 
 def packing(options: TrainOptions, config, model_config: dict, data: TokenData) -> Packing:
     """Whether and how ``data`` is packed (``--pack``, ``--no-pack``, else packed when the config's documents are
     not "one" and the data has boundaries); ``ValueError`` (one line) for ``--pack`` with data that has no document
-    boundaries, or documents the ring cannot split (each a multiple of 2 x ring_degree)."""
+    boundaries. On a ring each document is padded to a multiple of its 2 x ring_degree chunks
+    (``trials.stack.rules.ring_document_unit``), as the estimate prices them."""
     ends = data.document_ends(eos_token_ids(options, model_config))
     wanted = options.pack if options.pack is not None else not config.documents.one
     if options.pack and ends is None:
@@ -164,10 +186,6 @@ def packing(options: TrainOptions, config, model_config: dict, data: TokenData) 
             )
             why = f"its 'tokens' hold no EOS id before the last token ({named})"
         raise ValueError(f"--pack: --data {options.data} has no document boundary: {why}")
-    if wanted and ends is not None:  # the windows cut documents at multiples of seq_len only (``window_documents``)
-        problem = ring_documents_problem(config.techniques.ring_degree, np.diff(ends, prepend=0).tolist())
-        if problem is not None:
-            raise ValueError(f"--data {options.data}: {problem}")
     assumed = config.documents
     if not (wanted and ends is not None):
         if assumed.one:
@@ -177,14 +195,26 @@ def packing(options: TrainOptions, config, model_config: dict, data: TokenData) 
             None,
             f"the config's estimate assumed {assumed.describe()}; this run trains each window as one document ({why})",
         )
+    # on a ring each document runs padded to a multiple of its chunks, in the estimate as here; the windows cut
+    # documents at multiples of seq_len only (``window_documents``), itself a multiple of that unit
+    unit = ring_document_unit(config.techniques.ring_degree)
+    tokens, padded_ends, pads = pad_documents(data.tokens, ends, unit)
     lengths = np.diff(ends, prepend=0)
-    if _same_documents(assumed, lengths):
-        return Packing(ends)
-    return Packing(
-        ends,
-        f"the config's estimate assumed {assumed.describe()}; --data {options.data} packs "
-        f"{DocumentsSpec(tuple(lengths.tolist())).describe()} (autotune estimate --documents {options.data} prices them)",
+    warning = (
+        None
+        if _same_documents(assumed.padded(unit), np.diff(padded_ends, prepend=0))
+        else f"the config's estimate assumed {assumed.describe()}; --data {options.data} packs "
+        f"{DocumentsSpec(tuple(lengths.tolist())).describe()} (autotune estimate --documents {options.data} prices them)"
     )
+    if pads is None:
+        return Packing(ends, warning)
+    padded = int(pads.sum())
+    note = (
+        f"ring_degree {config.techniques.ring_degree} splits each packed document into {unit} chunks: each is "
+        f"padded to a multiple of {unit} tokens, {padded:,} pad tokens in all ({padded / pads.numel():.2%} of the "
+        "stream; no pad is a label or has one)"
+    )
+    return Packing(padded_ends, warning, tokens, pads, note)
 
 
 def _same_documents(spec: DocumentsSpec, lengths: np.ndarray) -> bool:
@@ -374,11 +404,15 @@ class _Silent:
 
 
 def train(
-    options: TrainOptions, print_fn=print, tokens: torch.Tensor | None = None, ends: np.ndarray | None = None
+    options: TrainOptions,
+    print_fn=print,
+    tokens: torch.Tensor | None = None,
+    ends: np.ndarray | None = None,
+    pads: torch.Tensor | None = None,
 ) -> dict:
     """Train as ``options`` say; returns rank 0's summary (every rank returns one). ``tokens``: the ``--data`` file's
     stream, when the caller has read it (``main`` does, before any rank builds a model); ``ends``: where its
-    documents end, when it is packed (``packing``)."""
+    documents end, when it is packed, and ``pads`` its pad tokens, when padded for a ring (``packing``)."""
     config = load_config_file(options.config)
     techniques, seq_len = config.techniques, config.seq_len
     mesh = init_mesh(
@@ -416,7 +450,7 @@ def train(
                     f"nothing to train: the run is at step {state.step} and --steps {options.steps} is its total "
                     f"(a larger --steps trains on)"
                 )
-            source = TokenSource(seq_len, model.config.vocab_size, options.seed, options.data, tokens, ends)
+            source = TokenSource(seq_len, model.config.vocab_size, options.seed, options.data, tokens, ends, pads)
             started = time.perf_counter() - state.elapsed_s
             while state.step < options.steps:
                 step_start = time.perf_counter()
@@ -535,7 +569,7 @@ def _step(model, optimizer, source: TokenSource, consumed: int, options: TrainOp
     scaled = torch.zeros((), device=mesh.device)
     for micro in range(options.accumulate):
         index = consumed + micro * mesh.dp_size + mesh.dp_rank
-        batch = mesh_batch(source.window(index), mesh, documents=source.documents(index))
+        batch = source.batch(index, mesh)
         last = micro == options.accumulate - 1
         scaled += forward_backward(model, batch, mesh, tracker, options.accumulate, reduce=last)
     loss = summed_loss(scaled, mesh)  # on the device, as the norm: clipping and the optimizer step queue without a sync
@@ -621,7 +655,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    tokens = ends = None
+    tokens = ends = pads = None
     try:
         options = parse_options(argv)
         config = load_config_file(options.config)
@@ -630,9 +664,12 @@ def main(argv: list[str] | None = None) -> int:
         if problem is None and options.data is not None:  # the whole file checked before any rank builds a model
             data = read_token_data(options.data, model_config["vocab_size"])
             packed = packing(options, config, model_config, data)
-            tokens, ends = data.tokens, packed.ends
+            tokens = packed.tokens if packed.tokens is not None else data.tokens
+            ends, pads = packed.ends, packed.pads
             if packed.warning is not None and rank0:
                 print(f"trials.train: warning: {packed.warning}", file=sys.stderr, flush=True)
+            if packed.note is not None and rank0:
+                print(f"trials.train: {packed.note}", file=sys.stderr, flush=True)
         elif problem is None and options.pack:
             problem = "--pack needs --data (the synthetic tokens are one document per window)"
     except (ConfigError, ValueError, OSError) as exc:  # OptionsError and DataError are ValueErrors
@@ -643,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     allocator.configure()  # before CUDA starts: the allocator settings the trials measured under
     try:
-        train(options, tokens=tokens, ends=ends)
+        train(options, tokens=tokens, ends=ends, pads=pads)
     except (checkpoint.CheckpointSaveError, DivergenceError) as exc:
         if rank0:
             print(f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

@@ -161,7 +161,6 @@ class PlanBackend(Backend):
                 evaluation.seq_len,
                 on_gpu=not hw.device_is_host,
                 compute_capability_major=hw.compute_capability or None,
-                documents=evaluation.documents,
             )
             unlisted = hw.kernel_problem(evaluation.techniques.attention)
             if unlisted:

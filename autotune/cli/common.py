@@ -205,12 +205,11 @@ def print_front(front: list[dict], target: int) -> None:
 
 def validate_run(run, hw, seq_len: int | None) -> None:
     """Refuse (``ConfigError``, one line) a config file's techniques that cannot run ``run``'s model on its GPUs of
-    ``hw`` at ``seq_len`` (None: any length) with its documents."""
+    ``hw`` at ``seq_len`` (None: any length)."""
     run.techniques.validate(
         run.model_config,
         run.gpus * run.nodes,
         seq_len,
         on_gpu=not hw.device_is_host,
         compute_capability_major=hw.compute_capability or None,
-        documents=run.documents,
     )

@@ -279,7 +279,8 @@ def _say_trainer(run) -> None:
     if trainer is None:
         say(f"autotune: the config names trainer {run.trainer!r}, which this autotune does not know")
         return
-    for note in (trainer.prediction_note(run.techniques), _unmasked_note(trainer, run)):
+    padding = trainer.ring_padding_note(run.documents, run.techniques)
+    for note in (trainer.prediction_note(run.techniques), _unmasked_note(trainer, run), padding):
         if note:
             say(f"autotune: for {trainer.words}: {note}")
 

@@ -19,6 +19,7 @@ from typing import Any
 from trials.kernels.documents import ONE, DocumentsSpec
 from trials.kernels.registry import FLASH_KERNELS, KERNELS
 from trials.stack.knobs import Knob
+from trials.stack.rules import ring_document_unit
 from trials.stack.techniques import Techniques, knobs
 
 
@@ -150,6 +151,9 @@ class Trainer:
     # which attention kernels (None: any); ``packing`` None: it cannot mask documents
     packing: str | None = None
     packing_kernels: tuple[str, ...] | None = None
+    # whether it pads each packed document up to a multiple of a ring's 2 x ring_degree chunks
+    # (``trials.stack.rules.ring_document_unit``); where it does not, a ring runs only documents that already are
+    pads_ring_documents: bool = False
 
     def __post_init__(self):
         declared, every = set(self.expresses), {k.name for k in knobs()}
@@ -220,6 +224,23 @@ class Trainer:
             "prices it"
         )
 
+    def ring_padding_note(self, documents: DocumentsSpec, techniques: Techniques) -> str | None:
+        """The line on packed ``documents`` whose lengths ``techniques``' ring does not divide into its chunks
+        (None where it does): this trainer pads them, as the prediction prices them, or it refuses them."""
+        unit = ring_document_unit(techniques.ring_degree)
+        share = documents.pad_share(unit)
+        if not share:
+            return None
+        if self.pads_ring_documents:
+            return (
+                f"ring_degree {techniques.ring_degree} runs each packed document padded to a multiple of {unit} tokens "
+                f"({share:.2%} of the tokens are pads), as the prediction prices them"
+            )
+        return (
+            f"ring_degree {techniques.ring_degree} needs each packed document a multiple of {unit} tokens, and "
+            f"{self.words} does not pad them ({share:.2%} of the tokens would be pads): pad them in the data"
+        )
+
     def cannot_run(self) -> list[str]:
         """The knobs this trainer has no technique for (it runs them at their default)."""
         return [k.name for k in knobs() if self.expresses[k.name].off]
@@ -278,6 +299,7 @@ AUTOTUNE = Trainer(
     {k.name: exactly(f"techniques.{k.name} of the config") for k in knobs()},
     packing="the config file's documents; the stack masks the documents a batch carries (Batch.documents: "
     "position ids restart at each, attention stays inside each)",
+    pads_ring_documents=True,  # trials.training.data.pad_documents
 )
 
 DEEPSPEED = Trainer(

@@ -20,6 +20,7 @@ from trials.core.dist import Mesh, build_mesh, ensure_device_mesh
 from trials.core.memory import DeviceMemoryTracker, TrackerListener
 from trials.kernels.documents import ONE, DocumentsSpec
 from trials.models.config import copy_for_runs
+from trials.stack.rules import ring_document_unit
 from trials.training.data import mesh_batch
 from trials.training.step import build_training, train_step
 from trials.training.step import prime_optimizer as prime_optimizer_states
@@ -133,7 +134,8 @@ def trace(
                 if timeline is not None:
                     timeline.watch(model)
                 tokens = torch.zeros(seq_len + 1, dtype=torch.long)
-                batch = mesh_batch(tokens, mesh, device, documents.for_length(seq_len))
+                padded_to = ring_document_unit(techniques.ring_degree)  # a ring's documents, padded as the trainer pads
+                batch = mesh_batch(tokens, mesh, device, documents.for_length(seq_len, padded_to))
                 if prime_optimizer:
                     prime_optimizer_states(model, optimizer, tracker)
                     peaks.segment = ("setup", None)

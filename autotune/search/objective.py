@@ -64,7 +64,6 @@ def make_objective(job: SearchJob, study: optuna.Study, on_record: Callable | No
             seq_len,
             on_gpu=not job.hardware.device_is_host,
             compute_capability_major=job.hardware.compute_capability or None,
-            documents=documents,
         )
         trial.set_user_attr("techniques", techniques.to_dict())
         if asked != techniques:

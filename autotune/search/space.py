@@ -246,8 +246,9 @@ def load_space(
     runs; CPU trials: ``["sdpa"]``), what the choice ``hardware`` stands for; other kernels are dropped. None: every
     kernel the knob takes. ``compute_capability_major``: the GPUs' generation, whose limits a kernel declares (head
     dims, softcaps); None: unknown. ``documents``: the documents each sequence packs; a ring splits each into 2 x
-    ring chunks, so rings that do not divide every document's length are dropped
-    (``trials.stack.rules.ring_documents_problem``; offered in the user's own file, bad input)."""
+    ring chunks: where ``trainer`` pads them to that (``Trainer.pads_ring_documents``) every ring stays, else rings
+    that do not divide every document's length are dropped (``trials.stack.rules.ring_documents_problem``; offered
+    in the user's own file, bad input)."""
     user_file = path is not None
     path = Path(path) if path else DEFAULT_SPACE
     if not path.is_file():
@@ -289,7 +290,8 @@ def load_space(
     for ring in sorted(choices["ring_degree"], reverse=True):
         # a ring runs no sliding window and splits each packed document: a ring that cannot is dropped (the user's
         # own choice: refused)
-        problem = ring_degree_problem(ring, 1, ring, windowed) or ring_documents_problem(ring, documents.lengths)
+        split = None if trainer.pads_ring_documents else ring_documents_problem(ring, documents.lengths)
+        problem = ring_degree_problem(ring, 1, ring, windowed) or split
         if problem:
             if user_file and "ring_degree" in given:
                 raise UserError(f"search space {str(path)!r}: {problem}")

@@ -154,11 +154,25 @@ class DocumentsSpec:
     def one(self) -> bool:
         return not self.lengths
 
-    def for_length(self, seq_len: int) -> Documents | None:
-        """The documents of one sequence of ``seq_len`` tokens (None: the sequence is one document)."""
-        if self.one or (len(self.lengths) == 1 and self.lengths[0] >= seq_len):
+    def for_length(self, seq_len: int, unit: int = 1) -> Documents | None:
+        """The documents of one sequence of ``seq_len`` tokens (None: the sequence is one document), each padded up
+        to a multiple of ``unit`` tokens first (``padded``): a ring's, ``trials.stack.rules.ring_document_unit``."""
+        padded = self.padded(unit)
+        if padded.one or (len(padded.lengths) == 1 and padded.lengths[0] >= seq_len):
             return None
-        return Documents.packed(seq_len, self.lengths)
+        return Documents.packed(seq_len, padded.lengths)
+
+    def padded(self, unit: int) -> DocumentsSpec:
+        """These documents, each followed by the fewest pad tokens that make its length a multiple of ``unit``:
+        what a ring of ``unit / 2`` runs (``trials.training.data.pad_documents``)."""
+        if unit <= 1 or all(n % unit == 0 for n in self.lengths):
+            return self
+        return DocumentsSpec(tuple(n + (-n) % unit for n in self.lengths))
+
+    def pad_share(self, unit: int) -> float:
+        """The share of pad tokens in the padded documents (``padded``): 0 where every length is a multiple."""
+        padded = sum(self.padded(unit).lengths)
+        return (padded - sum(self.lengths)) / padded if padded else 0.0
 
     def to_json(self):
         """The config file's form: "one", a length, or the list of lengths."""

@@ -33,14 +33,22 @@ def ulysses_degree_problem(degree: int, world: int, heads: int, kv_heads: int) -
     return None
 
 
+def ring_document_unit(ring: int) -> int:
+    """What every packed document's length is a multiple of on a ring of ``ring``: it splits each document into 2 x
+    ring zigzag chunks (``trials.stack.ring``); 1 without a ring. Ulysses splits a ring rank's columns as a whole,
+    so it adds nothing per document (the sequence's own rule, ``ring_length_problem``, covers it). autotune's trainer
+    pads each document up to it (``trials.training.data.pad_documents``), and the predictions price the padded
+    documents (``DocumentsSpec.for_length``'s ``unit``)."""
+    return 2 * ring if ring > 1 else 1
+
+
 def ring_documents_problem(ring: int, lengths) -> str | None:
-    """Why a ring cannot split packed documents of ``lengths`` (None: it can). The ring splits each document into
-    2 x ring zigzag chunks (``trials.stack.ring``), so every document's length is a multiple of 2 x ring; Ulysses
-    splits a ring rank's columns as a whole, so it adds nothing per document (the sequence's own rule,
-    ``ring_length_problem``, covers it)."""
+    """Why a ring cannot split packed documents of ``lengths`` as they are (None: it can): a length that is not a
+    multiple of ``ring_document_unit``. Where the documents come padded (autotune's trainer, the predictions) this
+    never holds; a batch whose documents are someone else's (``trials.hf``) is refused with it."""
     if ring <= 1:
         return None
-    unit = 2 * ring
+    unit = ring_document_unit(ring)
     odd = next((n for n in lengths if n % unit), None)
     if odd is None:
         return None

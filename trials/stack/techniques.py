@@ -38,7 +38,6 @@ from trials.stack.rules import (
     head_chunk_split_problem,
     problems,
     ring_degree_problem,
-    ring_documents_problem,
     ring_split_problem,
 )
 
@@ -183,20 +182,14 @@ class Techniques:
         seq_len: int | None = None,
         on_gpu: bool | None = None,
         compute_capability_major: int | None = None,
-        documents=None,
     ) -> Techniques:
         """Refuse (``ConfigError``, the first reason) what cannot run on ``gpus`` ranks; returns self. With
         ``on_gpu`` (the devices are GPUs, or the CPU), also an attention kernel that cannot run the model's
         attention there (``trials.kernels.registry.attention_kernel_problem``), by the limits the kernel declares
         for GPUs of ``compute_capability_major`` when it is known. A ring also refuses a model with sliding
-        windows (``trials.stack.rules.ring_degree_problem``), and packed ``documents`` (a
-        ``trials.kernels.documents.DocumentsSpec``; those of a ``seq_len`` sequence when given) whose lengths it
-        cannot split (``trials.stack.rules.ring_documents_problem``)."""
+        windows (``trials.stack.rules.ring_degree_problem``); packed documents it runs padded
+        (``trials.stack.rules.ring_document_unit``)."""
         found = problems(self, model_config, gpus, seq_len)
-        if documents is not None and self.ring_degree > 1:
-            packed = documents.for_length(seq_len) if seq_len is not None else documents
-            if split := ring_documents_problem(self.ring_degree, packed.lengths if packed is not None else ()):
-                found.append(split)
         if self.ring_degree > 1 or on_gpu is not None:
             from trials.models.config import attention_features
 

@@ -114,9 +114,12 @@ def make_batch(
     ring_rank: int = 0,
     ring_degree: int = 1,
     documents: Documents | None = None,
+    pads: torch.Tensor | None = None,
 ) -> Batch:
     """tokens [seq + 1] -> this rank's shard of the shifted sequence (its ring rank's zigzag columns, per document
-    when packed ``documents`` are given, then its Ulysses slice of them: ``rank_columns``)."""
+    when packed ``documents`` are given, then its Ulysses slice of them: ``rank_columns``). ``pads`` (bool [seq + 1],
+    with ``documents``): the pad tokens ``pad_documents`` put at the ends of documents; no label is a pad, and a pad
+    predicts nothing (each is after every real token of its document, which causal attention never lets one see)."""
     seq_len = tokens.numel() - 1
     cols = rank_columns(seq_len, sp_rank, sp_degree, ring_rank, ring_degree, documents)
     input_ids = tokens[:-1][cols].unsqueeze(0)
@@ -131,6 +134,9 @@ def make_batch(
         positions = torch.tensor(documents.positions())
         labels[[end - 1 for end in documents.offsets[1:]]] = -100
         valid = seq_len - len(documents.lengths)
+        if pads is not None:
+            labels[pads[1:] | pads[:-1]] = -100
+            valid = int((labels != -100).sum())
     labels, positions = labels[cols].unsqueeze(0), positions[cols].unsqueeze(0)
     return Batch(input_ids.to(device), labels.to(device), positions.to(device), valid, documents)
 
@@ -155,6 +161,25 @@ class TokenData:
             ends = np.flatnonzero(np.isin(ids, np.asarray(list(eos_token_ids), dtype=np.int64))) + 1
         ends = np.unique(np.append(ends[(ends > 0) & (ends < total)], total))  # rows of no tokens end nothing
         return ends if ends.size > 1 else None
+
+
+def pad_documents(tokens: torch.Tensor, ends: np.ndarray, unit: int, pad_id: int = 0):
+    """A token stream whose documents end at ``ends`` with each document followed by the fewest ``pad_id`` tokens
+    that make its length a multiple of ``unit`` (a ring's, ``trials.stack.rules.ring_document_unit``): (its tokens,
+    its documents' ends, a bool tensor that is True at each pad), or ``tokens, ends, None`` where every length
+    already is a multiple. Real tokens keep their order; ``make_batch`` gives the pads no label."""
+    lengths = np.diff(ends, prepend=0)
+    padding = (-lengths) % unit
+    if unit <= 1 or not padding.any():
+        return tokens, ends, None
+    padded_ends = np.cumsum(lengths + padding)
+    shift = np.repeat(padded_ends - lengths - padding - (ends - lengths), lengths)  # each real token's move
+    real = torch.from_numpy(np.arange(int(ends[-1])) + shift)
+    padded = torch.full((int(padded_ends[-1]),), pad_id, dtype=tokens.dtype)
+    padded[real] = tokens
+    pads = torch.ones(padded.numel(), dtype=torch.bool)
+    pads[real] = False
+    return padded, padded_ends, pads
 
 
 def window_documents(ends: np.ndarray, start: int, seq_len: int) -> Documents:
@@ -252,9 +277,12 @@ def _where(index: int, documents) -> str:
     return f"{index:,} (document {row:,}, position {index - start:,})"
 
 
-def mesh_batch(tokens: torch.Tensor, mesh, device=None, documents: Documents | None = None) -> Batch:
+def mesh_batch(
+    tokens: torch.Tensor, mesh, device=None, documents: Documents | None = None, pads: torch.Tensor | None = None
+) -> Batch:
     """``make_batch`` for this rank of ``mesh`` (a ``trials.core.dist.Mesh``): its ring rank's zigzag columns and
-    its Ulysses slice of them, on ``device`` (default: the mesh's), of packed ``documents`` when given."""
+    its Ulysses slice of them, on ``device`` (default: the mesh's), of packed ``documents`` (and their ``pads``)
+    when given."""
     return make_batch(
-        tokens, mesh.sp_rank, mesh.sp_degree, device or mesh.device, mesh.ring_rank, mesh.ring_degree, documents
+        tokens, mesh.sp_rank, mesh.sp_degree, device or mesh.device, mesh.ring_rank, mesh.ring_degree, documents, pads
     )

@@ -30,6 +30,7 @@ from trials.core.memory import DeviceMemoryTracker
 from trials.kernels.documents import DocumentsSpec
 from trials.models import moe
 from trials.models.config import copy_for_runs
+from trials.stack.rules import ring_document_unit
 from trials.stack.techniques import Techniques
 from trials.training.data import mesh_batch, synthetic_sample
 from trials.training.step import build_training, prime_optimizer, train_step
@@ -260,7 +261,8 @@ def _run_model(
                 else:
                     warmup, steps = 0, 1
             tokens = synthetic_sample(mesh.dp_rank, seq_len, model.config.vocab_size, seed)
-            documents = DocumentsSpec(tuple(spec.documents)).for_length(seq_len)
+            packed = DocumentsSpec(tuple(spec.documents))  # padded for a ring, as autotune's trainer pads them
+            documents = packed.for_length(seq_len, ring_document_unit(spec.techniques.ring_degree))
             batch = mesh_batch(tokens, mesh, device, documents)
         splits = []
         plan = step_plan(warmup, steps, timed, history=timeline is not None and device.type == "cuda")

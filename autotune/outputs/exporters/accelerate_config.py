@@ -131,7 +131,7 @@ from trials import hf
 
 from trials.core import allocator
 from trials.training.config_file import parse_config
-from trials.training.data import mesh_batch, read_token_data
+from trials.training.data import read_token_data
 from trials.core.dist import init_mesh
 from trials.core.memory import DeviceMemoryTracker
 from trials.training.step import make_optimizer, train_step
@@ -154,17 +154,17 @@ def peak_bytes(mesh, tracker) -> dict:
 
 
 def token_data(args, config):
-    """--data's tokens, where its documents end when packed (None: one stream of windows) and a warning where that
-    differs from the documents the config's estimate assumed (trials.train.packing); all None without --data."""
+    """How --data trains (trials.train.Packing: where its documents end when packed, their pads on a ring, a warning
+    where that differs from the documents the config's estimate assumed) and its tokens; (None, None) without --data."""
     if args.data is None:
         if args.pack:
             raise ValueError("--pack needs --data (the synthetic tokens are one document per window)")
-        return None, None, None
+        return None, None
     with open(os.path.join(args.model, "config.json")) as file:
         data = read_token_data(args.data, json.load(file)["vocab_size"])
     options = TrainOptions(config="", data=args.data, pack=args.pack, init=args.model)  # EOS: the folder's
     packed = packing(options, config, {{}}, data)
-    return data.tokens, packed.ends, packed.warning
+    return packed, packed.tokens if packed.tokens is not None else data.tokens
 
 
 def main(argv=None) -> int:
@@ -183,13 +183,16 @@ def main(argv=None) -> int:
     config = parse_config(json.load(open(args.config)) if args.config else CONFIG, args.config or "CONFIG")
     techniques, seq_len = config.techniques, config.seq_len
     try:  # --data read and checked whole before any rank builds the model, and packed as autotune run packs it
-        stream, ends, warning = token_data(args, config)
+        packed, stream = token_data(args, config)
     except ValueError as exc:  # trials' DataError is one; every rank refuses alike, the first says why
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"{{os.path.basename(sys.argv[0])}}: {{str(exc).strip().splitlines()[0]}}", file=sys.stderr)
         return 2
-    if warning is not None and int(os.environ.get("RANK", "0")) == 0:
-        print(f"warning: {{warning}}", file=sys.stderr, flush=True)
+    if packed is not None and int(os.environ.get("RANK", "0")) == 0:
+        if packed.warning is not None:
+            print(f"warning: {{packed.warning}}", file=sys.stderr, flush=True)
+        if packed.note is not None:
+            print(packed.note, file=sys.stderr, flush=True)
     allocator.configure()  # before CUDA starts: the allocator settings the trials measured under
     mesh = init_mesh(techniques.ulysses_degree, ring_degree=techniques.ring_degree)
     tracker = DeviceMemoryTracker() if mesh.device.type != "cuda" else None
@@ -199,10 +202,11 @@ def main(argv=None) -> int:
     with tracker if tracker is not None else contextlib.nullcontext():
         model = hf.from_pretrained(args.model, techniques, mesh)
         optimizer = make_optimizer(model, techniques, mesh, lr=args.lr)
-        source = TokenSource(seq_len, model.config.vocab_size, args.seed, stream=stream, ends=ends)
+        ends, pads = (packed.ends, packed.pads) if packed is not None else (None, None)
+        source = TokenSource(seq_len, model.config.vocab_size, args.seed, stream=stream, ends=ends, pads=pads)
         for step in range(args.steps):
             index = step * mesh.dp_size + mesh.dp_rank
-            batch = mesh_batch(source.window(index), mesh, documents=source.documents(index))
+            batch = source.batch(index, mesh)
             start = time.perf_counter()
             result = train_step(model, optimizer, batch, mesh)
             losses.append(result.loss)
