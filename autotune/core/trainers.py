@@ -238,7 +238,8 @@ class Trainer:
             )
         return (
             f"ring_degree {techniques.ring_degree} needs each packed document a multiple of {unit} tokens, and "
-            f"{self.words} does not pad them ({share:.2%} of the tokens would be pads): pad them in the data"
+            f"{self.words} takes them as its batches carry them: pad each in the data ({share:.2%} of the tokens "
+            "would be pads), or a batch with one that is not is refused"
         )
 
     def cannot_run(self) -> list[str]:

@@ -242,6 +242,9 @@ def export_entry(
     packing = exporter.trainer.packing_note(searched.documents, config.techniques.attention)
     if packing and not unmasked:  # an unmasked one is said beside its re-estimate
         notes.append(packing)
+    padding = exporter.trainer.ring_padding_note(searched.documents, config.techniques)
+    if padding:
+        notes.append(padding)
     unpredicted = exporter.trainer.prediction_note(config.techniques)
     if unpredicted:
         notes.append(unpredicted)
