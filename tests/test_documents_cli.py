@@ -149,6 +149,13 @@ def test_a_search_offers_every_ring_where_its_trainer_pads_documents_and_none_fo
     assert load_space(str(space), model, 4, 8192, on_gpu=False, documents=unsplit).choices["ring_degree"] == [1, 2]
     with pytest.raises(UserError, match="ring_degree 2 splits each packed document into 2 x ring_degree = 4 chunks"):
         load_space(str(space), model, 4, 8192, trainer=accelerate, on_gpu=False, documents=unsplit)
+    ring = Techniques(ring_degree=2)  # what the estimate and an export say of each
+    assert "runs each packed document padded to a multiple of 4" in TRAINERS["autotune"].ring_padding_note(
+        unsplit, ring
+    )
+    assert "pad each in the data (0.20% of the tokens would be pads)" in accelerate.ring_padding_note(unsplit, ring)
+    assert accelerate.ring_padding_note(DocumentsSpec((1004,)), ring) is None
+    assert TRAINERS["autotune"].ring_padding_note(unsplit, Techniques()) is None
 
 
 def test_an_estimate_prices_a_rings_documents_padded_to_its_chunks(tmp_path):
