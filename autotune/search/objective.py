@@ -53,6 +53,7 @@ def make_objective(job: SearchJob, study: optuna.Study, on_record: Callable | No
         )
         if ahead >= job.trials:
             study.stop()
+            trial.set_user_attr("surplus", True)  # its FAIL is the budget's, not a run's: nothing to retry
             requeue_surplus(study, trial)  # a seed or follow-up it was handed stays queued, not lost
             raise SurplusTrial(f"trial {trial.number}: the study already holds {job.trials} trials")
         asked, seq_len = job.space.sample(trial, layers)
