@@ -171,12 +171,28 @@ def test_depth_extrapolation_is_exact_for_llama3_8b_on_h100():
 
 
 def test_priming_the_optimizer_equals_a_second_step():
+    """Priming makes the optimizer's states as a first step does, on zero gradients where the step's would be: with
+    optimizer offload those are on the host. Counted on the device, the setup would hold a copy of every layer's
+    parameters, which no step holds: with the full stack, whose step holds little else, the peak at depth."""
     config = model()
-    for techniques in ({}, {"fsdp": True, "activation_checkpointing": True}):
+    offloaded = {"activation_checkpointing": True, "activation_offload_layers": config["num_hidden_layers"]}
+    for techniques in (
+        {},
+        {"fsdp": True, "activation_checkpointing": True},
+        {"fsdp": True, "optimizer_offload": True, **offloaded},
+    ):
         primed = oracle.trace(config, Techniques(**techniques), 2 * K, 2)
         two_steps = oracle.trace(config, Techniques(**techniques), 2 * K, 2, prime_optimizer=False, steps=2)
-        assert primed.peak_device_bytes == two_steps.peak_device_bytes
-        assert primed.breakdown == two_steps.breakdown
+        assert primed.peak_device_bytes == two_steps.peak_device_bytes, techniques
+        assert primed.breakdown == two_steps.breakdown, techniques
+        assert primed.peak_host_bytes == two_steps.peak_host_bytes, techniques
+    # the full stack's setup (where the priming runs) holds as much at 3 layers as at 4: nothing per layer
+    full_stack = Techniques(fsdp=True, optimizer_offload=True, **offloaded)
+    setups = [
+        oracle.trace(config, full_stack, 2 * K, 1, runs=[("layers", n)]).segments[("setup", None)].device_bytes
+        for n in (3, 4)
+    ]
+    assert setups[0] == setups[1], setups
 
 
 # -- one process, many evaluations -------------------------------------------------------------------------

@@ -8,6 +8,7 @@ exactly the plain model's gradient when dp = 1, and the data-parallel mean other
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -198,12 +199,16 @@ def step_if_finite(optimizer, loss: torch.Tensor, norm: torch.Tensor) -> tuple[f
 
 def prime_optimizer(model, optimizer, tracker=None) -> None:
     """Create the optimizer states as a real first step does, without one: a step on zero gradients. Memory
-    measured (or traced) in the step after it sees every state a later step holds."""
+    measured (or traced) in the step after it sees every state a later step holds. With optimizer offload (the
+    tracker's host phase "optimizer") the zero gradients are made beside their parameters, on the host, as the
+    step's offloaded gradients are: counted on the device they would add one copy of the parameters to it."""
     tracker = tracker if tracker is not None else active_tracker()
     phase = tracker.in_phase if tracker is not None else _no_phase
-    for param in model.parameters():
-        if param.requires_grad:
-            param.grad = torch.zeros_like(param)
+    offloaded = tracker is not None and "optimizer" in tracker.host_phases
+    with tracker.on_host() if offloaded else contextlib.nullcontext():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.grad = torch.zeros_like(param)
     with phase("optimizer"):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
