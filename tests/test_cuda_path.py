@@ -115,7 +115,7 @@ def test_loss_tiles_accumulate_the_lm_head_gradient_in_fp32():
 
 
 def test_allocator_settings_are_merged_into_the_trial_environment_and_known_to_torch():
-    from trials.core.allocator import SETTINGS, configure, supported_settings, trial_environment
+    from trials.core.allocator import SETTINGS, configure, supported_settings, torch_release, trial_environment
 
     ours = ",".join(f"{key}:{value}" for key, value in supported_settings().items())
     env = trial_environment({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128,expandable_segments:False", "X": "1"})
@@ -135,7 +135,7 @@ def test_allocator_settings_are_merged_into_the_trial_environment_and_known_to_t
         assert all(f"{key}:{value}" in getter() for key, value in supported_settings().items())
     # what the releases at the ends of pyproject's range know (as measured): 2.11 no pinned_max_* key, 2.13 to 2.15
     # both; from 2.14 the host allocator's blocks are cached (no cache limit)
-    release = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    release = torch_release(torch.__version__)[:2]
     if release == (2, 11):
         assert supported_settings() == {"expandable_segments": "True"}
     elif release == (2, 13):

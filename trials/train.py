@@ -136,8 +136,10 @@ class TokenSource:
 
     def batch(self, index: int, mesh):
         """This rank's ``Batch`` of window ``index`` (``mesh_batch``): its documents, and their pads, when packed."""
-        pads = self.pads[self._picked(index)] if self.pads is not None else None
-        return mesh_batch(self.window(index), mesh, documents=self.documents(index), pads=pads)
+        if self.pads is None:
+            return mesh_batch(self.window(index), mesh, documents=self.documents(index))
+        picked = self._picked(index)  # the window's tokens and their pads, picked once
+        return mesh_batch(self.stream[picked], mesh, documents=self.documents(index), pads=self.pads[picked])
 
     def documents(self, index: int) -> Documents | None:
         """The packed documents of window ``index`` (its first seq_len tokens), or None: not packed."""
@@ -155,14 +157,14 @@ class TokenSource:
 
 @dataclass
 class Packing:
-    """How the ``--data`` file trains: the documents' ends in its stream (None: windows of one stream, unpacked),
-    a line to warn with when that differs from the documents the config's estimate assumed, and on a ring whose
-    chunks do not divide every document, the stream with each document padded (``pad_documents``: ``tokens``,
-    ``pads``) and a line saying so (``note``)."""
+    """How the ``--data`` file trains: the stream it trains on (the file's, or on a ring whose chunks do not divide
+    every document, each document padded: ``pad_documents``, with ``pads`` True at each pad and a line saying so,
+    ``note``), the documents' ends in it (None: windows of one stream, unpacked), and a line to warn with when
+    that differs from the documents the config's estimate assumed."""
 
+    tokens: torch.Tensor
     ends: np.ndarray | None
     warning: str | None = None
-    tokens: torch.Tensor | None = None  # None: the file's stream as it is
     pads: torch.Tensor | None = None
     note: str | None = None
 
@@ -189,9 +191,10 @@ def packing(options: TrainOptions, config, model_config: dict, data: TokenData) 
     assumed = config.documents
     if not (wanted and ends is not None):
         if assumed.one:
-            return Packing(None)
+            return Packing(data.tokens, None)
         why = "--no-pack" if options.pack is False else "the data has no document boundary"
         return Packing(
+            data.tokens,
             None,
             f"the config's estimate assumed {assumed.describe()}; this run trains each window as one document ({why})",
         )
@@ -207,14 +210,14 @@ def packing(options: TrainOptions, config, model_config: dict, data: TokenData) 
         f"{DocumentsSpec(tuple(lengths.tolist())).describe()} (autotune estimate --documents {options.data} prices them)"
     )
     if pads is None:
-        return Packing(ends, warning)
+        return Packing(data.tokens, ends, warning)
     padded = int(pads.sum())
     note = (
         f"ring_degree {config.techniques.ring_degree} splits each packed document into {unit} chunks: each is "
         f"padded to a multiple of {unit} tokens, {padded:,} pad tokens in all ({padded / pads.numel():.2%} of the "
         "stream; no pad is a label or has one)"
     )
-    return Packing(padded_ends, warning, tokens, pads, note)
+    return Packing(tokens, padded_ends, warning, pads, note)
 
 
 def _same_documents(spec: DocumentsSpec, lengths: np.ndarray) -> bool:
@@ -664,8 +667,7 @@ def main(argv: list[str] | None = None) -> int:
         if problem is None and options.data is not None:  # the whole file checked before any rank builds a model
             data = read_token_data(options.data, model_config["vocab_size"])
             packed = packing(options, config, model_config, data)
-            tokens = packed.tokens if packed.tokens is not None else data.tokens
-            ends, pads = packed.ends, packed.pads
+            tokens, ends, pads = packed.tokens, packed.ends, packed.pads
             if packed.warning is not None and rank0:
                 print(f"trials.train: warning: {packed.warning}", file=sys.stderr, flush=True)
             if packed.note is not None and rank0:

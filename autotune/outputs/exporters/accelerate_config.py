@@ -154,17 +154,16 @@ def peak_bytes(mesh, tracker) -> dict:
 
 
 def token_data(args, config):
-    """How --data trains (trials.train.Packing: where its documents end when packed, their pads on a ring, a warning
-    where that differs from the documents the config's estimate assumed) and its tokens; (None, None) without --data."""
+    """How --data trains (trials.train.Packing: its tokens, where its documents end when packed, their pads on a ring,
+    a warning where that differs from the documents the config's estimate assumed); None without --data."""
     if args.data is None:
         if args.pack:
             raise ValueError("--pack needs --data (the synthetic tokens are one document per window)")
-        return None, None
+        return None
     with open(os.path.join(args.model, "config.json")) as file:
         data = read_token_data(args.data, json.load(file)["vocab_size"])
     options = TrainOptions(config="", data=args.data, pack=args.pack, init=args.model)  # EOS: the folder's
-    packed = packing(options, config, {{}}, data)
-    return packed, packed.tokens if packed.tokens is not None else data.tokens
+    return packing(options, config, {{}}, data)
 
 
 def main(argv=None) -> int:
@@ -183,7 +182,7 @@ def main(argv=None) -> int:
     config = parse_config(json.load(open(args.config)) if args.config else CONFIG, args.config or "CONFIG")
     techniques, seq_len = config.techniques, config.seq_len
     try:  # --data read and checked whole before any rank builds the model, and packed as autotune run packs it
-        packed, stream = token_data(args, config)
+        packed = token_data(args, config)
     except ValueError as exc:  # trials' DataError is one; every rank refuses alike, the first says why
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"{{os.path.basename(sys.argv[0])}}: {{str(exc).strip().splitlines()[0]}}", file=sys.stderr)
@@ -202,7 +201,7 @@ def main(argv=None) -> int:
     with tracker if tracker is not None else contextlib.nullcontext():
         model = hf.from_pretrained(args.model, techniques, mesh)
         optimizer = make_optimizer(model, techniques, mesh, lr=args.lr)
-        ends, pads = (packed.ends, packed.pads) if packed is not None else (None, None)
+        stream, ends, pads = (packed.tokens, packed.ends, packed.pads) if packed is not None else (None, None, None)
         source = TokenSource(seq_len, model.config.vocab_size, args.seed, stream=stream, ends=ends, pads=pads)
         for step in range(args.steps):
             index = step * mesh.dp_size + mesh.dp_rank
