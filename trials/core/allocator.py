@@ -14,7 +14,7 @@ the process holds.
   their bucket's size, but an exact one is not: a request can get a smaller block of its bucket and the copy into
   it overruns the heap (pytorch#192722). With this limit a block above 1 MiB is never cached, so never handed to
   another request: it is page-locked when allocated and released when freed, and FSDP2's CPU offload pins and
-  unpins every gradient shard every step (each rank's share of the fp32 parameters, every step), a cost the trial
+  unpins every gradient shard every step (each rank's share of the fp32 parameters), a cost the trial
   measures. From 2.14 ``get_free_block`` scans the bucket for a block at least the request's size, so blocks are
   cached (torch's default): FSDP2's gradient shards are pinned in the first step and reused after it. They stay
   page-locked between steps, which moves no peak: the host peak is the optimizer step, where every gradient is
