@@ -5,11 +5,49 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# The suite's budget: with AUTOTUNE_TEST_BUDGET_S set (.ci/run sets it for each pytest run), a run whose wall time
+# exceeds it fails after its summary, naming its slowest tests (docs/layout.md, "Keeping the suite cheap").
+BUDGET_ENV = "AUTOTUNE_TEST_BUDGET_S"
+_test_seconds: dict[str, float] = {}
+_started = time.monotonic()
+
+
+def pytest_runtest_logreport(report) -> None:
+    """Each test's setup, call and teardown, summed (under pytest-xdist the controller sees every worker's)."""
+    _test_seconds[report.nodeid] = _test_seconds.get(report.nodeid, 0.0) + report.duration
+
+
+_overrun: list[tuple[float, float]] = []  # (wall seconds, budget) when the run exceeded its budget
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    budget = os.environ.get(BUDGET_ENV)
+    elapsed = time.monotonic() - _started
+    if hasattr(session.config, "workerinput") or not budget or elapsed <= float(budget):
+        return
+    _overrun.append((elapsed, float(budget)))
+    if session.exitstatus == 0:
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    if not _overrun:
+        return
+    elapsed, budget = _overrun[0]
+    slowest = sorted(_test_seconds.items(), key=lambda item: -item[1])[:10]
+    terminalreporter.write_line(
+        f"the suite took {elapsed:.0f} s, over its budget of {budget:.0f} s ({BUDGET_ENV}); its slowest tests:",
+        red=True,
+    )
+    for nodeid, seconds in slowest:
+        terminalreporter.write_line(f"  {seconds:7.1f} s  {nodeid}")
 
 
 def tiny_plan_search(target: str = "4K") -> list[str]:

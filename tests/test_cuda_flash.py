@@ -29,6 +29,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 pytestmark = [
     pytest.mark.cuda,
+    pytest.mark.torch_release,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device"),
 ]
 

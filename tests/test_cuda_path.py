@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -13,6 +14,8 @@ from trials.core.dist import Mesh
 from trials.kernels import attention
 from trials.models.config import load_model_config
 from trials.stack.techniques import Techniques
+
+pytestmark = pytest.mark.torch_release  # bin/test --oldest runs it on the oldest torch too
 
 
 def _flash_stand_in(seen: list):

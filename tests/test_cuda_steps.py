@@ -12,6 +12,7 @@ import torch
 
 pytestmark = [
     pytest.mark.cuda,
+    pytest.mark.torch_release,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device"),
 ]
 

@@ -14,6 +14,7 @@ import torch
 
 pytestmark = [
     pytest.mark.cuda,
+    pytest.mark.torch_release,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device"),
 ]
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from conftest import ROOT
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -16,6 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autotune.timing.calibration import _free_port
 from autotune.timing.calibration.device_bench import measure_attention
 from trials.kernels.attention import attention_backward, attention_forward, causal_attention
+
+pytestmark = pytest.mark.torch_release  # bin/test --oldest runs it on the oldest torch too
 
 # One rank of ``measure_collectives`` over a gloo group. Rank 1's clock runs 4x fast, so its first call of each
 # collective seems 4x longer than rank 0's and its own repetition count comes out lower: ranks that each picked

@@ -18,6 +18,8 @@ from tests.test_stack import FULL, HARNESS, _check_exact, _launch
 from trials.kernels.attention import attention_backward, attention_forward, causal_attention, flash_kernels
 from trials.kernels.documents import Documents
 
+pytestmark = pytest.mark.torch_release  # bin/test --oldest runs it on the oldest torch too
+
 SEQ = 512
 LENGTHS = [100, 1, 236, 175]  # 4 ranks hold 128 tokens each: every boundary falls inside a shard
 

@@ -279,6 +279,8 @@ def test_accelerate_launch_trains_the_export_like_the_plain_model_in_the_estimat
             "launch",
             "--config_file",
             str(exported),
+            "--main_process_port",
+            "0",  # a free port: other tests may launch at the same time (pytest-xdist)
             str(tmp_path / "sp.train.py"),
             "--model",
             str(tmp_path / "model"),

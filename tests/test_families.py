@@ -18,6 +18,8 @@ import torch
 from tests.model_families import TINY_WINDOW, real_configs, save, tiny_configs
 from tests.test_stack import HARNESS, _check_exact, _launch
 
+pytestmark = pytest.mark.torch_release  # bin/test --oldest runs it on the oldest torch too
+
 SEQ = 256  # above TINY_WINDOW: windowed layers attend a band
 DENSE = ("tiny-mistral", "tiny-qwen2", "tiny-qwen3-window", "tiny-gemma3", "tiny-gemma2", "tiny-phi3")
 EXPERTS = ("tiny-qwen3-moe", "tiny-mixtral")

@@ -20,6 +20,8 @@ from test_stack import GRAD_RTOL, HARNESS, LOSS_RTOL, SEQ, _cases, _check_exact,
 
 from trials.models.config import load_model_config
 
+pytestmark = pytest.mark.torch_release  # bin/test --oldest runs it on the oldest torch too
+
 MODELS = ("tiny-llama", "tiny-qwen3")
 APPLY_CASES = ("full", "fsdp", "head_chunk=1+checkpointing", "dp2+full")  # also run through ``trials.hf.apply``
 

@@ -61,6 +61,7 @@ print(json.dumps({e["step"]: e["loss"] for e in trainer.state.log_history if "lo
 def launch(script, config_yaml, *args, cwd):
     return subprocess.run(
         [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--config_file", str(config_yaml)]
+        + ["--main_process_port", "0"]  # a free port: other tests may launch at the same time (pytest-xdist)
         + [str(script), *map(str, args)],
         capture_output=True,
         text=True,

@@ -30,14 +30,16 @@ RUNTIME_PACKAGES = ("autotune", "trials", "search_spaces")
 NO_DEPS_TEST_PACKAGES = ("arctic-training",)  # bin/setup-env --test installs it beside the extra, --no-deps
 
 # The base interpreter: `python3 -m venv DIR` makes a venv whose python, autotune and ruff log their arguments.
+# Asked for its site-packages (`python -c ...sysconfig...`), a venv's python names DIR/site-packages.
 STUB_PYTHON3 = """#!/bin/sh
 [ "$1" = -m ] && [ "$2" = venv ] || { echo "stub python3: unexpected $*" >&2; exit 3; }
 echo "venv $3" >> "$STUB_LOG"
-mkdir -p "$3/bin"
+mkdir -p "$3/bin" "$3/site-packages"
 for tool in python autotune ruff; do
   printf '#!/bin/sh\\necho "%s $*" >> "$STUB_LOG"\\n' "$tool" > "$3/bin/$tool"
   chmod +x "$3/bin/$tool"
 done
+printf '[ "$1" = -c ] && echo "%s/site-packages"\\nexit 0\\n' "$3" >> "$3/bin/python"
 """
 
 
@@ -87,9 +89,9 @@ class Checkout:
         ]
 
     def change(self, name: str):
-        """Change a file the installs watch, after them: everything in .venv ten seconds old, the file five."""
+        """Change a file the installs watch, after them: everything in the venvs ten seconds old, the file five."""
         now = time.time()
-        for path in (self.root / ".venv").rglob("*"):
+        for path in [*(self.root / ".venv").rglob("*"), *(self.root / ".venv-oldest").rglob("*")]:
             os.utime(path, (now - 10, now - 10))
         os.utime(self.root / name, (now - 5, now - 5))
 
@@ -119,7 +121,7 @@ def test_bin_test_adds_the_test_extra_to_the_users_venv(checkout):
     calls = checkout.run("bin/test", "-m", "not slow")
     assert not [call for call in calls if call.startswith("venv ")], "bin/test made a second venv"
     assert checkout.installs(calls) == TEST_INSTALLS
-    assert calls[-1] == "python -m pytest -q -m not slow"
+    assert calls[-1] == "python -m pytest -q -n auto --maxprocesses=4 --dist loadfile -m not slow"
 
 
 def test_nothing_changed_installs_nothing(checkout):
@@ -148,15 +150,24 @@ def test_a_clean_clone_set_up_for_the_tests_has_the_runtime_install_too(checkout
     assert checkout.installs(checkout.run("bin/autotune", "models")) == []
 
 
-def test_the_oldest_torchs_install_is_a_second_venv_pinned_by_constraints_oldest(checkout):
-    """bin/test --oldest: the test extra in .venv-oldest with constraints-oldest.txt, and the fast tests there; the
-    user's .venv is left alone."""
+def test_the_oldest_torchs_install_is_a_second_venv_of_the_oldest_torch_beside_the_first(checkout):
+    """bin/test --oldest: .venv's tests' install, then .venv-oldest with only constraints-oldest.txt's torch and an
+    editable autotune, every other package read from .venv's site-packages; the torch-release tests run there."""
     calls = checkout.run("bin/test", "--oldest", "-x")
-    assert calls[0] == f"venv {checkout.root}/.venv-oldest"
-    assert checkout.installs(calls) == [call.replace("constraints-cpu", "constraints-oldest") for call in TEST_INSTALLS]
-    assert calls[-1] == "python -m pytest -q -m not slow -x"
-    assert not (checkout.root / ".venv").exists()
+    assert calls[0] == f"venv {checkout.root}/.venv" and f"venv {checkout.root}/.venv-oldest" in calls
+    assert checkout.installs(calls) == [
+        *TEST_INSTALLS,
+        "python -m pip install --quiet -c REPO/constraints-oldest.txt torch",
+        "python -m pip install --quiet -c REPO/constraints-oldest.txt --no-deps -e REPO",
+    ]
+    oldest_site = checkout.root / ".venv-oldest" / "site-packages"
+    assert (oldest_site / "autotune-test-dependencies.pth").read_text() == f"{checkout.root}/.venv/site-packages\n"
+    assert calls[-1] == "python -m pytest -q -n auto --maxprocesses=4 --dist loadfile -m torch_release and not slow -x"
     assert checkout.installs(checkout.run("bin/setup-env", "--test", "--oldest")) == []  # once
+    checkout.change("constraints-oldest.txt")
+    assert checkout.installs(checkout.run("bin/setup-env", "--test", "--oldest"))[0].endswith(
+        "constraints-oldest.txt torch"
+    )
 
 
 def test_setup_env_refuses_an_unknown_argument_before_touching_anything(checkout):
@@ -165,10 +176,14 @@ def test_setup_env_refuses_an_unknown_argument_before_touching_anything(checkout
 
 
 def test_ci_installs_the_test_extra_before_the_wheel_check_and_the_suite():
-    steps = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
-    assert "bin/setup-env --test" in steps, "CI must install the test extra itself (a clean clone has no .venv)"
-    assert steps.index("bin/setup-env --test") < steps.index(".ci/wheel-check") < steps.index("bin/test")
-    assert steps.index("bin/test") < steps.index("bin/test --oldest"), "CI runs the fast tests on the oldest torch"
+    """.ci/run's phases (``phase NAME COMMAND...``), in order: the test extra, the wheel, README's test command, the
+    torch-release tests on the oldest torch."""
+    phases = [line.split()[2:] for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith("phase ")]
+    commands = [" ".join(words[:2]) for words in phases]
+    assert "bin/setup-env --test" in commands, "CI must install the test extra itself (a clean clone has no .venv)"
+    order = [commands.index(step) for step in ("bin/setup-env --test", ".ci/wheel-check", "bin/test --durations=25")]
+    assert order == sorted(order)
+    assert commands.index("bin/test --durations=25") < commands.index("bin/test --oldest"), "CI runs the oldest too"
     for script in ("bin/setup-env", "bin/autotune", "bin/test", ".ci/run"):
         assert os.access(ROOT / script, os.X_OK), f"{script} is not executable"
         done = subprocess.run(["bash", "-n", str(ROOT / script)], capture_output=True, text=True)

@@ -22,6 +22,8 @@ from tests.model_families import TINY_WINDOW, save, tiny_configs
 from trials.kernels import attention
 from trials.kernels.registry import FLASH_KERNELS, KERNELS
 
+pytestmark = pytest.mark.torch_release  # bin/test --oldest runs it on the oldest torch too
+
 # -- the real signatures ---------------------------------------------------------------------------------------------
 # Dao-AILab/flash-attention at commit 0251105a2fb19d2957484b7f023cd8c115286ced (annotations dropped):
 #   flash:  flash_attn/flash_attn_interface.py  flash_attn_func l. 1156; _flash_attn_forward l. 85 and

@@ -13,6 +13,8 @@ import pytest
 from conftest import ROOT
 from train_harness import ENV, write_config, write_pretrained
 
+pytestmark = pytest.mark.torch_release  # bin/test --oldest runs it on the oldest torch too
+
 PAGE = ROOT / "docs" / "library.md"
 # the user's own token source: two windows of the seeded synthetic stream per replica
 TOKEN_WINDOWS = """

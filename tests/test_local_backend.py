@@ -14,6 +14,8 @@ from autotune.backends.local import LocalBackend
 from autotune.core.hardware import load_hardware
 from trials.stack.techniques import Techniques
 
+pytestmark = pytest.mark.torch_release  # bin/test --oldest runs it on the oldest torch too
+
 
 def evaluation(model_config, gpus=1, seq_len=1024, **techniques):
     return Evaluation(model_config, Techniques(**techniques), seq_len, gpus, load_hardware("cpu"))

@@ -19,6 +19,8 @@ from trials.models.config import load_model_config
 from trials.stack.rules import length_unit
 from trials.stack.techniques import Techniques
 
+pytestmark = pytest.mark.torch_release  # bin/test --oldest runs it on the oldest torch too
+
 K = 1024
 
 

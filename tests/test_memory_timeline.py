@@ -21,6 +21,8 @@ from trials.stack.techniques import Techniques
 from trials.trial import memory_timeline
 from trials.trial.memory_timeline import replay_peak, snapshots_in_html
 
+pytestmark = pytest.mark.torch_release  # bin/test --oldest runs it on the oldest torch too
+
 K = 1024
 FULL_STACK = {
     "fsdp": True,

@@ -9,6 +9,8 @@ import torch
 from trials.models import moe
 from trials.models.model import build_model
 
+pytestmark = pytest.mark.torch_release  # bin/test --oldest runs it on the oldest torch too
+
 QWEN3_MOE = {
     "model_type": "qwen3_moe",
     "vocab_size": 256,

@@ -25,6 +25,8 @@ from trials.stack.techniques import Techniques
 from trials.training.data import make_batch
 from trials.training.step import build_training, forward_backward, train_step
 
+pytestmark = pytest.mark.torch_release  # bin/test --oldest runs it on the oldest torch too
+
 SEQ = 256
 
 

@@ -24,6 +24,8 @@ from trials.stack.techniques import Techniques
 sys.path.insert(0, str(ROOT / "bench"))
 from oracle_fidelity import Config, predict_config, run_real  # noqa: E402
 
+pytestmark = pytest.mark.torch_release  # bin/test --oldest runs it on the oldest torch too
+
 K = 1024
 
 

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, tiny_plan_search
 
+pytestmark = pytest.mark.torch_release  # bin/test --oldest runs it on the oldest torch too
+
 AUTOTUNE = Path(sys.executable).parent / "autotune"  # the installed CLI of the environment running the tests
 TRIALS = 6
 

@@ -11,6 +11,8 @@ from autotune.core.hardware import load_hardware
 from trials.models.config import load_model_config
 from trials.stack.techniques import Techniques
 
+pytestmark = pytest.mark.torch_release  # bin/test --oldest runs it on the oldest torch too
+
 
 def _evaluation(layers: int, seq: int = 512, gpus: int = 1, **knobs) -> Evaluation:
     config = dict(load_model_config("tiny-llama"), num_hidden_layers=layers)

@@ -22,6 +22,8 @@ from trials.stack.ring import Ring
 from trials.stack.techniques import Techniques
 from trials.training.data import make_batch, zigzag_columns
 
+pytestmark = pytest.mark.torch_release  # bin/test --oldest runs it on the oldest torch too
+
 SEQ = 256
 TILES = {"mlp_tile_tokens": 48, "loss_tile_tokens": 40, "norm_tile_tokens": 56}  # uneven last tiles on purpose
 CKPT_OFFLOAD = {"activation_checkpointing": True, "activation_offload_layers": 2}

@@ -28,6 +28,8 @@ from trials.stack.ring import Ring, local_documents
 from trials.stack.techniques import Techniques
 from trials.training.data import make_batch, zigzag_columns
 
+pytestmark = pytest.mark.torch_release  # bin/test --oldest runs it on the oldest torch too
+
 SEQ = 256
 LENGTHS = [36, 8, 212]  # multiples of 4 (2 x ring 2), 36 not of 8 (2 x ring 2 x Ulysses 2)
 

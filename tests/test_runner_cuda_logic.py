@@ -19,6 +19,8 @@ from trials.trial import runner
 from trials.trial.segments import AllocatorPeaks, SegmentPeaks
 from trials.trial.spec import RankRecord, TrialSpec
 
+pytestmark = pytest.mark.torch_release  # bin/test --oldest runs it on the oldest torch too
+
 SCRATCH = 3 << 20  # bytes a fake backward kernel allocates inside itself: the allocator sees them, the tracker not
 
 

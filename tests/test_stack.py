@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.torch_release  # bin/test --oldest runs it on the oldest torch too
+
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = ROOT / "tests" / "stack_harness.py"
 MEMORY_HARNESS = ROOT / "tests" / "stack_memory_harness.py"

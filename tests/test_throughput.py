@@ -25,6 +25,8 @@ from autotune.timing.model import predict_step_time
 from trials.models.config import load_model_config
 from trials.stack.techniques import Techniques
 
+pytestmark = pytest.mark.torch_release  # bin/test --oldest runs it on the oldest torch too
+
 
 def rates(name: str, world_size: int = 1):
     """A preset's time-model rates for a job of ``world_size`` ranks."""

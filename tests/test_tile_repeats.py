@@ -19,6 +19,8 @@ from trials.kernels.documents import ONE, DocumentsSpec
 from trials.models.config import load_model_config
 from trials.stack.techniques import Techniques
 
+pytestmark = pytest.mark.torch_release  # bin/test --oldest runs it on the oldest torch too
+
 K = 1024
 TILED = dict(mlp_tile_tokens=512, loss_tile_tokens=256, norm_tile_tokens=512)  # 8-16 tiles of each per rank
 

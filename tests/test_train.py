@@ -33,6 +33,8 @@ from tests.train_harness import (
 )
 from tests.train_harness import first_window as window_of
 
+pytestmark = pytest.mark.torch_release  # bin/test --oldest runs it on the oldest torch too
+
 
 def losses_match(resumed: list[dict], reference: list[dict], rel: float) -> None:
     assert [e["step"] for e in resumed] == [e["step"] for e in reference]

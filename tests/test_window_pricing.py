@@ -25,6 +25,8 @@ from autotune.timing.counts import COMPUTE_PHASES, StepCounts, attention_key_par
 from autotune.timing.model import attention_time
 from trials.core.memory import DeviceMemoryTracker
 
+pytestmark = pytest.mark.torch_release  # bin/test --oldest runs it on the oldest torch too
+
 
 def band_mask(sq: int, sk: int, causal: bool, window: int | None) -> torch.Tensor:
     """Hugging Face's mask, top-left aligned: ``kv_idx <= q_idx`` (causal) and ``kv_idx > q_idx - W``."""

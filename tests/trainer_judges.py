@@ -30,12 +30,14 @@ def judge_arctic(model_dir: str, world: int, recipes: list[str]) -> None:
     import torch.distributed as dist
     import yaml
 
+    from autotune.timing.calibration import _free_port
+
     os.environ.update(
         RANK="0",
         LOCAL_RANK="0",
         WORLD_SIZE="1",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=os.environ.get("JUDGE_PORT", "29561"),
+        MASTER_PORT=os.environ.get("JUDGE_PORT") or str(_free_port()),  # judges run side by side (pytest-xdist)
     )
     dist.init_process_group("gloo", rank=0, world_size=1)
     os.environ["WORLD_SIZE"] = str(world)
