@@ -296,3 +296,30 @@ def test_over_packed_documents_the_seeds_run_a_kernel_the_trainer_masks_them_wit
     packed = DocumentsSpec((64 * 1024,))
     assert seeded("deepspeed", packed) == "flash"
     assert seeded("deepspeed", ONE) == seeded("autotune", packed) == "flash3"
+
+
+def test_over_several_nodes_every_layout_is_seeded_and_climbed(tmp_path):
+    """4 nodes x 8 GPUs, Llama-3-8B (8 KV heads: Ulysses past 8 replicates them): Ulysses 8 x ring 4, 16 x 2 and
+    32 over every GPU each get their most frugal config, seeded at the target and at the grid's end and climbed to
+    its wall (``_is_frugal``); one node has no layout beside its frugal config."""
+    from autotune.search.job import SearchJob
+    from autotune.search.policy import _is_frugal, search_frugals, seed_params
+    from trials.stack.rules import split_unit
+
+    model_config, hardware = load_model_config("llama3-8b"), load_hardware("h100-sxm")
+    target, layers = 25 * 1024**2, model_config["num_hidden_layers"]
+    space = load_space(None, model_config, 32, target)
+    assert space.layouts(32, 8) == [(8, 4), (16, 2), (32, 1)]
+    assert load_space(None, model_config, 8, target).layouts(8, 8) == []
+    job = SearchJob("llama3-8b", model_config, target, 8, hardware, space, None, tmp_path, 30, nodes=4)
+    frugals = search_frugals(job)
+    assert {(f.ulysses_degree, f.ring_degree) for f in frugals} >= {(8, 4), (16, 2), (32, 1)}
+    seeds = seed_params(job)
+    for frugal in frugals:
+        assert _is_frugal(job, frugal)
+        unit = split_unit(frugal.ulysses_degree, frugal.ring_degree)
+        lengths = [s for s in space.seq_lens if s % unit == 0]
+        at_target = min(s for s in lengths if s >= target)
+        for length in (at_target, lengths[-1]):
+            assert space.params_for(frugal, length, layers) in seeds, (frugal, length)
+        assert frugal.fsdp and frugal.activation_checkpointing  # every other knob at its most frugal

@@ -55,15 +55,14 @@ def seed_params(job: SearchJob) -> list[dict]:
                 seeds[1][name] = knob.alst  # ALST: plain Ulysses
             seeds.insert(2, {**seeds[1], name: min(c for c in split if not knob.is_off(c))})
     layers = job.model_config["num_hidden_layers"]
-    frugal = search_frugal(job)
-    top = max(
-        (s for s in space.seq_lens if s % split_unit(frugal.ulysses_degree, frugal.ring_degree) == 0),
-        default=target_len,
-    )
-    for at, length in ((2, target_len), (len(seeds), top)):  # at the target, and at the grid's end (its wall)
-        params = space.params_for(frugal, length, layers)
-        if params is not None and params not in seeds:
-            seeds.insert(at, params)
+    for frugal in search_frugals(job):
+        unit = split_unit(frugal.ulysses_degree, frugal.ring_degree)
+        top = max((s for s in space.seq_lens if s % unit == 0), default=target_len)
+        at_target = min((s for s in space.seq_lens if s >= job.target and s % unit == 0), default=top)
+        for at, length in ((2, at_target), (len(seeds), top)):  # at the target, and at the grid's end (its wall)
+            params = space.params_for(frugal, length, layers)
+            if params is not None and params not in seeds:
+                seeds.insert(at, params)
     return seeds
 
 
@@ -185,10 +184,24 @@ def search_frugal(job: SearchJob) -> Techniques:
     return dataclasses.replace(job.space.frugal(job.model_config["num_hidden_layers"]), attention=seed_kernel(job))
 
 
+def search_frugals(job: SearchJob) -> list[Techniques]:
+    """The frugal configs the search climbs to their walls: ``search_frugal``, and over several nodes the most
+    frugal config of each layout the world admits (``SearchSpace.layouts``: Ulysses inside a node x a ring across
+    the nodes, up to Ulysses over every GPU). Which layout's wall is the longest depends on the heads (Ulysses
+    past the KV heads replicates them) and the links, so each is taken to its own."""
+    layers, kernel = job.model_config["num_hidden_layers"], seed_kernel(job)
+    found = [search_frugal(job)]
+    for layout in job.space.layouts(job.world_size, job.gpus):
+        frugal = dataclasses.replace(job.space.frugal(layers, layout), attention=kernel)
+        if frugal not in found:
+            found.append(frugal)
+    return found
+
+
 def _is_frugal(job: SearchJob, techniques: Techniques) -> bool:
-    """The space's most memory-frugal config: it climbs to its wall even off the front, as that wall is the
-    node's for the search's trainer (the front's longest point)."""
-    return techniques == search_frugal(job)
+    """One of the search's frugal configs (``search_frugals``): it climbs to its wall even off the front, as the
+    longest of those walls is the world's for the search's trainer (the front's longest point)."""
+    return techniques in search_frugals(job)
 
 
 def follow_ups(

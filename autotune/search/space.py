@@ -90,21 +90,40 @@ class SearchSpace:
             return asked
         return self.trainer.runs(ExportJob("", self.model_config, self.gpus, seq_len, asked))
 
-    def frugal(self, num_layers: int) -> Techniques:
+    def frugal(self, num_layers: int, layout: tuple[int, int] | None = None) -> Techniques:
         """The config of this space that needs the least memory: every knob at its most memory-saving choice
         (``memory_rank``), the attention kernel ALST's where the space has it. The search climbs it to its wall,
-        which is the node's wall for the trainer."""
+        which is the node's wall for the trainer. ``layout``: (Ulysses degree, ring degree) held fixed, every
+        other knob at its most memory-saving choice under them (one of ``layouts``)."""
         values: dict[str, Any] = {}
+        fixed = dict(zip(("ulysses_degree", "ring_degree"), layout)) if layout else {}
         for knob in knobs():
             if not _active(knob, values):
                 values[knob.name] = knob.default
                 continue
             choices = [num_layers if c == ALL_LAYERS else c for c in self.knob_choices(knob, values)]
-            if knob.less_memory is None:
+            if knob.name in fixed:
+                values[knob.name] = fixed[knob.name]
+            elif knob.less_memory is None:
                 values[knob.name] = knob.alst if knob.alst in choices else choices[0]
             else:
                 values[knob.name] = max(choices, key=lambda c: memory_rank(knob, c))
         return Techniques(**values)
+
+    def layouts(self, world_size: int, gpus_per_node: int) -> list[tuple[int, int]]:
+        """The (Ulysses degree, ring degree) layouts over several nodes that the space holds and that span the
+        whole world: Ulysses inside a node x a ring across the nodes, and the mixes up to Ulysses over every GPU
+        (a ring of 1). None on one node, where Ulysses over the node is the layout the space's frugal config takes."""
+        if world_size <= gpus_per_node:
+            return []
+        rings = self.split_choices.get("ring_degree", {})
+        return [
+            (ulysses, world_size // ulysses)
+            for ulysses in sorted(self.choices["ulysses_degree"])
+            if ulysses >= gpus_per_node
+            and world_size % ulysses == 0
+            and world_size // ulysses in rings.get(ulysses, [1])
+        ]
 
     def knob_choices(self, knob: Knob, values: dict) -> list:
         """The choices of ``knob`` given the knobs before it (a ``split_by`` knob's depend on that knob's value;
