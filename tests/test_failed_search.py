@@ -148,11 +148,12 @@ def _study(tmp_path, records: list[dict]) -> tuple[SearchJob, optuna.Study]:
         directions=["maximize", "maximize"], study_name="s", storage=f"sqlite:///{tmp_path / 'study.db'}"
     )
     for fields in records:
+        techniques = fields.pop("techniques", BASELINE.to_dict())
         record = ResultRecord(source="predicted", **fields)
         study.add_trial(
             optuna.trial.create_trial(
-                values=[float(record.seq_len), 0.0],
-                user_attrs={"techniques": BASELINE.to_dict(), "record": record.to_dict(), "answered_by": "plan"},
+                values=[float(record.seq_len), record.tokens_per_s or 0.0],
+                user_attrs={"techniques": techniques, "record": record.to_dict(), "answered_by": "plan"},
             )
         )
     job = SearchJob(
@@ -178,6 +179,42 @@ def test_an_all_oom_search_keeps_its_message(tmp_path):
     assert report.write_outputs(job, study)["message"] == (
         "no config reached the target 4,096 tokens; the longest that fits is 0 tokens; the shortest OOM "
         "(1,024 tokens, trial 0) was dominated by activations (0.5 GiB)"
+    )
+
+
+FIT = {"status": "ok", "tokens_per_s": 100.0, "peak_device_bytes": 3 * 2**28, "breakdown": {"params": 2**28}}
+CHECKPOINTED = {**BASELINE.to_dict(), "activation_checkpointing": True}
+
+
+def test_the_message_names_what_bound_the_longest_fit_not_the_shortest_oom(tmp_path):
+    """The plain config is out of memory at 1K; the checkpointed one fits at 2K and is out of device memory at
+    3K, where its activations hold the most: that wall is the answer, not the plain config's OOM."""
+    records = [
+        dict(OOM, seq_len=1024),
+        dict(FIT, seq_len=2048, techniques=CHECKPOINTED),
+        dict(OOM, seq_len=3072, techniques=CHECKPOINTED, breakdown={"activations": 2**28, "params": 2**29}),
+    ]
+    job, study = _study(tmp_path, records)
+    assert report.write_outputs(job, study)["message"] == (
+        "no config reached the target 4,096 tokens; the longest that fits is 2,048 tokens; the longest fit (trial 1) "
+        "runs out of device memory at 3,072 tokens (trial 2), most of it params (0.5 GiB)"
+    )
+
+
+def test_a_longest_fit_bound_by_the_host_says_so(tmp_path):
+    host_oom = {"status": "oom", "host_bytes": 3 * 2**30, "error": "predicted host memory 1 bytes per rank > the "
+                "node's 0 bytes per device (host out of memory)", "breakdown": {"activations": 2**20}}  # fmt: skip
+    records = [dict(FIT, seq_len=2048, techniques=CHECKPOINTED), dict(host_oom, seq_len=3072, techniques=CHECKPOINTED)]
+    job, study = _study(tmp_path, records)
+    assert report.write_outputs(job, study)["message"].endswith(
+        "the longest fit (trial 0) runs out of host memory at 3,072 tokens (trial 1), 3.0 GiB per rank on the host"
+    )
+
+
+def test_a_longest_fit_never_tried_longer_gives_its_own_peak(tmp_path):
+    job, study = _study(tmp_path, [dict(FIT, seq_len=2048), dict(OOM, seq_len=1024, techniques=CHECKPOINTED)])
+    assert report.write_outputs(job, study)["message"].endswith(
+        "the longest fit (trial 0) was not tried longer; its device peak there is 0.8 GiB, most of it params (0.2 GiB)"
     )
 
 

@@ -248,17 +248,54 @@ def best_for_target(study: optuna.Study, target: int):
 
 
 def what_bound(study: optuna.Study) -> str:
-    """Which memory category dominated the OOM just past the longest feasible length."""
-    ooms = [p for p in points(study) if p.record["status"] == "oom" and p.record.get("breakdown")]
-    if not ooms:
-        return "no out-of-memory trial recorded a breakdown"
-    shortest = min(ooms, key=lambda p: p.record["seq_len"])
-    breakdown = shortest.record["breakdown"]
+    """What bound the longest fit, for a search that did not reach its target: the same config's shortest
+    out-of-memory record above it (host memory, or the device and its largest category there), else the longest
+    fit's own peak (its config was not tried longer). With nothing fitting, the category that dominated the
+    shortest OOM."""
+    every = points(study)
+    fits = [p for p in every if p.record["status"] == "ok"]
+    if not fits:
+        ooms = [p for p in every if p.record["status"] == "oom" and p.record.get("breakdown")]
+        if not ooms:
+            return "no out-of-memory trial recorded a breakdown"
+        shortest = min(ooms, key=lambda p: p.record["seq_len"])
+        category, gib = _largest(shortest.record)
+        return (
+            f"the shortest OOM ({shortest.record['seq_len']:,} tokens, trial {shortest.number}) was dominated by "
+            f"{category} ({gib:.1f} GiB)"
+        )
+    longest = max(fits, key=lambda p: (p.record["seq_len"], p.record.get("tokens_per_s") or 0.0))
+    length, config = longest.record["seq_len"], longest.trial.user_attrs.get("techniques")
+    above = [
+        p
+        for p in every
+        if p.record["status"] == "oom"
+        and p.record["seq_len"] > length
+        and p.trial.user_attrs.get("techniques") == config
+    ]
+    fit = f"the longest fit (trial {longest.number})"
+    if not above:
+        category, gib = _largest(longest.record)
+        peak = (longest.record.get("peak_device_bytes") or 0) / 2**30
+        return f"{fit} was not tried longer; its device peak there is {peak:.1f} GiB, most of it {category} ({gib:.1f} GiB)"
+    wall = min(above, key=lambda p: p.record["seq_len"])
+    where = f"{fit} runs out of {{}} at {wall.record['seq_len']:,} tokens (trial {wall.number})"
+    if "host out of memory" in (wall.record.get("error") or ""):
+        host = (wall.record.get("host_bytes") or 0) / 2**30
+        return where.format("host memory") + f", {host:.1f} GiB per rank on the host"
+    if not wall.record.get("breakdown"):
+        return where.format("device memory")
+    category, gib = _largest(wall.record)
+    return where.format("device memory") + f", most of it {category} ({gib:.1f} GiB)"
+
+
+def _largest(record: dict) -> tuple[str, float]:
+    """A record's largest memory category and its GiB ("none", 0.0 without a breakdown)."""
+    breakdown = record.get("breakdown") or {}
+    if not breakdown:
+        return "none", 0.0
     category = max(breakdown, key=breakdown.get)
-    return (
-        f"the shortest OOM ({shortest.record['seq_len']:,} tokens, trial {shortest.number}) was dominated by "
-        f"{category} ({breakdown[category] / 2**30:.1f} GiB)"
-    )
+    return category, breakdown[category] / 2**30
 
 
 FAILED = ("error", "timeout")  # a trial that says nothing about memory: no answer, a failure
