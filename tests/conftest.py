@@ -19,6 +19,16 @@ _test_seconds: dict[str, float] = {}
 _started = time.monotonic()
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """The files with the most ``slow`` tests first, each file's tests in their own order: under pytest-xdist
+    (``bin/test``: each file whole on one worker, in this order) the long files start first, so none is left
+    running alone at the end while the other workers idle."""
+    slow: dict[Path, int] = {}
+    for item in items:
+        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[item.path])  # stable: a file's tests stay together, in order
+
+
 def pytest_runtest_logreport(report) -> None:
     """Each test's setup, call and teardown, summed (under pytest-xdist the controller sees every worker's)."""
     _test_seconds[report.nodeid] = _test_seconds.get(report.nodeid, 0.0) + report.duration

@@ -96,6 +96,7 @@ class Checkout:
         os.utime(self.root / name, (now - 5, now - 5))
 
 
+XDIST = "-n auto --maxprocesses=4 --dist loadfile --no-loadscope-reorder"  # bin/test's pytest-xdist options
 RUNTIME_INSTALL = "python -m pip install --quiet -c REPO/constraints-cpu.txt -e REPO"
 TEST_INSTALLS = [
     "python -m pip install --quiet -c REPO/constraints-cpu.txt -e REPO[test]",
@@ -121,7 +122,7 @@ def test_bin_test_adds_the_test_extra_to_the_users_venv(checkout):
     calls = checkout.run("bin/test", "-m", "not slow")
     assert not [call for call in calls if call.startswith("venv ")], "bin/test made a second venv"
     assert checkout.installs(calls) == TEST_INSTALLS
-    assert calls[-1] == "python -m pytest -q -n auto --maxprocesses=4 --dist loadfile -m not slow"
+    assert calls[-1] == f"python -m pytest -q {XDIST} -m not slow"
 
 
 def test_nothing_changed_installs_nothing(checkout):
@@ -162,7 +163,7 @@ def test_the_oldest_torchs_install_is_a_second_venv_of_the_oldest_torch_beside_t
     ]
     oldest_site = checkout.root / ".venv-oldest" / "site-packages"
     assert (oldest_site / "autotune-test-dependencies.pth").read_text() == f"{checkout.root}/.venv/site-packages\n"
-    assert calls[-1] == "python -m pytest -q -n auto --maxprocesses=4 --dist loadfile -m torch_release and not slow -x"
+    assert calls[-1] == f"python -m pytest -q {XDIST} -m torch_release and not slow -x"
     assert checkout.installs(checkout.run("bin/setup-env", "--test", "--oldest")) == []  # once
     checkout.change("constraints-oldest.txt")
     assert checkout.installs(checkout.run("bin/setup-env", "--test", "--oldest"))[0].endswith(
