@@ -279,14 +279,14 @@ def what_bound(study: optuna.Study) -> str:
         peak = (longest.record.get("peak_device_bytes") or 0) / 2**30
         return f"{fit} was not tried longer; its device peak there is {peak:.1f} GiB, most of it {category} ({gib:.1f} GiB)"
     wall = min(above, key=lambda p: p.record["seq_len"])
-    where = f"{fit} runs out of {{}} at {wall.record['seq_len']:,} tokens (trial {wall.number})"
-    if "host out of memory" in (wall.record.get("error") or ""):
-        host = (wall.record.get("host_bytes") or 0) / 2**30
-        return where.format("host memory") + f", {host:.1f} GiB per rank on the host"
+    host = "host out of memory" in (wall.record.get("error") or "")
+    said = f"{fit} runs out of {'host' if host else 'device'} memory at {wall.record['seq_len']:,} tokens (trial {wall.number})"
+    if host:
+        return f"{said}, {(wall.record.get('host_bytes') or 0) / 2**30:.1f} GiB per rank on the host"
     if not wall.record.get("breakdown"):
-        return where.format("device memory")
+        return said
     category, gib = _largest(wall.record)
-    return where.format("device memory") + f", most of it {category} ({gib:.1f} GiB)"
+    return f"{said}, most of it {category} ({gib:.1f} GiB)"
 
 
 def _largest(record: dict) -> tuple[str, float]:
