@@ -3,7 +3,6 @@ real trials over two torchrun agents acting as two nodes on 127.0.0.1 (gloo), an
 
 import json
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from autotune.cli import main
 from autotune.core.hardware import load_hardware
 from autotune.outputs.exporters import make_exporter
 from autotune.search.space import load_space
+from autotune.timing.calibration import _free_port
 from autotune.timing.counts import CollectiveCounts, StepCounts
 from autotune.timing.model import group_layout, predict_step_time
 from trials.models.config import load_model_config
@@ -396,12 +396,6 @@ def test_torchrun_export_of_a_multi_node_config_joins_a_rendezvous(tmp_path, cap
 
 
 # -- real trials on two agents (two "nodes" on 127.0.0.1, gloo) -------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cli(*args, env=None) -> subprocess.Popen:

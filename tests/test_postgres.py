@@ -30,6 +30,8 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import ROOT, run_cli, tiny_plan_search
 
+from autotune.timing.calibration import _free_port
+
 PASSWORD = "s3cr3t-p@ss:w0rd"  # characters a URL must escape: the message must hide it either way
 USER = "autotune"
 TINY = tiny_plan_search()
@@ -42,12 +44,6 @@ def _postgres_bin() -> Path | None:
         return Path(found).resolve().parent
     candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(Path(p).parts[-3]))
     return Path(candidates[-1]).parent if candidates else None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
