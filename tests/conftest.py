@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +30,44 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
     items.sort(key=lambda item: -slow[item.path])  # stable: a file's tests stay together, in order
+
+
+def pytest_configure(config) -> None:
+    """Under pytest-xdist each worker's torch (and the trials it launches) uses its share of the cores: workers
+    whose OpenMP threads outnumber the cores slow each other down several times over."""
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    if workers > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+
+
+@contextlib.contextmanager
+def _turn(config, alone: bool):
+    """A test's turn on the machine: an ``alone`` test (one that times the machine) waits for the other workers'
+    running tests to end and keeps them from starting others until it ends; other tests share the machine. A
+    readers-writer lock on two files every worker of the run opens: ``intent`` (taken exclusively by an alone test,
+    so no new test starts while it waits) and ``running`` (shared by each running test, exclusive while alone)."""
+    worker = getattr(config, "workerinput", None)  # a worker's own, not inherited by a pytest it launches
+    if not worker or int(worker["workercount"]) < 2:
+        yield
+        return
+    folder = Path(tempfile.gettempdir()) / f"autotune-tests-{worker['testrunuid']}"
+    folder.mkdir(exist_ok=True)
+    with open(folder / "intent", "a") as intent, open(folder / "running", "a") as running:
+        fcntl.flock(intent, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(running, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(intent, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(running, fcntl.LOCK_UN)
+            fcntl.flock(intent, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    with _turn(item.config, item.get_closest_marker("alone") is not None):
+        return (yield)
 
 
 def pytest_runtest_logreport(report) -> None:

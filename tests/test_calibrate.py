@@ -194,6 +194,7 @@ def test_the_device_worker_measures_every_rate_on_cpu_tensors(tmp_path, tiny_lla
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_calibrate_writes_a_cpu_preset_that_search_and_estimate_accept(tmp_path, config_dir):
     env = _env(config_dir)
     result = subprocess.run(
@@ -326,6 +327,7 @@ def test_check_re_times_the_calibrations_step_and_says_how_far_this_machine_move
     assert "says nothing about the machine's speed" in replace(check, contended=True).lines("p")[1]
 
 
+@pytest.mark.alone
 def test_check_of_a_gpu_preset_re_times_its_recorded_gemm_shapes(tiny_llama):
     import torch
 

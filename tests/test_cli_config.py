@@ -184,7 +184,7 @@ def test_a_search_for_another_target_keeps_each_targets_best(tmp_path):
             "search",
             *tiny_plan_search(target),
             "--trials",
-            "6",
+            "3",
             "--out",
             str(out),
         )

@@ -454,13 +454,7 @@ def test_trial_bad_input_exits_2():
 # --- verify ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_verify_exits_0_when_every_trial_ran(reached, tmp_path):
-    out, _ = reached
-    shutil.copytree(out, tmp_path / "out")
-    done = autotune("verify", str(tmp_path / "out"), "--top", "1", "--json")
-    assert_exit(done, 0)
-    assert all(outcome["measured"]["status"] in ("ok", "oom") for outcome in json.loads(done.stdout)["verified"])
+# verify's exit 0 when every trial ran: test_verify.py's module fixture (its first verify of a search)
 
 
 def test_verify_exits_1_when_a_trial_failed(reached, tmp_path):

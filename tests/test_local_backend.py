@@ -103,8 +103,21 @@ def test_a_hung_two_rank_trial_leaves_no_rank_behind(tiny_llama, monkeypatch):
                 pass
         return found
 
-    record = LocalBackend(steps=1, timeout_s=90).evaluate(evaluation(tiny_llama, gpus=2))
+    import threading
+
+    seen, done = set(), threading.Event()
+
+    def watch():
+        while not done.wait(1.0):
+            seen.update(marked())
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    record = LocalBackend(steps=1, timeout_s=40).evaluate(evaluation(tiny_llama, gpus=2))
+    done.set()
+    watcher.join()
     assert record.status == "timeout", record.error
+    assert len(seen) >= 3, seen  # torchrun and its two ranks were running when the timeout came
     assert marked() == []
 
 

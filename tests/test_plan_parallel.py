@@ -195,11 +195,11 @@ def _trials(study):
 def test_a_search_on_two_workers_is_the_search_in_one_process(tmp_path, monkeypatch):
     """Same trials in the same order with the same records (and the follow-up queue's order with them)."""
     monkeypatch.setenv("AUTOTUNE_PLAN_CACHE", "off")
-    one = search.run(_job(tmp_path / "one", trials=22, workers=1))
-    job = _job(tmp_path / "two", trials=22, workers=2)
+    one = search.run(_job(tmp_path / "one", trials=12, workers=1))
+    job = _job(tmp_path / "two", trials=12, workers=2)
     two = search.run(job)
     assert _trials(two) == _trials(one)
-    assert len(_trials(two)) == 22
+    assert len(_trials(two)) == 12 and any(follow_up is not None for *_, follow_up in _trials(two))
     assert job.stats["asked"] > 0 and job.stats["ready"] + job.stats["running"] > 0  # it did look ahead
 
 

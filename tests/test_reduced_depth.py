@@ -81,6 +81,7 @@ def test_the_layer_clock_splits_a_real_step():
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_reduced_trial_equals_the_full_trial_on_cpu():
     evaluation = _evaluation(
         8, seq=1024, activation_checkpointing=True, activation_offload_layers=5, loss_tile_tokens=256
@@ -91,8 +92,9 @@ def test_reduced_trial_equals_the_full_trial_on_cpu():
     assert reduced.measured_layers == 7 and full.measured_layers is None  # offload 3+1, device 3 (+1 in a copy)
     assert reduced.peak_device_bytes == full.peak_device_bytes
     assert reduced.host_bytes == full.host_bytes and reduced.breakdown == full.breakdown
-    # timing: within 2x -- tests share a 2-core host with other work; bench/reduced_depth.py measures it quietly,
-    # side by side (+-10%). An extension that prices the missing layers 3x off lands outside.
+    # timing: within 2x -- the test runs alone (marked), but the host's speed drifts between the two trials;
+    # bench/reduced_depth.py measures it side by side (+-10%). An extension that prices the missing layers 3x off
+    # lands outside.
     assert 0.5 < reduced.tokens_per_s / full.tokens_per_s < 2.0, (reduced.tokens_per_s, full.tokens_per_s)
 
 

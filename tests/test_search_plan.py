@@ -198,13 +198,13 @@ def test_workers_opening_a_new_sqlite_study_together_all_open_it(tmp_path):
 @pytest.mark.parametrize("kind", ["sqlite", "journal"])
 def test_two_workers_share_one_study(tmp_path, kind):
     storage = f"sqlite:///{tmp_path / 'shared.db'}" if kind == "sqlite" else str(tmp_path / "shared.log")
-    args = ["search", *TINY, "--trials", "12", "--storage", storage, "--study", "shared"]
-    # Traced, not read back from the plan store that earlier tests filled: read back, twelve trials take less
+    args = ["search", *TINY, "--trials", "8", "--storage", storage, "--study", "shared"]
+    # Traced, not read back from the plan store that earlier tests filled: read back, eight trials take less
     # than a process's start-up, and the first worker would finish the study before the second joined it.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "AUTOTUNE_PLAN_CACHE": "off"}
     if kind == "sqlite":
         # the schema made beforehand: a worker that loses the race to create it backs off for up to 5 s, long
-        # enough for the other to finish all twelve trials alone (the race has its own test above)
+        # enough for the other to finish all eight trials alone (the race has its own test above)
         optuna.storages.RDBStorage(storage)
     workers = [
         subprocess.Popen(
@@ -226,6 +226,6 @@ def test_two_workers_share_one_study(tmp_path, kind):
         storage = JournalStorage(JournalFileBackend(str(tmp_path / "shared.log")))
     study = optuna.load_study(study_name="shared", storage=storage)
     done = finished(study)
-    assert len(done) == 12
-    assert len({t.number for t in done}) == 12
+    assert len(done) == 8
+    assert len({t.number for t in done}) == 8
     assert len({t.user_attrs["worker"] for t in done}) == 2, "one worker did all the work"

@@ -26,7 +26,7 @@ K = 1024
 
 def test_an_arctic_search_holds_only_what_arctic_runs_and_every_front_config_exports(tmp_path):
     out = tmp_path / "s"
-    done = run_cli("search", *tiny_plan_search("4K"), "--trainer", "arctic", "--trials", "12", "--out", str(out))
+    done = run_cli("search", *tiny_plan_search("4K"), "--trainer", "arctic", "--trials", "6", "--out", str(out))
     assert done.returncode == 0, done.stderr[-2000:]
     front_doc = json.loads((out / "pareto.json").read_text())
     assert front_doc["trainer"] == "arctic"
