@@ -64,6 +64,12 @@ def search(
     ),
     rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help=RDZV_HELP),
     documents: str = typer.Option("one", help=DOCUMENTS_HELP),
+    polish: bool = typer.Option(
+        True,
+        envvar="AUTOTUNE_POLISH",
+        help="plan backend: before writing the outputs, evaluate the configs one knob from each front config and "
+        "the best; a faster one that fits replaces it (--no-polish: the front as the trials left it)",
+    ),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object (the summary)"),
 ):
     """Search the technique space for the Pareto front of sequence length vs tokens/s."""
@@ -120,6 +126,10 @@ def search(
                     search_mod.run(job, on_record=progress.on_record, study=prepared.study)
                     # best.json is the fastest config at the target: each config that reaches it, evaluated there
                     search_mod.evaluate_at_target(job, prepared.study, progress=None if as_json else say)
+                    if polish:  # no front point nor the best left slower than a config one knob away
+                        search_mod.polish(
+                            job, prepared.study, None if as_json else say, on_record=progress.on_polish_record
+                        )
             except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (main): the trial it cut short is queued again
                 interrupted = True
             finally:

@@ -21,6 +21,7 @@ class SearchProgress:
         self.live = enabled and console.is_terminal  # the bar; otherwise (enabled) plain lines
         self.counts = {"ok": 0, "oom": 0, "error": 0, "timeout": 0, "skipped": 0}
         self.done = 0
+        self.polished = 0  # trials ``autotune.search.polish`` added (one knob from the front), beyond the budget
         self.best: tuple[int, float] | None = None
         self._progress = Progress(
             TextColumn("[bold]trials"),
@@ -42,7 +43,8 @@ class SearchProgress:
     def __exit__(self, *exc):
         result = self._progress.__exit__(*exc)
         if self.enabled and not self.live:
-            self._line(f"trials {self.done} of {self.job.trials}: {self._describe()}")
+            polished = f" (+{self.polished} one knob from the front)" if self.polished else ""
+            self._line(f"trials {self.done} of {self.job.trials}{polished}: {self._describe()}")
         return result
 
     def _line(self, text: str) -> None:
@@ -61,14 +63,14 @@ class SearchProgress:
             f"answered without running {c['skipped']} | {best}"
         )
 
+    def on_polish_record(self, record) -> None:
+        """A trial ``autotune.search.polish`` added: counted, and a faster config at the target, without a line."""
+        self.polished += 1
+        self._tally(record, None)
+
     def on_record(self, number: int, techniques, record, answered_by) -> None:
         self.done += 1
-        self.counts[record.status] = self.counts.get(record.status, 0) + 1
-        if answered_by is not None:
-            self.counts["skipped"] += 1
-        if record.status == "ok" and record.seq_len >= self.job.target and record.tokens_per_s:
-            if self.best is None or record.tokens_per_s > self.best[1]:
-                self.best = (record.seq_len, record.tokens_per_s)
+        self._tally(record, answered_by)
         if self._task is not None:
             self._progress.update(self._task, advance=1, description=self._describe())
         if self.enabled and not self.live:  # logs get one line per trial instead of a bar
@@ -79,3 +81,11 @@ class SearchProgress:
                 f"trial {number}: {record.seq_len:,} tokens {record.status} {rate} peak {peak} "
                 f"({answered_by or record.source})"
             )
+
+    def _tally(self, record, answered_by) -> None:
+        self.counts[record.status] = self.counts.get(record.status, 0) + 1
+        if answered_by is not None:
+            self.counts["skipped"] += 1
+        if record.status == "ok" and record.seq_len >= self.job.target and record.tokens_per_s:
+            if self.best is None or record.tokens_per_s > self.best[1]:
+                self.best = (record.seq_len, record.tokens_per_s)

@@ -29,6 +29,7 @@ and several workers may share one study.
     parallel.py   plan trials on every core (worker processes that evaluate what the study will ask next)
     front.py      the Pareto front, the best config for the target (each config that reaches it, at it)
     at_target.py  the configs that reach the target evaluated at exactly the target (what the best is chosen from)
+    polish.py     each front config and the best compared with the configs one knob away, before the outputs
     max_seq.py    the longest sequence one config fits
 """
 
@@ -37,6 +38,7 @@ from autotune.search.front import best_for_target, finished_trials, pareto_front
 from autotune.search.job import SearchJob
 from autotune.search.objective import constraint_value, make_objective, open_study, run
 from autotune.search.policy import follow_ups, infer_record, seed_params
+from autotune.search.polish import polish
 from autotune.search.study import FINISHED, create_study, open_storage, reap_dead_trials, study_name_for
 
 __all__ = [
@@ -53,6 +55,7 @@ __all__ = [
     "open_storage",
     "open_study",
     "pareto_front",
+    "polish",
     "reap_dead_trials",
     "run",
     "seed_params",

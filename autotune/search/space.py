@@ -226,6 +226,48 @@ class SearchSpace:
             steps.append(Techniques(**changed))
         return steps
 
+    def neighbours(self, techniques: Techniques, num_layers: int, faster_only: bool = False) -> list[Techniques]:
+        """The configs of this space one knob away, either way (``autotune.search.polish`` compares a front point
+        with them at its length): a bool knob flipped; another attention kernel; a numeric knob's next choice
+        either side in memory order (``memory_rank``: off next to the largest tile or chunk), and a technique under
+        another (``requires``: the activation offload) off.
+        A changed Ulysses degree keeps Ulysses x ring where the ring's choices allow; other knobs that hang on
+        the changed one go back to what ``sample`` gives them. ``faster_only``: of a knob that trades speed for
+        memory (a ``less_memory`` without ``speed_either_way``), only the change that needs more memory, the one
+        that can run faster."""
+        values = techniques.to_dict()
+        found: list[Techniques] = []
+        for knob in knobs():
+            if not _active(knob, values):
+                continue
+            current = values[knob.name]
+            choices = [num_layers if c == ALL_LAYERS else c for c in self.knob_choices(knob, values)]
+            if knob.less_memory is None or knob.kind == "bool":
+                others = [c for c in choices if c != current]
+            else:
+                ordered = sorted(set(choices) | {current}, key=lambda c: memory_rank(knob, c))
+                at = ordered.index(current)
+                others = [ordered[i] for i in (at - 1, at + 1) if 0 <= i < len(ordered)]
+                if knob.requires and not knob.is_off(current) and knob.default in choices:
+                    others.append(knob.default)  # a technique under another (the activation offload) off
+            if faster_only and knob.less_memory is not None and not knob.speed_either_way:
+                others = [c for c in others if memory_rank(knob, c) < memory_rank(knob, current)]
+            for new in dict.fromkeys(others):
+                changed = dict(values, **{knob.name: new})
+                for dependent in knobs():
+                    if dependent.parent == knob.name or (dependent.split_by and dependent.split_by[0] == knob.name):
+                        changed[dependent.name] = self._restart(dependent, changed)
+                if knob.name == "ulysses_degree":  # the same context-parallel world where the ring allows it
+                    ring = current * values["ring_degree"] // new
+                    if ring * new == current * values["ring_degree"] and ring in self.knob_choices(
+                        _TABLE["ring_degree"], changed
+                    ):
+                        changed["ring_degree"] = ring
+                neighbour = Techniques(**changed)
+                if neighbour != techniques and neighbour not in found:
+                    found.append(neighbour)
+        return found
+
     def _restart(self, knob: Knob, values: dict):
         """A dependent knob's value when its parent changes: off, or (split knobs) off if the space offers it,
         else the first choice."""

@@ -33,6 +33,7 @@ class Knob:
     split_by: tuple[str, str, Callable[[Any, Any, dict], str | None]] | None = None
     words: dict = field(default_factory=dict)
     less_memory: str | None = None
+    speed_either_way: bool = False
     alst: Any = None
     length_unit: str | None = None
 

@@ -14,6 +14,9 @@ A knob is a field of ``Techniques`` whose metadata (``knob(...)``) says what the
     words           YAML/CLI words for values: ``{"none": 0, "all": ALL_LAYERS}``
     less_memory     which change needs less memory: ``on`` (True), ``larger`` (the next larger choice),
                     ``smaller`` (the next smaller choice, off -- 0 or None -- counting as the largest)
+    speed_either_way  the memory-saving change may run faster or slower (how work and state spread over the
+                    ranks: FSDP, the Ulysses and ring degrees); without it the knob trades speed for memory, so
+                    only its more-memory neighbour can run faster (``autotune.search.polish``)
     alst            the value ALST's stack uses (a value, or ``"max"`` for the largest choice), for search seeds
     length_unit     ``required``: the sequence length must be a multiple of the value; ``grid``: lengths
                     searched are multiples of it (tiles divide the sequence evenly)
@@ -58,6 +61,7 @@ class Techniques:
         "shard params, grads and optimizer states over all ranks (FSDP2, ZeRO-3)",
         label="fsdp",
         less_memory="on",
+        speed_either_way=True,
         alst=True,
     )
     optimizer_offload: bool = knob(
@@ -76,6 +80,7 @@ class Techniques:
         label="sp{}",
         minimum=1,
         less_memory="larger",
+        speed_either_way=True,
         alst="max",
         length_unit="required",
     )
@@ -88,6 +93,7 @@ class Techniques:
         minimum=1,
         split_by=("ulysses_degree", "u", ring_split_problem),
         less_memory="larger",
+        speed_either_way=True,
         alst=1,
     )
     head_chunk: int | None = knob(
