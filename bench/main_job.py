@@ -3,7 +3,8 @@ dir (a subprocess of the installed ``autotune``), then its front, ``autotune est
 longest config, and ``autotune estimate`` of ``best.json``. The wall time of the search is the last line.
 
     .venv/bin/python bench/main_job.py            # a warm run: plan records already in the store are reused
-    .venv/bin/python bench/main_job.py --cold     # an empty plan store (AUTOTUNE_CACHE_DIR in a temp dir)
+    .venv/bin/python bench/main_job.py --cold     # an empty plan store (AUTOTUNE_CACHE_DIR in a temp dir),
+                                                  # then the same search again, warm, in a fresh out dir
     .venv/bin/python bench/main_job.py --autotune /path/to/clone/.venv/bin/autotune   # another install
 
 The machine's load (``os.getloadavg``) is printed before and after: on a shared 2-core machine the wall time
@@ -134,8 +135,14 @@ def main(argv=None) -> int:
         ok &= template["seq_len"] >= TARGET_TOKENS and best["status"] == "ok"
         print(f"autotune estimate --config best.json took {best['_seconds']:.1f} s (goal <= {GOAL_ESTIMATE_S:.0f} s)")
         ok &= best["_seconds"] <= GOAL_ESTIMATE_S
-    ok &= wall <= GOAL_WALL_S or args.cold
-    print(f"goals {'met' if ok else 'NOT met'}{'' if not args.cold else ' (the 60 s goal is for a warm run)'}")
+    warm = wall
+    if args.cold:  # the same search again on the store the cold one filled: what every later run costs
+        again, warm = _run(command[:-1] + [str(scratch / "again")], env)
+        if again.returncode not in (0, 1):
+            raise SystemExit(f"the warm search failed with exit code {again.returncode}:\n{again.stderr[-3000:]}")
+        print(f"the same search again, warm (its plan records stored), in a fresh out dir: {warm:.1f} s")
+    ok &= warm <= GOAL_WALL_S
+    print(f"goals {'met' if ok else 'NOT met'}")
     print(f"main job wall time: {wall:.1f} s{' (empty plan store)' if args.cold else ''}")
     return 0 if ok else 1
 

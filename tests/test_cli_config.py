@@ -200,3 +200,30 @@ def test_a_search_for_another_target_keeps_each_targets_best(tmp_path):
     assert search("4K") == best_4k  # the 4K study resumed: its best is best.json again, the 2K one kept
     assert json.loads((out / "best-2K.json").read_text()) == best_2k
     assert sorted(p.name for p in out.glob("best*.json")) == ["best-2K.json", "best.json"]
+
+
+def test_a_best_json_searched_with_a_relative_model_folder_loads_from_any_folder(tmp_path):
+    """``--model tiny`` beside the folder: best.json records the folder absolute, so ``estimate --config`` of it
+    runs from another folder (a relative path would be unknown there)."""
+    from tests.model_families import save, tiny_configs
+
+    searched = tmp_path / "a"
+    save(tiny_configs()["tiny-qwen2"], searched / "tiny")
+    args = [*tiny_plan_search("2K")[2:], "--trials", "2", "--out", "s"]
+    done = subprocess.run(
+        [str(AUTOTUNE), "search", "--model", "tiny", *args], capture_output=True, text=True, cwd=searched, timeout=600
+    )
+    assert_exit(done, 0)
+    best = searched / "s" / "best.json"
+    assert json.loads(best.read_text())["model"] == str((searched / "tiny").resolve())
+    elsewhere = tmp_path / "b"
+    elsewhere.mkdir()
+    estimate = subprocess.run(
+        [str(AUTOTUNE), "estimate", "--config", "../a/s/best.json", "--json"],
+        capture_output=True,
+        text=True,
+        cwd=elsewhere,
+        timeout=600,
+    )
+    assert_exit(estimate, 0)
+    assert json.loads(estimate.stdout)["status"] == "ok"

@@ -67,7 +67,7 @@ def polish(
                 break
             if progress is not None:
                 progress(f"polish: {len(todo)} configs one knob from the front and the best (round {round_number})")
-            evaluations = [_evaluation(job, asked, seq_len) for asked, seq_len, _ in todo]
+            evaluations = [evaluation_at(job, asked, seq_len) for asked, seq_len, _ in todo]
             pending[:] = [e for e in evaluations if e is not None]
             for (asked, _, origin), evaluation in zip(todo, evaluations):
                 if evaluation is None:  # a length the config's degrees do not divide
@@ -124,7 +124,9 @@ def candidates(job: SearchJob, study: optuna.Study) -> list[tuple[Techniques, in
     return wanted
 
 
-def _evaluation(job: SearchJob, asked: Techniques, seq_len: int) -> Evaluation | None:
+def evaluation_at(job: SearchJob, asked: Techniques, seq_len: int) -> Evaluation | None:
+    """The evaluation of a sampled config at ``seq_len`` as the search runs it (its trainer's config, documents),
+    or None where the config cannot run that length."""
     techniques = job.space.runs(asked, seq_len)
     hw = job.hardware
     try:

@@ -69,7 +69,7 @@ class PreparedSearch:
 
 def prepare_search(request: SearchRequest) -> PreparedSearch:
     """Check ``request`` and build its job, backends and study; ``UserError`` (one line) for bad input."""
-    from trials.models.config import load_model_config
+    from trials.models.config import load_model_config, model_reference
 
     model_config = load_model_config(request.model)
     documents = parse_documents(request.documents)
@@ -119,7 +119,7 @@ def prepare_search(request: SearchRequest) -> PreparedSearch:
     else:  # the search needs to know only that an OOM does not fit: its trace may stop at the crossing
         backend, prefilter = make_backend("plan", stop_above=1.0), None
     job = SearchJob(
-        model=request.model,
+        model=model_reference(request.model),  # best.json's model loads from any folder
         model_config=model_config,
         target=request.target,
         gpus=request.gpus,

@@ -33,6 +33,15 @@ def model_names() -> list[str]:
     return sorted(p.stem for p in _preset_path("x").parent.glob("*.json"))
 
 
+def model_reference(name_or_path: str) -> str:
+    """The model as a config file records it: a preset's name, or the absolute path of a ``config.json`` or model
+    folder. A relative path would load only from the folder the search ran in; an absolute one loads from anywhere
+    on the machine, and on another machine ``--model`` names where the model is there."""
+    if _preset_path(name_or_path).exists() or not Path(name_or_path).exists():
+        return name_or_path
+    return str(Path(name_or_path).resolve())
+
+
 def load_model_config(name_or_path: str) -> dict:
     """The HF config dict of a preset name, a ``config.json`` path or a model folder holding one, validated against its family and by
     ``transformers`` (``ConfigError`` with the reason otherwise); ``num_key_value_heads`` and ``head_dim`` filled in.
