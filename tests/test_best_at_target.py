@@ -18,6 +18,7 @@ from autotune.cli import main
 from autotune.core.evaluation import Evaluation
 from autotune.core.hardware import load_hardware
 from autotune.core.record import ResultRecord
+from autotune.core.sizes import format_duration
 from autotune.outputs import report
 from autotune.search import evaluate_at_target
 from autotune.search.front import BEST_SPEED_TOLERANCE, at_target, best_choice, best_point, front_points
@@ -209,6 +210,8 @@ def test_a_search_writes_the_fastest_config_at_the_target(model, tmp_path):
     assert best["predicted"]["tokens_per_s"] == at_1k(best["techniques"]).tokens_per_s
     assert best["predicted"]["tokens_per_s"] >= max(rates) * (1 - BEST_SPEED_TOLERANCE), (best["predicted"], rates)
     assert f"best for 1,024 (1K): trial {doc['best']['trial']} at 1,024 (1K), " in done.stdout
+    step = format_duration(best["predicted"]["step_time_s"])  # how long a step of it takes, on the best line
+    assert f"tokens/s, {step} a step -> " in done.stdout and f"│ {step}" in done.stdout  # and in the front table
     exported = run_cli("export", str(out), "--format", "autotune")
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert (json.loads(exported.stdout)["seq_len"], json.loads(exported.stdout)["techniques"]) == (

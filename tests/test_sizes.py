@@ -1,7 +1,7 @@
 import pytest
 
 from autotune.core.errors import UserError
-from autotune.core.sizes import format_tokens, parse_tokens
+from autotune.core.sizes import format_duration, format_tokens, parse_tokens
 
 
 @pytest.mark.parametrize(
@@ -31,3 +31,11 @@ def test_format_tokens_is_exact():
     assert format_tokens(5_242_880) == "5,242,880 (5M)"
     assert format_tokens(131_072) == "131,072 (128K)"
     assert format_tokens(1000) == "1,000"
+
+
+@pytest.mark.parametrize(
+    "seconds, words",
+    [(0.4234, "0.42 s"), (12.34, "12.3 s"), (840, "14 min"), (7950, "2.2 h"), (3 * 86400, "3.0 days")],
+)
+def test_format_duration_picks_the_unit_that_reads_best(seconds, words):
+    assert format_duration(seconds) == words

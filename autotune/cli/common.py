@@ -139,14 +139,17 @@ def follow(backend, what: str):
         fail_outcome(f"the driver at {group.endpoint} went away before the end: {str(exc).splitlines()[0]}")
 
 
-def best_line(target: int, trial: int, seq_len: int, tokens_per_s: float, where: str) -> str:
+def best_line(
+    target: int, trial: int, seq_len: int, tokens_per_s: float, where: str, step_time_s: float | None = None
+) -> str:
     """The line naming ``best.json``'s config (``autotune search``'s last, ``autotune show``'s): its trial, length
-    (the target) and rate there."""
-    from autotune.core.sizes import format_tokens
+    (the target), rate and step time there."""
+    from autotune.core.sizes import format_duration, format_tokens
 
+    step = f", {format_duration(step_time_s)} a step" if step_time_s else ""
     return (
-        f"best for {format_tokens(target)}: trial {trial} at {format_tokens(seq_len)}, {tokens_per_s:,.0f} tokens/s "
-        f"-> {where}"
+        f"best for {format_tokens(target)}: trial {trial} at {format_tokens(seq_len)}, {tokens_per_s:,.0f} tokens/s"
+        f"{step} -> {where}"
     )
 
 
@@ -188,7 +191,9 @@ def print_front(front: list[dict], target: int) -> None:
     from autotune.outputs.plots import knob_label
 
     table = Table(title="Pareto front (sequence length vs tokens/s)", caption="* reaches the target")
-    for column in ("trial", "seq_len", "tokens/s", "peak GiB", "source", "config"):
+    from autotune.core.sizes import format_duration
+
+    for column in ("trial", "seq_len", "tokens/s", "step", "peak GiB", "source", "config"):
         table.add_column(column)
     for entry in front:
         record = entry["record"]
@@ -196,6 +201,7 @@ def print_front(front: list[dict], target: int) -> None:
             str(entry["trial"]),
             f"{entry['seq_len']:,}" + (" *" if entry["seq_len"] >= target else ""),
             f"{entry['tokens_per_s']:,.0f}",
+            format_duration(record["step_time_s"]) if record.get("step_time_s") else "-",
             f"{(record.get('peak_device_bytes') or 0) / 2**30:.2f}",
             record["source"],
             knob_label(entry["techniques"]),

@@ -71,6 +71,9 @@ def show(directory: Path = typer.Argument(...)):
     print_front(front_doc["front"], front_doc["target"])
     best = front_doc.get("best")
     if best:
-        OUT.rich(best_line(front_doc["target"], best["trial"], best["seq_len"], best["tokens_per_s"], "best.json"))
+        step = (best.get("record") or {}).get("step_time_s")
+        OUT.rich(
+            best_line(front_doc["target"], best["trial"], best["seq_len"], best["tokens_per_s"], "best.json", step)
+        )
     if front_doc.get("best_choice"):
         say(f"autotune: {front_doc['best_choice']}")

@@ -143,8 +143,17 @@ def search(
             print_front(summary["front"], job.target)
             if summary["best"]:
                 best = summary["best"]
-                rate = (best["measured"] or best["predicted"])["tokens_per_s"]
-                OUT.rich(best_line(job.target, summary["best_trial"], best["seq_len"], rate, job.out / "best.json"))
+                record = best["measured"] or best["predicted"]
+                OUT.rich(
+                    best_line(
+                        job.target,
+                        summary["best_trial"],
+                        best["seq_len"],
+                        record["tokens_per_s"],
+                        job.out / "best.json",
+                        record.get("step_time_s"),
+                    )
+                )
                 if summary["best_choice"]:
                     say(f"autotune: {summary['best_choice']}")
         if summary["kept"] is not None:

@@ -47,3 +47,16 @@ def format_count(count: int) -> str:
         if round(count / unit, 2) >= 1:  # 999,999 is 1.00 M, not 1000.00 K
             return f"{count / unit:.2f} {suffix}"
     return str(count)
+
+
+def format_duration(seconds: float) -> str:
+    """A time in the unit that reads best: ``0.42 s``, ``12.3 s``, ``14 min``, ``2.2 h``, ``3.1 days``."""
+    if seconds < 10:
+        return f"{seconds:.2f} s"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 48 * 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
