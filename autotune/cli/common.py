@@ -187,10 +187,19 @@ def significant(value: float, digits: int = 4) -> str:
     return f"{value:,.{max(0, digits - 1 - math.floor(math.log10(abs(value))))}f}"
 
 
-def print_front(front: list[dict], target: int) -> None:
+def print_front(front: list[dict], target: int, hardware=None) -> None:
+    """The front as a table; with ``hardware``, a peak within its preset's uncertainty of capacity marked ``!``
+    (``Hardware.near_capacity``)."""
     from autotune.outputs.plots import knob_label
 
-    table = Table(title="Pareto front (sequence length vs tokens/s)", caption="* reaches the target")
+    near = [e for e in front if hardware is not None and hardware.near_capacity(e["record"].get("peak_device_bytes"))]
+    caption = "* reaches the target"
+    if near:
+        caption += (
+            f"; ! within the {hardware.name} preset's {hardware.oracle_margin:.0%} uncertainty of its "
+            f"{hardware.device_memory_bytes / 2**30:.2f} GiB (autotune verify it on the node)"
+        )
+    table = Table(title="Pareto front (sequence length vs tokens/s)", caption=caption)
     from autotune.core.sizes import format_duration
 
     for column in ("trial", "seq_len", "tokens/s", "step", "peak GiB", "source", "config"):
@@ -202,7 +211,7 @@ def print_front(front: list[dict], target: int) -> None:
             f"{entry['seq_len']:,}" + (" *" if entry["seq_len"] >= target else ""),
             f"{entry['tokens_per_s']:,.0f}",
             format_duration(record["step_time_s"]) if record.get("step_time_s") else "-",
-            f"{(record.get('peak_device_bytes') or 0) / 2**30:.2f}",
+            f"{(record.get('peak_device_bytes') or 0) / 2**30:.2f}" + (" !" if entry in near else ""),
             record["source"],
             knob_label(entry["techniques"]),
         )

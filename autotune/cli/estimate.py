@@ -117,6 +117,10 @@ def estimate(
     _say_overrides(run.notices)
     note_rates(hw)
     _say_routing(run.model_config)
+    from autotune.core.trainers import TRAINERS
+
+    if run.trainer in TRAINERS:  # what that trainer holds beside the traced tensors counts against capacity
+        hw = hw.holding(TRAINERS[run.trainer].held_bytes(run.techniques, run.model_config))
     evaluation = run.evaluation(hw)
     timeline = None
     wants_timeline = memory_timeline is not None or memory_snapshot is not None
@@ -280,7 +284,7 @@ def _say_trainer(run) -> None:
         say(f"autotune: the config names trainer {run.trainer!r}, which this autotune does not know")
         return
     padding = trainer.ring_padding_note(run.documents, run.techniques)
-    for note in (trainer.prediction_note(run.techniques), _unmasked_note(trainer, run), padding):
+    for note in (trainer.prediction_note(run.techniques, run.model_config), _unmasked_note(trainer, run), padding):
         if note:
             say(f"autotune: for {trainer.words}: {note}")
 

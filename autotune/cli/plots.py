@@ -63,12 +63,13 @@ def _plot_html(directory: Path) -> None:
 def show(directory: Path = typer.Argument(...)):
     """Print a search folder's Pareto front as a table."""
     from autotune.outputs.exporters import load_front
+    from autotune.outputs.exporters.selection import search_hardware
 
     front_doc = load_front(directory)
     trainer = front_doc.get("trainer", "autotune")
     if trainer != "autotune":
         say(f"autotune: a search for --trainer {trainer}: every config is what {trainer} runs")
-    print_front(front_doc["front"], front_doc["target"])
+    print_front(front_doc["front"], front_doc["target"], search_hardware(front_doc))
     best = front_doc.get("best")
     if best:
         step = (best.get("record") or {}).get("step_time_s")

@@ -115,7 +115,7 @@ def search(
         + (f", for {job.trainer.words}" if job.trainer.name != "autotune" else "")
         + f", out {job.out}"
     )
-    note = job.trainer.prediction_note(job.space.frugal(job.model_config["num_hidden_layers"]))
+    note = job.trainer.prediction_note(job.space.frugal(job.model_config["num_hidden_layers"]), job.model_config)
     if note:
         say(f"autotune: {note}")
     interrupted = False
@@ -140,7 +140,7 @@ def search(
         if as_json:
             OUT.print(json.dumps({k: summary[k] for k in ("rows", "best", "message", "avoided")}))
         else:
-            print_front(summary["front"], job.target)
+            print_front(summary["front"], job.target, job.hardware)
             if summary["best"]:
                 best = summary["best"]
                 record = best["measured"] or best["predicted"]

@@ -171,6 +171,9 @@ class Hardware:
     # the oracle's error band on this hardware: a local search's prefilter skips a real trial only when the
     # predicted peak is over capacity by more than this fraction; closer calls run for real
     oracle_margin: float = 0.05
+    # device bytes a trainer holds beside the tensors the oracle traces (DeepSpeed ZeRO-3's buffers:
+    # ``Trainer.held_bytes``), counted as a runtime overhead; set per config by ``holding``, never by a preset
+    trainer_held_bytes: int = 0
     calibration: dict | None = field(default=None, compare=False)  # per-world measurements (device_is_host)
     # ``autotune calibrate``'s record in a preset it wrote: when, on what, and how each rate was measured
     calibrated: dict | None = field(default=None, compare=False)
@@ -241,8 +244,19 @@ class Hardware:
 
     @property
     def runtime_overhead_bytes(self) -> int:
-        """Bytes no tensor shows: CUDA context and NCCL buffers."""
-        return int(self.cuda_context_bytes + self.nccl_buffer_bytes)
+        """Bytes no traced tensor shows: CUDA context, NCCL buffers, and what the trainer holds beside them."""
+        return int(self.cuda_context_bytes + self.nccl_buffer_bytes + self.trainer_held_bytes)
+
+    def holding(self, held_bytes: int) -> Hardware:
+        """The device as a trainer that holds ``held_bytes`` beside the traced tensors sees it (``Trainer.held_bytes``):
+        those bytes count against capacity in every prediction."""
+        return self if held_bytes == self.trainer_held_bytes else replace(self, trainer_held_bytes=int(held_bytes))
+
+    def near_capacity(self, peak_device_bytes: int | None) -> bool:
+        """A peak within the oracle's error band on this hardware (``oracle_margin``) below capacity: it fits as
+        predicted, by less than the prediction may be off."""
+        capacity = self.device_memory_bytes
+        return bool(peak_device_bytes) and capacity * (1 - self.oracle_margin) <= peak_device_bytes <= capacity
 
     def fragmentation_bytes(self, tensor_peak: int) -> int:
         """What the caching allocator reserves beyond the live tensors at a tensor peak (reserved - allocated)."""
@@ -309,7 +323,13 @@ def preset_path(name: str) -> tuple[Path, str]:
     return path, "file"
 
 
-_HARDWARE_KEYS = {f.name for f in fields(Hardware)} - {"rates", "calibration", "calibrated", "source"}
+_HARDWARE_KEYS = {f.name for f in fields(Hardware)} - {
+    "rates",
+    "calibration",
+    "calibrated",
+    "source",
+    "trainer_held_bytes",
+}
 _RATE_KEYS = {f.name for f in fields(Rates)} - {"name", "attention_by_head_dim", "attention_kernels"}
 _KERNEL_KEYS = {f.name for f in fields(KernelRates)} - {"name"}
 _REFERENCE_KEYS = {  # the attention fields of Rates the reference kernel's figures fill when the preset omits them

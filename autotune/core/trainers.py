@@ -18,6 +18,7 @@ from typing import Any
 
 from trials.kernels.documents import ONE, DocumentsSpec
 from trials.kernels.registry import FLASH_KERNELS, KERNELS
+from trials.models.config import parameter_count
 from trials.stack.knobs import Knob
 from trials.stack.rules import ring_document_unit
 from trials.stack.techniques import Techniques, knobs
@@ -186,17 +187,27 @@ class Trainer:
         memory (the re-estimate still checks the host memory, which offloading more layers takes)."""
         return not any(gap.needs_more_memory for gap in self.gaps(job))
 
-    def prediction_note(self, techniques: Techniques) -> str | None:
-        """What a prediction for ``techniques`` does not describe when this trainer runs them (one line), or None:
-        DeepSpeed's ZeRO-3 keeps buffers of its own beside the shards that FSDP2, which the oracle traces, does
-        not; their sizes are the exported JSON's (DeepSpeed's defaults)."""
+    def held_bytes(self, techniques: Techniques, model_config: dict) -> int:
+        """Device bytes per rank this trainer holds when it runs ``techniques`` on the model beside the tensors the
+        oracle traces: DeepSpeed's ZeRO-3 keeps buffers of its own beside the shards that FSDP2 does not, each up to
+        its size in the exported JSON (DeepSpeed's defaults) and never more than the model's parameters (they hold
+        gradients or parameters), in bf16. Predictions for the trainer count them against capacity
+        (``Hardware.holding``)."""
         if self.sharding != "zero3" or not techniques.fsdp:
+            return 0
+        parameters = parameter_count(model_config)
+        return int(sum(min(elements, parameters) for elements in ZERO3_BUFFER_ELEMENTS.values()) * 2)
+
+    def prediction_note(self, techniques: Techniques, model_config: dict) -> str | None:
+        """What a prediction for ``techniques`` holds that the oracle's trace does not show when this trainer runs
+        them (one line), or None: ZeRO-3's buffers (``held_bytes``)."""
+        held = self.held_bytes(techniques, model_config)
+        if not held:
             return None
         sizes = ", ".join(f"{key} {elements:.0e}" for key, elements in ZERO3_BUFFER_ELEMENTS.items())
-        gib = sum(ZERO3_BUFFER_ELEMENTS.values()) * 2 / 2**30
         return (
             f"the prediction shards as FSDP2 does; {self.words}'s ZeRO-3 also keeps its own buffers ({sizes} "
-            f"elements): up to {gib:.1f} GiB more per rank in bf16, not in the predicted peak"
+            f"elements): up to {held / 2**30:.1f} GiB more per rank in bf16, counted in the predicted peak"
         )
 
     def masks_documents(self, attention: str) -> bool:

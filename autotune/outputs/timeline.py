@@ -144,7 +144,6 @@ def peak_front_entry(front: list[dict]) -> dict | None:
 def write_front_timeline(job, front: list[dict], out: Path) -> Path | None:
     """``front-memory.html`` beside ``memory.png``: the predicted timeline of the front's peak config
     (``peak_front_entry``) on rank 0, from one more trace of that config. None (and no file) without a front."""
-    from autotune.core.evaluation import Evaluation
     from trials.stack.techniques import Techniques
 
     path = out / FRONT_TIMELINE
@@ -153,10 +152,7 @@ def write_front_timeline(job, front: list[dict], out: Path) -> Path | None:
     if entry is None:
         return None
     techniques = Techniques.from_dict(entry["techniques"])
-    evaluation = Evaluation(
-        job.model_config, techniques, entry["seq_len"], job.gpus, job.hardware, job.nodes, job.documents_for(techniques)
-    )
-    timeline = predicted_timeline(evaluation, 0, job.model)
+    timeline = predicted_timeline(job.evaluation(techniques, entry["seq_len"]), 0, job.model)
     title = f"{timeline.title} (the front's peak config, trial {entry['trial']})"
     path.write_text(memory_timeline.html(memory_timeline.titled(timeline.snapshot, title), title))
     return path

@@ -390,9 +390,7 @@ def verify_for_documents(
             for point in chosen:
                 techniques = Techniques.from_dict(point.techniques, layers)
                 seq_len, job = int(point.own["seq_len"]), folder.job
-                planned = Evaluation(
-                    job.model_config, techniques, seq_len, job.gpus, job.hardware, job.nodes, documents
-                )
+                planned = dataclasses.replace(job.evaluation(techniques, seq_len), documents=documents)
                 predicted = predictor.evaluate(planned).to_dict()
                 measured = backend.evaluate(dataclasses.replace(planned, hardware=hardware)).to_dict()
                 outcome = Outcome(point.number, seq_len, point.techniques, predicted, measured, depth, True)

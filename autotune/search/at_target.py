@@ -44,9 +44,7 @@ def evaluate_at_target(
     for asked, trial in missing:
         config = Techniques.from_dict(asked, layers)
         techniques = trainer.runs(ExportJob("", job.model_config, job.world_size, job.target, config, job.nodes))
-        evaluation = Evaluation(
-            job.model_config, techniques, job.target, job.gpus, job.hardware, job.nodes, job.documents_for(techniques)
-        )
+        evaluation = job.evaluation(techniques, job.target, trainer)
         todo.append((asked, trial, evaluation))
     evaluations = [evaluation for _, _, evaluation in todo]
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autotune.backends import Backend
+from autotune.core.evaluation import Evaluation
 from autotune.core.hardware import Hardware
 from autotune.core.trainers import AUTOTUNE, Trainer
 from autotune.search.space import SearchSpace
@@ -43,6 +44,15 @@ class SearchJob:
     def trainer(self) -> Trainer:
         """The trainer the search is for (its space's)."""
         return self.space.trainer if self.space is not None else AUTOTUNE
+
+    def evaluation(self, techniques, seq_len: int, trainer: Trainer | None = None) -> Evaluation:
+        """What a trial of ``techniques`` (as the search's trainer, or ``trainer``, runs them) at ``seq_len``
+        evaluates: the documents its attention runs over (``Trainer.documents_run``), on the device as the trainer
+        holds it (``Hardware.holding`` what ``Trainer.held_bytes`` says: ZeRO-3's buffers count against capacity)."""
+        trainer = trainer or self.trainer
+        hardware = self.hardware.holding(trainer.held_bytes(techniques, self.model_config))
+        documents = trainer.documents_run(self.documents, techniques.attention)
+        return Evaluation(self.model_config, techniques, seq_len, self.gpus, hardware, self.nodes, documents)
 
     def documents_for(self, techniques) -> DocumentsSpec:
         """The documents a config's attention runs over when the search's trainer runs it: the packed ones where

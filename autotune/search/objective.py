@@ -9,7 +9,6 @@ from collections.abc import Callable
 import optuna
 from optuna.trial import TrialState
 
-from autotune.core.evaluation import Evaluation
 from autotune.core.record import ResultRecord
 from autotune.search.job import SearchJob
 from autotune.search.parallel import plan_workers
@@ -58,7 +57,6 @@ def make_objective(job: SearchJob, study: optuna.Study, on_record: Callable | No
             raise SurplusTrial(f"trial {trial.number}: the study already holds {job.trials} trials")
         asked, seq_len = job.space.sample(trial, layers)
         techniques = job.space.runs(asked, seq_len)  # what the search's trainer runs: evaluated, on the front
-        documents = job.documents_for(techniques)
         techniques.validate(
             job.model_config,
             job.world_size,
@@ -69,7 +67,7 @@ def make_objective(job: SearchJob, study: optuna.Study, on_record: Callable | No
         trial.set_user_attr("techniques", techniques.to_dict())
         if asked != techniques:
             trial.set_user_attr("asked", asked.to_dict())  # the sampled config, the same at every length
-        evaluation = Evaluation(job.model_config, techniques, seq_len, job.gpus, job.hardware, job.nodes, documents)
+        evaluation = job.evaluation(techniques, seq_len)
         answered = claim_or_answer(study, trial, techniques, seq_len)  # None: claimed, no other worker runs it
         how = None
         if answered is not None:

@@ -72,32 +72,13 @@ def upcoming(job: SearchJob, study: optuna.Study, current: Evaluation) -> tuple[
             techniques, seq_len = job.space.point_of(params, layers)
         except Exception:  # params this space cannot sample: the trial itself will say so when it runs
             continue
+        techniques = job.space.runs(techniques, seq_len)  # what the objective evaluates (the trainer's config)
         if infer_record(study, techniques, seq_len) is None:
-            wanted.append(
-                Evaluation(
-                    job.model_config,
-                    techniques,
-                    seq_len,
-                    job.gpus,
-                    job.hardware,
-                    job.nodes,
-                    job.documents_for(techniques),
-                )
-            )
+            wanted.append(job.evaluation(techniques, seq_len))
     likely = []
     for evaluation in [current] + wanted:
         degree = split_unit(evaluation.techniques.ulysses_degree, evaluation.techniques.ring_degree)
         longer = [s for s in job.space.seq_lens if s > evaluation.seq_len and s % degree == 0]
         if longer and infer_record(study, evaluation.techniques, longer[0]) is None:
-            likely.append(
-                Evaluation(
-                    job.model_config,
-                    evaluation.techniques,
-                    longer[0],
-                    job.gpus,
-                    job.hardware,
-                    job.nodes,
-                    evaluation.documents,
-                )
-            )
+            likely.append(job.evaluation(evaluation.techniques, longer[0]))
     return wanted, likely

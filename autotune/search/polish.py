@@ -139,7 +139,7 @@ def evaluation_at(job: SearchJob, asked: Techniques, seq_len: int) -> Evaluation
         )
     except ConfigError:
         return None
-    return Evaluation(job.model_config, techniques, seq_len, job.gpus, hw, job.nodes, job.documents_for(techniques))
+    return job.evaluation(techniques, seq_len)
 
 
 class _Recorder:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from autotune.core.errors import UserError
 from autotune.core.record import ResultRecord
+from autotune.core.trainers import trainer_named
 from autotune.outputs.exporters.base import Exporter, ExportJob, Gap, Rendered
 from autotune.outputs.exporters.front import entry_config, entry_techniques, load_front
 from trials.kernels.documents import DocumentsSpec
@@ -125,8 +126,11 @@ def re_estimate(
     from autotune.search.max_seq import find_trainer_max_seq, trainer_techniques_at
 
     say = progress or (lambda line: None)
+    held = hardware.holding(
+        exporter.trainer.held_bytes(job.techniques, job.model_config)
+    )  # ZeRO-3's buffers count against capacity
     asked = Evaluation(
-        job.model_config, job.techniques, job.seq_len, job.gpus, hardware, job.nodes, documents=job.documents
+        job.model_config, job.techniques, job.seq_len, job.gpus, held, job.nodes, documents=job.documents
     )
     plan = make_backend("plan")
     trainer_job = dataclasses.replace(job, techniques=trainer_techniques_at(exporter.trainer, asked, job.seq_len))
@@ -199,8 +203,17 @@ def export_entry(
     # packed documents the trainer cannot mask: its attention runs over each whole window
     documents = exporter.trainer.documents_run(searched.documents, trainer_job.techniques.attention)
     unmasked = documents != searched.documents
-    if gaps or unmasked:
+    # memory the trainer holds that the search's records leave out (a search for another trainer): re-estimated
+    searched_trainer = trainer_named(front_doc.get("trainer", "autotune"))
+    held = exporter.trainer.held_bytes(trainer_job.techniques, model_config)
+    unheld = held > searched_trainer.held_bytes(searched.techniques, model_config)
+    if gaps or unmasked or unheld:
         trainer_job, estimate = re_estimate(exporter, dataclasses.replace(job, documents=documents), hardware, progress)
+        if unheld:
+            notes.append(
+                f"{exporter.trainer.words} holds up to {held / GIB:.1f} GiB per rank that the search's records leave "
+                "out (ZeRO-3's buffers): re-estimated with them"
+            )
         if gaps:
             partial = any(gap.needs_more_memory for gap in gaps)
             notes.append(
@@ -228,6 +241,13 @@ def export_entry(
                 f"so this export is for {seq_len:,} tokens, the longest {exporter.trainer.words}'s version fits "
                 f"(the searched config reached {searched.seq_len:,})"
             )
+    final = estimate.to_dict() if estimate else record
+    if hardware.near_capacity(final.get("peak_device_bytes")) and final.get("status") == "ok":
+        notes.append(
+            f"NEAR CAPACITY: the peak, {final['peak_device_bytes'] / GIB:.2f} GiB, is within the {hardware.name} "
+            f"preset's {hardware.oracle_margin:.0%} uncertainty of its {hardware.device_memory_bytes / GIB:.2f} GiB: "
+            "`autotune verify` it on the node, or export a shorter front point"
+        )
     config = TrialConfig(
         model=searched.model,
         hardware=searched.hardware,
@@ -245,7 +265,7 @@ def export_entry(
     padding = exporter.trainer.ring_padding_note(searched.documents, config.techniques)
     if padding:
         notes.append(padding)
-    unpredicted = exporter.trainer.prediction_note(config.techniques)
+    unpredicted = exporter.trainer.prediction_note(config.techniques, model_config)
     if unpredicted:
         notes.append(unpredicted)
     notes.append(f"launch: {exporter.launch(path, config)}")
