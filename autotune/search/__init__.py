@@ -16,7 +16,8 @@ queues the points that structure says are worth it: a front config at the next l
 wall), between its longest fit and the grid length where it ran out of memory (wall steps, off the grid, until
 the front reaches the config's real maximum), and at a wall, the same config with one memory technique more.
 Queued trials run first (Optuna's ``enqueue_trial``, shared by every worker of the study); when the queue is empty
-TPE proposes. bench/results/search_quality.txt compares the hypervolume this reaches with TPE alone's.
+TPE proposes. After the trials, on the plan backend, ``polish`` compares each front config and the best with the
+configs one knob away and adds those it evaluates as trials (a faster one that fits takes the point's place). bench/results/search_quality.txt compares the hypervolume this reaches with TPE alone's.
 The study lives in storage (SQLite in the out dir by default), so re-running the same command resumes,
 and several workers may share one study.
 
