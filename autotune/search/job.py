@@ -45,6 +45,17 @@ class SearchJob:
         """The trainer the search is for (its space's)."""
         return self.space.trainer if self.space is not None else AUTOTUNE
 
+    def validate(self, techniques, seq_len: int) -> None:
+        """``ConfigError`` (one line) where ``techniques`` cannot run ``seq_len`` on this job's model, world and
+        device (``Techniques.validate``)."""
+        techniques.validate(
+            self.model_config,
+            self.world_size,
+            seq_len,
+            on_gpu=not self.hardware.device_is_host,
+            compute_capability_major=self.hardware.compute_capability or None,
+        )
+
     def evaluation(self, techniques, seq_len: int, trainer: Trainer | None = None) -> Evaluation:
         """What a trial of ``techniques`` (as the search's trainer, or ``trainer``, runs them) at ``seq_len``
         evaluates: the documents its attention runs over (``Trainer.documents_run``), on the device as the trainer

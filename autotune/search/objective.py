@@ -57,13 +57,7 @@ def make_objective(job: SearchJob, study: optuna.Study, on_record: Callable | No
             raise SurplusTrial(f"trial {trial.number}: the study already holds {job.trials} trials")
         asked, seq_len = job.space.sample(trial, layers)
         techniques = job.space.runs(asked, seq_len)  # what the search's trainer runs: evaluated, on the front
-        techniques.validate(
-            job.model_config,
-            job.world_size,
-            seq_len,
-            on_gpu=not job.hardware.device_is_host,
-            compute_capability_major=job.hardware.compute_capability or None,
-        )
+        job.validate(techniques, seq_len)
         trial.set_user_attr("techniques", techniques.to_dict())
         if asked != techniques:
             trial.set_user_attr("asked", asked.to_dict())  # the sampled config, the same at every length

@@ -103,9 +103,10 @@ def candidates(job: SearchJob, study: optuna.Study) -> list[tuple[Techniques, in
     wanted: list[tuple[Techniques, int, int]] = []
 
     def want(techniques: Techniques, seq_len: int, origin: int) -> None:
-        as_key = _key(techniques.to_dict())
-        if (as_key, seq_len) in known or any(_key(t.to_dict()) == as_key and s == seq_len for t, s, _ in wanted):
+        point = (_key(techniques.to_dict()), seq_len)
+        if point in known:
             return
+        known[point] = {}  # wanted once
         if infer_record(study, job.space.runs(techniques, seq_len), seq_len) is not None:
             return
         if job.space.params_for(techniques, seq_len, layers) is not None:
@@ -128,15 +129,8 @@ def evaluation_at(job: SearchJob, asked: Techniques, seq_len: int) -> Evaluation
     """The evaluation of a sampled config at ``seq_len`` as the search runs it (its trainer's config, documents),
     or None where the config cannot run that length."""
     techniques = job.space.runs(asked, seq_len)
-    hw = job.hardware
     try:
-        techniques.validate(
-            job.model_config,
-            job.world_size,
-            seq_len,
-            on_gpu=not hw.device_is_host,
-            compute_capability_major=hw.compute_capability or None,
-        )
+        job.validate(techniques, seq_len)
     except ConfigError:
         return None
     return job.evaluation(techniques, seq_len)
