@@ -171,7 +171,7 @@ def test_estimate_and_a_plan_search_run_on_each_published_shape(name, tmp_path):
     assert record["status"] in ("ok", "oom") and record["tokens_per_s"] > 0, record
     out = tmp_path / "search"
     search = run_cli(
-        "search", "--model", str(path), "--target", "64K", "--backend", "plan", "--trials", "4", "--out", str(out)
+        "search", "--model", str(path), "--target", "64K", "--backend", "plan", "--trials", "2", "--out", str(out)
     )
     assert search.returncode == 0, search.stderr[-2000:]
     front = json.loads((out / "pareto.json").read_text())

@@ -9,20 +9,21 @@ from conftest import run_cli
 
 @pytest.mark.slow
 def test_local_search_end_to_end(tmp_path):
-    # --no-prefilter: every trial runs for real, so the OOM below comes from the tracked capacity itself
+    # --no-prefilter: every trial runs for real, so the OOM below comes from the tracked capacity itself (0.3 GiB: the
+    # sixth trial's 8K; a 2K target keeps the longest trials' CPU attention short)
     out = tmp_path / "search"
     result = run_cli(
         "search",
         "--model",
         "tiny-llama",
         "--target",
-        "4K",
+        "2K",
         "--gpus",
         "2",
         "--backend",
         "local",
         "--memory-gib",
-        "1",
+        "0.3",
         "--trials",
         "6",
         "--out",
@@ -40,5 +41,5 @@ def test_local_search_end_to_end(tmp_path):
     assert any(r["status"] == "oom" for r in rows), [(r["seq_len"], r["status"]) for r in rows]
     assert any(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in measured)
     best = json.loads((out / "best.json").read_text())
-    assert best["schema"] == "autotune/config-v1" and best["seq_len"] >= 4096
+    assert best["schema"] == "autotune/config-v1" and best["seq_len"] >= 2048
     assert best["measured"]["status"] == "ok"
