@@ -43,11 +43,21 @@ def test_the_budget_stops_adding_configs_and_the_table_still_lists_every_one(gpu
     assert [r is not None for r in results] == [True, True, False, False]
     assert deadlines == [100.0, 60.0]
     worst: dict = {}
-    gpu_check.print_real_scale(rows, results, None, worst)
+    gpu_check.print_real_scale(rows, results, None, worst, "cpu")
     table = capsys.readouterr().out
     assert all(row["name"] in table for row in rows)
     assert table.count("not run: the budget ran out") == 2
     assert worst["not run"] == (2, "config 2")
+
+
+def test_a_config_the_budget_cannot_give_its_minimum_is_not_started(gpu_check):
+    """50 s left beside the reserve and nothing run yet: a config needs at least ``minimum_s`` (60 s), so it is
+    listed as not run rather than started and killed as failed."""
+    clock = _Clock()
+    budget = gpu_check.Budget(80.0, reserve_s=30.0, clock=clock, minimum_s=60.0)
+    results = gpu_check.run_rows([{"name": "config 0"}], lambda row, left_s: pytest.fail("started"), budget)
+    assert results == [None]
+    assert gpu_check.run_rows([{}], lambda row, left_s: {"left": left_s}, gpu_check.Budget(100.0, 30.0, clock, 60.0))
 
 
 def test_no_budget_runs_every_config(gpu_check):
@@ -65,7 +75,7 @@ def test_one_line_names_the_packages_and_what_each_missing_one_costs(gpu_check):
     assert "\n" not in line and not fatal and missing == {"deepspeed"}
     for _, package, _, _ in gpu_check.PACKAGES:
         assert package in line
-    assert line.endswith("Missing here: deepspeed (MLP tiles (TiledMLP) and Ulysses: those configs)")
+    assert line.endswith("Missing here: deepspeed (Ulysses: those configs)")
     assert gpu_check.missing_packages(importable=lambda module: True) == (None, set(), False)
 
 
@@ -83,6 +93,7 @@ def test_a_required_package_missing_is_one_line_on_stderr_and_exit_2_before_anyt
         (["--scale", "8b-reduced", "--seq", "4096"], "drop --seq"),
         (["--scale", "8b-reduced", "--budget", "0"], "--budget must be positive"),
         (["--budget", "60"], "--budget applies to --scale 8b-reduced"),
+        (["--simulate-tests-s", "60"], "--simulate-tests-s rehearses --scale 8b-reduced on --device cpu only"),
     ],
 )
 def test_options_the_scale_cannot_take_are_one_line_and_exit_2(gpu_check, monkeypatch, capsys, argv, says):
@@ -113,3 +124,87 @@ def test_a_reduced_row_on_cpu_meets_the_oracle_of_the_whole_model_exactly(gpu_ch
     for key in ("peak_allocated_bytes", "peak_reserved_bytes", "host_bytes"):
         assert predicted[key] == real[key], key
     assert predicted["step_time_s"] > 0 and real["step_time_s"] > 0
+
+
+CUDA_TESTS_STAND_IN = """
+import time
+import pytest
+
+pytestmark = pytest.mark.cuda
+
+
+def test_a():
+    pass
+
+
+def test_b():
+    pytest.skip("needs 2 GPUs")
+
+
+def test_c():
+    assert {fail}
+
+
+def test_d():
+    time.sleep({sleep})
+"""
+
+
+@pytest.mark.parametrize(
+    "fail, sleep, deadline, status, says",
+    [
+        ("True", 60, 12, "not run", "2 passed, 0 failed, 1 skipped; stopped at their share of the budget (12 s)"),
+        ("False", 60, 12, "failed", "1 passed, 1 failed, 1 skipped; stopped at their share"),
+        ("True", 0, 60, "ok", "3 passed, 0 failed, 1 skipped"),
+    ],
+)
+def test_the_cuda_tests_keep_the_outcomes_of_those_that_ended_when_their_deadline_stops_them(
+    gpu_check, monkeypatch, tmp_path, fail, sleep, deadline, status, says
+):
+    """Each test's outcome is read as it ends: a deadline that stops the phase lists the rest as not run (budget),
+    not the whole phase failed; a test that failed before it is a failure."""
+    (tmp_path / "test_cuda_stand_in.py").write_text(CUDA_TESTS_STAND_IN.format(fail=fail, sleep=sleep))
+    monkeypatch.setattr(gpu_check, "CUDA_TESTS", str(tmp_path / "test_cuda_*.py"))
+    lines, got = gpu_check.run_cuda_tests(deadline)
+    assert got == status and says in lines[0], lines
+    assert any(line.endswith("test_cuda_stand_in.py::test_a") for line in lines[1:]), lines
+    assert any("needs 2 GPUs" in line for line in lines[1:]), lines
+
+
+def test_a_simulated_test_phase_takes_its_time_under_the_same_deadline(gpu_check):
+    assert gpu_check.run_cuda_tests(10.0, simulate_s=0.1)[1] == "ok"
+    lines, status = gpu_check.run_cuda_tests(1.0, simulate_s=30.0)
+    assert status == "not run" and "not run (budget)" in lines[0]
+
+
+def test_a_ratio_outside_its_band_fails_the_check_and_step_time_counts_on_a_gpu_only(gpu_check, capsys):
+    worst: dict = {}
+    gpu_check.note_ratio(worst, "peak_allocated_bytes", 1.02, "a", "cuda")
+    gpu_check.note_ratio(worst, "step_time_s", 0.6, "b", "cpu")  # the CPU stand-in's time: not the GPU's
+    assert gpu_check.print_worst(worst, tests_ok=True) == 0
+    gpu_check.note_ratio(worst, "step_time_s", 0.6, "b", "cuda")
+    gpu_check.note_ratio(worst, "peak_reserved_bytes", 1.2, "c", "cpu")
+    assert gpu_check.print_worst(worst, tests_ok=True) == 1
+    out = capsys.readouterr().out
+    assert "OUT OF BAND: step time (predicted / measured) 0.600 outside [0.8, 1.25] (b)" in out
+    assert "OUT OF BAND: reserved peak (predicted / measured) 1.200 outside [0.85, 1.15] (c)" in out
+
+
+def test_a_kernel_the_gpu_runs_but_the_node_lacks_is_named_as_missing(gpu_check, monkeypatch):
+    """A Hopper node where set-up left out FlashAttention-3 (what the main job's best config runs) does not pass."""
+    import torch
+
+    from autotune.timing.calibration import device_bench
+    from trials.kernels.registry import FLASH_KERNELS, KERNELS
+
+    assert gpu_check.missing_kernels("cpu") == []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(device_bench, "flash_kernels_here", lambda device: ["flash"])
+    missing = [line.split(":")[0] for line in gpu_check.missing_kernels("cuda")]
+    assert missing == [name for name in FLASH_KERNELS if name != "flash" and KERNELS[name].runs_on(9)]
+    assert "flash3" in missing
+
+
+def test_tiles_run_without_deepspeed_and_ulysses_needs_it(gpu_check):
+    assert not gpu_check.needs_deepspeed({"mlp_tile_tokens": 8192, "loss_tile_tokens": 8192})
+    assert gpu_check.needs_deepspeed({"ulysses_degree": 2})

@@ -8,11 +8,17 @@ Floors, and where they come from:
   (commit 83e41b3c, "Add custom ops for compatibility with PT Compile"); v2.6.3 has neither.
 """
 
+import ast
+import base64
+import hashlib
+import inspect
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -157,7 +163,8 @@ A100 = "NVIDIA A100-SXM4-80GB, 8.0, 580.65.06\n"
 _FAKE_VENV_PYTHON = r"""#!{python}
 # the venv's python as node_setup calls it. pip logs each call (with the torch its constraints file pins) and, with
 # --no-index, finds a package only where the wheel folder has a file of that name, as pip does; torch is FAKE_TORCH
-# ("version,cuda" or "none"); a kernel's check fails where FAKE_CHECK_FAILS names it ("flash3=TypeError: ...")
+# ("version,cuda[,distribution version]" or "none"; the distribution's version is torch.__version__ unless given);
+# a kernel's check fails where FAKE_CHECK_FAILS names it ("flash3=TypeError: ...")
 import json, os, re, sys
 from pathlib import Path
 log = open(os.environ["FAKE_LOG"], "a")
@@ -171,9 +178,12 @@ if args[:2] == ["-m", "pip"]:
         sys.exit(0)
     for wanted in args[3:]:  # pip installs torch: its build follows the index (PyPI's: CUDA 13)
         if wanted.startswith("torch=="):
-            cuda = "12.8" if any(a.endswith("/cu128") for a in args) else "13.2"
-            installed = wanted[len("torch=="):] + ("+cu128" if cuda == "12.8" else "")
-            Path(os.environ["FAKE_LOG"] + ".torch").write_text(f"{installed},{cuda}")
+            pin = wanted[len("torch=="):]
+            if any(a.endswith("/cu128") for a in args):  # PyTorch's index: the local label in the metadata too
+                installed = f"{pin}+cu128,12.8,{pin}+cu128"
+            else:  # PyPI's wheel: torch.__version__ has the label, the distribution's metadata has none
+                installed = f"{pin}+cu132,13.2,{pin}"
+            Path(os.environ["FAKE_LOG"] + ".torch").write_text(installed)
     if "--no-index" in args:
         folder = Path(args[args.index("--find-links") + 1])
         have = {re.split(r"-\d", f.name)[0].replace("_", "-").lower() for f in folder.iterdir() if f.is_file()}
@@ -181,13 +191,13 @@ if args[:2] == ["-m", "pip"]:
         sys.exit(0 if all(n in have for n in names) else 1)
     sys.exit(0)
 code = args[1] if args[:1] == ["-c"] else ""
-if "torch.version.cuda" in code:
-    state = Path(os.environ["FAKE_LOG"] + ".torch")
-    torch = state.read_text() if state.exists() else os.environ["FAKE_TORCH"]
+state = Path(os.environ["FAKE_LOG"] + ".torch")
+torch = state.read_text() if state.exists() else os.environ["FAKE_TORCH"]
+if "torch.version.cuda" in code or "metadata.version('torch')" in code:
     if torch == "none":
         sys.exit(1)
-    version, cuda = torch.split(",")
-    print(json.dumps([version, cuda or None]))
+    version, cuda, *distribution = torch.split(",")
+    print(json.dumps([version, cuda or None]) if "torch.version.cuda" in code else (distribution or [version])[0])
 elif "cuda.is_available" in code:
     sys.exit(1 if os.environ.get("FAKE_NO_GPU") else 0)
 elif "check_kernel" in code:
@@ -266,23 +276,25 @@ OFFLINE_WHEELS += ["flash_attn_4-4.0.0b36-py3-none-any.whl", "nvidia_cutlass_dsl
 
 
 def test_offline_on_h100_keeps_the_nodes_torch_and_installs_every_kernel_from_the_wheel_folder(tmp_path):
-    """The done-when of issue 47: a node's own CUDA torch is kept (every pip call pins it exactly), nothing is
-    fetched from an index, FA2 and FA3 come from the hub builds in the folder, FA4 from its wheel with the [cu13]
-    extra, each checked, and it says so: one line per kernel, and a last line with what it kept and installed."""
+    """The done-when of issue 47: a node's own CUDA torch is kept (every pip call pins it exactly: its
+    distribution's version, what pip compares; PyPI's CUDA wheel has no local label there), nothing is fetched from
+    an index, FA2 and FA3 come from the hub builds in the folder, FA4 from its wheel with the [cu13] extra, each
+    checked, and it says so: one line per kernel, and a last line with what it kept and installed."""
     done, pip, venv = _setup_gpu(
-        tmp_path, H100 * 8, "2.13.0+cu130,13.0", "--use-installed-torch", wheels=OFFLINE_WHEELS
+        tmp_path, H100 * 8, "2.13.0+cu130,13.0,2.13.0", "--use-installed-torch", wheels=OFFLINE_WHEELS
     )
     assert done.returncode == 0, done.stderr
     installs = [line for line in pip if line.startswith("install")]
     assert installs and all("--no-index --find-links" in line for line in installs), pip
-    assert all(line.endswith("| torch==2.13.0+cu130") for line in installs), pip
+    assert all(line.endswith("| torch==2.13.0") for line in installs), pip
+    assert any(line.split(" | ")[0].endswith(f" {node_setup.KERNELS_PACKAGE}") for line in installs), pip
     assert not any(re.search(r"install .*\btorch==", line.split(" | ")[0]) for line in installs), pip
     assert not any(line.startswith("uninstall") for line in pip), pip
     assert _said(done, "torch 2.13.0+cu130 (CUDA 13.0) is installed: keeping it")
     for name in ("flash", "flash3"):
         assert (venv / "share" / "autotune" / "kernels" / name / "build" / "torch-cuda").is_dir()
     assert _said(done, "FlashAttention-3 (attention: flash3): from the kernel hub (kernels-community/flash-attn3): ")
-    assert _said(done, "FlashAttention-4 (attention: flash4): flash-attn-4[cu13] (wheel): ")
+    assert _said(done, "FlashAttention-4 (attention: flash4): flash-attn-4[cu13]==4.0.0b36 (wheel): ")
     assert [line for line in pip if line.startswith("check")] == ["check flash", "check flash3", "check flash4"]
     last = done.stderr.strip().splitlines()[-1]
     assert last == "setup-gpu: kept torch 2.13.0+cu130 (CUDA 13.0); attention kernels sdpa, flash, flash3, flash4"
@@ -310,15 +322,32 @@ def test_a_kernel_whose_calls_drifted_is_refused_at_install_and_the_next_route_t
 
 
 def test_a_driver_older_than_580_gets_torchs_cuda_12_build_and_fa4_without_the_cu13_extra(tmp_path):
-    """Review item 8: on driver 550 torch comes from PyTorch's CUDA 12.8 index and FA4 without ``[cu13]``."""
+    """Review item 8: on driver 550 torch comes from PyTorch's CUDA 12.8 index and FA4 without ``[cu13]``; every
+    later install pins the build pip installed (that index's metadata version has its local label)."""
     done, pip, _ = _setup_gpu(tmp_path, H100_OLD_DRIVER, "none")
     assert done.returncode == 0, done.stderr
+    pin = node_setup.torch_pin()
     (torch_install,) = [line for line in pip if re.search(r"install .*\btorch==", line.split(" | ")[0])]
-    assert f"--index-url https://download.pytorch.org/whl/cu128 torch=={node_setup.torch_pin()}" in torch_install, (
-        torch_install
-    )
-    assert any("--only-binary flash-attn-4 flash-attn-4 |" in line for line in pip), pip
+    assert f"--index-url https://download.pytorch.org/whl/cu128 torch=={pin}" in torch_install, torch_install
+    later = [line for line in pip[pip.index(torch_install) + 1 :] if line.startswith("install")]
+    assert later and all(line.endswith(f"| torch=={pin}+cu128") for line in later), pip
+    assert any("--only-binary flash-attn-4 flash-attn-4==4.0.0b36 |" in line for line in pip), pip
     assert not any("[cu13]" in line for line in pip), pip
+
+
+def test_pypis_cuda_13_torch_is_pinned_by_its_distributions_version_not_torch_version(tmp_path):
+    """PyPI's CUDA wheel: ``torch.__version__`` is PIN+cu132, its metadata PIN; every install after it pins PIN,
+    which that wheel satisfies (PIN+cu132 matches no distribution under PEP 440)."""
+    done, pip, _ = _setup_gpu(tmp_path, H100, "none")
+    assert done.returncode == 0, done.stderr
+    pin = node_setup.torch_pin()
+    (torch_install,) = [line for line in pip if re.search(r"install .*\btorch==", line.split(" | ")[0])]
+    assert "--index-url" not in torch_install, torch_install
+    later = [line for line in pip[pip.index(torch_install) + 1 :] if line.startswith("install")]
+    assert later and all(line.endswith(f"| torch=={pin}") for line in later), pip
+    assert done.stderr.strip().splitlines()[-1].startswith(f"setup-gpu: installed torch {pin} (CUDA 13.2); "), (
+        done.stderr
+    )
 
 
 @pytest.mark.parametrize(
@@ -330,7 +359,9 @@ def test_the_cuda_build_follows_the_driver(driver, cuda, index):
     assert (choice.cuda, choice.keep) == (cuda, False)
     assert (choice.index_url or "").endswith(index or "") and bool(choice.index_url) == bool(index)
     fa4 = [plan for plan in node_setup.choose_kernels(gpus, choice.cuda) if plan.name == "flash4"]
-    assert fa4[0].requirement == ("flash-attn-4[cu13]" if cuda.startswith("13.") else "flash-attn-4")
+    assert fa4[0].requirement == (
+        "flash-attn-4[cu13]==4.0.0b36" if cuda.startswith("13.") else "flash-attn-4==4.0.0b36"
+    )
 
 
 @pytest.mark.parametrize(
@@ -426,3 +457,162 @@ def test_every_kernel_a_gpu_preset_offers_is_one_setup_gpu_installs_there_from_a
                 assert prebuilt, (preset, name, plans)
                 checked.append((preset, name))
     assert ("h100-sxm", "flash3") in checked, checked
+
+
+# -- what setup-gpu asks pip for, with real pip ---------------------------------------------------------------------
+
+
+def _wheel(folder: Path, name: str, version: str, files: dict[str, str], requires: tuple[str, ...] = ()) -> Path:
+    """A pure-Python wheel of distribution ``name`` at ``version`` holding ``files`` (path: text), laid out as pip
+    installs one: METADATA, WHEEL and RECORD (each file's sha256 and size) in its dist-info folder."""
+    dist_info = f"{name}-{version}.dist-info"
+    metadata = [f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"]
+    metadata += [f"Requires-Dist: {requirement}\n" for requirement in requires]
+    contents = {
+        **files,
+        f"{dist_info}/METADATA": "".join(metadata),
+        f"{dist_info}/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = []
+    for path, text in contents.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(text.encode())}\n")
+    contents[f"{dist_info}/RECORD"] = "".join(record) + f"{dist_info}/RECORD,,\n"
+    wheel = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for path, text in contents.items():
+            archive.writestr(path, text)
+    return wheel
+
+
+def test_the_torch_pin_setup_gpu_writes_lets_real_pip_install_a_package_that_requires_torch(tmp_path, monkeypatch):
+    """Real pip in a fresh venv, offline from a wheel folder (``--wheels``) that holds a stand-in of PyPI's CUDA
+    torch wheel (metadata version PIN, ``torch.__version__`` PIN+cu132, CUDA 13.2) and a package requiring
+    ``torch>=2.11`` (as autotune does): after setup-gpu installs torch, and after it keeps it
+    (``--use-installed-torch``), the package installs under the constraints setup-gpu wrote."""
+    for name in [name for name in os.environ if name.startswith("PIP_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # this machine's pip config (indexes, find-links) unread
+    monkeypatch.setenv("PIP_DISABLE_PIP_VERSION_CHECK", "1")
+    pin = node_setup.torch_pin()
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    torch_files = {
+        "torch/__init__.py": f'__version__ = "{pin}+cu132"\nfrom . import version\n',
+        "torch/version.py": 'cuda = "13.2"\n',
+    }
+    _wheel(wheels, "torch", pin, torch_files)
+    low, _ = node_setup.torch_range()
+    _wheel(wheels, "needs_torch", "1.0", {"needs_torch.py": ""}, requires=(f"torch>={low}",))
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    node = node_setup.Node(venv / "bin" / "python", wheels, tmp_path / "constraints.txt")
+    gpus = node_setup.read_gpus(H100)
+    for use_installed in (False, True):
+        installed = node.installed_torch()
+        assert (installed is None) == (not use_installed), installed
+        choice = node_setup.choose_torch(gpus, installed, use_installed, pin, node_setup.torch_range())
+        node_setup.set_up_torch(node, choice, installed)
+        assert node.installed_torch() == (f"{pin}+cu132", "13.2")
+        constraints = node.constraints.read_text()
+        assert node.pip("needs_torch"), f"pip cannot install a package requiring torch>={low} under {constraints}"
+        node.uninstall("needs_torch")
+
+
+def _function(source: str, name: str) -> tuple[inspect.Signature, str]:
+    """Top-level function ``name`` of module text ``source``: its signature (annotations as written, strings) and
+    docstring, read from the text (importing the module would need its dependencies)."""
+    (function,) = [n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == name]
+    docstring = ast.get_docstring(function) or ""
+    function.body, function.decorator_list = [ast.Pass()], []
+    module = ast.Module([ast.ImportFrom("__future__", [ast.alias("annotations")], 0), function], [])
+    namespace: dict = {}
+    exec(compile(ast.fix_missing_locations(module), name, "exec"), namespace)
+    return inspect.signature(namespace[name]), docstring
+
+
+def _call(source: str, name: str) -> ast.Call:
+    """The one call of ``name`` in ``source``."""
+    (call,) = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == name]
+    return call
+
+
+def _bind(signature: inspect.Signature, call: ast.Call) -> None:
+    """Binds ``call``'s arguments (positional and keyword, placeholders for their values) to ``signature``."""
+    signature.bind(*(f"arg{i}" for i in range(len(call.args))), **{kw.arg: 1 for kw in call.keywords})
+
+
+@pytest.fixture(scope="module")
+def kernels_release(tmp_path_factory) -> Path:
+    """The ``kernels`` release setup-gpu installs, really installed (from the index, without its dependencies) into
+    a folder of its own: its package folder."""
+    target = tmp_path_factory.mktemp("kernels-release")
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--only-binary", ":all:", "--target",
+         str(target), node_setup.KERNELS_PACKAGE],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return target / "kernels"
+
+
+def test_the_hub_routes_calls_bind_to_the_pinned_kernels_release(kernels_release):
+    """setup-gpu's ``install_kernel(repo, version=N)`` and the registry's ``get_local_kernel(folder)`` bind to the
+    real signatures of the ``kernels`` release setup-gpu pins, both exported by the package, and ``install_kernel``
+    returns the variant folder's path, which setup-gpu copies (``install_from_hub``)."""
+    from trials.kernels import registry
+
+    pinned = Requirement(node_setup.KERNELS_PACKAGE).specifier
+    assert [spec.operator for spec in pinned] == ["=="], f"setup-gpu installs {node_setup.KERNELS_PACKAGE}, unpinned"
+    exported = {
+        alias.name
+        for node in ast.parse((kernels_release / "__init__.py").read_text()).body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert {"install_kernel", "get_local_kernel"} <= exported, sorted(exported)
+    install_kernel, documented = _function((kernels_release / "install.py").read_text(), "install_kernel")
+    _bind(install_kernel, _call(node_setup._FETCH, "install_kernel"))
+    assert install_kernel.return_annotation == "Path", install_kernel
+    assert "`Path`: The path to the variant directory." in documented, documented
+    get_local_kernel, _ = _function((kernels_release / "load.py").read_text(), "get_local_kernel")
+    _bind(get_local_kernel, _call(inspect.getsource(registry._load_hub_kernel), "get_local_kernel"))
+
+
+def _index_has_a_wheel(requirement: str, scratch: Path) -> dict | None:
+    """What the package index serves for ``requirement`` as a wheel (pip's install report of it, its dependencies
+    left out), None when it serves none."""
+    report = scratch / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--dry-run", "--ignore-installed", "--no-deps",
+         "--only-binary", ":all:", "--report", str(report), requirement],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    return json.loads(report.read_text())["install"][0] if done.returncode == 0 else None
+
+
+def test_every_kernel_requirement_setup_gpu_issues_is_served_as_a_wheel_where_the_registry_says_so(tmp_path):
+    """The requirements setup-gpu gives pip for kernels on every GPU generation a kernel runs on, on CUDA 12 and 13
+    (``choose_kernels``, as setup-gpu derives them) and the hub route's ``kernels``, asked of the real index: each
+    wheel route a kernel declares PyPI serves (``pypi_wheel``) resolves to a wheel that provides its extras, each it
+    declares PyPI does not serve finds none; the source route needs a build, so it is not asked for a wheel."""
+    majors = sorted({major for name in FLASH_KERNELS for major in KERNELS[name].compute_capabilities})
+    served = {node_setup.KERNELS_PACKAGE: True}  # requirement: whether PyPI serves a wheel of it
+    built, planned = set(), set()
+    for build in node_setup.CUDA_BUILDS:
+        for major in majors:
+            gpus = node_setup.read_gpus(f"GPU, {major}.0, {build.min_driver}.00.00\n")
+            for plan in node_setup.choose_kernels(gpus, build.cuda):
+                planned.add(plan.name)
+                if "wheel" in plan.routes:
+                    served[plan.requirement] = KERNELS[plan.name].pypi_wheel
+                if "source" in plan.routes:
+                    built.add(plan.requirement)
+    assert planned == set(FLASH_KERNELS), planned
+    assert built == {node_setup.FLASH_ATTN}, built  # flash-attn's source build: PyPI has its sdist only
+    found = {requirement: _index_has_a_wheel(requirement, tmp_path) for requirement in served}
+    assert {requirement: report is not None for requirement, report in found.items()} == served
+    for requirement, report in found.items():
+        if report is not None:
+            extras = Requirement(requirement).extras
+            assert extras <= set(report["metadata"].get("provides_extra", [])), (requirement, report["metadata"])

@@ -8,6 +8,7 @@
   model, which ``from_pretrained`` loads; the script with
   TRL's ``SFTTrainer`` (``--sft``) logs the same losses in the same memory; a config the integration cannot run
   (``fsdp`` off on 2 processes) stops before training with one line naming the knob.
+- A ring config's script (ring_degree 2 over the 2 processes, a short sequence) logs the plain ``Trainer``'s losses.
 - In one process: gradient accumulation over 2 micro-batches logs the plain ``Trainer``'s losses and gradient norms.
 - In one process: each ``TrainingArguments`` (and TRL ``SFTConfig``) field the stack needs, set otherwise, is
   refused in one line naming it, before the trainer prepares anything.
@@ -39,6 +40,8 @@ KNOBS = dict(
     norm_tile_tokens=256,
 )
 SEQ_LEN = 2048
+RING = dict(fsdp=True, ring_degree=2)  # a ring over the 2 processes, no Ulysses
+RING_SEQ_LEN = 512  # short: the ring's run shows that the script starts and trains a ring, at little cost
 PYTHONPATH = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])  # the checkout first
 LR = "1e-3"  # large enough that each step's loss moves: the logged losses after step 1 check the gradients too
 
@@ -71,17 +74,42 @@ def launch(script, config_yaml, *args, cwd):
     )
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """A tiny Llama saved by ``transformers`` and the ``accelerate`` export of KNOBS at SEQ_LEN on 2 CPU ranks, as
-    ``autotune export`` writes it from a search folder: the folder."""
-    import torch
-    from tokenizers import Tokenizer, models
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
-
+def export_search(root, name: str, techniques: Techniques, seq_len: int) -> None:
+    """The ``accelerate`` export of ``techniques`` at ``seq_len`` on 2 CPU ranks for root's model, as ``autotune
+    export`` writes it from a search folder (``{name}-search``): ``{name}.yaml`` and its companions in root."""
     from autotune.backends import Evaluation, make_backend
     from autotune.cli import main
     from autotune.core.hardware import load_hardware
+
+    model_json = str(root / "model" / "config.json")
+    record = make_backend("plan").evaluate(
+        Evaluation(load_model_config(model_json), techniques, seq_len, 2, load_hardware("cpu"))
+    )
+    assert record.status == "ok"
+    entry = {"trial": 0, "seq_len": seq_len, "tokens_per_s": record.tokens_per_s, "techniques": techniques.to_dict()}
+    search = root / f"{name}-search"
+    search.mkdir()
+    (search / "pareto.json").write_text(
+        json.dumps(
+            {
+                "model": model_json,
+                "hardware": "cpu",
+                "gpus": 2,
+                "target": seq_len,
+                "front": [{**entry, "record": record.to_dict()}],
+            }
+        )
+    )
+    assert main(["export", str(search), "--format", "accelerate", "-o", str(root / f"{name}.yaml")]) == 0
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A tiny Llama saved by ``transformers`` and two ``accelerate`` exports on 2 CPU ranks: KNOBS at SEQ_LEN
+    (``sp.yaml``) and RING at RING_SEQ_LEN (``ring.yaml``): the folder."""
+    import torch
+    from tokenizers import Tokenizer, models
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
     root = tmp_path_factory.mktemp("hf-trainer")
     values = {k: v for k, v in load_model_config("tiny-llama").items() if not k.startswith("_")}
@@ -89,26 +117,8 @@ def exported(tmp_path_factory):
     AutoModelForCausalLM.from_config(AutoConfig.for_model(**values)).save_pretrained(root / "model")
     tokens = Tokenizer(models.WordLevel({f"t{i}": i for i in range(values["vocab_size"])}, unk_token="t0"))
     PreTrainedTokenizerFast(tokenizer_object=tokens, pad_token="t0", unk_token="t0").save_pretrained(root / "model")
-    model_json = str(root / "model" / "config.json")
-    techniques = Techniques(**KNOBS)
-    record = make_backend("plan").evaluate(
-        Evaluation(load_model_config(model_json), techniques, SEQ_LEN, 2, load_hardware("cpu"))
-    )
-    assert record.status == "ok"
-    entry = {"trial": 0, "seq_len": SEQ_LEN, "tokens_per_s": record.tokens_per_s, "techniques": techniques.to_dict()}
-    (root / "search").mkdir()
-    (root / "search" / "pareto.json").write_text(
-        json.dumps(
-            {
-                "model": model_json,
-                "hardware": "cpu",
-                "gpus": 2,
-                "target": SEQ_LEN,
-                "front": [{**entry, "record": record.to_dict()}],
-            }
-        )
-    )
-    assert main(["export", str(root / "search"), "--format", "accelerate", "-o", str(root / "sp.yaml")]) == 0
+    export_search(root, "sp", Techniques(**KNOBS), SEQ_LEN)
+    export_search(root, "ring", Techniques(**RING), RING_SEQ_LEN)
     return root
 
 
@@ -191,6 +201,26 @@ def test_trainer_trains_resumes_and_saves_like_the_plain_trainer_in_the_estimate
     said = [line for line in refused.stderr.splitlines() if line.startswith("sp.trainer.py: ")]
     assert len(said) == 1 and said[0].startswith("sp.trainer.py: fsdp: "), refused.stderr[-3000:]
     assert "'loss'" not in refused.stdout and not list((root / "c").glob("checkpoint-*"))
+
+
+@pytest.mark.slow
+def test_a_ring_config_trains_like_the_plain_trainer(exported):
+    """The ring export's script (ring_degree 2 over the 2 processes, no Ulysses) joins a mesh with its ring and logs
+    the plain one-process Trainer's losses on the same data."""
+    root = exported
+    run = launch(root / "ring.trainer.py", root / "ring.yaml", "--model", root / "model", "--output-dir", root / "ring",
+                 "--steps", 2, "--lr", LR, "--summary", root / "ring-sum.json", cwd=root)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    plain = subprocess.run(
+        [sys.executable, "-c", PLAIN_TRAINER, root / "model", str(RING_SEQ_LEN), "2", LR, root / "plain-ring"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": PYTHONPATH},
+    )  # fmt: skip
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    plain_losses = json.loads(plain.stdout.strip().splitlines()[-1])
+    summary = json.loads((root / "ring-sum.json").read_text())
+    assert summary["world_size"] == 2 and list(summary["losses"]) == list(plain_losses) == ["1", "2"]
+    for step, loss in plain_losses.items():
+        assert summary["losses"][step] == pytest.approx(loss, rel=1e-5), (summary["losses"], plain_losses)
 
 
 DOCUMENT_LENGTH = 1000  # each window of SEQ_LEN cut into documents of 1000, 1000 and 48 tokens; TRL packs them back

@@ -12,8 +12,14 @@
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +36,8 @@ pytestmark = pytest.mark.torch_release  # bin/test --oldest runs it on the oldes
 #           _flash_attn_backward l. 253 (``_wrapped_flash_attn_forward`` / ``_backward`` on torch >= 2.4)
 #   flash3: hopper/flash_attn_interface.py      flash_attn_func l. 809; _flash_attn_forward l. 60;
 #           _flash_attn_backward l. 259
-#   flash4: flash_attn/cute/interface.py        flash_attn_func l. 3371; _flash_attn_fwd l. 521; _flash_attn_bwd l. 1807
+# and flash-attn-4's wheel of the release the registry pins (4.0.0b36; checked against it below):
+#   flash4: flash_attn/cute/interface.py        flash_attn_func l. 4145; _flash_attn_fwd l. 678; _flash_attn_bwd l. 2241
 REAL_SIGNATURES = {
     "flash": {
         "layer": "q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, "
@@ -58,7 +65,8 @@ REAL_SIGNATURES = {
         "layer": "q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None, causal=False, "
         "window_size=(None, None), learnable_sink=None, softcap=0.0, num_splits=1, pack_gqa=None, "
         "deterministic=False, score_mod=None, score_mod_bwd=None, mask_mod=None, aux_tensors=None, "
-        "aux_scalars=None, block_sparse_tensors=None, block_sparse_tensors_bwd=None, return_lse=False",
+        "aux_scalars=None, block_sparse_tensors=None, block_sparse_tensors_bwd=None, return_lse=False, "
+        "gather_bwd_recompute_p=False, gather_bwd_token_chunk=None",
         "forward": "q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, "
         "max_seqlen_q=None, max_seqlen_k=None, min_seqlen_k=None, page_table=None, softmax_scale=None, "
         "causal=False, softcap=None, window_size_left=None, window_size_right=None, learnable_sink=None, "
@@ -66,7 +74,7 @@ REAL_SIGNATURES = {
         "_arch=None, score_mod=None, mask_mod=None, block_sparse_tensors=None, return_lse=False, out=None, "
         "lse=None, aux_tensors=None, aux_scalars=None, q_descale=None, k_descale=None, v_descale=None, "
         "gather_kv_indices=None, scheduler_metadata=None, seqlen_k_per_split=None, "
-        "disable_scheduler_metadata=False",
+        "disable_scheduler_metadata=False, gather_bwd_recompute_p=False",
         "backward": "q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0, window_size_left=None, "
         "window_size_right=None, m_block_size=64, n_block_size=128, num_threads=256, pack_gqa=False, "
         "num_stages_Q=2, num_stages_dO=2, SdP_swapAB=False, dKV_swapAB=False, dQ_swapAB=False, "
@@ -271,8 +279,9 @@ def test_stand_ins_and_fakes_take_the_real_arguments(kernel):
         check_signature(fake, real)
 
 
-@pytest.mark.parametrize("kernel", FLASH_KERNELS)
-def test_every_call_the_stack_makes_binds_to_the_real_signature(kernel):
+def stack_calls(kernel: str) -> list:
+    """The calls the stack makes of ``kernel``'s entry points (whole layers, head-chunk forward and backward, with
+    and without a window, with a softcap), each (which, args, kwargs), made of CPU stand-ins."""
     calls: list = []
     q, k, v = _qkv(seq=64)
     with attention.flash_kernels(*stand_ins(kernel, calls), kernel=kernel):
@@ -281,7 +290,12 @@ def test_every_call_the_stack_makes_binds_to_the_real_signature(kernel):
             out, residuals = attention.attention_forward(q, k, v, 0.25, kernel, window, 30.0)
             attention.attention_backward(torch.ones_like(out), q, k, v, out, residuals, 0.25, kernel, window, 30.0)
     assert sorted({which for which, _, _ in calls}) == sorted(WHICH)
-    for which, args, kwargs in calls:
+    return calls
+
+
+@pytest.mark.parametrize("kernel", FLASH_KERNELS)
+def test_every_call_the_stack_makes_binds_to_the_real_signature(kernel):
+    for which, args, kwargs in stack_calls(kernel):
         real_signature(kernel, which).bind(*args, **kwargs)
 
 
@@ -737,3 +751,183 @@ def test_a_hub_build_that_setup_gpu_put_into_the_venv_provides_every_entry_point
     assert kernel.resolve("forward") is interface._flash_attn_forward
     assert kernel.resolve("backward") is interface._flash_attn_backward
     assert loaded == [tmp_path / "share" / "autotune" / "kernels" / "flash3"]
+
+
+# -- flash-attn-4's wheel of the release the registry pins, really installed -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def flash_attn_4(tmp_path_factory) -> Path:
+    """The flash-attn-4 release the registry pins (its wheel route's requirement), installed from the index without
+    its dependencies into a folder of its own: that folder."""
+    target = tmp_path_factory.mktemp("flash-attn-4")
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--only-binary", ":all:", "--target",
+         str(target), KERNELS["flash4"].requirement(None)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return target
+
+
+def _defined_in(root: Path, module: str, attribute: str) -> ast.FunctionDef:
+    """The function ``module.attribute`` under the folder ``root``, followed through ``from .x import attribute``
+    re-exports, read from the source (importing it needs torch's CUDA build and the CuTe DSL)."""
+    path = root.joinpath(*module.split("."))
+    path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef) and node.name == attribute:
+            return node
+        if isinstance(node, ast.ImportFrom) and any(
+            alias.name == attribute and not alias.asname for alias in node.names
+        ):
+            base = package
+            for _ in range(node.level - 1):
+                base = base.rpartition(".")[0]
+            return _defined_in(root, f"{base}.{node.module}" if node.level else node.module, attribute)
+    raise AssertionError(f"{path} defines no {attribute}")
+
+
+def _signature_of(function: ast.FunctionDef) -> inspect.Signature:
+    """``function``'s signature, annotations dropped (as ``REAL_SIGNATURES`` writes them)."""
+    arguments = function.args
+    for argument in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs, arguments.vararg, arguments.kwarg):
+        if argument is not None:
+            argument.annotation = None
+    namespace: dict = {}
+    exec(f"def entry({ast.unparse(arguments)}): pass", namespace)
+    return inspect.signature(namespace["entry"])
+
+
+def test_the_pinned_flash_attn_4_wheel_has_the_entry_points_and_signatures_the_stack_calls(flash_attn_4):
+    """Each flash4 entry point the registry declares is a function in the pinned release's wheel, with the signature
+    ``REAL_SIGNATURES`` holds, and every call the stack makes binds to it."""
+    kernel = KERNELS["flash4"]
+    assert (flash_attn_4 / f"flash_attn_4-{kernel.package_version}.dist-info").is_dir(), sorted(flash_attn_4.iterdir())
+    real = {}
+    for which in WHICH:
+        module, attribute = getattr(kernel.entry_points, which).split(":")
+        real[which] = _signature_of(_defined_in(flash_attn_4, module, attribute))
+        assert real[which] == real_signature("flash4", which), (which, str(real[which]))
+    for which, args, kwargs in stack_calls("flash4"):
+        real[which].bind(*args, **kwargs)
+
+
+# Resolves FA2's entry points with flash-attn-4 installed (sys.argv[1]: the checkout, its folder and a stand-in
+# ``kernels`` package, on sys.path), first in a venv without a hub build (sys.argv[2]), then in one with setup-gpu's
+# FA2 hub build (sys.argv[3]). Run with -S: the test venv's own packages are out of sight.
+_RESOLVE_FA2 = r"""
+import json, sys
+sys.path[:0] = sys.argv[1].split(":")
+import flash_attn
+from trials.kernels import registry
+said = {"flash_attn": [getattr(flash_attn, "__file__", None), list(flash_attn.__path__)]}
+sys.prefix = sys.argv[2]
+said["problem without a hub build"] = registry.install_problem("flash")
+said["broken without a hub build"] = registry.broken_import("flash")
+sys.prefix = sys.argv[3]
+said["problem with the hub build"] = registry.install_problem("flash")
+entries = {which: registry.KERNELS["flash"].resolve(which) for which in ("layer", "forward", "backward", "varlen")}
+said["entry points"] = {which: f"{entry.__module__}:{entry.__name__}" for which, entry in entries.items()}
+print(json.dumps(said))
+"""
+
+# kernels.get_local_kernel as the registry uses it: the repository folder's build variant, imported as a package
+_GET_LOCAL_KERNEL = """
+import importlib.util, sys
+from pathlib import Path
+
+
+def get_local_kernel(repo_path, *, backend=None, trust_remote_code=False, user_agent=None):
+    (variant,) = sorted(Path(repo_path, "build").iterdir())
+    spec = importlib.util.spec_from_file_location(
+        "hub_flash_attn2", variant / "__init__.py", submodule_search_locations=[str(variant)]
+    )
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+"""
+
+# a FA2 hub build's variant (kernels-community/flash-attn2): its module exports the layer functions, its
+# flash_attn_interface the head-chunk forward and backward
+_HUB_FA2 = {
+    "__init__.py": "from .flash_attn_interface import flash_attn_func, flash_attn_varlen_func\n",
+    "flash_attn_interface.py": "".join(
+        f"def {name}(*args, **kwargs):\n    raise NotImplementedError\n\n\n"
+        for name in (
+            "flash_attn_func",
+            "flash_attn_varlen_func",
+            "_wrapped_flash_attn_forward",
+            "_wrapped_flash_attn_backward",
+        )
+    ),
+}
+
+
+def test_flash_attn_4s_namespace_flash_attn_leaves_fa2_to_its_hub_build(flash_attn_4, tmp_path):
+    """flash-attn-4's wheel installs ``flash_attn/cute/`` and no ``flash_attn/__init__.py``: ``import flash_attn``
+    gives a namespace package without FA2's entry points. FA2 then counts as not installed from pip, so its hub
+    build serves every entry point, and without one FA2 is "not installed" (not "installed but does not import")."""
+    from trials.kernels import registry
+
+    stand_ins_folder = tmp_path / "stand-ins" / "kernels"
+    stand_ins_folder.mkdir(parents=True)
+    (stand_ins_folder / "__init__.py").write_text(_GET_LOCAL_KERNEL)
+    variant = registry.hub_kernel_dir("flash", tmp_path / "venv") / "build" / "torch215-cxx11-cu130-x86_64-linux"
+    variant.mkdir(parents=True)
+    for name, text in _HUB_FA2.items():
+        (variant / name).write_text(text)
+    root = Path(__file__).resolve().parents[1]
+    path = ":".join(map(str, (root, flash_attn_4, stand_ins_folder.parent)))
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", _RESOLVE_FA2, path, str(tmp_path / "bare-venv"), str(tmp_path / "venv")],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={key: value for key, value in os.environ.items() if key != "PYTHONPATH"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    assert said["flash_attn"] == [None, [str(flash_attn_4 / "flash_attn")]], said  # flash-attn-4's namespace only
+    assert said["problem without a hub build"] == (
+        "flash-attn is not installed (module flash_attn; bin/setup-gpu sets up the GPU kernels)"
+    )
+    assert said["broken without a hub build"] is None  # no "installed but cannot be imported" warning in a search
+    assert said["problem with the hub build"] is None
+    assert said["entry points"] == {
+        "layer": "hub_flash_attn2.flash_attn_interface:flash_attn_func",
+        "forward": "hub_flash_attn2.flash_attn_interface:_wrapped_flash_attn_forward",
+        "backward": "hub_flash_attn2.flash_attn_interface:_wrapped_flash_attn_backward",
+        "varlen": "hub_flash_attn2.flash_attn_interface:flash_attn_varlen_func",
+    }
+
+
+def test_a_pip_package_without_an_entry_point_leaves_it_to_the_hub_build(tmp_path, monkeypatch):
+    """flash-attn 2.6 imports but lacks the head-chunk entry points (``_wrapped_flash_attn_forward`` / ``_backward``
+    are new in 2.7): the hub build that setup-gpu put into the venv serves them; without one, flash-attn is
+    "installed but does not import", with the AttributeError."""
+    import types
+
+    from trials.kernels import registry
+
+    old = types.ModuleType("flash_attn")
+    old.__file__ = str(tmp_path / "site-packages" / "flash_attn" / "__init__.py")
+    old.flash_attn_func = old.flash_attn_varlen_func = object()
+    old.flash_attn_interface = types.ModuleType("flash_attn.flash_attn_interface")
+    old.flash_attn_interface.__file__ = str(tmp_path / "site-packages" / "flash_attn" / "flash_attn_interface.py")
+    monkeypatch.setitem(sys.modules, "flash_attn", old)
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", old.flash_attn_interface)
+    interface = types.SimpleNamespace(_wrapped_flash_attn_forward=object(), _wrapped_flash_attn_backward=object())
+    hub_module = types.SimpleNamespace(flash_attn_interface=interface)
+    fake_kernels = types.ModuleType("kernels")
+    fake_kernels.get_local_kernel = lambda path: hub_module
+    monkeypatch.setitem(sys.modules, "kernels", fake_kernels)
+    monkeypatch.setattr(registry, "_hub_modules", {})
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    problem = registry.install_problem("flash")
+    assert problem.startswith("flash-attn is installed but does not import (AttributeError: "), problem
+    registry.hub_kernel_dir("flash").mkdir(parents=True)
+    kernel = KERNELS["flash"]
+    assert kernel.installed()
+    assert kernel.resolve("layer") is old.flash_attn_func
+    assert kernel.resolve("forward") is interface._wrapped_flash_attn_forward
+    assert kernel.resolve("backward") is interface._wrapped_flash_attn_backward

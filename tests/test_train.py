@@ -694,3 +694,34 @@ def test_packed_windows_cut_documents_at_their_edges_and_wrap_around_the_stream(
         runs = torch.unique_consecutive(owner[picked], return_counts=True)[1]
         assert source.documents(index).lengths == tuple(runs.tolist()), index
     assert source.documents_in(0, 3) == sum(len(source.documents(i).lengths) for i in range(3))
+
+
+SPIKE_BYTES = 2**28  # far above the tiny model's step
+
+
+def test_the_logged_peak_is_the_steps_not_the_init_loadings(tmp_path, monkeypatch):
+    """A peak reached while the --init weights load (here a transient buffer of SPIKE_BYTES on the simulated device)
+    is not the peak the steps log: the peak starts over once the model is loaded."""
+    from trials import hf, train
+    from trials.core.memory import active_tracker
+
+    loaded = hf.from_pretrained
+
+    def from_pretrained_with_a_spike(*args, **kwargs):
+        model = loaded(*args, **kwargs)
+        assert active_tracker() is not None
+        buffer = torch.ones(SPIKE_BYTES, dtype=torch.uint8)  # a transient buffer on the simulated device
+        del buffer
+        return model
+
+    monkeypatch.setattr(hf, "from_pretrained", from_pretrained_with_a_spike)
+    write_pretrained(tmp_path / "pretrained")
+    config = write_config(tmp_path / "one.json", fsdp=False)
+    options = train.TrainOptions(
+        config=config, steps=1, init=str(tmp_path / "pretrained"), log_file=str(tmp_path / "log.jsonl")
+    )
+    summary = train.train(options, print_fn=lambda *a, **k: None)
+    logged = json.loads((tmp_path / "log.jsonl").read_text().splitlines()[0])
+    assert summary["init_load"]["peak_bytes"] >= SPIKE_BYTES  # the loading's peak is still reported as such
+    assert 0 < summary["peak_device_bytes"] < SPIKE_BYTES, summary
+    assert logged["peak_device_gib"] == summary["peak_device_bytes"] / 2**30

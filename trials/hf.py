@@ -36,6 +36,10 @@ gradients) with ``.mesh`` set:
   each rank reads only its shards' rows of each tensor from the safetensors files. No rank ever holds the whole
   model; this is the path whose memory ``autotune estimate`` predicts.
 
+Without ``mesh`` both join the torchrun / accelerate job (``trials.core.dist.init_mesh``); ``timeout_s`` is then its
+collectives' timeout (default torch's 600 s), which must exceed the longest step or the NCCL watchdog aborts the run:
+``timeout_s=collective_timeout_s(step_time_s)`` (``trials.core.dist``), as trials and the exported scripts pass it.
+
 Precision is trials': fp32 master weights, compute in ``compute_dtype`` (None = bf16 on CUDA, fp32 on CPU;
 ``trials.models.model.set_compute_dtype``).
 """
@@ -50,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from trials import stack
-from trials.core.dist import Mesh, init_mesh
+from trials.core.dist import MIN_COLLECTIVE_TIMEOUT_S, Mesh, init_mesh
 from trials.core.memory import active_tracker
 from trials.kernels import attention
 from trials.kernels.documents import Documents
@@ -73,12 +77,17 @@ IGNORE_INDEX = -100  # transformers' and trials' label that no loss is taken for
 
 
 def apply(
-    model, techniques: Techniques, mesh: Mesh | None = None, compute_dtype: torch.dtype | None = None
+    model,
+    techniques: Techniques,
+    mesh: Mesh | None = None,
+    compute_dtype: torch.dtype | None = None,
+    timeout_s: float = MIN_COLLECTIVE_TIMEOUT_S,
 ) -> TrainingModel:
     """Apply ``techniques`` to a ``transformers`` causal LM (``PreTrainedModel``) in place; returns the
     ``TrainingModel`` that wraps it, with ``.mesh``. ``mesh``: default ``trials.core.dist.init_mesh`` of the Ulysses and
-    ring degrees."""
-    mesh = mesh or init_mesh(techniques.ulysses_degree, ring_degree=techniques.ring_degree)
+    ring degrees, its collectives' timeout ``timeout_s`` (above the longest step:
+    ``trials.core.dist.collective_timeout_s`` of the step time)."""
+    mesh = mesh or init_mesh(techniques.ulysses_degree, timeout_s=timeout_s, ring_degree=techniques.ring_degree)
     attention.register()
     model.config.use_cache = False
     model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
@@ -96,12 +105,13 @@ def from_pretrained(
     mesh: Mesh | None = None,
     compute_dtype: torch.dtype | None = None,
     load_weights: bool = True,
+    timeout_s: float = MIN_COLLECTIVE_TIMEOUT_S,
 ) -> TrainingModel:
     """Build the model of ``path`` (a folder with ``config.json`` and ``model.safetensors`` or a sharded
     ``model.safetensors.index.json``) with ``techniques`` applied, each rank holding and reading only its shards.
     ``load_weights=False``: the parameters' storage is left unset, for values that come from elsewhere (a training
-    checkpoint)."""
-    mesh = mesh or init_mesh(techniques.ulysses_degree, ring_degree=techniques.ring_degree)
+    checkpoint). ``mesh``: as ``apply``'s, ``timeout_s`` its collectives' timeout when this call starts it."""
+    mesh = mesh or init_mesh(techniques.ulysses_degree, timeout_s=timeout_s, ring_degree=techniques.ring_degree)
     lm = _meta_model(path)
     return _stacked(TrainingModel(lm), techniques, mesh, compute_dtype, build=Path(path), load=load_weights)
 

@@ -435,6 +435,8 @@ def train(
         if resume_from is not None:
             state = checkpoint.load(resume_from, model, optimizer)
             schedule.load_state_dict(state.schedule)
+        if loading is not None or resume_from is not None:  # the logged peak is the steps', not the loading's
+            _reset_peak(mesh.device, tracker)
         log = StepLog(options, state.step, print_fn) if mesh.rank == 0 else _Silent()
         try:
             if loading is not None:
@@ -582,6 +584,14 @@ def _step(model, optimizer, source: TokenSource, consumed: int, options: TrainOp
     with tracker.in_phase("optimizer") if tracker is not None else contextlib.nullcontext():
         loss_sum, norm_value = step_if_finite(optimizer, loss, norm)  # skipped when either is nan or inf
     return loss_sum / (mesh.cp_degree * mesh.dp_size), norm_value
+
+
+def _reset_peak(device: torch.device, tracker) -> None:
+    """Start the peak over from what is live: the tracker's (the simulated device and the host), else torch.cuda's."""
+    if tracker is not None:
+        tracker.reset_peak()
+    else:
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def _local_bytes(param) -> int:

@@ -35,6 +35,10 @@ from trials.kernels.registry import FLASH_KERNELS, KERNELS, hub_kernel_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 FLASH_ATTN = "flash-attn>=2.7"  # the `gpu` extra's floor: upipe uses _wrapped_flash_attn_forward/_backward
+# the kernel hub's client, the release whose API the hub route calls: install_kernel(repo_id, *, version=...) -> Path
+# (kernels/install.py), and get_local_kernel(repo_path) that trials load hub builds with (kernels/load.py); both
+# calls are bound to that release's signatures in tests/test_gpu_install.py
+KERNELS_PACKAGE = "kernels==0.17.2"
 
 
 class SetupError(Exception):
@@ -219,6 +223,12 @@ class Node:
     def uninstall(self, package: str) -> None:
         self.run("-m", "pip", "uninstall", "--quiet", "-y", package)
 
+    def torch_distribution_version(self) -> str | None:
+        """The venv's torch as pip compares it: its distribution's metadata version (PyPI's CUDA wheel says 2.15.0
+        where ``torch.__version__`` says 2.15.0+cu132); None: no torch distribution."""
+        done = self.run("-c", "import importlib.metadata as metadata; print(metadata.version('torch'))")
+        return done.stdout.strip().splitlines()[-1] if done.returncode == 0 else None
+
     def installed_torch(self) -> tuple[str, str | None] | None:
         done = self.run("-c", "import json, torch; print(json.dumps([torch.__version__, torch.version.cuda]))")
         if done.returncode != 0:
@@ -262,6 +272,26 @@ def install_from_hub(node: Node, name: str) -> str | None:
     variant = Path(done.stdout.strip().splitlines()[-1])
     shutil.copytree(variant, target / "build" / variant.name)
     return None
+
+
+def set_up_torch(node: Node, choice: TorchChoice, installed: tuple[str, str | None] | None) -> None:
+    """Installs ``choice``'s torch unless it is kept (``installed``: what the venv had), then pins the venv's torch
+    in ``node.constraints`` for every later install: its distribution's version exactly, which is what pip compares
+    (a pin on ``torch.__version__``'s local label, 2.15.0+cu132, matches no distribution PyPI serves)."""
+    if not choice.keep:
+        node.constraints.write_text(f"torch=={choice.version}\n")  # the pin, any build of it
+        if installed is not None and (not installed[1] or release(installed[1])[0] != release(choice.cuda)[0]):
+            node.uninstall("torch")  # a CPU or other-CUDA build also satisfies torch==PIN: pip would keep it
+        index = ["--index-url", choice.index_url] if choice.index_url and not node.wheels else []
+        if not node.pip(*index, f"torch=={choice.version}", quiet=False):
+            raise SetupError(f"pip could not install torch {choice.version} (its output above)")
+        now = node.installed_torch()
+        if now is None or not now[1]:
+            raise SetupError("pip installed a CPU build of torch: is a +cpu wheel on your index or find-links?")
+    version = node.torch_distribution_version()
+    if version is None:
+        raise SetupError("torch imports in the venv but pip sees no torch distribution there (reinstall it with pip)")
+    node.constraints.write_text(f"torch=={version}\n")
 
 
 def build_flash_attn(node: Node, gpus: tuple[Gpu, ...], cuda: str) -> str | None:
@@ -369,18 +399,7 @@ def _set_up(args) -> int:
         installed = node.installed_torch()
         choice = choose_torch(gpus, installed, args.use_installed_torch, torch_pin(), torch_range())
         say(choice.line)
-        # every install runs with torch pinned: the kept build exactly, else the pin (any build of it)
-        constraints.write_text(f"torch=={choice.version}\n")
-        if not choice.keep:
-            if installed is not None and (not installed[1] or release(installed[1])[0] != release(choice.cuda)[0]):
-                node.uninstall("torch")  # a CPU or other-CUDA build also satisfies torch==PIN: pip would keep it
-            index = ["--index-url", choice.index_url] if choice.index_url and not args.wheels else []
-            if not node.pip(*index, f"torch=={choice.version}", quiet=False):
-                raise SetupError(f"pip could not install torch {choice.version} (its output above)")
-            now = node.installed_torch()
-            if now is None or not now[1]:
-                raise SetupError("pip installed a CPU build of torch: is a +cpu wheel on your index or find-links?")
-            constraints.write_text(f"torch=={now[0]}\n")  # the build pip chose, exactly
+        set_up_torch(node, choice, installed)  # every install from here on runs with the venv's torch pinned
         if not node.torch_sees_a_gpu():
             raise SetupError(
                 f"torch (CUDA {choice.cuda}) sees no GPU: the driver must support CUDA {choice.cuda} "
@@ -389,7 +408,7 @@ def _set_up(args) -> int:
         if not node.pip("-e", f"{ROOT}[test]", quiet=False):
             raise SetupError("pip could not install autotune and its dependencies (its output above)")
         plans = choose_kernels(gpus, choice.cuda)
-        has_hub = any("hub" in plan.routes for plan in plans) and node.pip("kernels")
+        has_hub = any("hub" in plan.routes for plan in plans) and node.pip(KERNELS_PACKAGE)
         lines = [install_kernel(node, plan, gpus, choice.cuda, has_hub) for plan in plans]
     for line in lines:
         say(line)

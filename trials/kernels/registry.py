@@ -55,7 +55,18 @@ class EntryPoints:
         if not getattr(self, which):
             raise ImportError(f"no {which!r} entry point is declared")
         module, attribute = getattr(self, which).split(":")
-        return getattr(importlib.import_module(module), attribute)
+        imported = importlib.import_module(module)
+        try:
+            return getattr(imported, attribute)
+        except AttributeError:
+            if getattr(imported, "__file__", None) is not None:
+                raise  # the package is there, without this entry point
+            # a namespace package: only another distribution's subpackages (flash-attn-4 installs flash_attn/cute/
+            # and no flash_attn/__init__.py), so the package that provides this entry point is not installed
+            where = ", ".join(getattr(imported, "__path__", ()))
+            raise ModuleNotFoundError(
+                f"{module!r} is a namespace package here ({where}) without {attribute!r}", name=module
+            ) from None
 
     def resolve_in(self, root, which: str):
         """The entry point ``which`` inside the loaded hub kernel module ``root`` (``module`` relative to it)."""
@@ -136,12 +147,16 @@ class AttentionKernel:
     cuda_extras: dict[int, str] = field(default_factory=dict)
     wheel_only: bool = True  # False: a source build is the last resort (flash-attn 2; needs the CUDA toolkit)
     pypi_wheel: bool = False  # PyPI serves a wheel of ``package`` (else the wheel route needs the user's own index)
+    # the release of ``package`` the wheel route installs (``package==package_version``); "": the newest pip takes
+    package_version: str = ""
     how_to_build: str = ""  # what to do where no route gives it (the search's note and setup-gpu's line say it)
 
     def requirement(self, cuda_major: int | None) -> str:
-        """What pip installs for torch built with CUDA ``cuda_major``: the package, with its extra for that CUDA."""
+        """What pip installs for torch built with CUDA ``cuda_major``: the package, with its extra for that CUDA, at
+        its declared ``package_version``."""
         extra = self.cuda_extras.get(cuda_major) if cuda_major is not None else None
-        return f"{self.package}[{extra}]" if extra else str(self.package)
+        name = f"{self.package}[{extra}]" if extra else str(self.package)
+        return f"{name}=={self.package_version}" if self.package_version else name
 
     def routes(self) -> tuple[str, ...]:
         """How a node gets it, in the order ``bin/setup-gpu`` tries them ("hub", "wheel", "source")."""
@@ -151,10 +166,12 @@ class AttentionKernel:
 
     def resolve(self, which: str):
         """Entry point ``which`` as this process has it: the pip package's module, else the hub build that
-        ``bin/setup-gpu`` put into this venv (``hub_kernel_dir``)."""
+        ``bin/setup-gpu`` put into this venv (``hub_kernel_dir``). The pip package counts as absent when its module
+        is not found, is a namespace package without it (``EntryPoints.resolve``), or lacks the entry point (an
+        AttributeError): the hub build then serves, where there is one."""
         try:
             return self.entry_points.resolve(which)
-        except ModuleNotFoundError as missing:
+        except (ModuleNotFoundError, AttributeError) as missing:
             if self.hub is None or not hub_kernel_dir(self.name).is_dir():
                 raise
             try:
@@ -240,6 +257,7 @@ KERNELS: dict[str, AttentionKernel] = {
                 ),
             ),
             wheel_only=False,
+            pypi_wheel=False,  # PyPI holds flash-attn's source distribution only: its wheel route needs your index
             how_to_build="bin/setup-gpu builds it from source where the CUDA toolkit of torch's CUDA version is installed",
         ),
         AttentionKernel(
@@ -266,6 +284,7 @@ KERNELS: dict[str, AttentionKernel] = {
                     "flash_attn_interface:_flash_attn_backward",
                 ),
             ),
+            pypi_wheel=False,  # PyPI holds no flash-attn-3 release (0.0.0 is yanked): the wheel route needs your index
             how_to_build="build it from flash-attention's hopper/ folder: cd hopper && python setup.py install",
         ),
         AttentionKernel(
@@ -302,6 +321,11 @@ KERNELS: dict[str, AttentionKernel] = {
             ),
             cuda_extras={13: "cu13"},  # flash-attn-4's extra for CUDA 13 (nvidia-cutlass-dsl's CUDA 13 build)
             pypi_wheel=True,  # flash-attn-4 4.0.0b36: py3-none-any (pure Python + CuTe DSL JIT)
+            # PyPI's flash-attn-4 release list holds pre-releases only (4.0.0b3 ... 4.0.0b36; 0.0.1 is yanked), which
+            # pip takes only when named: the one whose wheel's flash_attn/cute/interface.py has the entry points above
+            # (flash_attn_func l. 4145, re-exported by flash_attn/cute/__init__.py; _flash_attn_fwd l. 678;
+            # _flash_attn_bwd l. 2241), their signatures in tests/test_kernels.py
+            package_version="4.0.0b36",
         ),
     )
 }

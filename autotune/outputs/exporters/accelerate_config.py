@@ -132,10 +132,10 @@ from trials import hf
 from trials.core import allocator
 from trials.training.config_file import parse_config
 from trials.training.data import read_token_data
-from trials.core.dist import init_mesh
+from trials.core.dist import collective_timeout_s, init_mesh
 from trials.core.memory import DeviceMemoryTracker
 from trials.training.step import make_optimizer, train_step
-from trials.train import TokenSource, TrainOptions, packing
+from trials.train import TokenSource, TrainOptions, packing, recorded_step_time_s
 
 CONFIG = json.loads(
     r"""
@@ -193,7 +193,11 @@ def main(argv=None) -> int:
         if packed.note is not None:
             print(packed.note, file=sys.stderr, flush=True)
     allocator.configure()  # before CUDA starts: the allocator settings the trials measured under
-    mesh = init_mesh(techniques.ulysses_degree, ring_degree=techniques.ring_degree)
+    mesh = init_mesh(  # its collectives' timeout above the longest step (the config's recorded step time)
+        techniques.ulysses_degree,
+        timeout_s=collective_timeout_s(recorded_step_time_s(config)),
+        ring_degree=techniques.ring_degree,
+    )
     tracker = DeviceMemoryTracker() if mesh.device.type != "cuda" else None
     if tracker is None:
         torch.cuda.reset_peak_memory_stats(mesh.device)

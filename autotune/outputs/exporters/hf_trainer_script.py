@@ -49,11 +49,11 @@ from transformers import TrainingArguments
 
 from trials import hf  # the stack
 from trials.core import allocator
-from trials.core.dist import init_mesh
+from trials.core.dist import collective_timeout_s, init_mesh
 from trials.core.errors import ConfigError
 from trials.core.memory import DeviceMemoryTracker
 from trials.hf_trainer import StackTrainer, StackTrainerMixin  # the stack
-from trials.train import TokenSource
+from trials.train import TokenSource, recorded_step_time_s
 from trials.training.config_file import parse_config
 
 CONFIG = json.loads(
@@ -135,7 +135,11 @@ def main(argv=None) -> int:
         parser.error("--packing: TRL's packing, with --sft")
     config = parse_config(json.load(open(args.config)) if args.config else CONFIG, args.config or "CONFIG")
     allocator.configure()  # before CUDA starts: the allocator settings the trials measured under
-    mesh = init_mesh(config.techniques.ulysses_degree)  # the process group Accelerate then joins
+    mesh = init_mesh(  # the process group Accelerate then joins, its collectives' timeout above the longest step
+        config.techniques.ulysses_degree,
+        timeout_s=collective_timeout_s(recorded_step_time_s(config)),
+        ring_degree=config.techniques.ring_degree,
+    )
     if args.sft:
         from trl import SFTConfig
 
