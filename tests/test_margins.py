@@ -81,3 +81,31 @@ def test_an_export_to_zero3_re_estimates_with_its_buffers_and_marks_a_peak_near_
     assert main(["export", str(near), "--format", "deepspeed", "-o", str(tmp_path / "near.json")]) == 0
     capsys.readouterr()
     assert "# NEAR CAPACITY: the peak" in (tmp_path / "near.alst.py").read_text()
+
+
+def test_what_binds_is_the_memory_nearest_its_capacity_and_the_host_is_per_gpu(monkeypatch):
+    """A length's answer names what a longer sequence runs out of: the main job's longest point holds 68 of 79.65
+    GiB on the device and 231 of 232.8 GiB of host per GPU -- the host binds, and the table says so."""
+    import io
+
+    from autotune.cli import common
+    from autotune.cli.common import print_front, print_record
+
+    out = io.StringIO()
+    monkeypatch.setattr(common.OUT, "file", out)
+
+    h100 = load_hardware("h100-sxm")
+    gib = 2**30
+    host_near = {"status": "ok", "seq_len": 7 * 2**20, "peak_device_bytes": 68 * gib, "host_bytes": 231 * gib}
+    assert h100.binding_memory(68 * gib, 231 * gib)[0] == "host"
+    assert h100.binding_memory(79 * gib, 100 * gib)[0] == "device"
+    assert replace(h100, host_memory_bytes_per_device=0).binding_memory(68 * gib, 231 * gib)[0] == "device"
+    print_record({**host_near, "step_time_s": 7951.0}, False, "t", h100)
+    table = out.getvalue()
+    capacity = f"{h100.host_memory_bytes_per_device / gib:.2f}"
+    assert f"host memory: {231 * gib / h100.host_memory_bytes_per_device:.0%} of its {capacity} GiB per GPU" in table
+    assert f"(231.00 of {capacity} GiB per GPU)" in table and "(68.00 of 79.65 GiB)" in table
+    assert "7,951 (2.2 h a step)" in table
+    entry = {"trial": 1, "seq_len": host_near["seq_len"], "tokens_per_s": 490.0, "techniques": {}, "record": host_near}
+    print_front([{**entry, "record": {**host_near, "source": "predicted"}}], 5 * 2**20, h100)
+    assert "host 99%" in out.getvalue()[len(table) :]

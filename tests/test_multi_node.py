@@ -275,6 +275,7 @@ def _front(root, techniques: dict, seq_len: int = 1024, hardware: str = "cpu", g
         "source": "predicted",
         "seq_len": seq_len,
         "tokens_per_s": 1000.0,
+        "step_time_s": seq_len / 1000.0,
         "peak_device_bytes": 1 << 20,
     }
     (root / "pareto.json").write_text(
@@ -321,7 +322,15 @@ def test_slurm_export_is_an_sbatch_script_for_the_config_nodes(tmp_path):
         assert line in text, line
     assert subprocess.run(["bash", "-n", str(out)]).returncode == 0
     exporter = make_exporter("slurm")
-    assert exporter.launch("train.sbatch", load_config_file_from(text)) == "STEPS=100 sbatch train.sbatch"
+    config = load_config_file_from(text)
+    assert exporter.launch("train.sbatch", config) == "sbatch train.sbatch"
+    # the default 10 steps at the config's step time, x 1.5, plus 30 minutes; the node's CPUs to its task
+    from autotune.outputs.exporters.slurm_script import time_limit
+    from trials.train import recorded_step_time_s
+
+    assert f"#SBATCH --time={time_limit(recorded_step_time_s(config), 10)}\n" in text
+    assert time_limit(7951.0, 10) == "1-09:38:00" and time_limit(1.0, 10) == "0-00:31:00"
+    assert '--cpus-per-task="${SLURM_CPUS_ON_NODE:-1}"' in text and "OMP_NUM_THREADS" in text
 
 
 def _sbatch_under_stand_ins(tmp_path, scontrol: str, srun: str) -> tuple[Path, Path]:
@@ -363,7 +372,7 @@ def test_the_sbatch_scripts_arguments_reach_the_trainer_on_every_node(tmp_path):
     """``sbatch train.sbatch --init ... --save ...``: the arguments reach ``trials.train`` through srun's per-node
     shell (the srun stand-in runs that shell; a python stand-in records what it was asked to run)."""
     script, bin_dir = _sbatch_under_stand_ins(
-        tmp_path, scontrol="echo node1; echo node2\n", srun='shift 3; exec "$@"\n'
+        tmp_path, scontrol="echo node1; echo node2\n", srun='while [[ $1 == --* ]]; do shift; done; exec "$@"\n'
     )
     (bin_dir / "python").write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$OUT_DIR/argv"\n')
     (bin_dir / "python").chmod(0o755)

@@ -153,20 +153,34 @@ def best_line(
     )
 
 
-def print_record(record: dict, as_json: bool, title: str) -> None:
+def print_record(record: dict, as_json: bool, title: str, hardware=None) -> None:
     """A record as one JSON object, or as a table of what it holds (a field without a value, such as a prediction's
-    loss, is left out of the table; ``--json`` keeps it as null)."""
+    loss, is left out of the table; ``--json`` keeps it as null). With ``hardware``, the device peak and the host
+    bytes beside their capacities (the host's per accelerator) and a ``binds`` row: the memory nearest its capacity
+    (``Hardware.binding_memory``), what a longer sequence runs out of."""
     if as_json:
         OUT.print(json.dumps(record))
         return
+    from autotune.core.sizes import format_duration
+
+    capacities = {}
+    if hardware is not None:
+        capacities = {"peak_device_bytes": (hardware.device_memory_bytes, "")}
+        if hardware.host_memory_bytes_per_device:
+            capacities["host_bytes"] = (hardware.host_memory_bytes_per_device, " per GPU")
     table = Table(title=title, show_header=False)
     for key, value in record.items():
         if value is None:
             continue
         if key == "breakdown":
             value = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in (value or {}).items())
+        elif key in capacities and isinstance(value, int):
+            capacity, per = capacities[key]
+            value = f"{value:,} ({value / 2**30:.2f} of {capacity / 2**30:.2f} GiB{per})"
         elif key.endswith("_bytes") and isinstance(value, int):
             value = f"{value:,} ({value / 2**30:.2f} GiB)"
+        elif key == "step_time_s" and isinstance(value, float):
+            value = f"{significant(value)} ({format_duration(value)} a step)"
         elif key == "seq_len":
             from autotune.core.sizes import format_tokens
 
@@ -176,6 +190,13 @@ def print_record(record: dict, as_json: bool, title: str) -> None:
         elif isinstance(value, int) and not isinstance(value, bool):
             value = f"{value:,}"
         table.add_row(key, str(value))
+    binding = None
+    if hardware is not None and record.get("status") in ("ok", "oom"):
+        binding = hardware.binding_memory(record.get("peak_device_bytes"), record.get("host_bytes"))
+    if binding is not None:
+        which, used, capacity = binding
+        per = " per GPU" if which == "host" else ""
+        table.add_row("binds", f"{which} memory: {used / capacity:.0%} of its {capacity / 2**30:.2f} GiB{per}")
     OUT.rich(table)
 
 
@@ -202,11 +223,14 @@ def print_front(front: list[dict], target: int, hardware=None) -> None:
     table = Table(title="Pareto front (sequence length vs tokens/s)", caption=caption)
     from autotune.core.sizes import format_duration
 
-    for column in ("trial", "seq_len", "tokens/s", "step", "peak GiB", "source", "config"):
+    columns = ["trial", "seq_len", "tokens/s", "step", "peak GiB", "source", "config"]
+    if hardware is not None:  # the memory nearest its capacity: what a longer sequence of the config runs out of
+        columns.insert(5, "binds")
+    for column in columns:
         table.add_column(column)
     for entry in front:
         record = entry["record"]
-        table.add_row(
+        cells = [
             str(entry["trial"]),
             f"{entry['seq_len']:,}" + (" *" if entry["seq_len"] >= target else ""),
             f"{entry['tokens_per_s']:,.0f}",
@@ -214,7 +238,11 @@ def print_front(front: list[dict], target: int, hardware=None) -> None:
             f"{(record.get('peak_device_bytes') or 0) / 2**30:.2f}" + (" !" if entry in near else ""),
             record["source"],
             knob_label(entry["techniques"]),
-        )
+        ]
+        if hardware is not None:
+            binding = hardware.binding_memory(record.get("peak_device_bytes"), record.get("host_bytes"))
+            cells.insert(5, f"{binding[0]} {binding[1] / binding[2]:.0%}" if binding else "-")
+        table.add_row(*cells)
     OUT.rich(table)
 
 

@@ -125,7 +125,6 @@ def estimate(
     timeline = None
     wants_timeline = memory_timeline is not None or memory_snapshot is not None
     if max_seq:  # what the config's trainer runs at each length tried (autotune's: the config itself)
-        from autotune.core.trainers import TRAINERS
         from autotune.search.max_seq import search_trainer_max_seq
 
         record, how = search_trainer_max_seq(
@@ -161,7 +160,8 @@ def estimate(
     shown = record.to_dict()
     if max_seq and as_json:  # how the length was found (the length model, or the probes and why)
         shown["max_seq_search"] = how.to_dict()
-    print_record(shown, as_json, f"{run.model} on {where}{run.gpus}x {hw.name} (predicted, {run.documents.describe()})")
+    title = f"{run.model} on {where}{run.gpus}x {hw.name} (predicted, {run.documents.describe()})"
+    print_record(shown, as_json, title, hw)
     _say_trainer(run)
     if record.status == "error":
         fail_outcome(f"the prediction failed: {record.error}")
@@ -247,7 +247,7 @@ def trial(
             if group is not None:
                 group.finish(record.to_dict() if record is not None else None)
     where = f"{run.nodes} nodes x {run.gpus}" if run.nodes > 1 else f"x{run.gpus}"
-    print_record(record.to_dict(), as_json, f"{run.model} {where} (measured)")
+    print_record(record.to_dict(), as_json, f"{run.model} {where} (measured)", hw)
     if timeline_rank is not None and (group is None or group.driver):
         _write_trial_timeline(backend.last_timeline, run, hw, rank, depth, memory_timeline, memory_snapshot)
     if record.status != "ok":

@@ -252,6 +252,17 @@ class Hardware:
         those bytes count against capacity in every prediction."""
         return self if held_bytes == self.trainer_held_bytes else replace(self, trainer_held_bytes=int(held_bytes))
 
+    def binding_memory(self, peak_device_bytes: int | None, host_bytes: int | None) -> tuple[str, int, int] | None:
+        """(``"device"`` or ``"host"``, bytes used, capacity) of the memory nearest its capacity at these figures:
+        what binds a longer sequence. Host bytes and capacity are per accelerator; a preset that does not check the
+        host (``host_memory_bytes_per_device`` 0) binds on the device. None: no figures."""
+        uses = []
+        if peak_device_bytes and self.device_memory_bytes:
+            uses.append(("device", int(peak_device_bytes), self.device_memory_bytes))
+        if host_bytes and self.host_memory_bytes_per_device:
+            uses.append(("host", int(host_bytes), self.host_memory_bytes_per_device))
+        return max(uses, key=lambda use: use[1] / use[2]) if uses else None
+
     def near_capacity(self, peak_device_bytes: int | None) -> bool:
         """A peak within the oracle's error band on this hardware (``oracle_margin``) below capacity: it fits as
         predicted, by less than the prediction may be off."""

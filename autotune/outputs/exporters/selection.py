@@ -22,6 +22,7 @@ from pathlib import Path
 
 from autotune.core.errors import UserError
 from autotune.core.record import ResultRecord
+from autotune.core.sizes import format_duration
 from autotune.core.trainers import trainer_named
 from autotune.outputs.exporters.base import Exporter, ExportJob, Gap, Rendered
 from autotune.outputs.exporters.front import entry_config, entry_techniques, load_front
@@ -153,6 +154,8 @@ def _record_line(record: dict | ResultRecord, capacity: int) -> str:
     r = record if isinstance(record, dict) else record.to_dict()
     peak = (r.get("peak_device_bytes") or 0) / GIB
     rate = f", {r['tokens_per_s']:,.0f} tokens/s" if r.get("tokens_per_s") else ""
+    if r.get("step_time_s"):
+        rate += f", {format_duration(r['step_time_s'])} a step"
     return (
         f"{r['status']} at {r['seq_len']:,} tokens, peak {peak:.2f} GiB of {capacity / GIB:.2f} GiB per rank"
         f"{rate} ({r['source']})"
