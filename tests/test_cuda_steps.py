@@ -75,7 +75,11 @@ def test_offloaded_layer_inputs_come_back_exact_from_the_side_stream():
     assert offload_loss == pytest.approx(loss, rel=1e-6)
     assert set(offload_grads) == set(grads)
     worst = max(float((offload_grads[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in grads.items())
-    assert worst < 1e-4, worst  # atomics in the embedding's backward may reorder fp32 sums, nothing more
+    # Two runs of the same bf16 step differ without any offload: SDPA's CUDA backward (and the embedding's) sums
+    # with atomics, in an order that changes from run to run, so a bf16 dq may round one ulp (2^-8, 3.9e-3 relative)
+    # apart, and that spreads through the earlier layers' backward. 1e-2 holds that; an input read before its copy
+    # ended, or another layer's input, moves a layer's gradients by tens of percent.
+    assert worst < 1e-2, worst
 
 
 def test_offload_moves_the_layer_inputs_to_pinned_host_memory():
@@ -86,8 +90,10 @@ def test_offload_moves_the_layer_inputs_to_pinned_host_memory():
     layer_input = SEQ * hidden * 2  # one layer's input [s, h] in bf16: at least this much leaves the device
     assert offloaded.host_bytes - kept.host_bytes >= 5 * layer_input, (offloaded.host_bytes, kept.host_bytes)
     assert offloaded.peak_allocated_bytes < kept.peak_allocated_bytes
-    assert offloaded.loss == pytest.approx(kept.loss, rel=1e-6)
-    assert offloaded.grad_norm == pytest.approx(kept.grad_norm, rel=1e-4)
+    assert offloaded.loss == pytest.approx(kept.loss, rel=1e-6)  # the forward is deterministic
+    # the backward is not (SDPA's CUDA backward sums with atomics: bf16 gradients a rounding apart from run to
+    # run); the norm over every parameter averages that out to well under 1e-3
+    assert offloaded.grad_norm == pytest.approx(kept.grad_norm, rel=1e-3)
 
 
 def test_the_layer_clock_splits_a_cuda_step_along_its_layers():

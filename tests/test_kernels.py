@@ -26,14 +26,15 @@ import torch
 
 from tests.model_families import TINY_WINDOW, save, tiny_configs
 from trials.kernels import attention
-from trials.kernels.registry import FLASH_KERNELS, KERNELS
+from trials.kernels.registry import FLASH_KERNELS, KERNELS, VARLEN_KERNELS, forget_resolved
 
 pytestmark = pytest.mark.torch_release  # bin/test --oldest runs it on the oldest torch too
 
 # -- the real signatures ---------------------------------------------------------------------------------------------
 # Dao-AILab/flash-attention at commit 0251105a2fb19d2957484b7f023cd8c115286ced (annotations dropped):
 #   flash:  flash_attn/flash_attn_interface.py  flash_attn_func l. 1156; _flash_attn_forward l. 85 and
-#           _flash_attn_backward l. 253 (``_wrapped_flash_attn_forward`` / ``_backward`` on torch >= 2.4)
+#           _flash_attn_backward l. 253 (``_wrapped_flash_attn_forward`` / ``_backward`` on torch >= 2.4);
+#           flash_attn_varlen_func l. 1391 (the same in release 2.8.3, l. 1370)
 #   flash3: hopper/flash_attn_interface.py      flash_attn_func l. 809; _flash_attn_forward l. 60;
 #           _flash_attn_backward l. 259
 # and flash-attn-4's wheel of the release the registry pins (4.0.0b36; checked against it below):
@@ -46,6 +47,9 @@ REAL_SIGNATURES = {
         "alibi_slopes, return_softmax",
         "backward": "dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size_left, "
         "window_size_right, softcap, alibi_slopes, deterministic, rng_state=None",
+        "varlen": "q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None, "
+        "causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, "
+        "return_attn_probs=False, block_table=None",
     },
     "flash3": {
         "layer": "q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None, "
@@ -85,6 +89,7 @@ REAL_SIGNATURES = {
     },
 }
 WHICH = ("layer", "forward", "backward")
+DECLARED = (*WHICH, "varlen")  # every entry point a kernel may declare (``EntryPoints``)
 
 
 def real_signature(kernel: str, which: str) -> inspect.Signature:
@@ -253,6 +258,31 @@ def stand_ins(kernel: str, calls: list):
     return tuple(logged(which, entry) for which, entry in zip(WHICH, (layer, forward, backward)))
 
 
+def varlen_stand_in(calls: list):
+    """A CPU stand-in for FA2's ``flash_attn_varlen_func`` with its real parameter names and defaults: each
+    document of ``cu_seqlens_q`` attends as its own sequence (q/k/v [tokens, heads, dim]); each call is appended to
+    ``calls`` as ("varlen", args, kwargs)."""
+
+    def flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+        causal=False, window_size=(-1, -1), softcap=0.0, **kwargs,
+    ):  # fmt: skip
+        assert cu_seqlens_q.tolist() == cu_seqlens_k.tolist()
+        bounds = cu_seqlens_q.tolist()
+        parts = [
+            _Layer.apply(*(t[start:end].unsqueeze(0) for t in (q, k, v)), softmax_scale, causal, *window_size, softcap)
+            for start, end in zip(bounds, bounds[1:])
+        ]
+        return torch.cat([out[0] for out, _ in parts])
+
+    @functools.wraps(flash_attn_varlen_func)  # inspect.signature follows __wrapped__ to the stand-in's own
+    def call(*args, **kwargs):
+        calls.append(("varlen", args, kwargs))
+        return flash_attn_varlen_func(*args, **kwargs)
+
+    return call
+
+
 def window_left(kernel: str, call) -> int | None:
     """The left window extent a logged call passed (bound to the real signature)."""
     which, args, kwargs = call
@@ -277,19 +307,53 @@ def test_stand_ins_and_fakes_take_the_real_arguments(kernel):
         real = real_signature(kernel, which)
         check_signature(stand_in, real)
         check_signature(fake, real)
+    if kernel in VARLEN_KERNELS:
+        from autotune.oracle.fake_world import FAKE_VARLEN
+
+        assert entry_points.varlen.split(":")[1] == "flash_attn_varlen_func"
+        real = real_signature(kernel, "varlen")
+        check_signature(varlen_stand_in([]), real)
+        # the fake also takes the host boundaries (keyword ``documents``), which the stack passes only to a stand-in
+        # that asks for them (``takes_documents``), never to the real entry point
+        fake = FAKE_VARLEN[kernel]
+        assert fake.takes_documents
+
+        def fake_without_documents():
+            pass
+
+        signature = inspect.signature(fake)
+        kept = [p for name, p in signature.parameters.items() if name != "documents"]
+        fake_without_documents.__signature__ = signature.replace(parameters=kept)
+        check_signature(fake_without_documents, real)
+
+
+def test_every_declared_entry_point_has_its_real_signature_here():
+    """Each entry point a kernel declares (the varlen one too) has its real signature in ``REAL_SIGNATURES``, so
+    the calls the stack makes of it are bound to it below."""
+    for kernel in FLASH_KERNELS:
+        declared = {which for which in DECLARED if getattr(KERNELS[kernel].entry_points, which)}
+        assert declared == set(REAL_SIGNATURES[kernel]), kernel
 
 
 def stack_calls(kernel: str) -> list:
     """The calls the stack makes of ``kernel``'s entry points (whole layers, head-chunk forward and backward, with
-    and without a window, with a softcap), each (which, args, kwargs), made of CPU stand-ins."""
+    and without a window, with a softcap; a varlen kernel's layer over packed documents, with and without a window
+    shorter than the longest document), each (which, args, kwargs), made of CPU stand-ins."""
+    from trials.kernels.documents import Documents
+
     calls: list = []
     q, k, v = _qkv(seq=64)
-    with attention.flash_kernels(*stand_ins(kernel, calls), kernel=kernel):
+    varlen = varlen_stand_in(calls) if kernel in VARLEN_KERNELS else None
+    with attention.flash_kernels(*stand_ins(kernel, calls), kernel=kernel, varlen=varlen):
         for window in (None, 16):
             attention.causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.25, kernel, window)
             out, residuals = attention.attention_forward(q, k, v, 0.25, kernel, window, 30.0)
             attention.attention_backward(torch.ones_like(out), q, k, v, out, residuals, 0.25, kernel, window, 30.0)
-    assert sorted({which for which, _, _ in calls}) == sorted(WHICH)
+            if varlen is not None:
+                documents = Documents((10, 30, 24))
+                layer_in = [t.transpose(1, 2) for t in (q, k, v)]
+                attention.causal_attention(*layer_in, 0.25, kernel, window, 30.0, documents=documents)
+    assert sorted({which for which, _, _ in calls}) == sorted(WHICH + (("varlen",) if varlen else ()))
     return calls
 
 
@@ -726,7 +790,18 @@ def test_the_search_space_drops_a_kernel_its_limits_refuse_on_the_presets_gpus(t
     assert offered == {"b200": ["flash"], "h100-sxm": ["flash", "flash4"]}
 
 
-def test_a_hub_build_that_setup_gpu_put_into_the_venv_provides_every_entry_point(tmp_path, monkeypatch):
+@pytest.fixture
+def fresh_resolution():
+    """No entry point resolved before the test, and none of its stand-ins kept after it (``forget_resolved``): a
+    test that installs a stand-in package or hub build resolves it, and later tests must not see it."""
+    forget_resolved()
+    yield
+    forget_resolved()
+
+
+def test_a_hub_build_that_setup_gpu_put_into_the_venv_provides_every_entry_point(
+    tmp_path, monkeypatch, fresh_resolution
+):
     """Without the pip package, the stack calls the kernel hub's build from ``hub_kernel_dir`` (loaded with
     ``kernels.get_local_kernel``, never from the network): the layer from the module, forward and backward from its
     ``flash_attn_interface``, as kernels-community/flash-attn3 exports them."""
@@ -901,7 +976,7 @@ def test_flash_attn_4s_namespace_flash_attn_leaves_fa2_to_its_hub_build(flash_at
     }
 
 
-def test_a_pip_package_without_an_entry_point_leaves_it_to_the_hub_build(tmp_path, monkeypatch):
+def test_a_pip_package_without_an_entry_point_leaves_it_to_the_hub_build(tmp_path, monkeypatch, fresh_resolution):
     """flash-attn 2.6 imports but lacks the head-chunk entry points (``_wrapped_flash_attn_forward`` / ``_backward``
     are new in 2.7): the hub build that setup-gpu put into the venv serves them; without one, flash-attn is
     "installed but does not import", with the AttributeError."""

@@ -218,3 +218,91 @@ def test_a_cpu_trial_keeps_the_memory_it_frees_as_cudas_caching_allocator_does(t
         f"glibc.malloc.trim_threshold={HOST_MALLOC_TUNABLES['glibc.malloc.trim_threshold']}",
     ]
     assert trial_environment({"GLIBC_TUNABLES": "glibc.cpu.x=1"})["GLIBC_TUNABLES"] == "glibc.cpu.x=1"
+
+
+# torchrun's report of a rank that SIGKILL ended (torch.distributed.elastic's failure format), as the tail ends
+_TORCHRUN_SIGKILLED_RANK_1 = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+trials.trial.runner FAILED
+------------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-01-01_00:00:00
+  host      : node0
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 4242) (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 4242
+============================================================"""
+
+
+def _killed_trial(monkeypatch, model_config, kills, launched, gpus=1, host_limit=0, predictor=None):
+    """``LocalBackend.evaluate`` of a trial whose launch gives ``launched`` (ranks, returncode, timed out, tail),
+    no process started, while ``memory.events``' ``oom_kill`` reads ``kills`` (before, after; None: no file)."""
+    from dataclasses import replace
+
+    import autotune.backends.local as local
+
+    readings = iter(kills)
+    monkeypatch.setattr(local, "oom_kills", lambda: next(readings))
+    backend = LocalBackend(steps=1, timeout_s=60, predictor=predictor)
+    backend.launch = lambda *args, **kwargs: launched
+    hardware = replace(load_hardware("cpu"), host_memory_bytes_per_device=host_limit)
+    return backend.evaluate(Evaluation(model_config, Techniques(), 1024, gpus, hardware))
+
+
+def _rank0_lost_its_peer(host_bytes: int = 0):
+    from trials.trial.spec import RankRecord
+
+    return RankRecord(
+        status="error", seq_len=1024, rank=0, error="RuntimeError: Connection closed by peer", host_bytes=host_bytes
+    )
+
+
+def test_a_rank_the_oom_killer_ended_is_a_host_oom(tiny_llama, monkeypatch):
+    """A rank SIGKILL ended (the one process's exit code -9) while cgroup v2's oom_kill count rose: ``oom``, the
+    rank named; the same death without a count that rose stays an ``error`` (SIGKILL from someone else)."""
+    record = _killed_trial(monkeypatch, tiny_llama, (3, 4), ([], -9, False, "step 1"))
+    assert record.status == "oom", record.error
+    assert record.error.startswith("host out of memory (the kernel's OOM killer ended rank 0)"), record.error
+    record = _killed_trial(monkeypatch, tiny_llama, (3, 3), ([], -9, False, "step 1"))
+    assert record.status == "error" and "killed by signal SIGKILL" in record.error, record.error
+    record = _killed_trial(monkeypatch, tiny_llama, (3, 4), ([], -11, False, "step 1"))  # a segfault
+    assert record.status == "error" and "SIGSEGV" in record.error, record.error
+
+
+def test_torchruns_report_names_the_rank_the_oom_killer_ended(tiny_llama, monkeypatch):
+    """Under torchrun the launch exits 1; its report names the rank that died of signal 9. Its peer's "connection
+    closed" is the symptom, the host's memory the cause."""
+    launched = ([_rank0_lost_its_peer()], 1, False, _TORCHRUN_SIGKILLED_RANK_1)
+    record = _killed_trial(monkeypatch, tiny_llama, (0, 1), launched, gpus=2)
+    assert record.status == "oom", record.error
+    assert record.error.startswith("host out of memory (the kernel's OOM killer ended rank 1)"), record.error
+    record = _killed_trial(monkeypatch, tiny_llama, (1, 1), launched, gpus=2)
+    assert record.status == "error" and "without a record" in record.error, record.error
+
+
+@pytest.mark.parametrize("host_limit, status", [(1 << 30, "oom"), (4 << 30, "error"), (0, "error")])
+def test_without_memory_events_the_host_figure_against_the_host_limit_decides(
+    tiny_llama, monkeypatch, host_limit, status
+):
+    """No cgroup v2 memory.events: a SIGKILLed rank is a host OOM where the trial's host figure (here its peer's
+    record, 2 GiB) is over the hardware's host memory per device; an unknown limit (0) decides nothing."""
+    launched = ([_rank0_lost_its_peer(host_bytes=2 << 30)], 1, False, _TORCHRUN_SIGKILLED_RANK_1)
+    record = _killed_trial(monkeypatch, tiny_llama, (None, None), launched, gpus=2, host_limit=host_limit)
+    assert record.status == status, record.error
+    assert ("the kernel's OOM killer ended rank 1" in record.error) == (status == "oom")
+
+
+def test_oom_kills_reads_the_oom_kill_count_of_memory_events(tmp_path, monkeypatch):
+    import autotune.backends.local as local
+
+    events = tmp_path / "memory.events"
+    events.write_text("low 0\nhigh 0\nmax 12\noom 3\noom_kill 2\noom_group_kill 0\n")
+    monkeypatch.setattr(local, "memory_events_path", lambda: events)
+    assert local.oom_kills() == 2
+    events.unlink()
+    assert local.oom_kills() is None

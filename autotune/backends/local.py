@@ -6,7 +6,9 @@ so a hung collective cannot outlive its trial. The deadline and the ranks' colle
 follow the trial's predicted step time (``trial_deadlines``) unless a fixed ``timeout_s`` is given: a step at
 5M tokens is predicted at hours, and a constant deadline could only kill it. Each rank writes its own record; they are merged here:
 the peak is the max over ranks, the status the worst one (oom > error > ok), and a rank that died without
-writing a record (killed by a signal, segfault) becomes ``error`` with its last lines of output.
+writing a record (killed by a signal, segfault) becomes ``error`` with its last lines of output -- or ``oom`` when
+the kernel's OOM killer ended it: a rank killed by SIGKILL while the host's memory ran out (``host_memory_ran_out``:
+cgroup v2's ``memory.events`` counted an OOM kill during the trial).
 """
 
 from __future__ import annotations
@@ -59,6 +61,36 @@ def trial_deadlines(predicted_step_s: float | None, steps: int, warmup: int) -> 
 def visible_devices() -> int:
     """GPUs this process can use (0 on a CPU-only machine)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+MEMORY_EVENTS = Path("/sys/fs/cgroup/memory.events")  # cgroup v2, where /proc/self/cgroup names no cgroup of its own
+# torchrun's report of a rank a signal ended (torch.distributed.elastic's failure format): "rank      : 1 (local_rank:
+# 1)" and on the next line "exitcode  : -9 (pid: 123) (SIGKILL)"
+TORCHRUN_SIGKILLED = re.compile(rf"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*-{int(signal.SIGKILL)}\b")
+
+
+def memory_events_path() -> Path:
+    """This process's cgroup's ``memory.events`` (cgroup v2: the "0::PATH" line of /proc/self/cgroup), else
+    ``MEMORY_EVENTS`` (inside a container's cgroup namespace the cgroup is the root of /sys/fs/cgroup)."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return MEMORY_EVENTS
+    own = next((line[3:] for line in lines if line.startswith("0::")), "/")
+    path = MEMORY_EVENTS.parent / own.lstrip("/") / "memory.events"
+    return path if own.strip("/") and path.is_file() else MEMORY_EVENTS
+
+
+def oom_kills() -> int | None:
+    """How many processes of this process's cgroup (its trials' ranks included) the kernel's OOM killer has ended
+    so far: ``memory.events``' ``oom_kill`` (cgroup v2; it counts every OOM killer, the host's and the cgroup's
+    limit's). None: no cgroup v2 memory.events here."""
+    try:
+        text = memory_events_path().read_text()
+    except OSError:
+        return None
+    found = re.search(r"^oom_kill\s+(\d+)\s*$", text, flags=re.M)
+    return int(found.group(1)) if found else None
 
 
 PEER_LOST = re.compile(  # a rank's error that is only the symptom of a peer's failure
@@ -210,14 +242,18 @@ class LocalBackend(Backend):
         self, evaluation: Evaluation, spec_path: Path, work: Path, deadline_s: float
     ) -> tuple[ResultRecord, list[RankRecord]]:
         if evaluation.nodes == 1:
+            kills_before = oom_kills()
             ranks, returncode, timed_out, tail = self.launch(evaluation.gpus, spec_path, work, deadline_s)
-            return merge_rank_records(evaluation, ranks, returncode, timed_out, tail, deadline_s), ranks
+            host_oom = self.host_memory_ran_out(evaluation, ranks, returncode, tail, kills_before, oom_kills())
+            merged = merge_rank_records(evaluation, ranks, returncode, timed_out, tail, deadline_s, host_oom)
+            return merged, ranks
         if self.group is None or not self.group.driver:
             raise ConfigError(
                 f"a trial over {evaluation.nodes} nodes needs --rdzv-endpoint HOST:PORT, the same on every node"
             )
         # every node runs the same spec under the same rendezvous id; the followers report their ranks back
         started = time.monotonic()
+        kills_before = oom_kills()  # this node's: a follower's OOM kill shows only by the fall-back below
         number, rdzv_id = self.group.publish(
             {
                 "spec": json.loads(spec_path.read_text()),
@@ -235,7 +271,27 @@ class LocalBackend(Backend):
             timed_out = timed_out or result.timed_out
             returncode = returncode or result.returncode
             tail += f"\n--- node {result.node} ---\n{result.tail}"
-        return merge_rank_records(evaluation, ranks, returncode, timed_out, tail, deadline_s), ranks
+        host_oom = self.host_memory_ran_out(evaluation, ranks, returncode, tail, kills_before, oom_kills())
+        return merge_rank_records(evaluation, ranks, returncode, timed_out, tail, deadline_s, host_oom), ranks
+
+    def host_memory_ran_out(
+        self, evaluation: Evaluation, ranks: list[RankRecord], returncode, tail: str, before, after
+    ) -> bool:
+        """Whether the host's memory ran out during a trial that lost a rank to SIGKILL (``sigkilled_rank``), the
+        kernel's OOM killer's signal: cgroup v2's ``oom_kill`` count rose from ``before`` to ``after``
+        (``oom_kills``); where there is no count, the trial's host figure (the most any rank's record holds, or
+        the predictor's) is over the hardware's host memory per device, when that is known."""
+        if sigkilled_rank(evaluation, ranks, returncode, tail) is None:
+            return False
+        if before is not None and after is not None:
+            return after > before
+        limit = evaluation.hardware.host_memory_bytes_per_device
+        if not limit:
+            return False
+        figures = [r.host_bytes or 0 for r in ranks]
+        if self.predictor is not None:
+            figures.append(self.predictor.evaluate(evaluation).host_bytes or 0)
+        return max(figures, default=0) > limit
 
     def follow(self) -> dict | None:
         """A follower's whole part in a multi-node command: run every trial the driver publishes on this node and
@@ -421,12 +477,34 @@ def extend_step_time(timed: dict, timed_runs: list, runs: list, parameters: int)
     return step + timed["tail_time_s"] * (parameters / timed["parameters"] - 1)
 
 
+def sigkilled_rank(evaluation: Evaluation, ranks: list[RankRecord], returncode, tail: str) -> int | None:
+    """The rank SIGKILL ended, without writing its record: the one torchrun's report names (``TORCHRUN_SIGKILLED``,
+    its root cause where it names several), else the first rank without a record when the launch itself died
+    of SIGKILL (one rank: the launch is rank 0's process). None: no rank died of SIGKILL."""
+    written = {r.rank for r in ranks}
+    root_cause = tail.rpartition("Root Cause")[2]  # the whole tail where torchrun's report is not in it
+    reported = [*TORCHRUN_SIGKILLED.findall(root_cause), *TORCHRUN_SIGKILLED.findall(tail)]
+    found = next((int(rank) for rank in reported if int(rank) not in written), None)
+    if found is not None:
+        return found
+    missing = sorted(set(range(evaluation.world_size)) - written)
+    return missing[0] if missing and returncode == -signal.SIGKILL else None
+
+
 def merge_rank_records(
-    evaluation: Evaluation, ranks: list[RankRecord], returncode, timed_out: bool, tail: str, timeout_s: float
+    evaluation: Evaluation,
+    ranks: list[RankRecord],
+    returncode,
+    timed_out: bool,
+    tail: str,
+    timeout_s: float,
+    host_oom: bool = False,
 ) -> ResultRecord:
-    """One record from the per-rank ones, root cause first: an OOM anywhere makes the trial ``oom``; else the
-    earliest error a rank wrote itself; else a rank that died without writing its record (a signal, a
-    segfault) -- its peers' "connection closed" errors are only symptoms of it."""
+    """One record from the per-rank ones, root cause first: an OOM anywhere makes the trial ``oom`` -- one a rank
+    recorded, or a rank the kernel's OOM killer ended (SIGKILL while ``host_oom``: the host's memory ran out,
+    ``LocalBackend.host_memory_ran_out``); else the earliest error a rank wrote itself; else a rank that died
+    without writing its record (a signal, a segfault) -- its peers' "connection closed" errors are only symptoms
+    of it."""
     base = {"source": "measured", "seq_len": evaluation.seq_len}
     peak = max((r.peak_device_bytes or 0 for r in ranks), default=None)
     if timed_out:
@@ -452,6 +530,15 @@ def merge_rank_records(
             host_bytes=cause.host_bytes,
             device=cause.device,
             error=f"rank {cause.rank}: {cause.error}",
+        )
+    killed = sigkilled_rank(evaluation, ranks, returncode, tail) if host_oom else None
+    if killed is not None:
+        return ResultRecord(
+            status="oom",
+            **base,
+            peak_device_bytes=peak,
+            host_bytes=max((r.host_bytes or 0 for r in ranks), default=None) or None,
+            error=f"host out of memory (the kernel's OOM killer ended rank {killed}); last output:\n{tail}",
         )
     if errors:
         cause = errors[0]

@@ -168,7 +168,18 @@ class AttentionKernel:
         """Entry point ``which`` as this process has it: the pip package's module, else the hub build that
         ``bin/setup-gpu`` put into this venv (``hub_kernel_dir``). The pip package counts as absent when its module
         is not found, is a namespace package without it (``EntryPoints.resolve``), or lacks the entry point (an
-        AttributeError): the hub build then serves, where there is one."""
+        AttributeError): the hub build then serves, where there is one.
+
+        Resolved once per process (``_resolved``): the stack calls it on every attention call of every layer, and a
+        lookup tries imports and checks the filesystem. A failure is not kept, so an entry point installed later
+        resolves on the next call; ``forget_resolved`` drops what was kept (tests that swap packages call it)."""
+        key = (self.name, which)
+        if key not in _resolved:
+            _resolved[key] = self._look_up(which)
+        return _resolved[key]
+
+    def _look_up(self, which: str):
+        """``resolve``'s lookup, uncached."""
         try:
             return self.entry_points.resolve(which)
         except (ModuleNotFoundError, AttributeError) as missing:
@@ -206,6 +217,14 @@ class AttentionKernel:
 
 
 _hub_modules: dict = {}
+_resolved: dict = {}  # (kernel name, "layer" | "forward" | "backward" | "varlen") -> its entry point, resolved
+
+
+def forget_resolved() -> None:
+    """Drop every entry point resolved in this process (``AttentionKernel.resolve``) and every hub build loaded: the
+    next call looks each up again (after a test installs or removes a package or a hub build)."""
+    _resolved.clear()
+    _hub_modules.clear()
 
 
 def _load_hub_kernel(name: str):
