@@ -127,10 +127,12 @@ def main(argv=None) -> int:
         )
         ok &= reach >= GOAL_FRACTION
         best = _estimate(args.autotune, best_path, env, max_seq=False)
+        from autotune.core.sizes import format_duration  # the repo's, on sys.path since _frugal_techniques
+
         print(
             f"best.json: {template['seq_len']:,} tokens at {template['predicted']['tokens_per_s']:,.0f} tokens/s; "
             f"autotune estimate says {best['status']} (peak {best['peak_device_bytes'] / 2**30:.1f} GiB, "
-            f"host {(best['host_bytes'] or 0) / 2**30:.1f} GiB, per GPU)"
+            f"host {(best['host_bytes'] or 0) / 2**30:.1f} GiB, per GPU; {format_duration(best['step_time_s'])} a step)"
         )
         ok &= template["seq_len"] >= TARGET_TOKENS and best["status"] == "ok"
         print(f"autotune estimate --config best.json took {best['_seconds']:.1f} s (goal <= {GOAL_ESTIMATE_S:.0f} s)")

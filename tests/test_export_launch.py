@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import os
 
 import pytest
+from conftest import ROOT
 
 from trials.core.dist import MIN_COLLECTIVE_TIMEOUT_S, collective_timeout_s, init_mesh
 from trials.stack.techniques import Techniques
@@ -87,3 +89,23 @@ def test_each_exported_script_starts_its_group_with_the_ring_and_a_timeout_above
     [call] = started.calls
     assert (call["sp_degree"], call["ring_degree"]) == (2, 2)
     assert call["timeout_s"] == collective_timeout_s(STEP_TIME_S)
+
+
+def test_a_ulysses_and_ring_config_in_one_process_names_the_launch_it_needs():
+    """``hf.apply`` of a config with Ulysses 2 x ring 2 in a script started as one process: one line saying how
+    many processes to launch and how (``init_mesh``), not only that the ranks are missing."""
+    import subprocess
+    import sys
+
+    code = "from trials.core.dist import init_mesh; init_mesh(2, ring_degree=2)"
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert done.returncode != 0
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .endswith(
+            "needs 4 ranks, have 1: launch 4 processes (torchrun --nproc-per-node 4, or accelerate launch --multi_gpu "
+            "--num_processes 4)"
+        )
+    ), done.stderr[-2000:]

@@ -12,6 +12,8 @@
 - In one process: gradient accumulation over 2 micro-batches logs the plain ``Trainer``'s losses and gradient norms.
 - In one process: each ``TrainingArguments`` (and TRL ``SFTConfig``) field the stack needs, set otherwise, is
   refused in one line naming it, before the trainer prepares anything.
+- In one process: a trainer made without ``use_cpu`` on a machine without CUDA, or in a run whose processes are
+  not the model's mesh's or do not split into its Ulysses x ring groups, is refused in one line that says the fix.
 - ``--sft --packing``: TRL's ``SFTTrainer(packing=True)`` on 2 processes logs the plain one-process
   ``SFTTrainer``'s first loss on the same packed documents (the plain model attending per document).
 """
@@ -374,3 +376,70 @@ def test_gradient_accumulation_trains_like_the_plain_trainer(tmp_path):
     assert len(losses["plain"]) == 2 and losses["plain"][0][0] != losses["plain"][1][0]
     for stack, plain in zip(losses["stack"], losses["plain"]):
         assert stack == pytest.approx(plain, rel=1e-5), losses
+
+
+# StackTrainer made in one process where it cannot train: without use_cpu on the CPU, and in a run of 2 processes
+# (WORLD_SIZE, set once the arguments exist) with a model applied on this 1-process mesh; prints each refusal
+MISLAUNCHED = """
+import json, os
+from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
+from trials import hf
+from trials.hf_trainer import StackTrainer, StackTrainerError, training_arguments
+from trials.models.config import load_model_config
+from trials.stack.techniques import Techniques
+
+values = {k: v for k, v in load_model_config("tiny-llama").items() if not k.startswith("_")}
+model = hf.apply(AutoModelForCausalLM.from_config(AutoConfig.for_model(**values)), Techniques())
+said = {}
+for case, use_cpu, world in (("fits", True, None), ("use_cpu", False, None), ("world", True, "2")):
+    args = TrainingArguments(output_dir="out", report_to=[], **{**training_arguments(), "use_cpu": use_cpu})
+    if world:
+        os.environ["WORLD_SIZE"] = world
+    try:
+        StackTrainer(model=model, args=args, train_dataset=[])
+        said[case] = None
+    except StackTrainerError as exc:
+        said[case] = str(exc)
+    os.environ.pop("WORLD_SIZE", None)
+print(json.dumps(said))
+"""
+
+
+@pytest.fixture(scope="module")
+def mislaunched(tmp_path_factory) -> dict:
+    """What StackTrainer said in each MISLAUNCHED case (None: it was made)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    result = subprocess.run(
+        [sys.executable, "-c", MISLAUNCHED],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path_factory.mktemp("mislaunched"),
+        env={**env, "PYTHONPATH": PYTHONPATH, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_the_trainer_on_the_cpu_without_use_cpu_is_refused_when_made(mislaunched):
+    assert mislaunched["fits"] is None
+    line = mislaunched["use_cpu"]
+    assert line.startswith("use_cpu False: ") and "\n" not in line and "use_cpu=True" in line, line
+
+
+def test_a_run_of_other_processes_than_the_models_mesh_is_refused_when_made(mislaunched):
+    line = mislaunched["world"]
+    assert line.startswith("processes: ") and "\n" not in line and "world size 1, this run 2 processes" in line, line
+
+
+def test_a_world_the_ulysses_and_ring_groups_do_not_divide_names_the_launch_that_does():
+    from trials.core.dist import Mesh
+    from trials.hf_trainer import world_problem
+
+    techniques = Techniques(ulysses_degree=2, ring_degree=2)
+    line = world_problem(Mesh.single(), techniques, 2)
+    assert line is not None and "\n" not in line, line
+    assert line.startswith("processes: ulysses_degree 2 x ring_degree 2 splits each sequence over 4 processes, "), line
+    assert "this run has 2" in line and "accelerate launch --multi_gpu --num_processes 4 " in line, line
+    mesh = Mesh(rank=0, world_size=8, sp_degree=2, device=Mesh.single().device, ring_degree=2)
+    assert world_problem(mesh, techniques, 8) is None

@@ -7,7 +7,9 @@
     trainer = StackTrainer(model=model, args=args, train_dataset=ds)  # in place of transformers.Trainer
     trainer.train()
 
-launched with ``accelerate launch --config_file <the accelerate export>`` (or ``torchrun``). TRL's ``SFTTrainer``
+launched with ``accelerate launch --config_file <the accelerate export>`` (or ``accelerate launch --multi_gpu
+--num_processes N``, ``torchrun --nproc-per-node N``; on CPU too, with ``TrainingArguments(use_cpu=True)``). ``cfg`` is
+``trials.training.config_file.load_config_file`` of a search's ``best.json``. TRL's ``SFTTrainer``
 takes the same mixin: ``class StackSFTTrainer(StackTrainerMixin, SFTTrainer): pass`` (its ``SFTConfig`` with
 ``dataset_kwargs={"skip_prepare_dataset": True}`` for tokenised examples, and ``SFT_ARGUMENTS``).
 
@@ -44,14 +46,16 @@ Where ``Trainer`` meets the stack:
   (``trials.training.checkpoint.export_hf``: each rank its shards, merged by rank 0).
 
 What cannot run is refused when the trainer is made, before training, with one line naming the argument
-(``StackTrainerError``, a ``ConfigError``): see ``problem`` and ``launcher_problem``.
+(``StackTrainerError``, a ``ConfigError``): see ``problem``, ``world_problem`` and ``launcher_problem``.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from transformers import Trainer
 
 from trials import hf
@@ -61,6 +65,9 @@ from trials.training import checkpoint, step
 from trials.training.data import Batch
 
 IGNORE_INDEX = hf.IGNORE_INDEX
+# how N processes start on one node, on CUDA and CPU alike (torch.distributed.run): ``accelerate launch --cpu`` starts
+# one process whatever --num_processes says
+LAUNCH = "accelerate launch --multi_gpu --num_processes {n} your_train.py (or torchrun --nproc-per-node {n})"
 STATE = "stack-state"  # a checkpoint's DCP folder of the sharded model and optimizer
 SCHEDULER_FILE = "scheduler.pt"  # transformers.trainer.SCHEDULER_NAME
 
@@ -127,6 +134,35 @@ def problem(model, args) -> str | None:
         given = getattr(given, "value", given)  # an enum (eval_strategy) as its string
         if given not in ((value,) if not isinstance(value, tuple) else value):
             return f"{field} {given!r}: {why}"
+    if mesh.device.type == "cpu" and not getattr(args, "use_cpu", False):
+        # Accelerate then sets itself up for a GPU and prepares a loader that is not sharded per process
+        return "use_cpu False: the stack's model is on the CPU (a machine without CUDA); pass TrainingArguments(use_cpu=True)"
+    return world_problem(mesh, techniques, launched_processes())
+
+
+def launched_processes() -> int:
+    """The processes of this run: torch.distributed's world once it is started, else the launcher's WORLD_SIZE."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def world_problem(mesh, techniques, processes: int) -> str | None:
+    """Why a model on ``mesh`` with ``techniques`` cannot train in a run of ``processes`` processes (None: it can):
+    the ranks that split one sequence (ulysses_degree x ring_degree) must divide them, and the mesh must span them.
+    One line with the launch that fixes it."""
+    ranks = techniques.ulysses_degree * techniques.ring_degree
+    if processes % ranks:
+        return (
+            f"processes: ulysses_degree {techniques.ulysses_degree} x ring_degree {techniques.ring_degree} splits "
+            f"each sequence over {ranks} processes, this run has {processes}; launch {ranks} (or a multiple): "
+            + LAUNCH.format(n=ranks)
+        )
+    if mesh.world_size != processes:
+        return (
+            f"processes: the model's mesh has world size {mesh.world_size}, this run {processes} processes; "
+            "call trials.hf.apply without a mesh in each launched process (it joins the launch)"
+        )
     return None
 
 

@@ -94,8 +94,10 @@ def init_mesh(sp_degree: int, device: torch.device | None = None, timeout_s: flo
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if world_size == 1 and not dist.is_initialized():
         if sp_degree != 1 or ring_degree != 1:
+            ranks = sp_degree * ring_degree
             raise ValueError(
-                f"ulysses_degree {sp_degree} x ring_degree {ring_degree} needs {sp_degree * ring_degree} ranks, have 1"
+                f"ulysses_degree {sp_degree} x ring_degree {ring_degree} needs {ranks} ranks, have 1: launch {ranks} "
+                f"processes (torchrun --nproc-per-node {ranks}, or accelerate launch --multi_gpu --num_processes {ranks})"
             )
         return Mesh.single(device)
     if not dist.is_initialized():
