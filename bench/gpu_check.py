@@ -866,7 +866,8 @@ def real_scale(args, missing: set[str]) -> int:
     limit = (
         "none"
         if args.budget is None
-        else f"{args.budget:.0f} s, {budget.reserve_s:.0f} s of it for the checks after the configs"
+        else f"{args.budget:.0f} s: at most {TESTS_SHARE * args.budget:.0f} s for the CUDA tests, "
+        f"{budget.reserve_s:.0f} s for the checks after the configs"
     )
     print(
         f"gpu_check --scale 8b-reduced: {where}; {dtype} compute; torch {torch.__version__}; kernels "

@@ -875,6 +875,7 @@ def _signature_of(function: ast.FunctionDef) -> inspect.Signature:
     return inspect.signature(namespace["entry"])
 
 
+@pytest.mark.any_release  # a package index's wheel and Python's import machinery
 def test_the_pinned_flash_attn_4_wheel_has_the_entry_points_and_signatures_the_stack_calls(flash_attn_4):
     """Each flash4 entry point the registry declares is a function in the pinned release's wheel, with the signature
     ``REAL_SIGNATURES`` holds, and every call the stack makes binds to it."""
@@ -940,6 +941,7 @@ _HUB_FA2 = {
 }
 
 
+@pytest.mark.any_release  # a package index's wheel and Python's import machinery
 def test_flash_attn_4s_namespace_flash_attn_leaves_fa2_to_its_hub_build(flash_attn_4, tmp_path):
     """flash-attn-4's wheel installs ``flash_attn/cute/`` and no ``flash_attn/__init__.py``: ``import flash_attn``
     gives a namespace package without FA2's entry points. FA2 then counts as not installed from pip, so its hub

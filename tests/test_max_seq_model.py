@@ -75,6 +75,7 @@ def test_length_model_finds_the_probes_record(name):
     assert how.lengths == [record.seq_len, record.seq_len + unit]
 
 
+@pytest.mark.any_release
 @pytest.mark.parametrize("miss", [-3, 2])
 def test_a_missed_guess_falls_back_to_the_probes(monkeypatch, miss):
     """A model whose answer is off (short or long) hands over to the probes from the two lengths it evaluated:
@@ -87,6 +88,7 @@ def test_a_missed_guess_falls_back_to_the_probes(monkeypatch, miss):
     assert how.method == "probes" and "length model's answer" in how.reason
 
 
+@pytest.mark.any_release
 def test_estimate_max_seq_json_says_how(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(

@@ -229,6 +229,7 @@ def test_replay_counts_blocks_allocated_before_the_trace():
     assert replay_peak(snapshot) == 1000 + 512 + 1024
 
 
+@pytest.mark.any_release
 @pytest.mark.parametrize(
     "args, says",
     [

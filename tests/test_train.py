@@ -231,6 +231,7 @@ def test_autotune_run_says_where_training_diverged_and_exits_1(diverging, tmp_pa
     ]  # the trainer's, the root cause
 
 
+@pytest.mark.any_release
 @pytest.mark.parametrize(
     "name, said",
     [
@@ -256,11 +257,13 @@ def test_the_trainer_refuses_a_data_file_it_cannot_use_before_building_a_model(w
     assert "Traceback" not in done.stderr and "step " not in done.stdout
 
 
+@pytest.mark.any_release
 def test_resume_without_a_checkpoint_is_bad_input(work):
     done = train(1, "--config", "one.json", "--save", "empty", "--resume", cwd=work)
     one_line_exit_2(done, "no complete checkpoint in 'empty'")
 
 
+@pytest.mark.any_release
 def test_init_from_another_model_or_a_checkpoint_missing_a_tensor_is_bad_input(work, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -285,6 +288,7 @@ def test_init_from_another_model_or_a_checkpoint_missing_a_tensor_is_bad_input(w
     one_line_exit_2(done, "has no tensor 'model.layers.1.mlp.up_proj.weight'")
 
 
+@pytest.mark.any_release
 def test_resuming_a_finished_run_says_there_is_nothing_to_train(work, tmp_path):
     args = ["--config", str(work / "one.json"), "--steps", "2", "--save", "ck"]
     summary_of(train(1, *args, cwd=tmp_path))
@@ -317,6 +321,7 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint_and_exits_1(work
     assert "resumed from ck/step-00000002" in resumed.stdout and summary_of(resumed)["steps"] == 4
 
 
+@pytest.mark.any_release
 def test_autotune_run_passes_the_trainers_options_and_refuses_bad_ones_before_launching(work, tmp_path):
     from tests.conftest import run_cli
 
