@@ -348,8 +348,8 @@ CASES += [
         "is a directory",
     ),
     (
-        "--memory-snapshot in a missing folder",
-        ["estimate", "--config", "{d}/config-good.json", "--memory-snapshot", "{d}/missing/t.pickle"],
+        "--memory-snapshot under a file",
+        ["estimate", "--config", "{d}/config-good.json", "--memory-snapshot", "/dev/null/t.pickle"],
         "cannot write there",
     ),
     (

@@ -14,6 +14,7 @@ from test_cli_config import assert_exit, autotune
 from autotune.backends import Evaluation
 from autotune.backends.plan import PlanBackend, step_counts
 from autotune.core.documents import parse_documents
+from autotune.core.errors import UserError
 from autotune.core.hardware import load_hardware
 from autotune.timing.model import attention_time
 from trials.kernels.documents import ONE, DocumentsSpec
@@ -32,8 +33,13 @@ def test_documents_spec_forms(tmp_path):
     (tmp_path / "tokens.json").write_text(json.dumps([[1] * n for n in lengths]))
     pq.write_table(pa.table({"n": lengths}), tmp_path / "lengths.parquet")
     pq.write_table(pa.table({"input_ids": [[5] * n for n in lengths]}), tmp_path / "tokens.parquet")
-    for name in ("lengths.json", "tokens.json", "lengths.parquet", "tokens.parquet"):
+    (tmp_path / "lengths.csv").write_text("".join(f"{n}\n" for n in lengths))  # no header row
+    (tmp_path / "named.csv").write_text("source,tokens\n" + "".join(f"a,{n}\n" for n in lengths))
+    for name in ("lengths.json", "tokens.json", "lengths.parquet", "tokens.parquet", "lengths.csv", "named.csv"):
         assert parse_documents(str(tmp_path / name)).lengths == tuple(lengths), name
+    (tmp_path / "words.csv").write_text("source\na\n")
+    with pytest.raises(UserError, match="has no column of integer lengths"):
+        parse_documents(str(tmp_path / "words.csv"))
     # packed in order, cycled, the last one cut at the sequence's end
     assert DocumentsSpec(tuple(lengths)).for_length(3000).lengths == (300, 17, 2048, 300, 17, 318)
     assert DocumentsSpec((4 * K,)).for_length(2 * K) is None  # longer than the sequence: one document
@@ -201,3 +207,14 @@ def test_a_search_for_a_trainer_that_attends_across_documents_prices_whole_windo
         return [(e["seq_len"], e["tokens_per_s"]) for e in json.loads((out / "pareto.json").read_text())["front"]]
 
     assert front("--documents", "1K") == front()
+
+
+def test_documents_no_shorter_than_the_sequence_are_said_to_make_one_document_each():
+    """``--documents 64K --seq 32K``: every sequence is one document (``DocumentsSpec.for_length``), and the run
+    says so rather than taking the documents silently; shorter documents are said nothing of."""
+    from autotune.core.overrides import Defaults, resolve_config
+
+    defaults = Defaults(gpus=1, nodes=1, hardware="cpu")
+    said = resolve_config("baseline", defaults, model="tiny-llama", seq="32K", documents="64K").notices
+    assert said == ["--documents 64K is not shorter than the sequence (32K): each sequence is one document"]
+    assert resolve_config("baseline", defaults, model="tiny-llama", seq="64K", documents="16K").notices == []

@@ -653,3 +653,18 @@ def test_exports_that_write_an_optimizer_write_autotune_runs_adamw():
     assert (optimizer["learning_rate"], optimizer["betas"], optimizer["weight_decay"]) == (
         run.lr, [run.beta1, run.beta2], run.weight_decay
     )  # fmt: skip
+
+
+def test_a_search_given_a_model_folder_exports_that_folder_for_from_pretrained(tmp_path):
+    """``--model /path/to/folder``: the exports' ``from_pretrained`` argument is the folder the search was given,
+    not the placeholder a user must replace; a preset gives its hub id, a tiny test preset the placeholder."""
+    from autotune.outputs.exporters.base import MODEL_PLACEHOLDER, hf_model_name
+
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    assert hf_model_name(str(folder)) == str(folder)
+    assert hf_model_name(str(folder / "config.json")) == str(folder)
+    assert hf_model_name("llama3-8b").startswith("meta-llama/")
+    assert hf_model_name("tiny-llama") == MODEL_PLACEHOLDER
+    assert hf_model_name(str(tmp_path / "no-such-folder")) == MODEL_PLACEHOLDER

@@ -235,7 +235,7 @@ def test_replay_counts_blocks_allocated_before_the_trace():
     [
         (["--memory-timeline", "{dir}"], "is a directory"),
         (["--memory-timeline", "/proc/autotune-timeline.html"], "cannot write there"),
-        (["--memory-snapshot", "{dir}/missing/t.pickle"], "cannot write there"),
+        (["--memory-snapshot", "/dev/null/t.pickle"], "cannot write there"),  # under a file
         (["--rank", "2", "--memory-timeline", "{dir}/t.html"], "--rank 2: the job has 2 ranks"),
         (["--rank", "-1", "--memory-timeline", "{dir}/t.html"], "Invalid value for '--rank': must be at least 0"),
     ],
@@ -251,7 +251,7 @@ def test_bad_timeline_input_exits_2_with_one_line(tmp_path, command, args, says)
 
 
 def test_estimate_and_trial_write_the_timelines(tmp_path):
-    html, snapshot = tmp_path / "t.html", tmp_path / "t.pickle"
+    html, snapshot = tmp_path / "new" / "t.html", tmp_path / "t.pickle"  # a missing folder is made, as export -o does
     done = run_cli(
         "estimate", "--model", "tiny-llama", "--config", "baseline", "--gpus", "2", "--hardware", "cpu",
         "--seq", "2K", "--memory-timeline", str(html), "--memory-snapshot", str(snapshot), "--json",

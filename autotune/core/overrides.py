@@ -82,15 +82,17 @@ def resolve_config(
     if config == "baseline":
         if model is None:
             raise UserError("--model is required with --config baseline (a config file names its own model)")
-        return ConfigRun(
-            model=model,
-            model_config=model_configs.load_model_config(model),
-            techniques=replace(BASELINE, attention=attention or BASELINE.attention),
-            gpus=gpus if gpus is not None else defaults.gpus,
-            nodes=nodes if nodes is not None else defaults.nodes,
-            hardware=hardware if hardware is not None else defaults.hardware,
-            seq_len=seq_len,
-            documents=packed or ONE,
+        return _noting_whole_documents(
+            ConfigRun(
+                model=model,
+                model_config=model_configs.load_model_config(model),
+                techniques=replace(BASELINE, attention=attention or BASELINE.attention),
+                gpus=gpus if gpus is not None else defaults.gpus,
+                nodes=nodes if nodes is not None else defaults.nodes,
+                hardware=hardware if hardware is not None else defaults.hardware,
+                seq_len=seq_len,
+                documents=packed or ONE,
+            )
         )
     loaded = config_file.load_config_file(config)
     notices: list[str] = []
@@ -98,18 +100,32 @@ def resolve_config(
     techniques = replace(techniques, attention=_override("--attention", attention, techniques.attention, notices))
     if gpus is None and loaded.gpus < 1:
         raise UserError(f"config {config!r} has gpus {loaded.gpus}: it must be at least 1")
-    return ConfigRun(
-        model=chosen,
-        model_config=chosen_config,
-        techniques=techniques,
-        gpus=_override("--gpus", gpus, loaded.gpus, notices),
-        nodes=_override("--nodes", nodes, loaded.nodes, notices),
-        hardware=_override("--hardware", hardware, loaded.hardware, notices),
-        seq_len=_override("--seq", seq_len, loaded.seq_len, notices, short_tokens),
-        notices=notices,
-        trainer=loaded.trainer,
-        documents=_override("--documents", packed, loaded.documents, notices, describe_documents),
+    return _noting_whole_documents(
+        ConfigRun(
+            model=chosen,
+            model_config=chosen_config,
+            techniques=techniques,
+            gpus=_override("--gpus", gpus, loaded.gpus, notices),
+            nodes=_override("--nodes", nodes, loaded.nodes, notices),
+            hardware=_override("--hardware", hardware, loaded.hardware, notices),
+            seq_len=_override("--seq", seq_len, loaded.seq_len, notices, short_tokens),
+            notices=notices,
+            trainer=loaded.trainer,
+            documents=_override("--documents", packed, loaded.documents, notices, describe_documents),
+        )
     )
+
+
+def _noting_whole_documents(run: ConfigRun) -> ConfigRun:
+    """``run``, with a notice when its documents are no shorter than its sequence: each sequence is then one
+    document (``DocumentsSpec.for_length``), whatever ``--documents`` said."""
+    lengths = run.documents.lengths
+    if not run.documents.one and len(lengths) == 1 and run.seq_len is not None and lengths[0] >= run.seq_len:
+        run.notices.append(
+            f"--documents {describe_documents(run.documents)} is not shorter than the sequence "
+            f"({short_tokens(run.seq_len)}): each sequence is one document"
+        )
+    return run
 
 
 def _override(flag: str, given, from_file, notices: list[str], show: Callable = str):

@@ -18,15 +18,16 @@ FRONT_TIMELINE = "front-memory.html"
 
 
 def check_output_file(path: Path | None, option: str) -> None:
-    """Refuse (``UserError``: exit 2, one line) an output file that cannot be written: a directory, a missing folder,
-    a place this process may not write. Checked by opening it, before any work; a file the check creates is removed
-    again."""
+    """Refuse (``UserError``: exit 2, one line) an output file that cannot be written: a directory, a path under a
+    file, a place this process may not write. A missing folder is made, as ``export -o`` makes it. Checked by
+    opening it, before any work; a file the check creates is removed again."""
     if path is None:
         return
     if path.is_dir():
         raise UserError(f"{option} {path}: is a directory; give a file name")
     existed = path.exists()
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "ab"):
             pass
     except OSError as exc:

@@ -122,8 +122,8 @@ HUB_SOURCE = re.compile(r"https://huggingface\.co/([^/\s]+/[^/\s]+)/")  # a pres
 
 def hf_model_name(model: str) -> str:
     """What a trainer's ``from_pretrained`` takes for autotune's ``--model``: a preset's hub id (from the config it
-    copies, its ``_source``), the folder of a config.json path, or a placeholder the user replaces (the tiny test
-    presets are no released model)."""
+    copies, its ``_source``), the folder of a config.json path, a model folder itself, or a placeholder the user
+    replaces (the tiny test presets are no released model)."""
     from trials.models.config import load_model_config, model_names
 
     if model in model_names():
@@ -132,4 +132,6 @@ def hf_model_name(model: str) -> str:
     path = Path(model)
     if path.name == "config.json" or path.suffix == ".json":
         return str(path.parent)
+    if (path / "config.json").is_file():  # a model folder, as --model takes it
+        return str(path)
     return MODEL_PLACEHOLDER
