@@ -14,8 +14,10 @@ def test_tables_are_whole_when_piped():
     done = run_cli("hardware")
     assert done.returncode == 0, done.stderr
     header = next(line for line in done.stdout.splitlines() if "name" in line)
-    for column in ("from", "GiB", "TFLOP/s", "HBM TB/s", "link GB/s", "host GB/s", "rates"):
+    for column in ("from", "GiB", "host GiB/GPU", "TFLOP/s", "HBM TB/s", "link GB/s", "host GB/s", "rates"):
         assert column in header, header
+    h100 = next(line for line in done.stdout.splitlines() if "h100-sxm" in line)
+    assert " 79.65 " in h100 and " 232.8 " in h100, h100  # the capacities the oracle compares with, per GPU
     assert "…" not in done.stdout, done.stdout
     assert "e+" not in done.stdout, done.stdout  # b200's 2,250 TFLOP/s as written
 

@@ -26,4 +26,6 @@ def test_oom_lines_show_no_rate_and_best_counts_only_fits():
     assert lines[0] == "trial 0: 4,096 tokens ok 1,234 tok/s peak 1.0 GiB (predicted)"
     assert lines[1] == "trial 1: 8,192 tokens oom - peak 3.0 GiB (oracle)"
     assert progress.best == (4096, 1234.0)
+    tiny = ResultRecord(status="ok", source="measured", seq_len=1024, tokens_per_s=5.0, peak_device_bytes=76 * 2**20)
+    assert _lines((tiny, None))[0][0] == "trial 0: 1,024 tokens ok 5 tok/s peak 76 MiB (measured)"  # not 0.1 GiB
     assert progress.counts == {"ok": 1, "oom": 1, "error": 0, "timeout": 0, "skipped": 1}

@@ -49,6 +49,14 @@ def format_count(count: int) -> str:
     return str(count)
 
 
+def format_memory(size_bytes: int) -> str:
+    """Bytes in the binary unit that reads best: ``12.3 GiB``, ``76 MiB``, ``512 KiB`` (a tiny model's peak is not
+    ``0.0 GiB``)."""
+    if size_bytes >= 2**30:
+        return f"{size_bytes / 2**30:.1f} GiB"
+    return f"{size_bytes / 2**20:.0f} MiB" if size_bytes >= 2**20 else f"{size_bytes / 2**10:.0f} KiB"
+
+
 def format_duration(seconds: float) -> str:
     """A time in the unit that reads best: ``0.42 s``, ``12.3 s``, ``14 min``, ``2.2 h``, ``3.1 days``."""
     if seconds < 10:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from autotune.core.sizes import format_tokens
+from autotune.core.sizes import format_memory, format_tokens
 
 
 class SearchProgress:
@@ -76,7 +76,7 @@ class SearchProgress:
         if self.enabled and not self.live:  # logs get one line per trial instead of a bar
             # an OOM plan record may carry the rate it would have had: only a config that fits has a rate
             rate = f"{record.tokens_per_s:,.0f} tok/s" if record.status == "ok" and record.tokens_per_s else "-"
-            peak = f"{record.peak_device_bytes / 2**30:.1f} GiB" if record.peak_device_bytes else "-"
+            peak = format_memory(record.peak_device_bytes) if record.peak_device_bytes else "-"
             self._line(
                 f"trial {number}: {record.seq_len:,} tokens {record.status} {rate} peak {peak} "
                 f"({answered_by or record.source})"
