@@ -58,6 +58,23 @@ def test_an_uncited_figure_and_an_uncited_result_and_an_unlisted_bench_fail(tmp_
     assert "bench/orphan_bench.py is not listed on docs/validation.md" in problems
 
 
+def test_a_plain_count_beside_cited_figures_is_checked_too(tmp_path):
+    """In a block that cites measured figures, a count such as "60 of 64" or "25 configs" drifts like any figure:
+    planted "63 of 64" and "31 configs" fail; a one-digit count and a count in inline code are no figure."""
+    copy = _copy_docs(tmp_path)
+    readme = copy / "README.md"
+    text = readme.read_text()
+    assert "in 60 of 64 configs" in text and "on 25 configs" in text
+    readme.write_text(
+        text.replace("in 60 of 64 configs", "in 63 of 64 configs").replace("on 25 configs", "on 31 configs")
+    )
+    done = _check(copy)
+    assert done.returncode == 1
+    said = done.stdout
+    assert "63 is cited by no figures marker" in said and "31 is cited by no figures marker" in said, said
+    assert "60 is not in the block above the marker" in said and "25 is not in the block above the marker" in said
+
+
 def test_a_readme_over_250_lines_fails(tmp_path):
     copy = _copy_docs(tmp_path)
     readme = copy / "README.md"
