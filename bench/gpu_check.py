@@ -852,7 +852,9 @@ def real_scale(args, missing: set[str]) -> int:
         card = torch.cuda.get_device_properties(0)
         hardware = dataclasses.replace(load_hardware(hardware_name), device_memory_bytes=card.total_memory)
         kernels = ["sdpa", *flash_kernels_here(torch.device("cuda"))]
-        where = f"{card.name} ({card.total_memory / 2**30:.2f} GiB), preset {hardware.name}"
+        from trials.kernels.sdpa_backend import here
+
+        where = f"{card.name} ({card.total_memory / 2**30:.2f} GiB; SDPA runs {here()}), preset {hardware.name}"
     else:
         hardware_name = args.hardware or "cpu"
         hardware = load_hardware(hardware_name)
@@ -1134,7 +1136,12 @@ def main(argv=None) -> int:
         world = args.gpus or torch.cuda.device_count()
         card = torch.cuda.get_device_properties(0)
         hardware = dataclasses.replace(load_hardware(args.hardware), device_memory_bytes=card.total_memory)
-        where = f"{card.name} x{torch.cuda.device_count()} ({card.total_memory / 2**30:.2f} GiB each), preset {hardware.name}"
+        from trials.kernels.sdpa_backend import here
+
+        where = (
+            f"{card.name} x{torch.cuda.device_count()} ({card.total_memory / 2**30:.2f} GiB each; SDPA runs {here()}), "
+            f"preset {hardware.name}"
+        )
     else:
         world = args.gpus or 2
         hardware = load_hardware("cpu")
