@@ -153,8 +153,8 @@ def test_d():
 @pytest.mark.parametrize(
     "fail, sleep, deadline, status, says",
     [
-        ("True", 60, 8, "not run", "2 passed, 0 failed, 1 skipped; stopped at their share of the budget (8 s)"),
-        ("False", 60, 8, "failed", "1 passed, 1 failed, 1 skipped; stopped at their share"),
+        ("True", 60, 12, "not run", "2 passed, 0 failed, 1 skipped; stopped at their share of the budget (12 s)"),
+        ("False", 60, 12, "failed", "1 passed, 1 failed, 1 skipped; stopped at their share"),
         ("True", 0, 60, "ok", "3 passed, 0 failed, 1 skipped"),
     ],
 )

@@ -33,7 +33,7 @@ NOISE = re.compile(
     r"\.(py|cpp|h):\d+|^\[[WIE]\d{4}|^\[rank\d+\]"
 )
 TRIAL_LINE = re.compile(
-    r"trial \d+: [\d,]+ tokens (ok|oom|error|timeout) ([\d,]+ tok/s|-) peak ([\d.]+ GiB|-) \([\w ,.-]+\)"
+    r"trial \d+: [\d,]+ tokens (ok|oom|error|timeout) ([\d,]+ tok/s|-) peak ([\d.]+ [GMK]iB|-) \([\w ,.-]+\)"
 )
 SUMMARY_LINE = re.compile(
     rf"trials {TRIALS} of {TRIALS}: ok \d+  oom \d+  failed \d+  answered without running \d+ \| "
