@@ -455,6 +455,8 @@ def test_no_expressible_config_at_the_target_exits_1_with_the_longest_it_reaches
     assert captured.out == "" and len(lines) == 1
     assert "no front config that --format arctic expresses in full reaches 8,192 tokens" in lines[0]
     assert "the longest its expressible configs reach is 4,096" in lines[0]
+    # the front was searched for autotune's own trainer: a search for arctic is the way to an arctic config
+    assert "autotune search ... --trainer arctic finds the fastest it runs in full" in lines[0]
     assert main(["export", str(plan_front), "--format", "accelerate-deepspeed", "--target", "2K"]) == 1
     assert "none of the front's configs is expressible" in capsys.readouterr().err
 

@@ -99,9 +99,15 @@ def choose(front_doc: dict, exporter: Exporter, target: int, allow_partial: bool
         if expressible
         else "none of the front's configs is expressible"
     )
+    searched_for = front_doc.get("trainer", "autotune")
+    research = (  # a front searched for another trainer: a search for this one holds only what it runs
+        f"; autotune search ... --trainer {exporter.trainer.name} finds the fastest it runs in full"
+        if searched_for != exporter.trainer.name
+        else ""
+    )
     raise NotExpressible(
         f"no front config that --format {exporter.name} expresses in full reaches {target:,} tokens "
-        f"({exporter.trainer.words} cannot do {', '.join(blocking)} as searched); {reach}; "
+        f"({exporter.trainer.words} cannot do {', '.join(blocking)} as searched); {reach}{research}; "
         f"--allow-partial exports the fastest at {target:,} anyway, with what it will not do and a re-estimate"
     )
 
