@@ -681,3 +681,30 @@ def test_a_command_that_saves_nothing_says_it_was_interrupted(monkeypatch, capsy
     code = cli.main(["estimate", "--model", "tiny-llama", "--seq", "1K", "--config", "baseline"])
     assert code == 130
     assert capsys.readouterr().err.splitlines()[-1] == "autotune: interrupted"
+
+
+def test_autotune_run_hides_torchruns_notices_and_gives_each_rank_its_threads(tmp_path, capfd, monkeypatch):
+    """torchrun's OpenMP banner and the SIGTERM notices it sends a failed rank's peers are its own noise: hidden
+    unless -v, every other line passed through; each of the node's ranks gets its share of the cores as OpenMP
+    threads (the CPU optimizer step's), which also keeps torchrun from printing its banner."""
+    from autotune.cli.run import train
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("AUTOTUNE_VERBOSE", raising=False)
+    code = (
+        "import os, sys\n"
+        "for line in ('*' * 40, 'Setting OMP_NUM_THREADS environment variable for each process to be 1 in default',"
+        " 'W1129 torch/distributed/elastic/multiprocessing/api.py] Sending process 7 closing signal SIGTERM',"
+        " 'step 1/1 loss 8.1'):\n"
+        "    print(line, file=sys.stderr)\n"
+        "print(os.environ['OMP_NUM_THREADS'])\n"
+    )
+    with open(tmp_path / "out.txt", "w") as stdout:
+        assert train([sys.executable, "-c", code], stdout=stdout, ranks=2) == 0
+    err = capfd.readouterr().err
+    assert "step 1/1 loss 8.1" in err and "SIGTERM" not in err and "OMP_NUM_THREADS" not in err and "****" not in err
+    assert (tmp_path / "out.txt").read_text().strip() == str(max(1, (os.cpu_count() or 1) // 2))
+    monkeypatch.setenv("AUTOTUNE_VERBOSE", "1")
+    with open(tmp_path / "out.txt", "w") as stdout:
+        assert train([sys.executable, "-c", code], stdout=stdout, ranks=2) == 0
+    assert "closing signal SIGTERM" in capfd.readouterr().err

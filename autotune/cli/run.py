@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import os
 import re
 import shlex
 import signal
@@ -37,6 +38,9 @@ _EXCEPTION_LINE = re.compile(r"^(?:\[rank(\d+)\]:\s*)?((?:[A-Za-z_]\w*\.)*[A-Za-
 _SYMPTOMS = ("ChildFailedError",)
 _STDERR_KEPT = 2000  # lines of the training's stderr searched for the root cause
 _RANK_PREFIX = re.compile(r"(\[rank\d+\]:\s?)?")
+# torchrun's own notices, hidden unless -v: its OpenMP banner (not printed where OMP_NUM_THREADS is set) and the
+# SIGTERM it sends a failed rank's peers (the rank's own error is the cause, said last)
+_AGENT_NOTICE = re.compile(r"closing signal SIGTERM|Setting OMP_NUM_THREADS environment variable|^\*{20,}$")
 _STOP_EXCEPTIONS = ("SignalException", "KeyboardInterrupt")  # how torchrun's agent and a rank report a stop
 _KEYWORD = inspect.Parameter.KEYWORD_ONLY
 
@@ -143,7 +147,7 @@ def run(ctx: typer.Context):
     else:
         command = [sys.executable, "-m", "torch.distributed.run", *command[1:]]
     console.print(shlex.join(command), markup=False, highlight=False, soft_wrap=True)  # one line, pasteable
-    raise typer.Exit(train(command, stdout=OUT.file))
+    raise typer.Exit(train(command, stdout=OUT.file, ranks=loaded.gpus))
 
 
 def check_token_file(path: Path, vocab_size: int, seq_len: int):
@@ -163,17 +167,26 @@ def check_token_file(path: Path, vocab_size: int, seq_len: int):
     return data
 
 
-def train(command: list[str], stdout) -> int:
-    """Run the training ``command`` (its stdout to ``stdout``, its stderr passed through to ours); 0 when it
-    trained, else 1 after printing its root cause as the last line of stderr. Ctrl-C or SIGTERM (a
-    ``KeyboardInterrupt``) stops the training and is raised again."""
+def train(command: list[str], stdout, ranks: int = 1) -> int:
+    """Run the training ``command`` (its stdout to ``stdout``, its stderr passed through to ours, torchrun's own
+    notices left out unless verbose); 0 when it trained, else 1 after printing its root cause as the last line of
+    stderr. Each of the node's ``ranks`` processes gets its share of the cores as OpenMP threads (the CPU optimizer
+    step's, as trials measured it) unless ``OMP_NUM_THREADS`` is set. Ctrl-C or SIGTERM (a ``KeyboardInterrupt``)
+    stops the training and is raised again."""
+    from autotune.core.quiet import verbose_from_env
+
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, ranks))))
+    verbose = verbose_from_env()
     kept: collections.deque[str] = collections.deque(maxlen=_STDERR_KEPT)
-    process = subprocess.Popen(command, stdout=stdout, stderr=subprocess.PIPE, text=True, errors="replace")
+    process = subprocess.Popen(command, stdout=stdout, stderr=subprocess.PIPE, text=True, errors="replace", env=env)
     try:
         for line in process.stderr:
+            kept.append(line.rstrip("\n"))
+            if not verbose and _AGENT_NOTICE.search(line):
+                continue
             sys.stderr.write(line)
             sys.stderr.flush()
-            kept.append(line.rstrip("\n"))
         returncode = process.wait()
     except KeyboardInterrupt:
         _stop(process)
