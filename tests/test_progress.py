@@ -29,3 +29,16 @@ def test_oom_lines_show_no_rate_and_best_counts_only_fits():
     tiny = ResultRecord(status="ok", source="measured", seq_len=1024, tokens_per_s=5.0, peak_device_bytes=76 * 2**20)
     assert _lines((tiny, None))[0][0] == "trial 0: 1,024 tokens ok 5 tok/s peak 76 MiB (measured)"  # not 0.1 GiB
     assert progress.counts == {"ok": 1, "oom": 1, "error": 0, "timeout": 0, "skipped": 1}
+
+
+def test_the_bar_keeps_its_count_and_time_on_an_80_column_terminal():
+    """On a terminal of 80 columns the tally is what gets cut, never the n/N count or the elapsed time."""
+    out = io.StringIO()
+    console = Console(file=out, width=80, force_terminal=True, color_system=None)
+    progress = SearchProgress(SimpleNamespace(trials=30, target=4096), console)
+    record = ResultRecord(status="ok", source="predicted", seq_len=4096, tokens_per_s=1234.0, peak_device_bytes=2**30)
+    with progress:
+        for number in range(3):
+            progress.on_record(number, None, record, None)
+    last = [line for line in out.getvalue().replace("\r", "\n").splitlines() if "trials" in line][-1]
+    assert "3/30" in last and "0:00:0" in last, last

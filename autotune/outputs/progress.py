@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Column
 
 from autotune.core.sizes import format_memory, format_tokens
 
@@ -23,12 +24,12 @@ class SearchProgress:
         self.done = 0
         self.polished = 0  # trials ``autotune.search.polish`` added (one knob from the front), beyond the budget
         self.best: tuple[int, float] | None = None
-        self._progress = Progress(
-            TextColumn("[bold]trials"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.description}"),
-            TimeElapsedColumn(),
+        self._progress = Progress(  # the count and the time first: a narrow terminal cuts the tally, not them
+            TextColumn("[bold]trials", table_column=Column(no_wrap=True, min_width=len("trials"))),
+            MofNCompleteColumn(table_column=Column(no_wrap=True, min_width=2 * len(str(job.trials)) + 1)),
+            TimeElapsedColumn(table_column=Column(no_wrap=True, min_width=len("0:00:00"))),
+            BarColumn(bar_width=20),  # dropped before the count and the time where the width is short
+            TextColumn("{task.description}", table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis")),
             console=console,
             disable=not self.live,
             transient=False,
