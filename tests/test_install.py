@@ -78,6 +78,7 @@ class Checkout:
             timeout=60,
         )
         assert (done.returncode == 0) == ok, f"{script} {args}: exit {done.returncode}\n{done.stderr}"
+        self.stderr = done.stderr
         return self.log.read_text().splitlines()[before:]
 
     def installs(self, calls: list[str]) -> list[str]:
@@ -115,6 +116,7 @@ def test_first_run_of_bin_autotune_installs_the_runtime_dependencies_only(checko
     assert checkout.installs(calls) == [RUNTIME_INSTALL]
     assert not [call for call in calls if "[test]" in call or "arctic" in call], calls
     assert calls[-1] == "autotune models"
+    assert "about 5 GB to download" in checkout.stderr  # the first run says what its long quiet install is
 
 
 def test_bin_test_adds_the_test_extra_to_the_users_venv(checkout):
