@@ -109,3 +109,22 @@ def test_what_binds_is_the_memory_nearest_its_capacity_and_the_host_is_per_gpu(m
     entry = {"trial": 1, "seq_len": host_near["seq_len"], "tokens_per_s": 490.0, "techniques": {}, "record": host_near}
     print_front([{**entry, "record": {**host_near, "source": "predicted"}}], 5 * 2**20, h100)
     assert "host 99%" in out.getvalue()[len(table) :]
+
+
+def test_the_front_table_marks_the_points_of_best_jsons_config(monkeypatch):
+    import io
+
+    from autotune.cli import common
+    from autotune.cli.common import print_front
+
+    out = io.StringIO()
+    monkeypatch.setattr(common.OUT, "file", out)
+    record = {"peak_device_bytes": 2**30, "source": "predicted"}
+    front = [
+        {"trial": 4, "seq_len": 8192, "tokens_per_s": 900.0, "record": record, "techniques": {"fsdp": True}},
+        {"trial": 7, "seq_len": 4096, "tokens_per_s": 1900.0, "record": record, "techniques": {"fsdp": False}},
+    ]
+    print_front(front, 4096, None, {"trial": 9, "techniques": {"fsdp": False}})
+    rows = [line for line in out.getvalue().splitlines() if line.startswith("│")]
+    assert "│ 7 =" in rows[1] and "=" not in rows[0].split("│")[1], rows
+    assert "= best.json's config" in out.getvalue()

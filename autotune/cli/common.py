@@ -208,13 +208,16 @@ def significant(value: float, digits: int = 4) -> str:
     return f"{value:,.{max(0, digits - 1 - math.floor(math.log10(abs(value))))}f}"
 
 
-def print_front(front: list[dict], target: int, hardware=None) -> None:
+def print_front(front: list[dict], target: int, hardware=None, best: dict | None = None) -> None:
     """The front as a table; with ``hardware``, a peak within its preset's uncertainty of capacity marked ``!``
-    (``Hardware.near_capacity``)."""
+    (``Hardware.near_capacity``); with ``best`` (the front document's), the points of best.json's config marked."""
     from autotune.outputs.plots import knob_label
 
     near = [e for e in front if hardware is not None and hardware.near_capacity(e["record"].get("peak_device_bytes"))]
     caption = "* reaches the target"
+    of_best = [e for e in front if best is not None and e.get("techniques") == best.get("techniques")]
+    if of_best:
+        caption += "; = best.json's config"
     if near:
         caption += (
             f"; ! within the {hardware.name} preset's {hardware.oracle_margin:.0%} uncertainty of its "
@@ -231,7 +234,7 @@ def print_front(front: list[dict], target: int, hardware=None) -> None:
     for entry in front:
         record = entry["record"]
         cells = [
-            str(entry["trial"]),
+            str(entry["trial"]) + (" =" if entry in of_best else ""),
             f"{entry['seq_len']:,}" + (" *" if entry["seq_len"] >= target else ""),
             f"{entry['tokens_per_s']:,.0f}",
             format_duration(record["step_time_s"]) if record.get("step_time_s") else "-",

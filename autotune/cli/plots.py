@@ -69,7 +69,7 @@ def show(directory: Path = typer.Argument(...)):
     trainer = front_doc.get("trainer", "autotune")
     if trainer != "autotune":
         say(f"autotune: a search for --trainer {trainer}: every config is what {trainer} runs")
-    print_front(front_doc["front"], front_doc["target"], search_hardware(front_doc))
+    print_front(front_doc["front"], front_doc["target"], search_hardware(front_doc), front_doc.get("best"))
     best = front_doc.get("best")
     if best:
         step = (best.get("record") or {}).get("step_time_s")
