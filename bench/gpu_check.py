@@ -878,9 +878,7 @@ def real_scale(args, missing: set[str]) -> int:
         flush=True,
     )
     worst: dict = {}
-    for line in missing_kernels(device):  # named before anything runs: the node's set-up left them out
-        print(f"kernel missing: {line}", flush=True)
-        failed_check(worst, line.split(":")[0] + " not installed")
+    say_missing_kernels(device, worst)  # named before anything runs: the node's set-up left them out
     share = TESTS_SHARE * args.budget if args.budget is not None else float("inf")
     tests, tests_status = run_cuda_tests(
         max(1.0, min(args.tests_deadline, share, budget.left() - budget.reserve_s)), args.simulate_tests_s
@@ -976,7 +974,15 @@ def real_scale(args, missing: set[str]) -> int:
 
 
 def failed_check(worst: dict, what: str) -> None:
-    worst["failed"] = (worst.get("failed", (0,))[0] + 1, worst.get("failed", (0, what))[1])
+    """One more config or check failed, ``what`` the example the summary names."""
+    worst["failed"] = (worst.get("failed", (0,))[0] + 1, what)
+
+
+def say_missing_kernels(device: str, worst: dict) -> None:
+    """Each flash kernel this GPU runs that is not installed (``missing_kernels``), one line each, a failed check."""
+    for line in missing_kernels(device):
+        print(f"kernel missing: {line}", flush=True)
+        failed_check(worst, line.split(":")[0] + " not installed")
 
 
 def budget_start(budget: Budget) -> float:
@@ -1003,7 +1009,7 @@ def print_real_scale(rows: list[dict], measured: list[dict | None], hardware, wo
             continue
         if real["status"] != "ok":
             print(f"{head} {real['status']:<7} {str(real.get('error'))[-400:]}")
-            worst["failed"] = (worst.get("failed", (0,))[0] + 1, row["name"])
+            failed_check(worst, row["name"])
             continue
         predicted = real["predicted"]
         ratios = {
@@ -1159,9 +1165,7 @@ def main(argv=None) -> int:
     if device == "cuda" and not flash:
         print(f"gpu_check: flash configs run sdpa: {flash_problem()}", flush=True)
     worst: dict = {}
-    for line in missing_kernels(device):
-        print(f"kernel missing: {line}", flush=True)
-        failed_check(worst, line.split(":")[0] + " not installed")
+    say_missing_kernels(device, worst)
     tests, tests_status = run_cuda_tests(args.tests_deadline)
     tests_ok = tests_status == "ok"
     print("\n".join(tests), flush=True)
@@ -1179,13 +1183,13 @@ def main(argv=None) -> int:
     for row, real in zip(rows, measured):
         if real.get("status") != "ok":
             print(f"{row['name']:<34} {real.get('status', '?'):<6} {str(real.get('error'))[-400:]}")
-            worst["failed"] = (worst.get("failed", (0,))[0] + 1, row["name"])
+            failed_check(worst, row["name"])
             continue
         try:
             predicted = predict_row(row, model_config, seq, hardware, dtype)
         except Exception as exc:  # a config the oracle cannot trace is a finding, not a crash of the check
             print(f"{row['name']:<34} ok     oracle failed: {type(exc).__name__}: {exc}")
-            worst["failed"] = (worst.get("failed", (0,))[0] + 1, row["name"])
+            failed_check(worst, row["name"])
             continue
         reference = reference or real
         ratios = {

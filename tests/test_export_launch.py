@@ -105,7 +105,7 @@ def test_a_ulysses_and_ring_config_in_one_process_names_the_launch_it_needs():
         done.stderr.strip()
         .splitlines()[-1]
         .endswith(
-            "needs 4 ranks, have 1: launch 4 processes (torchrun --nproc-per-node 4, or accelerate launch --multi_gpu "
-            "--num_processes 4)"
+            "needs 4 ranks, have 1: launch 4 processes: accelerate launch --multi_gpu --num_processes 4 your_train.py "
+            "(or torchrun --nproc-per-node 4)"
         )
     ), done.stderr[-2000:]

@@ -59,15 +59,13 @@ import torch.distributed as dist
 from transformers import Trainer
 
 from trials import hf
+from trials.core.dist import launch_line
 from trials.core.errors import ConfigError
 from trials.models.model import TrainingModel
 from trials.training import checkpoint, step
 from trials.training.data import Batch
 
 IGNORE_INDEX = hf.IGNORE_INDEX
-# how N processes start on one node, on CUDA and CPU alike (torch.distributed.run): ``accelerate launch --cpu`` starts
-# one process whatever --num_processes says
-LAUNCH = "accelerate launch --multi_gpu --num_processes {n} your_train.py (or torchrun --nproc-per-node {n})"
 STATE = "stack-state"  # a checkpoint's DCP folder of the sharded model and optimizer
 SCHEDULER_FILE = "scheduler.pt"  # transformers.trainer.SCHEDULER_NAME
 
@@ -156,7 +154,7 @@ def world_problem(mesh, techniques, processes: int) -> str | None:
         return (
             f"processes: ulysses_degree {techniques.ulysses_degree} x ring_degree {techniques.ring_degree} splits "
             f"each sequence over {ranks} processes, this run has {processes}; launch {ranks} (or a multiple): "
-            + LAUNCH.format(n=ranks)
+            + launch_line(ranks)
         )
     if mesh.world_size != processes:
         return (

@@ -7,7 +7,7 @@ follow the trial's predicted step time (``trial_deadlines``) unless a fixed ``ti
 5M tokens is predicted at hours, and a constant deadline could only kill it. Each rank writes its own record; they are merged here:
 the peak is the max over ranks, the status the worst one (oom > error > ok), and a rank that died without
 writing a record (killed by a signal, segfault) becomes ``error`` with its last lines of output -- or ``oom`` when
-the kernel's OOM killer ended it: a rank killed by SIGKILL while the host's memory ran out (``host_memory_ran_out``:
+the kernel's OOM killer ended it: a rank killed by SIGKILL while the host's memory ran out (``oom_killed_rank``:
 cgroup v2's ``memory.events`` counted an OOM kill during the trial).
 """
 
@@ -33,7 +33,7 @@ from autotune.core.record import ResultRecord
 from autotune.oracle import EXTRAPOLATE_FROM, Trace, extend_value
 from autotune.oracle.extrapolation import extrapolate, plan_traces
 from trials.core import allocator
-from trials.core.dist import MIN_COLLECTIVE_TIMEOUT_S, STEP_TIME_MARGIN, collective_timeout_s
+from trials.core.dist import MIN_COLLECTIVE_TIMEOUT_S, STEP_TIME_MARGIN, collective_timeout_s, rank_threads
 from trials.core.errors import ConfigError
 from trials.models.config import copy_for_runs
 from trials.trial.segments import Segment, layer_positions, model_runs, techniques_for_runs
@@ -244,9 +244,8 @@ class LocalBackend(Backend):
         if evaluation.nodes == 1:
             kills_before = oom_kills()
             ranks, returncode, timed_out, tail = self.launch(evaluation.gpus, spec_path, work, deadline_s)
-            host_oom = self.host_memory_ran_out(evaluation, ranks, returncode, tail, kills_before, oom_kills())
-            merged = merge_rank_records(evaluation, ranks, returncode, timed_out, tail, deadline_s, host_oom)
-            return merged, ranks
+            killed = self.oom_killed_rank(evaluation, ranks, returncode, tail, kills_before, oom_kills())
+            return merge_rank_records(evaluation, ranks, returncode, timed_out, tail, deadline_s, killed), ranks
         if self.group is None or not self.group.driver:
             raise ConfigError(
                 f"a trial over {evaluation.nodes} nodes needs --rdzv-endpoint HOST:PORT, the same on every node"
@@ -271,27 +270,28 @@ class LocalBackend(Backend):
             timed_out = timed_out or result.timed_out
             returncode = returncode or result.returncode
             tail += f"\n--- node {result.node} ---\n{result.tail}"
-        host_oom = self.host_memory_ran_out(evaluation, ranks, returncode, tail, kills_before, oom_kills())
-        return merge_rank_records(evaluation, ranks, returncode, timed_out, tail, deadline_s, host_oom), ranks
+        killed = self.oom_killed_rank(evaluation, ranks, returncode, tail, kills_before, oom_kills())
+        return merge_rank_records(evaluation, ranks, returncode, timed_out, tail, deadline_s, killed), ranks
 
-    def host_memory_ran_out(
+    def oom_killed_rank(
         self, evaluation: Evaluation, ranks: list[RankRecord], returncode, tail: str, before, after
-    ) -> bool:
-        """Whether the host's memory ran out during a trial that lost a rank to SIGKILL (``sigkilled_rank``), the
-        kernel's OOM killer's signal: cgroup v2's ``oom_kill`` count rose from ``before`` to ``after``
-        (``oom_kills``); where there is no count, the trial's host figure (the most any rank's record holds, or
-        the predictor's) is over the hardware's host memory per device, when that is known."""
-        if sigkilled_rank(evaluation, ranks, returncode, tail) is None:
-            return False
+    ) -> int | None:
+        """The rank the kernel's OOM killer ended: the one a trial lost to SIGKILL (``sigkilled_rank``), when the
+        host's memory ran out meanwhile -- cgroup v2's ``oom_kill`` count rose from ``before`` to ``after``
+        (``oom_kills``); where there is no count, the trial's host figure (the most any rank's record holds, or the
+        predictor's) is over the hardware's host memory per device, when that is known. None: no such rank."""
+        killed = sigkilled_rank(evaluation, ranks, returncode, tail)
+        if killed is None:
+            return None
         if before is not None and after is not None:
-            return after > before
+            return killed if after > before else None
         limit = evaluation.hardware.host_memory_bytes_per_device
         if not limit:
-            return False
+            return None
         figures = [r.host_bytes or 0 for r in ranks]
         if self.predictor is not None:
             figures.append(self.predictor.evaluate(evaluation).host_bytes or 0)
-        return max(figures, default=0) > limit
+        return killed if max(figures, default=0) > limit else None
 
     def follow(self) -> dict | None:
         """A follower's whole part in a multi-node command: run every trial the driver publishes on this node and
@@ -320,7 +320,7 @@ class LocalBackend(Backend):
         ``deadline_s`` and was killed, the tail of its output)."""
         log_path = work / "output.log"
         env = allocator.trial_environment(dict(os.environ), cpu=not visible_devices())
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // gpus)))
+        env.setdefault("OMP_NUM_THREADS", rank_threads(gpus))
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
                 self.command(gpus, spec_path, work, nodes, rdzv_id),
@@ -498,11 +498,11 @@ def merge_rank_records(
     timed_out: bool,
     tail: str,
     timeout_s: float,
-    host_oom: bool = False,
+    oom_killed: int | None = None,
 ) -> ResultRecord:
     """One record from the per-rank ones, root cause first: an OOM anywhere makes the trial ``oom`` -- one a rank
-    recorded, or a rank the kernel's OOM killer ended (SIGKILL while ``host_oom``: the host's memory ran out,
-    ``LocalBackend.host_memory_ran_out``); else the earliest error a rank wrote itself; else a rank that died
+    recorded, or the rank ``oom_killed`` the kernel's OOM killer ended (SIGKILL while the host's memory ran out,
+    ``LocalBackend.oom_killed_rank``); else the earliest error a rank wrote itself; else a rank that died
     without writing its record (a signal, a segfault) -- its peers' "connection closed" errors are only symptoms
     of it."""
     base = {"source": "measured", "seq_len": evaluation.seq_len}
@@ -531,14 +531,13 @@ def merge_rank_records(
             device=cause.device,
             error=f"rank {cause.rank}: {cause.error}",
         )
-    killed = sigkilled_rank(evaluation, ranks, returncode, tail) if host_oom else None
-    if killed is not None:
+    if oom_killed is not None:
         return ResultRecord(
             status="oom",
             **base,
             peak_device_bytes=peak,
             host_bytes=max((r.host_bytes or 0 for r in ranks), default=None) or None,
-            error=f"host out of memory (the kernel's OOM killer ended rank {killed}); last output:\n{tail}",
+            error=f"host out of memory (the kernel's OOM killer ended rank {oom_killed}); last output:\n{tail}",
         )
     if errors:
         cause = errors[0]

@@ -174,9 +174,10 @@ def train(command: list[str], stdout, ranks: int = 1) -> int:
     step's, as trials measured it) unless ``OMP_NUM_THREADS`` is set. Ctrl-C or SIGTERM (a ``KeyboardInterrupt``)
     stops the training and is raised again."""
     from autotune.core.quiet import verbose_from_env
+    from trials.core.dist import rank_threads
 
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, ranks))))
+    env.setdefault("OMP_NUM_THREADS", rank_threads(ranks))
     verbose = verbose_from_env()
     kept: collections.deque[str] = collections.deque(maxlen=_STDERR_KEPT)
     process = subprocess.Popen(command, stdout=stdout, stderr=subprocess.PIPE, text=True, errors="replace", env=env)

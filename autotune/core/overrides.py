@@ -119,10 +119,10 @@ def resolve_config(
 def _noting_whole_documents(run: ConfigRun) -> ConfigRun:
     """``run``, with a notice when its documents are no shorter than its sequence: each sequence is then one
     document (``DocumentsSpec.for_length``), whatever ``--documents`` said."""
-    lengths = run.documents.lengths
-    if not run.documents.one and len(lengths) == 1 and run.seq_len is not None and lengths[0] >= run.seq_len:
+    documents = run.documents
+    if not documents.one and run.seq_len is not None and documents.for_length(run.seq_len) is None:
         run.notices.append(
-            f"--documents {describe_documents(run.documents)} is not shorter than the sequence "
+            f"--documents {describe_documents(documents)} is not shorter than the sequence "
             f"({short_tokens(run.seq_len)}): each sequence is one document"
         )
     return run

@@ -36,6 +36,21 @@ def collective_timeout_s(step_time_s: float | None) -> float:
     return max(MIN_COLLECTIVE_TIMEOUT_S, STEP_TIME_MARGIN * step_time_s)
 
 
+def launch_line(processes: int) -> str:
+    """How ``processes`` processes of a script start on one node, on CUDA and CPU alike (``torch.distributed.run``;
+    ``accelerate launch --cpu`` starts one process whatever ``--num_processes`` says)."""
+    return (
+        f"accelerate launch --multi_gpu --num_processes {processes} your_train.py "
+        f"(or torchrun --nproc-per-node {processes})"
+    )
+
+
+def rank_threads(ranks_per_node: int) -> str:
+    """``OMP_NUM_THREADS`` for each of a node's ``ranks_per_node`` processes: its share of the node's cores (the
+    host's optimizer step and copies run on them), at least one. torchrun's own default is one thread a rank."""
+    return str(max(1, (os.cpu_count() or 1) // max(1, ranks_per_node)))
+
+
 @dataclass
 class Mesh:
     rank: int
@@ -97,7 +112,7 @@ def init_mesh(sp_degree: int, device: torch.device | None = None, timeout_s: flo
             ranks = sp_degree * ring_degree
             raise ValueError(
                 f"ulysses_degree {sp_degree} x ring_degree {ring_degree} needs {ranks} ranks, have 1: launch {ranks} "
-                f"processes (torchrun --nproc-per-node {ranks}, or accelerate launch --multi_gpu --num_processes {ranks})"
+                f"processes: {launch_line(ranks)}"
             )
         return Mesh.single(device)
     if not dist.is_initialized():
