@@ -34,13 +34,18 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 def pytest_configure(config) -> None:
     """Under pytest-xdist each worker's torch (and the trials it launches) uses its share of the cores: workers
-    whose OpenMP threads outnumber the cores slow each other down several times over. The suite's searches leave
+    whose OpenMP threads outnumber the cores slow each other down several times over. So do its plan searches
+    (``AUTOTUNE_WORKERS``: a pool of plan workers, each a fresh interpreter importing torch, that evaluate ahead
+    of the search): with a core each, they evaluate in the search's own process, the records the pool would give
+    (tests/test_plan_parallel.py); tests of the pool itself ask for their workers. The suite's searches leave
     their fronts unpolished (``AUTOTUNE_POLISH``: polishing evaluates each front config's one-knob neighbours,
     several times a small search's own trials) except where a test sets it: tests/test_polish.py."""
     os.environ.setdefault("AUTOTUNE_POLISH", "0")
     workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
     if workers > 1:
-        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+        share = str(max(1, (os.cpu_count() or 1) // workers))
+        os.environ.setdefault("OMP_NUM_THREADS", share)
+        os.environ.setdefault("AUTOTUNE_WORKERS", share)
 
 
 @contextlib.contextmanager

@@ -167,7 +167,9 @@ def test_sigint_during_a_search_exits_130_and_the_resumed_search_loses_nothing(t
         "--out",
         str(out),
     ]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    # two plan workers, a user's default on two cores: Ctrl-C ends them too, without a traceback
+    env = {**os.environ, "AUTOTUNE_WORKERS": "2"}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     try:
         _wait_for_a_running_trial(out, process)
         process.send_signal(signal.SIGINT)
@@ -186,7 +188,7 @@ def test_sigint_during_a_search_exits_130_and_the_resumed_search_loses_nothing(t
         assert trial.number in retries, (trial.number, list(retries))
         assert _point(retries[trial.number]) == _point(trial)
 
-    resumed = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    resumed = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
     assert resumed.returncode in (0, 1) and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
     after = _trials(out)
     finished = [t for t in after if t.state == optuna.trial.TrialState.COMPLETE]

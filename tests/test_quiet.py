@@ -61,7 +61,8 @@ def _autotune(folder: Path, *args: str, verbose: bool = False) -> tuple[subproce
         # a terminal's width or rich's terminal overrides would hide what a log sees (80 columns, no terminal)
         if key not in ("COLUMNS", "LINES", "FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "AUTOTUNE_VERBOSE")
     }
-    env.update(AUTOTUNE_CACHE_DIR=str(folder / "cache"), TORCH_EXTENSIONS_DIR=str(extensions))
+    # two plan workers (a user's default on two cores): what they print is checked too
+    env.update(AUTOTUNE_CACHE_DIR=str(folder / "cache"), TORCH_EXTENSIONS_DIR=str(extensions), AUTOTUNE_WORKERS="2")
     if verbose:
         env["AUTOTUNE_VERBOSE"] = "1"
     result = subprocess.run(
