@@ -571,10 +571,11 @@ def test_run_bad_data_exits_2_before_launching(tmp_path):
     assert_bad_input(done, "cannot be read as a Parquet or Arrow file")
 
 
-@pytest.mark.parametrize("gpus", [1, 2])
-def test_run_stopped_by_sigterm_exits_130(tmp_path, gpus):
+@pytest.mark.parametrize("gpus, stop", [(1, "sigterm"), (2, "sigterm"), (2, "ctrl-c")])
+def test_run_stopped_by_sigterm_or_ctrl_c_exits_130(tmp_path, gpus, stop):
     """A scheduler's SIGTERM to autotune (not to its training, which is another process) stops the training too,
-    one rank or torchrun's, without a traceback of the stop."""
+    one rank or torchrun's, without a traceback of the stop; so does Ctrl-C, which a terminal sends to every process
+    of the foreground group: autotune, torchrun's agent and each rank at once."""
     import psutil
 
     config = write_config(tmp_path / "cfg.json", gpus=gpus)
@@ -584,21 +585,59 @@ def test_run_stopped_by_sigterm_exits_130(tmp_path, gpus):
         stderr=subprocess.PIPE,
         text=True,
         cwd=ROOT,
+        start_new_session=stop == "ctrl-c",  # its own process group, as a terminal's foreground job has
     )
     try:
         first = process.stdout.readline()  # rank 0's first step line: training runs
         assert first.startswith("step 1/"), first
         training = psutil.Process(process.pid).children(recursive=True)
-        process.send_signal(signal.SIGTERM)
+        if stop == "ctrl-c":
+            os.killpg(process.pid, signal.SIGINT)
+        else:
+            process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=120)
     finally:
         if process.poll() is None:
             process.kill()
     assert process.returncode == 130, stderr[-3000:]
     assert "interrupted" in stderr.splitlines()[-1], stderr[-3000:]
-    assert "Traceback" not in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr and "During handling" not in stderr, stderr[-3000:]
     _, alive = psutil.wait_procs(training, timeout=30)
     assert training and not alive, (training, alive)
+
+
+def test_the_stops_tracebacks_are_left_out_whole_chains_included_and_the_trainings_own_kept():
+    from autotune.cli.run import without_stop_tracebacks
+
+    stopped_rank = [  # a rank cut by Ctrl-C inside a lookup: a chain whose last exception is the stop
+        "[rank1]: Traceback (most recent call last):",
+        '[rank1]:   File "step.py", line 3, in step',
+        "[rank1]: KeyError: 30",
+        "[rank1]: ",
+        "[rank1]: During handling of the above exception, another exception occurred:",
+        "[rank1]: ",
+        "[rank1]: Traceback (most recent call last):",
+        '[rank1]:   File "train.py", line 9, in main',
+        "[rank1]: KeyboardInterrupt",
+    ]
+    agent = [
+        "Traceback (most recent call last):",
+        '  File "run.py", line 1, in <module>',
+        "torch.distributed.elastic.multiprocessing.api.SignalException: Process 7 got signal: 2",
+    ]
+    failed = [  # the training's own error, chained to another: stays whole
+        "[rank0]: Traceback (most recent call last):",
+        "[rank0]: ValueError: bad batch",
+        "[rank0]: ",
+        "[rank0]: The above exception was the direct cause of the following exception:",
+        "[rank0]: ",
+        "[rank0]: Traceback (most recent call last):",
+        "[rank0]: RuntimeError: step failed",
+    ]
+    interleaved = [line for pair in zip(stopped_rank, failed) for line in pair] + stopped_rank[len(failed) :]
+    kept = without_stop_tracebacks(["step 3/9 loss 1.0", *interleaved, *agent, "autotune: bye"])
+    assert kept == ["step 3/9 loss 1.0", *failed, "autotune: bye"]  # in their order
+    assert without_stop_tracebacks(stopped_rank[:3]) == stopped_rank[:3]  # a KeyError alone is the training's
 
 
 def test_the_root_cause_is_the_first_exception_a_rank_raised():

@@ -242,11 +242,11 @@ PLUGIN_RUN = (
 )
 
 
-def test_accelerate_launch_trains_the_export_like_the_plain_model_in_the_estimated_memory(tmp_path, capsys):
-    """``accelerate launch`` (the real CLI) runs the ``accelerate`` export of a front config on 2 processes for 3
-    steps with a tiny Llama saved by ``transformers``: the first loss is the plain one-process model's on the same
-    tokens, and each rank's measured peak (from before the model is built to the last step, as trials measure it)
-    is the one ``autotune estimate`` predicts for the exported config."""
+def _launch_accelerate_export(tmp_path, capsys, knobs: dict, seq_len: int, gpus: int, steps: int):
+    """A tiny Llama saved by ``transformers`` (``tmp_path/model``), a front of one config (``knobs`` at ``seq_len``
+    on ``gpus`` CPU processes, the plan backend's record) exported as ``autotune export --format accelerate``
+    writes it, then ``accelerate launch`` (the real CLI) of its script for ``steps`` steps: (the script's summary,
+    the first loss of the plain one-process model on the same tokens, the export's config file)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -254,17 +254,17 @@ def test_accelerate_launch_trains_the_export_like_the_plain_model_in_the_estimat
     from autotune.core.hardware import load_hardware
     from trials.training.data import synthetic_sample
 
-    knobs, seq_len = PLUGIN_RUN
     values = {k: v for k, v in load_model_config("tiny-llama").items() if not k.startswith("_")}
     torch.manual_seed(5)
     AutoModelForCausalLM.from_config(AutoConfig.for_model(**values)).save_pretrained(tmp_path / "model")
     model_json = str(tmp_path / "model" / "config.json")
-    hardware = load_hardware("cpu")
     techniques = Techniques(**knobs)
-    record = make_backend("plan").evaluate(Evaluation(load_model_config(model_json), techniques, seq_len, 2, hardware))
+    record = make_backend("plan").evaluate(
+        Evaluation(load_model_config(model_json), techniques, seq_len, gpus, load_hardware("cpu"))
+    )
     assert record.status == "ok"
     entry = {"trial": 0, "seq_len": seq_len, "tokens_per_s": record.tokens_per_s, "techniques": techniques.to_dict()}
-    front = {"model": model_json, "hardware": "cpu", "gpus": 2, "target": seq_len, "front": [entry]}
+    front = {"model": model_json, "hardware": "cpu", "gpus": gpus, "target": seq_len, "front": [entry]}
     (tmp_path / "search").mkdir()
     (tmp_path / "search" / "pareto.json").write_text(
         json.dumps({**front, "front": [{**entry, "record": record.to_dict()}]})
@@ -285,7 +285,7 @@ def test_accelerate_launch_trains_the_export_like_the_plain_model_in_the_estimat
             "--model",
             str(tmp_path / "model"),
             "--steps",
-            "3",
+            str(steps),
             "--summary",
             str(tmp_path / "summary.json"),
         ],
@@ -297,24 +297,30 @@ def test_accelerate_launch_trains_the_export_like_the_plain_model_in_the_estimat
     )
     assert launched.returncode == 0, launched.stderr[-3000:]
     assert [line.split()[1] for line in launched.stdout.splitlines() if line.startswith("step ")] == [
-        "1/3",
-        "2/3",
-        "3/3",
+        f"{step}/{steps}" for step in range(1, steps + 1)
     ]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
     tokens = synthetic_sample(0, seq_len, plain.config.vocab_size, 0)  # replica 0's window, the script's default
     with torch.no_grad():
         plain_loss = float(plain(input_ids=tokens[None], labels=tokens[None]).loss)
+    return json.loads((tmp_path / "summary.json").read_text()), plain_loss, tmp_path / "sp.autotune.json"
+
+
+def test_accelerate_launch_trains_the_export_like_the_plain_model_in_the_estimated_memory(tmp_path, capsys):
+    """``accelerate launch`` (the real CLI) runs the ``accelerate`` export of a front config on 2 processes for 3
+    steps with a tiny Llama saved by ``transformers``: the first loss is the plain one-process model's on the same
+    tokens, and each rank's measured peak (from before the model is built to the last step, as trials measure it)
+    is the one ``autotune estimate`` predicts for the exported config."""
+    knobs, seq_len = PLUGIN_RUN
+    summary, plain_loss, config = _launch_accelerate_export(tmp_path, capsys, knobs, seq_len, gpus=2, steps=3)
     estimate = run_cli(
         "estimate",
         "--model",
-        model_json,
+        str(tmp_path / "model" / "config.json"),
         "--seq",
         str(seq_len),
         "--config",
-        str(tmp_path / "sp.autotune.json"),
+        str(config),
         "--gpus",
         "2",
         "--hardware",
@@ -330,6 +336,16 @@ def test_accelerate_launch_trains_the_export_like_the_plain_model_in_the_estimat
     assert len(measured) == 2
     for peak in measured:
         assert abs(peak - predicted) <= 0.02 * predicted, (measured, predicted)
+
+
+@pytest.mark.slow
+def test_accelerate_launch_trains_a_ulysses_by_ring_export_on_four_processes(tmp_path, capsys):
+    """The ``accelerate`` export of a Ulysses 2 x ring 2 config (4 processes: each sequence split over Ulysses
+    groups and rings, head chunks on) starts under ``accelerate launch`` and its step's loss is the plain model's."""
+    knobs = dict(fsdp=True, ulysses_degree=2, ring_degree=2, head_chunk=1, activation_checkpointing=True)
+    summary, plain_loss, _ = _launch_accelerate_export(tmp_path, capsys, knobs, 1024, gpus=4, steps=1)
+    assert summary["world_size"] == 4 and len(summary["losses"]) == 1
+    assert summary["first_loss"] == pytest.approx(plain_loss, rel=1e-5)
 
 
 def test_accelerate_deepspeed_launches_each_config(exports):

@@ -119,7 +119,7 @@ def test_the_pareto_plot_draws_every_trial_once_where_it_belongs(figures, tmp_pa
     front = [
         {"seq_len": s, "tokens_per_s": t, "techniques": {}} for s, t in ((1024, 5000.0), (2048, 4000.0), (4096, 2000.0))
     ]
-    assert plot_pareto(rows, front, 4096, tmp_path / "pareto.png") == {"points": 9, "front": 3}
+    assert plot_pareto(rows, front, 4096, tmp_path / "pareto.png") == {"points": 9, "front": 3, "best": 0}
     _png(tmp_path / "pareto.png")
     (fig,) = figures
     ax, strip = _pareto_axes(fig)
@@ -396,10 +396,10 @@ def test_plot_command_redraws_and_writes_the_interactive_html(search_dir):
 @pytest.mark.parametrize(
     "tops, capacity, notes",
     [
-        # the llama3-8b 5M front (docs/gallery/llama3-8b-5M-memory.png): four bars just under the 80 GiB line
+        # the llama3-8b 5M front (docs/gallery/llama3-8b-5M-memory.png): four bars just under the 79.65 GiB line
         (
             [79.43, 78.57, 75.99, 75.92, 55.83],
-            80,
+            79.65,
             ["79.4 GiB\nhost 158.9", "78.6 GiB\nhost 157.1", "76.0 GiB\nhost 152.0", "75.9 GiB\nhost 151.8"]
             + ["55.8 GiB\nhost 111.7"],
         ),
@@ -426,7 +426,7 @@ def test_the_capacity_line_crosses_no_bar_note(figures, tmp_path, tops, capacity
     (fig,) = figures
     ax = fig.axes[0]
     fig.canvas.draw()
-    (line,) = [line for line in ax.lines if line.get_label() == f"capacity {capacity} GiB"]
+    (line,) = [line for line in ax.lines if line.get_label() == f"device capacity {capacity:g} GiB"]
     assert list(line.get_ydata()) == [capacity, capacity]
     line_y = ax.transData.transform((0, capacity))[1]
     half_width = line.get_linewidth() * fig.dpi / 72 / 2
@@ -440,6 +440,43 @@ def test_the_capacity_line_crosses_no_bar_note(figures, tmp_path, tops, capacity
         assert frame.y0 < box.y0 and box.y1 < frame.y1
         assert (box.x0 + box.x1) / 2 == pytest.approx(ax.transData.transform((i, 0))[0], abs=1)
         assert box.y0 >= ax.transData.transform((0, top))[1]
+
+
+def test_the_host_capacity_is_each_notes_measure_and_a_legend_entry(figures, tmp_path):
+    """Where the host memory per rank is checked, each bar's host figure reads against it and the legend names it
+    beside the device's capacity (as the preset states it, not rounded); where it is not, neither appears."""
+    from autotune.outputs.plots import plot_memory
+
+    gib = 2**30
+    record = {"seq_len": 2**20, "status": "ok", "breakdown": {"params": 60 * gib}, "peak_device_bytes": 60 * gib}
+    for host_capacity, note, legend in (
+        (int(232.8 * gib), "60.0 GiB\nhost 231.4 of 232.8", "host capacity 232.80 GiB per rank"),
+        (0, "60.0 GiB\nhost 231.4", None),
+    ):
+        figures.clear()
+        plot_memory([{**record, "host_bytes": int(231.4 * gib)}], int(79.65 * gib), tmp_path / "m.png",
+                    host_capacity=host_capacity)  # fmt: skip
+        (fig,) = figures
+        ax = fig.axes[0]
+        assert [t.get_text() for t in ax.texts] == [note]
+        labels = ax.get_legend_handles_labels()[1]
+        assert "device capacity 79.65 GiB" in labels
+        assert [label for label in labels if label.startswith("host")] == ([legend] if legend else [])
+
+
+def test_the_pareto_plot_marks_best_jsons_config(figures, tmp_path):
+    """pareto.json's ``best`` (best.json's config at the target) is a star of its own, named in the legend; a search
+    without one draws none."""
+    from autotune.outputs.plots import plot_pareto
+
+    rows = [_row(2048, "ok", "predicted", 4000.0), _row(4096, "ok", "predicted", 2000.0)]
+    front = [{"seq_len": s, "tokens_per_s": t, "techniques": {}} for s, t in ((2048, 4000.0), (4096, 2000.0))]
+    best = {"trial": 7, "seq_len": 4096, "tokens_per_s": 2000.0}
+    assert plot_pareto(rows, front, 4096, tmp_path / "p.png", best=best) == {"points": 2, "front": 2, "best": 1}
+    ax = _pareto_axes(figures[0])[0]
+    (star,) = [line for line in ax.lines if line.get_label() == "best.json (trial 7)"]
+    assert (list(star.get_xdata()), list(star.get_ydata()), star.get_marker()) == ([4096], [2000.0], "*")
+    assert plot_pareto(rows, front, 4096, tmp_path / "p.png", best=None)["best"] == 0
 
 
 def test_labels_tell_apart_configs_that_differ_only_in_knobs_their_short_label_hides(figures, tmp_path):

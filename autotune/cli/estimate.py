@@ -142,9 +142,8 @@ def estimate(
     if plot is not None:
         from autotune.outputs.plots import plot_memory, plot_title
 
-        plot_memory(
-            [record], hw.device_memory_bytes, plot, title=plot_title(record, run.model, run.gpus, hw.name, run.nodes)
-        )
+        title = plot_title(record, run.model, run.gpus, hw.name, run.nodes)
+        plot_memory([record], hw.device_memory_bytes, plot, title=title, host_capacity=hw.host_memory_bytes_per_device)
     if wants_timeline and record.status in ("ok", "oom"):
         from dataclasses import replace
 

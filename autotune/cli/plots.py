@@ -22,7 +22,7 @@ def plot(directory: Path = typer.Argument(...), output: Path | None = typer.Opti
     path = output or directory / "pareto.png"
     where = where_title(front_doc["gpus"], front_doc["hardware"], front_doc.get("nodes", 1))
     title = f"{model_title(front_doc['model'])} on {where}"  # the search's own
-    plot_pareto(rows, front_doc["front"], front_doc["target"], path, title=title)
+    plot_pareto(rows, front_doc["front"], front_doc["target"], path, title=title, best=front_doc.get("best"))
     console.print(f"wrote {path}")
     if output is None and front_doc["front"] and "capacity_bytes" in front_doc:
         from autotune.outputs.report import plot_front_memory
@@ -32,6 +32,7 @@ def plot(directory: Path = typer.Argument(...), output: Path | None = typer.Opti
             front_doc["capacity_bytes"],
             directory / "memory.png",
             title=f"memory per rank of the front, {title}",
+            host_capacity=front_doc.get("host_capacity_bytes", 0),
         )
         console.print(f"wrote {directory / 'memory.png'}")
     if output is None:

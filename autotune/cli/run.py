@@ -42,6 +42,7 @@ _RANK_PREFIX = re.compile(r"(\[rank\d+\]:\s?)?")
 # SIGTERM it sends a failed rank's peers (the rank's own error is the cause, said last)
 _AGENT_NOTICE = re.compile(r"closing signal SIGTERM|Setting OMP_NUM_THREADS environment variable|^\*{20,}$")
 _STOP_EXCEPTIONS = ("SignalException", "KeyboardInterrupt")  # how torchrun's agent and a rank report a stop
+_CHAINS = ("During handling of the above exception", "The above exception was the direct cause")  # chained tracebacks
 _KEYWORD = inspect.Parameter.KEYWORD_ONLY
 
 
@@ -228,21 +229,48 @@ def _stop(process: subprocess.Popen) -> None:
 
 def without_stop_tracebacks(lines: list[str]) -> list[str]:
     """The training's last output lines without the tracebacks of the stop itself: torchrun's agent raises
-    ``SignalException`` at the signal, a rank that got Ctrl-C ``KeyboardInterrupt``. A rank's lines, prefixed
-    ``[rankN]:``, are followed apart from the others'; every other traceback stays."""
-    kept: list[str] = []
-    reading: dict[str, list[str]] = {}  # the traceback each prefix is in, so far
+    ``SignalException`` at the signal, a rank that got Ctrl-C ``KeyboardInterrupt``. A chain of tracebacks ("During
+    handling of the above exception, another exception occurred:", "The above exception was the direct cause of
+    the following exception:") is one: dropped whole when its last exception is the stop (the error a signal cut
+    into is the stop's, not the training's). A rank's lines, prefixed ``[rankN]:``, are followed apart from the
+    others'; every other traceback stays."""
+    kept: list[list[str]] = []  # the output in its order: single lines, and each chain where it began
+    reading: dict[str, list[str]] = {}  # the traceback chain each prefix is in, so far (a list inside ``kept``)
+    state: dict[str, str] = {}  # per prefix: "trace" (inside a traceback), "ended" (its exception said), "chained"
+    last: dict[str, str] = {}  # the last exception line of each prefix's chain
+
+    def close(prefix: str) -> None:
+        block = reading.pop(prefix)
+        state.pop(prefix)
+        if last.pop(prefix, "").split(":")[0].rsplit(".", 1)[-1] in _STOP_EXCEPTIONS:
+            block.clear()
+
     for line in lines:
         prefix = _RANK_PREFIX.match(line).group(0)
         body = line[len(prefix) :]
+        if state.get(prefix) == "ended":
+            if body.startswith(_CHAINS):
+                state[prefix] = "chained"
+                reading[prefix].append(line)
+                continue
+            if not body.strip():
+                reading[prefix].append(line)
+                continue
+            close(prefix)
         if body.startswith("Traceback (most recent call last):"):
-            reading[prefix] = [line]
+            if state.get(prefix) == "trace":  # a traceback cut off by another: the first one as it stands
+                close(prefix)
+            if prefix not in reading:
+                reading[prefix] = []
+                kept.append(reading[prefix])
+            reading[prefix].append(line)
+            state[prefix] = "trace"
         elif prefix in reading:
             reading[prefix].append(line)
-            if body[:1].strip():  # the exception's line ends the traceback
-                block = reading.pop(prefix)
-                if body.split(":")[0].rsplit(".", 1)[-1] not in _STOP_EXCEPTIONS:
-                    kept += block
+            if state[prefix] == "trace" and body[:1].strip():  # the exception's line ends the traceback
+                state[prefix], last[prefix] = "ended", body
         else:
-            kept.append(line)
-    return kept + [line for block in reading.values() for line in block]
+            kept.append([line])
+    for prefix in list(reading):
+        close(prefix)
+    return [line for lines in kept for line in lines]

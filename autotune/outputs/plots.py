@@ -97,13 +97,16 @@ def _length_ticks(value: float, _position=None) -> str:
     return short_tokens(round(value)) if value >= 1 else ""
 
 
-def plot_pareto(rows: list[dict], front: list[dict], target: int, path: Path, title: str = "") -> dict:
+def plot_pareto(
+    rows: list[dict], front: list[dict], target: int, path: Path, title: str = "", best: dict | None = None
+) -> dict:
     """Every trial at its length: those that fit at their tokens/s (measured = circles, predicted = squares),
     the rest in a labelled strip below, one row for out of memory (red) and one for failed (grey), measured =
     triangles, predicted = x. The front is a line whose points carry their key knobs (labels placed clear of
-    one another, see ``_place_front_labels``), the target a vertical line. When nothing fits, the rate axis
-    has no scale and says so. Returns what the figure holds, counted from its artists: ``{"points": trial
-    markers, "front": front points}``."""
+    one another, see ``_place_front_labels``), the target a vertical line; ``best`` (``pareto.json``'s: the config
+    ``best.json`` holds, at the target) a gold star. When nothing fits, the rate axis has no scale and says so.
+    Returns what the figure holds, counted from its artists: ``{"points": trial markers, "front": front points,
+    "best": 1 where the star is drawn}``."""
     ok = [r for r in rows if r["status"] == "ok" and r.get("tokens_per_s")]
     rates = [r["tokens_per_s"] for r in ok] + [f["tokens_per_s"] for f in front]
     fig, (ax, strip) = plt.subplots(
@@ -155,6 +158,17 @@ def plot_pareto(rows: list[dict], front: list[dict], target: int, path: Path, ti
             label="Pareto front",
             zorder=3,
         )
+    if best and best.get("tokens_per_s"):
+        ax.plot(
+            [best["seq_len"]],
+            [best["tokens_per_s"]],
+            "*",
+            markersize=16,
+            color="gold",
+            markeredgecolor="black",
+            label=f"best.json (trial {best['trial']})",
+            zorder=4,
+        )
     for axes in (ax, strip):
         axes.axvline(target, color="tab:green", linestyle="--", label=f"target {target:,}")
         axes.grid(True, which="both", axis="x", alpha=0.3)
@@ -200,6 +214,7 @@ def plot_pareto(rows: list[dict], front: list[dict], target: int, path: Path, ti
     drawn = {
         "points": sum(len(c.get_offsets()) for a in (ax, strip) for c in a.collections),
         "front": sum(len(line.get_xdata()) for line in ax.lines if line.get_label() == "Pareto front"),
+        "best": sum(len(line.get_xdata()) for line in ax.lines if line.get_label().startswith("best.json")),
     }
     plt.close(fig)
     return drawn
@@ -327,10 +342,19 @@ def _gib(value: float, decimals: int = 1) -> str:
     return f"{value:.{decimals}f}" if value >= 1 or value == 0 else f"{value:.2g}"
 
 
-def plot_memory(records, capacity: int, path, labels: list[str] | None = None, title: str = "") -> int:
+def plot_memory(
+    records,
+    capacity: int,
+    path,
+    labels: list[str] | None = None,
+    title: str = "",
+    host_capacity: int = 0,
+) -> int:
     """Stacked bars of peak device memory per rank by category (one bar per record; ``ResultRecord`` or
-    dict), the device capacity as a line; host bytes noted above each bar. Matplotlib, Agg backend.
-    Returns the number of bars (stacks) drawn, counted from the figure's bar containers."""
+    dict), the device capacity as a line; host bytes noted above each bar, against ``host_capacity`` (the host
+    memory per rank, ``Hardware.host_memory_bytes_per_device``; 0: not checked) where it is known: the host is
+    another memory, so its capacity is a figure in each note and in the legend, not a line on the device's axis.
+    Matplotlib, Agg backend. Returns the number of bars (stacks) drawn, counted from the figure's bar containers."""
     rows = [r.to_dict() if hasattr(r, "to_dict") else dict(r) for r in records]
     names = labels or [format_tokens(r["seq_len"]) + f" ({r['status']})" for r in rows]
     gib = 2.0**30
@@ -346,9 +370,12 @@ def plot_memory(records, capacity: int, path, labels: list[str] | None = None, t
         note = f"{_gib(total)} GiB"
         if row.get("host_bytes"):
             note += f"\nhost {_gib(row['host_bytes'] / gib)}"
+            note += f" of {_gib(host_capacity / gib)}" if host_capacity else ""
         notes.append((max(total, bottoms[index]), note))
     line = capacity / gib
-    ax.axhline(line, color="black", linestyle="--", label=f"capacity {_gib(line, 0)} GiB")
+    ax.axhline(line, color="black", linestyle="--", label=f"device capacity {_gib(line, 2)} GiB")
+    if host_capacity:  # a legend entry only: what each note's "host X of Y" is measured against
+        ax.plot([], [], " ", label=f"host capacity {_gib(host_capacity / gib, 2)} GiB per rank")
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels(
         names, rotation=20 if len(rows) > 3 else 0, ha="right" if len(rows) > 3 else "center", fontsize=8

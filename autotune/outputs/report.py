@@ -250,6 +250,7 @@ def write_outputs(job: search.SearchJob, study) -> dict:
                 "nodes": job.nodes,
                 "target": job.target,
                 "capacity_bytes": job.hardware.device_memory_bytes,
+                "host_capacity_bytes": job.hardware.host_memory_bytes_per_device,  # per rank; 0: not checked
                 "trainer": job.trainer.name,  # what every front config is: what that trainer runs
                 "documents": job.documents.to_json(),  # the documents packed into each sequence
                 "best_choice": choice,
@@ -261,7 +262,12 @@ def write_outputs(job: search.SearchJob, study) -> dict:
         + "\n"
     )
     plot_pareto(
-        plot_rows(rows), front, job.target, out / "pareto.png", title=f"{model_title(job.model)} on {_where(job)}"
+        plot_rows(rows),
+        front,
+        job.target,
+        out / "pareto.png",
+        title=f"{model_title(job.model)} on {_where(job)}",
+        best=best_entry(best),
     )
     write_pareto_html(study, out / "pareto.html")
     plot_front_memory(
@@ -269,6 +275,7 @@ def write_outputs(job: search.SearchJob, study) -> dict:
         job.hardware.device_memory_bytes,
         out / "memory.png",
         title=f"memory per rank of the front, {model_title(job.model)} on {_where(job)}",
+        host_capacity=job.hardware.host_memory_bytes_per_device,
     )
     front_timeline = _front_timeline(job, front, out)
     best_path = out / "best.json"
@@ -372,9 +379,11 @@ def _where(job) -> str:
     return where_title(job.gpus, job.hardware.name, job.nodes)
 
 
-def plot_front_memory(front: list[dict], capacity_bytes: int, path: Path, title: str = "") -> int:
-    """``memory.png``: the peak-memory breakdown of every front point against the capacity; returns
-    the number of bars drawn."""
+def plot_front_memory(
+    front: list[dict], capacity_bytes: int, path: Path, title: str = "", host_capacity: int = 0
+) -> int:
+    """``memory.png``: the peak-memory breakdown of every front point against the device capacity (and the host
+    memory per rank, ``host_capacity``, where it is checked); returns the number of bars drawn."""
     if not front:
         return 0
     return plot_memory(
@@ -382,6 +391,7 @@ def plot_front_memory(front: list[dict], capacity_bytes: int, path: Path, title:
         capacity_bytes,
         path,
         title=title,
+        host_capacity=host_capacity,
         labels=[f"{f['seq_len']:,}\n{label}" for f, label in zip(front, knob_labels([f["techniques"] for f in front]))],
     )
 
