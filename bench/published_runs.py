@@ -337,7 +337,6 @@ RUNS = [
         "torch's context parallelism (DTensor ring over SDPA, FSDP2, accelerate cp_size 8); TRL's chunked NLL "
         "(its chunk size as an 8K tile); YaRN RoPE (no memory or time of note)",
         (Figure("step_s", 373, "373 s"), Figure("peak_gib", 56.2, "56.2 GB")),
-        outside="attention priced at FA2's rates (the h100-sxm preset's sdpa entry) while torch's SDPA on Hopper runs cuDNN's attention first in current releases (reported 1.7-2.3x FA2, transformers#48163); attention is most of this step",
     ),
     Run(
         "trl-qwen3-0.6b-1m",
@@ -359,7 +358,6 @@ RUNS = [
         },
         "as trl-qwen3-8b-1m; tied embeddings",
         (Figure("step_s", 137, "137 s"),),
-        outside="as trl-qwen3-8b-1m: attention at FA2's rates where torch's SDPA runs cuDNN's faster kernel; a 0.6B model's step is almost all attention",
     ),
     Run(
         "trl-qwen3-8b-2m-16gpu",
@@ -382,7 +380,6 @@ RUNS = [
         "as trl-qwen3-8b-1m, the ring over two nodes; the PR's cluster fabric is not stated (the preset's: "
         "400 Gb/s per GPU)",
         (Figure("step_s", 696, "696 s"),),
-        outside="as trl-qwen3-8b-1m (attention at FA2's rates, cuDNN's on the node); the ring's steps over the fabric stay hidden in the prediction",
     ),
     Run(
         "hfblog-qwen3-4b-64k",

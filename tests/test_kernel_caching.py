@@ -102,10 +102,35 @@ def test_cu_seqlens_is_one_tensor_per_documents_and_device():
     assert first.dtype == torch.int32 and first.tolist() == [0, 5, 25, 32]
     on_meta = documents.cu_seqlens("meta")
     assert on_meta is not first and on_meta.device.type == "meta" and documents.cu_seqlens("meta") is on_meta
-    assert Documents((5, 20, 7)).cu_seqlens("cpu") is not first  # another batch's documents: their own
+    # a copy of the same documents (FSDP2 copies each module's dataclass inputs; the next batch of a fixed length)
+    # shares it; other lengths get their own
+    assert Documents((5, 20, 7)).cu_seqlens("cpu") is first and Documents((5, 20, 8)).cu_seqlens("cpu") is not first
     assert documents == Documents((5, 20, 7)) and hash(documents) == hash(Documents((5, 20, 7)))
     with torch.inference_mode():
         assert Documents((3, 4)).cu_seqlens("cpu").is_inference() is False  # autograd may save it for backward
+
+
+def test_packed_documents_pass_fsdps_cast_of_each_modules_inputs():
+    """FSDP2 in bf16 (a GPU preset's ``param_dtype``) hands each sharded module's forward a copy of its dataclass
+    inputs (``dataclasses.replace``): the documents survive it, and the oracle traces a packed step of a GPU
+    config."""
+    from autotune.backends.plan import PlanBackend
+    from autotune.core.evaluation import Evaluation
+    from autotune.core.hardware import load_hardware
+    from trials.kernels.documents import DocumentsSpec
+    from trials.models.config import load_model_config
+    from trials.stack.techniques import Techniques
+
+    evaluation = Evaluation(
+        load_model_config("tiny-llama"),
+        Techniques(fsdp=True, ulysses_degree=2, attention="flash"),
+        4096,
+        2,
+        load_hardware("h100-sxm"),
+        documents=DocumentsSpec((1024,)),
+    )
+    record = PlanBackend(store=None).evaluate(evaluation)
+    assert record.status == "ok", record.error
 
 
 def test_cu_seqlens_under_fake_tensor_mode_is_that_modes_and_not_kept():

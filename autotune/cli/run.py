@@ -191,7 +191,7 @@ def train(command: list[str], stdout, ranks: int = 1) -> int:
             sys.stderr.flush()
         returncode = process.wait()
     except KeyboardInterrupt:
-        _stop(process)
+        _stop(process, verbose)
         print("autotune: training stopped", file=sys.stderr, flush=True)  # main says "interrupted" after it
         raise
     if returncode == 0:
@@ -215,8 +215,9 @@ def root_cause(stderr_lines: list[str], returncode: int) -> str:
     return f"exited with code {returncode} without a Python exception (see the output above)"
 
 
-def _stop(process: subprocess.Popen) -> None:
-    """Stop the training: Ctrl-C reached it too, a SIGTERM to autotune did not; drain its output meanwhile."""
+def _stop(process: subprocess.Popen, verbose: bool = False) -> None:
+    """Stop the training: Ctrl-C reached it too, a SIGTERM to autotune did not; drain its output meanwhile (without
+    the stop's own tracebacks, and torchrun's notices unless ``verbose``)."""
     if process.poll() is None:
         process.terminate()
     try:
@@ -224,7 +225,8 @@ def _stop(process: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         _, rest = process.communicate()
-    sys.stderr.writelines(line + "\n" for line in without_stop_tracebacks((rest or "").splitlines()))
+    lines = without_stop_tracebacks((rest or "").splitlines())
+    sys.stderr.writelines(line + "\n" for line in lines if verbose or not _AGENT_NOTICE.search(line))
 
 
 def without_stop_tracebacks(lines: list[str]) -> list[str]:

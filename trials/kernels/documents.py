@@ -17,7 +17,8 @@ module and attention interface (also when a checkpointed layer is recomputed in 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
 from itertools import accumulate
 
 DOCUMENTS_KWARG = "autotune_documents"
@@ -28,8 +29,6 @@ class Documents:
     """Lengths of the documents packed into one sequence, in order (each >= 1)."""
 
     lengths: tuple[int, ...]
-    # ``cu_seqlens`` by device: built on the first call, shared by every later one (not part of equality or hash)
-    _cu_seqlens: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if not self.lengths or any(int(n) < 1 for n in self.lengths):
@@ -122,25 +121,31 @@ class Documents:
         return np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(starts, lengths)
 
     def cu_seqlens(self, device):
-        """flash-attn's ``cu_seqlens``: int32 [documents + 1] on ``device``, one tensor per device for this object.
+        """flash-attn's ``cu_seqlens``: int32 [documents + 1] on ``device``, one tensor per device for these lengths.
 
         Building it is a blocking host-to-device copy; every layer's varlen call (a checkpointed layer's recompute
-        included) reuses the first one. It is built outside inference mode, since the kernel's autograd saves it for
-        backward. Under FakeTensorMode (the memory oracle's trace) it is a fake of that mode, built per call and
-        never cached: a fake belongs to its mode, and a real tensor does not enter one."""
+        included) reuses the first one. The cache is keyed by the lengths, not kept on the object: FSDP2 hands each
+        module's forward a copy of its dataclass inputs (``dataclasses.replace``, casting their tensors), so a field
+        would be copied empty per layer, and one that ``__init__`` does not take breaks the copy. It is built outside
+        inference mode, since the kernel's autograd saves it for backward. Under FakeTensorMode (the memory oracle's
+        trace) it is a fake of that mode, built per call and never cached: a fake belongs to its mode, and a real
+        tensor does not enter one."""
         import torch
         from torch._guards import detect_fake_mode
 
-        device = torch.device(device)
-        faking = detect_fake_mode() is not None
-        cached = None if faking else self._cu_seqlens.get(device)
-        if cached is not None:
-            return cached
-        with torch.inference_mode(False):
-            tensor = torch.tensor(self.offsets, dtype=torch.int32, device=device)
-        if not faking:
-            self._cu_seqlens[device] = tensor
-        return tensor
+        if detect_fake_mode() is not None:
+            return torch.tensor(self.offsets, dtype=torch.int32, device=device)
+        return _cu_seqlens(self.lengths, torch.device(device))
+
+
+@functools.lru_cache(maxsize=16)
+def _cu_seqlens(lengths: tuple[int, ...], device):
+    """``Documents.cu_seqlens`` of ``lengths`` on ``device``, built once (a step's few documents layouts: the last 16
+    kept)."""
+    import torch
+
+    with torch.inference_mode(False):
+        return torch.tensor([0, *accumulate(lengths)], dtype=torch.int32, device=device)
 
 
 def documents_of(kwargs: dict, seq_len: int) -> Documents | None:
