@@ -66,6 +66,16 @@ def test_every_gpu_preset_lists_the_kernels_its_device_runs_each_with_its_rates_
     assert load_hardware("cpu").kernels == ("sdpa",)
 
 
+def test_every_figure_of_a_gpu_preset_says_where_it_comes_from():
+    """Each top-level figure of a shipped GPU preset carries a comment: its published measurement or datasheet, or
+    that it is assumed (and why); a figure added bare is refused."""
+    for name in [n for n in hardware_names() if is_shipped(n) and not load_hardware(n).device_is_host]:
+        text = (shipped_dir() / f"{name}.yaml").read_text()
+        figures = [line for line in text.splitlines() if line[:1].isalpha() and not line.endswith(":")]
+        bare = [line for line in figures if "#" not in line and not line.startswith(("name:", "description:"))]
+        assert figures and not bare, (name, bare)
+
+
 def test_b200_carries_its_own_figures_and_runs_flash4_not_fa2_or_fa3():
     b200 = load_hardware("b200")
     assert b200.kernels == ("flash4", "sdpa") and b200.compute_capability == 10
