@@ -204,7 +204,7 @@ def test_ring_transfers_hide_behind_attention_and_cross_nodes_on_the_nic():
     for phase in ("forward", "backward"):
         for bh in (1.0, 64.0, 4096.0):  # transfer-bound, balanced, attention-bound
             counts = _ring_counts(phase, wire, calls, bh)
-            hidden = attention_time(counts, (phase,), r) * (2 - 1) / 2
+            hidden = attention_time(counts, (phase,), r.for_kernel(usp.attention, None)) * (2 - 1) / 2
             floor = 1 / 3 if phase == "backward" else 0.0  # 2R-1 transfers per layer; the last has nothing after it
             for gpus_per_node, link, latency in (
                 (16, r.intra_node_bytes_per_s * r.all_reduce_efficiency, r.collective_latency_s),
