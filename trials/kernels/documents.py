@@ -133,19 +133,20 @@ class Documents:
         import torch
         from torch._guards import detect_fake_mode
 
-        if detect_fake_mode() is not None:
-            return torch.tensor(self.offsets, dtype=torch.int32, device=device)
-        return _cu_seqlens(self.lengths, torch.device(device))
+        build = _offsets_tensor if detect_fake_mode() is not None else _cached_offsets_tensor
+        return build(self.offsets, torch.device(device))
 
 
-@functools.lru_cache(maxsize=16)
-def _cu_seqlens(lengths: tuple[int, ...], device):
-    """``Documents.cu_seqlens`` of ``lengths`` on ``device``, built once (a step's few documents layouts: the last 16
-    kept)."""
+def _offsets_tensor(offsets: tuple[int, ...], device):
+    """``offsets`` as an int32 tensor on ``device``, made outside inference mode."""
     import torch
 
     with torch.inference_mode(False):
-        return torch.tensor([0, *accumulate(lengths)], dtype=torch.int32, device=device)
+        return torch.tensor(offsets, dtype=torch.int32, device=device)
+
+
+# built once per documents layout and device (a step's few layouts: the last 16 kept)
+_cached_offsets_tensor = functools.lru_cache(maxsize=16)(_offsets_tensor)
 
 
 def documents_of(kwargs: dict, seq_len: int) -> Documents | None:
