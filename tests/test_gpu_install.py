@@ -519,6 +519,58 @@ def test_the_torch_pin_setup_gpu_writes_lets_real_pip_install_a_package_that_req
         node.uninstall("needs_torch")
 
 
+@pytest.mark.slow
+def test_setup_gpu_sets_up_an_h100_node_from_the_real_index_and_names_each_kernel_it_leaves_out(tmp_path):
+    """bin/setup-gpu's whole path with real pip and the real index, as on an H100 node with driver 580 whose venv
+    holds a CUDA torch (``--use-installed-torch``): a stand-in of PyPI's CUDA 13.2 wheel (metadata version PIN,
+    ``torch.cuda.is_available()`` true), so pip resolves autotune's test extra, ``kernels`` and each kernel's wheel
+    route against that pin. No kernel can pass its check without a GPU (the stand-in runs nothing; the hub is
+    offline, no nvcc): each is left out with one line, and the set-up exits 0."""
+    pin = node_setup.torch_pin()
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    torch_files = {
+        "torch/__init__.py": f'__version__ = "{pin}+cu132"\nfrom . import cuda, version\n',
+        "torch/version.py": 'cuda = "13.2"\n',
+        "torch/cuda/__init__.py": "def is_available():\n    return True\n",
+    }
+    stand_in = _wheel(wheels, "torch", pin, torch_files)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    subprocess.run([python, "-m", "pip", "install", "--quiet", "--no-deps", str(stand_in)], check=True, timeout=120)
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "nvidia-smi").write_text(f"#!/bin/sh\nprintf '{H100.strip()}\\n'\n")
+    (tools / "nvidia-smi").chmod(0o755)
+    env = {
+        **{name: value for name, value in os.environ.items() if name not in ("VIRTUAL_ENV", "PYTHONPATH")},
+        "PATH": f"{tools}:{os.environ['PATH']}",
+        "CUDA_HOME": str(tmp_path / "no-cuda-toolkit"),  # flash-attn's source route: no nvcc here
+        "HF_HUB_OFFLINE": "1",  # the kernel hub's route: answered without waiting on the network
+        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+    }
+    done = subprocess.run(
+        [str(SETUP_GPU), "--use-installed-torch", "--venv", str(venv)],
+        capture_output=True, text=True, env=env, timeout=1500,
+    )  # fmt: skip
+    said = [line for line in done.stderr.splitlines() if line.startswith("setup-gpu: ")]
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert said[1] == f"setup-gpu: torch {pin}+cu132 (CUDA 13.2) is installed: keeping it", said
+    plans = node_setup.choose_kernels(node_setup.read_gpus(H100), "13.2")
+    assert {plan.name for plan in plans} >= {"flash", "flash3"}, plans
+    for plan in plans:
+        (line,) = [line for line in said if line.startswith(f"setup-gpu: {plan.label}: ")]
+        assert ": not installed (" in line, line
+    kept = f"setup-gpu: kept torch {pin}+cu132 (CUDA 13.2); attention kernels sdpa (no flash kernel: "
+    assert said[-1].startswith(kept), said
+    listed = subprocess.run([python, "-m", "pip", "list", "--format=json"], capture_output=True, text=True, check=True)
+    installed = {row["name"].lower(): row["version"] for row in json.loads(listed.stdout)}
+    assert installed["torch"] == pin, "a later install moved the venv's torch"
+    for package in ("autotune", "deepspeed", "transformers", "optuna", "pytest", "kernels"):
+        assert package in installed, (package, sorted(installed))
+
+
 def _function(source: str, name: str) -> tuple[inspect.Signature, str]:
     """Top-level function ``name`` of module text ``source``: its signature (annotations as written, strings) and
     docstring, read from the text (importing the module would need its dependencies)."""
