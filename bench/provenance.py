@@ -25,6 +25,7 @@ TIMED = "wall time on this machine"
 SELF = "the time model against itself (a consistency check)"
 PUBLISHED = "the plan backend against published runs"
 CLI = "the CLI's messages"
+INSTALL = "real pip against the real package index (the GPU stood in)"
 
 BACKED_BY = {
     "ablation.txt": PLAN,
@@ -56,6 +57,7 @@ BACKED_BY = {
     "search_llama3-8b_4_nodes.txt": PLAN,
     "search_quality.txt": PLAN,
     "search_qwen2.5-14b-like_2_nodes.txt": PLAN,
+    "setup_gpu_rehearsal.txt": INSTALL,
     "sliding_window.txt": SELF,
     "throughput_fidelity.txt": TRIALS,
     "throughput_fidelity_ring_documents.txt": TRIALS,

@@ -98,7 +98,8 @@ def main() -> int:
             print(f"{name:14s} {installed.get(name, 'not installed')}")
         cuda = subprocess.run([python, "-c", "import torch; print(torch.__version__, torch.version.cuda)"],
                               capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})  # fmt: skip
-        print(f"torch.__version__, torch.version.cuda: {cuda.stdout.strip()}")
+        version, cuda_version = cuda.stdout.split()
+        print(f"the venv imports torch {version}, built with CUDA {cuda_version}")
     return 0
 
 
