@@ -14,14 +14,17 @@ from autotune.backends.plan import PlanBackend
 from autotune.core.hardware import load_hardware
 from autotune.oracle import repeats as oracle_repeats
 from trials.core.memory import DeviceMemoryTracker
-from trials.core.repeats import LoopWatcher, for_each_tile, watching
+from trials.core.repeats import LoopWatcher, for_each_kind, for_each_tile, watching
 from trials.kernels.documents import ONE, DocumentsSpec
 from trials.models.config import load_model_config
 from trials.stack.techniques import Techniques
+from trials.trial.segments import SegmentPeaks
 
 pytestmark = pytest.mark.torch_release  # bin/test --oldest runs it on the oldest torch too
 
 K = 1024
+# document lengths as a lengths file gives them: no two neighbours equal, each length again further on
+MIXED = (700, 212, 1000, 300, 77, 700, 1000, 212, 300, 77, 512, 1200, 212, 700)
 TILED = dict(mlp_tile_tokens=512, loss_tile_tokens=256, norm_tile_tokens=512)  # 8-16 tiles of each per rank
 
 
@@ -80,12 +83,27 @@ def test_repeated_tiles_give_the_record_of_every_tile(monkeypatch, techniques):
         ((512,), dict(attention="flash", head_chunk=1, hardware="h100-sxm")),  # FA2's residuals: lse and RNG state
         ((512,) * 12 + (1024, 1024), dict(ring_degree=2, world=2)),  # each ring step's blocks per document
         ((512,), dict(ring_degree=2, world=2, attention="flash", hardware="h100-sxm", activation_checkpointing=True)),
+        (MIXED, {}),  # lengths in any order: each length traced once per phase and layer state
+        (MIXED, dict(head_chunk=1, activation_checkpointing=True, activation_offload_layers=1)),
+        (MIXED, dict(attention="flash3", head_chunk=1, hardware="h100-sxm", activation_checkpointing=True)),
+        (MIXED, dict(ring_degree=2, world=2, activation_checkpointing=True)),
     ],
-    ids=["whole layer", "head chunks+checkpoint", "flash head chunks", "ring", "flash ring+checkpoint"],
+    ids=[
+        "whole layer",
+        "head chunks+checkpoint",
+        "flash head chunks",
+        "ring",
+        "flash ring+checkpoint",
+        "mixed lengths",
+        "mixed lengths+head chunks+offload",
+        "mixed lengths+flash3 head chunks",
+        "mixed lengths+ring+checkpoint",
+    ],
 )
 def test_repeated_documents_give_the_record_of_every_document(monkeypatch, documents, techniques):
-    """Packed documents of one length are identical iterations of each layer's attention, forward and backward:
-    the record accounting for them equals the one tracing each document, byte for byte and count for count."""
+    """Packed documents of one length are identical iterations of each layer's attention, forward and backward,
+    wherever they stand among other lengths: the record accounting for them equals the one tracing each document,
+    byte for byte and count for count."""
     spec = DocumentsSpec(documents)
     every, none_repeated = _record(8 * K, 80.0, True, monkeypatch, documents=spec, **techniques)
     shortened, repeated = _record(8 * K, 80.0, False, monkeypatch, documents=spec, **techniques)
@@ -130,6 +148,42 @@ def test_kept_tiles_that_would_cross_the_capacity_run(capacity):
     assert shortened[:2] == whole[:2] and shortened[3] == whole[3]
     assert whole[0] == (None if capacity in (None, 20_000) else 5)
     assert shortened[2] == (0 if whole[0] is not None else 9)  # 0 and 1 run, 2..10 stood in for, 11 runs
+
+
+def test_an_iteration_of_a_known_kind_runs_where_it_would_raise_a_peak():
+    """A ``for_each_kind`` loop of 1 KB and 2 KB device iterations and a 3 KB host one (kinds "a", "b", "h"), run
+    at an empty state and again above a 10 KB tensor on the device and one on the host: at the empty state the
+    second of each kind is accounted for (its peak repeats one reached), above the tensors each kind runs once
+    more (its peak would stand higher) and then repeats. Peaks, device and host, and the segment's, equal those
+    of the loops run whole."""
+
+    def run(watched: bool):
+        tracker = DeviceMemoryTracker()
+        peaks = SegmentPeaks()
+        tracker.add_listener(peaks)
+        watcher = oracle_repeats.TileWatcher(
+            tracker, lambda: peaks.segment, [], segment_peak=lambda: peaks.segments.get(peaks.segment)
+        )
+        kinds = ["a", "b", "h", "a", "b", "h"]
+
+        def body(index):  # 1, 2 or 3 KB, freed as the iteration ends
+            with tracker.on_host() if kinds[index] == "h" else contextlib.nullcontext():
+                torch.ones(256 * (1 + "abh".index(kinds[index])))
+
+        with tracker, watching(watcher) if watched else contextlib.nullcontext():
+            torch.ones(1)  # the segment's first change (freed at once): its peak exists from here on
+            for_each_kind(6, body, lambda index: kinds[index])
+            held = torch.ones(2560)  # 10 KB
+            with tracker.on_host():
+                held_on_host = torch.ones(2560)
+            for_each_kind(6, body, lambda index: kinds[index])
+            del held, held_on_host
+        segment = peaks.segments[peaks.segment]
+        return (tracker.peak_device_bytes, tracker.peak_host_bytes, segment.device_bytes), watcher.repeated
+
+    whole, shortened = run(False), run(True)
+    assert shortened[0] == whole[0] == (12 * 1024, 13 * 1024, 12 * 1024)
+    assert shortened[1] == 6  # the second of each kind in each loop
 
 
 class _Recorder(LoopWatcher):

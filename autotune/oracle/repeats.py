@@ -31,13 +31,14 @@ EVERY_TILE_ENV = "AUTOTUNE_TRACE_EVERY_TILE"  # "1": trace every tile (the path 
 
 
 class _Highest(TrackerListener):
-    """The highest live device bytes while it listens."""
+    """The highest live device and host bytes while it listens."""
 
-    def __init__(self, start: int):
-        self.highest = start
+    def __init__(self, tracker: DeviceMemoryTracker):
+        self.highest, self.highest_host = tracker.device_bytes, tracker.host_bytes
 
     def on_change(self, tracker: DeviceMemoryTracker) -> None:
         self.highest = max(self.highest, tracker.device_bytes)
+        self.highest_host = max(self.highest_host, tracker.host_bytes)
 
 
 def _state(tracker: DeviceMemoryTracker) -> tuple[int, ...]:
@@ -61,7 +62,8 @@ def _stand_in(like):
 class TileWatcher(LoopWatcher):
     """Shortens the identical tiles of one trace (see the module doc). ``segment()``: the trace's current segment;
     ``counters``: its step counters (``StepCounter``), whose increments are recorded and repeated;
-    ``device_limit()``: the live device bytes above which the trace stops now, or None."""
+    ``device_limit()``: the live device bytes above which the trace stops now, or None; ``segment_peak()``: the
+    current segment's peak so far (``trials.trial.segments.Segment``), or None before its first change."""
 
     def __init__(
         self,
@@ -69,13 +71,41 @@ class TileWatcher(LoopWatcher):
         segment: Callable[[], tuple],
         counters: list,
         device_limit: Callable[[], int | None] = lambda: None,
+        segment_peak: Callable[[], object] = lambda: None,
     ):
         self.tracker, self.segment, self.counters, self.device_limit = tracker, segment, counters, device_limit
+        self.segment_peak = segment_peak
         self.repeated = 0  # iterations accounted for without running (tests and benches read it)
+        self._kinds: dict[Hashable, tuple] = {}  # run_kind: (kind, phases) -> (signature, host bytes above)
 
     def observe(self, run: Callable[[], object], kept: bool) -> Hashable | None:
+        signature, _ = self._observe(run, kept)
+        return signature
+
+    def run_kind(self, run: Callable[[], object], kind: Hashable) -> None:
+        """Accounts for an iteration of a kind seen in this phase (its increments replayed once) when its peak,
+        from the live bytes now, stays at or below the current segment's peak, device and host: the peaks, the
+        breakdowns at them, the limits and the capacity then see nothing it would have changed. Else it runs, and
+        a run that left the state as it found it teaches the kind."""
+        tracker = self.tracker
+        key = (kind, tracker.phase, tuple(counter.current_phase() for counter in self.counters))
+        known, peak = self._kinds.get(key), self.segment_peak()
+        if known is not None and peak is not None:
+            signature, host_above = known
+            if (
+                tracker.device_bytes + signature[3] <= peak.device_bytes
+                and tracker.host_bytes + host_above <= peak.host_bytes
+            ):
+                self.repeat(signature, 1)
+                return
+        signature, host_above = self._observe(run, kept=False)
+        if signature is not None:
+            self._kinds[key] = (signature, host_above)
+
+    def _observe(self, run: Callable[[], object], kept: bool) -> tuple[Hashable | None, int]:
+        """``observe``'s signature, and the host bytes the iteration rose above where it started."""
         before, segment, phase = _state(self.tracker), self.segment(), self.tracker.phase
-        highest = _Highest(self.tracker.device_bytes)
+        highest = _Highest(self.tracker)
         self.tracker.add_listener(highest)
         try:
             with contextlib.ExitStack() as stack:
@@ -85,23 +115,24 @@ class TileWatcher(LoopWatcher):
             self.tracker.remove_listener(highest)
         change = tuple(a - b for a, b in zip(_state(self.tracker), before))
         if self.segment() != segment or self.tracker.phase != phase or any(log.other_changes for log in logs):
-            return None  # a collective, an optimizer step, a new segment: not what the counters can repeat
+            return None, 0  # a collective, an optimizer step, a new segment: not what the counters can repeat
         if kept:
             parts = _kept_tensors(result)
             infos = [self.tracker.storage_info(part) for part in parts]
             if not infos or any(info is None or info.host for info in infos) or len(set(map(id, infos))) < len(infos):
-                return None  # not tensors each in a device storage of its own
+                return None, 0  # not tensors each in a device storage of its own
             if change[0] != sum(info.nbytes for info in infos) or change[-1] != len(infos):
-                return None  # the state grew by more than the result
+                return None, 0  # the state grew by more than the result
         elif any(change):
-            return None  # it changed what the next iteration starts from: each must run
-        return (
+            return None, 0  # it changed what the next iteration starts from: each must run
+        signature = (
             change,
             segment,
             phase,
             highest.highest - before[0],
             tuple(tuple(log.increments) for log in logs),
         )
+        return signature, highest.highest_host - before[1]
 
     def repeat(self, signature: Hashable, times: int, like=None) -> list | None:
         change, _, _, above, increments = signature
@@ -128,9 +159,10 @@ def tile_watching(
     segment: Callable[[], tuple],
     counters: list,
     device_limit: Callable[[], int | None] = lambda: None,
+    segment_peak: Callable[[], object] = lambda: None,
 ):
     """A context in which the trace's tile loops are shortened, or a no-op where ``$AUTOTUNE_TRACE_EVERY_TILE``
     is set."""
     if os.environ.get(EVERY_TILE_ENV, "").strip() not in ("", "0"):
         return contextlib.nullcontext()
-    return watching(TileWatcher(tracker, segment, counters, device_limit))
+    return watching(TileWatcher(tracker, segment, counters, device_limit, segment_peak))

@@ -150,11 +150,21 @@ def trace(
                     )
                     for mode in extra_modes:
                         stack.enter_context(mode)
-                    if timeline is None and not explain and all(hasattr(m, "recording") for m in extra_modes):
+                    if (
+                        timeline is None
+                        and not explain
+                        and all(hasattr(m, "recording") and hasattr(m, "current_phase") for m in extra_modes)
+                    ):
                         # identical tiles are accounted for, not traced each (``autotune.oracle.repeats``); a
                         # timeline or an explanation wants every allocation, another mode every op
                         stack.enter_context(
-                            tile_watching(tracker, lambda: peaks.segment, extra_modes, device_limit(tracker, limits))
+                            tile_watching(
+                                tracker,
+                                lambda: peaks.segment,
+                                extra_modes,
+                                device_limit(tracker, limits),
+                                lambda: peaks.segments.get(peaks.segment),
+                            )
                         )
                     for _ in range(steps):
                         train_step(model, optimizer, batch, mesh, tracker)

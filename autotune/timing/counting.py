@@ -288,6 +288,10 @@ class StepCounter(TorchDispatchMode):
             return tracker_phase if tracker_phase in PHASES else "other"
         return "forward" if torch.is_grad_enabled() else "other"
 
+    def current_phase(self) -> str:
+        """The phase an op dispatched now is counted in."""
+        return self._phase()
+
     @staticmethod
     def _recomputing() -> bool:
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)

@@ -16,6 +16,13 @@ backward: the state repeats), and a tile whose result is kept to the end (``keep
 output tiles, concatenated after the loop: the state grows by one result per tile). For the second the watcher
 hands back a stand-in for each result not computed: a tensor of the same shape, stride and dtype.
 
+A third kind: iterations that each leave the state as they found it (what one makes, it frees; its result
+unused) and that differ from one another only in a size, so that all iterations of one size run the same ops on
+the same shapes: attention over packed documents of lengths in any order, one call per document. ``for_each_kind``
+is that loop; it names each iteration's kind (the size and everything else its ops depend on). A watcher may
+account for an iteration of a kind it has seen run, once it knows the iteration could not change anything it
+reports: its peak stands below the peaks already reached.
+
 The watcher decides what "exactly the same" means; the memory oracle's (``autotune.oracle.repeats``) compares
 the live bytes before and after, the peak above them, the storages alive, and every count the time model takes,
 so that the step's peak and counts equal those of the full loop, byte for byte and count for count.
@@ -25,6 +32,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Hashable
+
+import torch
 
 _WATCHERS: list[LoopWatcher] = []
 
@@ -49,6 +58,11 @@ class LoopWatcher:
 
     def repeat(self, signature: Hashable, times: int, like=None) -> list | None:
         raise NotImplementedError
+
+    def run_kind(self, run: Callable[[], object], kind: Hashable) -> None:
+        """One iteration of a ``for_each_kind`` loop: ``run()``, or an accounting for it where an iteration of
+        ``kind`` ran before and this one could not change what the watcher reports. Runs it unless overridden."""
+        run()
 
 
 @contextlib.contextmanager
@@ -102,3 +116,33 @@ def for_each_tile(count: int, body: Callable[[int], object], uniform: int, keep_
     for index in range(ran, count):
         run(index)
     return results if keep_all else results.pop()
+
+
+def for_each_kind(count: int, body: Callable[[int], object], kind: Callable[[int], Hashable]) -> None:
+    """``body(i)`` for i in range(count), each iteration leaving the state as it found it (its result unused), and
+    ``kind(i)`` naming everything its ops depend on: two iterations of one kind run the same ops on the same
+    shapes. Without a watcher every iteration runs; a watcher may account for an iteration of a kind it has seen
+    (``LoopWatcher.run_kind``)."""
+    watcher = _WATCHERS[-1] if _WATCHERS else None
+    for index in range(count):
+        if watcher is None:
+            body(index)
+        else:
+            watcher.run_kind(lambda index=index: body(index), kind(index))
+
+
+def kind_of(*parts) -> tuple:
+    """What a loop body's ops depend on besides its own size, for ``for_each_kind``: each tensor it reads by its
+    shape, stride, dtype, device and whether it requires grad, every other argument as it is, and the grad mode and
+    autocast state the loop runs in."""
+    devices = {part.device.type for part in parts if isinstance(part, torch.Tensor)}
+    return (
+        torch.is_grad_enabled(),
+        tuple(torch.is_autocast_enabled(device) for device in sorted(devices)),
+        *(
+            (tuple(part.shape), part.stride(), part.dtype, part.device, part.requires_grad)
+            if isinstance(part, torch.Tensor)
+            else part
+            for part in parts
+        ),
+    )

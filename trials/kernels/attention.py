@@ -30,7 +30,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from trials.core.repeats import for_each_tile
+from trials.core.repeats import for_each_kind, kind_of
 from trials.kernels.documents import Documents, documents_of
 from trials.kernels.registry import (
     FLASH_KERNELS,
@@ -370,9 +370,10 @@ def residuals_from_lse(kernel: str, lse, like) -> tuple:
 # -- packed documents -------------------------------------------------------------------------------------------------
 # Each document is a causal sequence of its own: the kernel runs on its rows of q/k/v (views, no copy of the whole
 # sequence), within its window. A flash kernel with a varlen entry point runs a whole layer in one call instead.
-# The per-document calls are a ``for_each_tile`` loop: documents of one length run the same ops on the same shapes,
-# so the memory oracle traces a few of them and accounts for the rest (``trials.core.repeats``); on real tensors
-# every document runs.
+# The per-document calls are a ``for_each_kind`` loop: each call leaves memory as it found it (it writes its rows of
+# outputs made before the loop), and documents of one length run the same ops on the same shapes, in any order, so
+# the memory oracle traces one document of each length (per phase) and accounts for the rest
+# (``trials.core.repeats``); on real tensors every document runs.
 
 
 def _seq_dim(kernel: str) -> int:
@@ -383,18 +384,18 @@ def _packed(documents: Documents | None) -> bool:
     return documents is not None and len(documents.lengths) > 1
 
 
-def _for_each_document(documents: Documents, tokens: int, kernel: str, body, keep_all: bool = False):
+def _for_each_document(documents: Documents, tokens: int, kernel: str, body, *context):
     """``body(index, rows)`` for each document in order, ``rows`` the ``Tensor.narrow`` arguments of its tokens in
-    ``kernel``'s layout; ``for_each_tile``'s result (``keep_all``: every body's result). The documents of the first
-    one's length ahead of any other are the loop's identical iterations."""
+    ``kernel``'s layout. ``context``: every tensor and argument ``body`` reads besides ``rows``; with the
+    document's length, the grad mode and autocast, it is the iteration's kind (what its ops depend on)."""
     if documents.total != tokens:
         raise ValueError(f"documents cover {documents.total} tokens, attention sees {tokens}")
     dim, spans, lengths = _seq_dim(kernel), documents.spans(), documents.lengths
-    return for_each_tile(
+    common = kind_of(kernel, *context)
+    for_each_kind(
         len(spans),
         lambda index: body(index, (dim, spans[index][0], lengths[index])),
-        documents.leading_run,
-        keep_all=keep_all,
+        lambda index: (common, lengths[index]),
     )
 
 
@@ -412,7 +413,9 @@ def _per_document_forward(query, key, value, scaling, kernel, window, softcap, d
         out.narrow(*rows).copy_(part)
         lse.narrow(2, rows[1], rows[2]).copy_(residuals[0][..., : rows[2]])
 
-    _for_each_document(documents, key.shape[dim], kernel, document)
+    _for_each_document(
+        documents, key.shape[dim], kernel, document, query, key, value, out, lse, scaling, window, softcap
+    )
     return out, (lse,)
 
 
@@ -436,7 +439,13 @@ def _per_document_backward(grad_out, query, key, value, out, residuals, scaling,
         for grad, part in zip(grads, parts):
             grad.narrow(*rows).copy_(part)
 
-    _for_each_document(documents, key.shape[_seq_dim(kernel)], kernel, document)
+    _for_each_document(
+        documents,
+        key.shape[_seq_dim(kernel)],
+        kernel,
+        document,
+        *(grad_out, query, key, value, out, lse, *grads, scaling, window, softcap),
+    )
     return grads
 
 

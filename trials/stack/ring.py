@@ -56,7 +56,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from trials.core.repeats import for_each_tile
+from trials.core.repeats import for_each_kind, for_each_tile, kind_of
 from trials.kernels.attention import (
     FLASH_KERNELS,
     attention_backward,
@@ -191,7 +191,15 @@ def ring_forward(query, key, value, scaling: float, kernel: str, ring: Ring, sof
     for step in range(ring.degree):
         pending = ring.exchange(k, v) if step < ring.degree - 1 else None
         per_document = ring.document_blocks(step, length, local)
-        for_each_tile(len(per_document), lambda index: document(per_document[index], step), _leading_run(local))
+        common = kind_of(query, k, v, out, lse, scaling, kernel, softcap, step == 0)
+        for_each_kind(
+            len(per_document),
+            lambda index: document(per_document[index], step),
+            lambda index: (
+                common,
+                tuple((q_rows, kv_rows, causal) for _, q_rows, _, kv_rows, causal in per_document[index]),
+            ),
+        )
         if pending is not None:
             (k, v), works = pending
             _wait(works)
