@@ -35,6 +35,7 @@ BACKED_BY = {
     "front_optimality.txt": PLAN,
     "gpu_check_cpu.txt": TRIALS,
     "gpu_check_cpu_rehearsal.txt": TRIALS,
+    "lengths_file_speed.txt": f"{PLAN}; {TIMED}",
     "main_job.txt": f"{PLAN}; {TIMED}",
     "max_seq_speed.txt": f"{PLAN}; {TIMED}",
     "memory_timeline.txt": PLAN,

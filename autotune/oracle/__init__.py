@@ -60,6 +60,7 @@ import torch
 from autotune.core.evaluation import Evaluation
 from autotune.core.record import BREAKDOWN_CATEGORIES
 from autotune.oracle.extrapolation import extend_value, extension_limits, extrapolate, plan_traces
+from autotune.oracle.repeats import KNOWN_KINDS
 from autotune.oracle.results import EXTRAPOLATE_FROM, Prediction, Segment, Trace
 from autotune.oracle.tracing import compute_dtype_for, trace
 from trials.trial.segments import layer_runs, model_runs
@@ -104,6 +105,7 @@ def _trace_to_full_depth(
     ``trials.trial.memory_timeline.TimelineRecorder`` for the first trace (the model, or its base copy)."""
     args = (evaluation.model_config, evaluation.techniques, evaluation.seq_len, evaluation.world_size)
     kwargs.setdefault("documents", evaluation.documents)
+    kwargs.setdefault("known_kinds", KNOWN_KINDS)  # what per-document loops taught any trace of this process
     runs = model_runs(evaluation.techniques, evaluation.model_config)
     base, varied = plan_traces(runs)
     stops = dict(

@@ -14,6 +14,11 @@ is kept, ``repeat`` allocates a stand-in of each (a tensor, or a tuple of tensor
 uncounted: no op of the step made it), so the iterations that still run start from the live bytes they would
 have, and does so only when none of the skipped iterations would have crossed a limit that stops the trace (its
 peak then is where it stopped).
+
+A ``for_each_kind`` loop (packed documents of any lengths) names each iteration's kind: ``run_kind`` traces the
+first iteration of each kind in each phase, keeps its signature and the host bytes it rose by, and accounts for a
+later one of that kind (its increments added once) when its peak, from the live bytes then, stays at or below the
+current segment's peak, device and host; otherwise it runs.
 """
 
 from __future__ import annotations
@@ -52,6 +57,21 @@ def _kept_tensors(result) -> tuple:
     return parts if all(isinstance(part, torch.Tensor) for part in parts) else ()
 
 
+class _Shape:
+    """A tensor's shape, stride, dtype and device, without the tensor (what ``_stand_in`` reads)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.shape, self._stride, self.dtype, self.device = tensor.shape, tensor.stride(), tensor.dtype, tensor.device
+
+    def stride(self) -> tuple:
+        return self._stride
+
+
+def _like(result):
+    """What ``_stand_in`` needs to make a result like ``result`` (a tensor, or a tuple of tensors), keeping none."""
+    return tuple(_Shape(part) for part in result) if isinstance(result, tuple) else _Shape(result)
+
+
 def _stand_in(like):
     """A tensor (or tuple of tensors) of ``like``'s shapes, strides, dtypes and devices."""
     if isinstance(like, tuple):
@@ -63,7 +83,9 @@ class TileWatcher(LoopWatcher):
     """Shortens the identical tiles of one trace (see the module doc). ``segment()``: the trace's current segment;
     ``counters``: its step counters (``StepCounter``), whose increments are recorded and repeated;
     ``device_limit()``: the live device bytes above which the trace stops now, or None; ``segment_peak()``: the
-    current segment's peak so far (``trials.trial.segments.Segment``), or None before its first change."""
+    current segment's peak so far (``trials.trial.segments.Segment``), or None before its first change;
+    ``kinds``: what ``run_kind`` learnt of each kind, shared with other traces (``KNOWN_KINDS``), else this
+    trace's own."""
 
     def __init__(
         self,
@@ -72,38 +94,46 @@ class TileWatcher(LoopWatcher):
         counters: list,
         device_limit: Callable[[], int | None] = lambda: None,
         segment_peak: Callable[[], object] = lambda: None,
+        kinds: dict | None = None,
     ):
         self.tracker, self.segment, self.counters, self.device_limit = tracker, segment, counters, device_limit
         self.segment_peak = segment_peak
         self.repeated = 0  # iterations accounted for without running (tests and benches read it)
-        self._kinds: dict[Hashable, tuple] = {}  # run_kind: (kind, phases) -> (signature, host bytes above)
+        # run_kind: (kind, phases) -> (signature, host bytes above)
+        self._kinds: dict[Hashable, tuple] = {} if kinds is None else kinds
 
     def observe(self, run: Callable[[], object], kept: bool) -> Hashable | None:
-        signature, _ = self._observe(run, kept)
+        _, signature, _ = self._observe(run, kept)
         return signature
 
-    def run_kind(self, run: Callable[[], object], kind: Hashable) -> None:
-        """Accounts for an iteration of a kind seen in this phase (its increments replayed once) when its peak,
-        from the live bytes now, stays at or below the current segment's peak, device and host: the peaks, the
-        breakdowns at them, the limits and the capacity then see nothing it would have changed. Else it runs, and
-        a run that left the state as it found it teaches the kind."""
+    def run_kind(self, run: Callable[[], object], kind: Hashable, kept: bool = False):
+        """Accounts for an iteration of a kind seen in this phase (its increments replayed once; where the loop
+        keeps each result, a stand-in of the result's shapes made) when its peak, from the live bytes now, stays at
+        or below the current segment's peak, device and host: the peaks, the breakdowns at them, the limits and the
+        capacity then see nothing it would have changed. Else it runs, and a run that left the state as it found it
+        (or grown by its result alone) teaches the kind."""
         tracker = self.tracker
-        key = (kind, tracker.phase, tuple(counter.current_phase() for counter in self.counters))
+        phases = tuple(counter.current_phase() for counter in self.counters)
+        key = (kind, kept, tracker.phase, tracker.new_storages_on_host, phases)
         known, peak = self._kinds.get(key), self.segment_peak()
         if known is not None and peak is not None:
-            signature, host_above = known
+            signature, host_above, like = known
             if (
                 tracker.device_bytes + signature[3] <= peak.device_bytes
                 and tracker.host_bytes + host_above <= peak.host_bytes
             ):
-                self.repeat(signature, 1)
-                return
-        signature, host_above = self._observe(run, kept=False)
+                stand_ins = self.repeat(signature, 1, like)
+                if not kept:
+                    return None
+                if stand_ins is not None:
+                    return stand_ins[0]
+        result, signature, host_above = self._observe(run, kept)
         if signature is not None:
-            self._kinds[key] = (signature, host_above)
+            self._kinds[key] = (signature, host_above, _like(result) if kept else None)
+        return result
 
-    def _observe(self, run: Callable[[], object], kept: bool) -> tuple[Hashable | None, int]:
-        """``observe``'s signature, and the host bytes the iteration rose above where it started."""
+    def _observe(self, run: Callable[[], object], kept: bool) -> tuple[object, Hashable | None, int]:
+        """``run()``'s result, ``observe``'s signature of it, and the host bytes it rose above where it started."""
         before, segment, phase = _state(self.tracker), self.segment(), self.tracker.phase
         highest = _Highest(self.tracker)
         self.tracker.add_listener(highest)
@@ -115,16 +145,16 @@ class TileWatcher(LoopWatcher):
             self.tracker.remove_listener(highest)
         change = tuple(a - b for a, b in zip(_state(self.tracker), before))
         if self.segment() != segment or self.tracker.phase != phase or any(log.other_changes for log in logs):
-            return None, 0  # a collective, an optimizer step, a new segment: not what the counters can repeat
+            return result, None, 0  # a collective, an optimizer step, a new segment: not what counters can repeat
         if kept:
             parts = _kept_tensors(result)
             infos = [self.tracker.storage_info(part) for part in parts]
             if not infos or any(info is None or info.host for info in infos) or len(set(map(id, infos))) < len(infos):
-                return None, 0  # not tensors each in a device storage of its own
+                return result, None, 0  # not tensors each in a device storage of its own
             if change[0] != sum(info.nbytes for info in infos) or change[-1] != len(infos):
-                return None, 0  # the state grew by more than the result
+                return result, None, 0  # the state grew by more than the result
         elif any(change):
-            return None, 0  # it changed what the next iteration starts from: each must run
+            return result, None, 0  # it changed what the next iteration starts from: each must run
         signature = (
             change,
             segment,
@@ -132,7 +162,7 @@ class TileWatcher(LoopWatcher):
             highest.highest - before[0],
             tuple(tuple(log.increments) for log in logs),
         )
-        return signature, highest.highest_host - before[1]
+        return result, signature, highest.highest_host - before[1]
 
     def repeat(self, signature: Hashable, times: int, like=None) -> list | None:
         change, _, _, above, increments = signature
@@ -154,15 +184,33 @@ class TileWatcher(LoopWatcher):
         return stand_ins
 
 
+class KindStore(dict):
+    """What ``run_kind`` learnt of each kind, shared by every trace in this process: a kind's key holds everything
+    the iteration's ops depend on (shapes, strides, dtypes, devices, arguments, grad mode, phases, where new
+    storages live, the counters it increments), so what one trace learnt holds in another. Emptied when it grows
+    past ``MAX_KINDS`` keys (a long search's worker goes through many shapes)."""
+
+    MAX_KINDS = 200_000
+
+    def __setitem__(self, key, value):
+        if len(self) >= self.MAX_KINDS:
+            self.clear()
+        super().__setitem__(key, value)
+
+
+KNOWN_KINDS = KindStore()
+
+
 def tile_watching(
     tracker: DeviceMemoryTracker,
     segment: Callable[[], tuple],
     counters: list,
     device_limit: Callable[[], int | None] = lambda: None,
     segment_peak: Callable[[], object] = lambda: None,
+    kinds: dict | None = None,
 ):
     """A context in which the trace's tile loops are shortened, or a no-op where ``$AUTOTUNE_TRACE_EVERY_TILE``
     is set."""
     if os.environ.get(EVERY_TILE_ENV, "").strip() not in ("", "0"):
         return contextlib.nullcontext()
-    return watching(TileWatcher(tracker, segment, counters, device_limit, segment_peak))
+    return watching(TileWatcher(tracker, segment, counters, device_limit, segment_peak, kinds))

@@ -55,6 +55,7 @@ def trace(
     timeline: TimelineRecorder | None = None,
     rank: int = 0,
     documents: DocumentsSpec = ONE,
+    known_kinds: dict | None = None,
 ) -> Trace:
     """Run ``steps`` training steps of the trial under FakeTensorMode on rank 0 of a fake world and return
     the tracked peak.
@@ -76,7 +77,8 @@ def trace(
     the trace, each labelled with its segment and module. ``rank``: the rank of the fake world this process is
     (rank 0 unless asked: the most loaded one).
     ``documents``: the documents packed into the sequence (their boundaries are host integers: the fake step
-    runs each document's attention as the real one does).
+    runs each document's attention as the real one does). ``known_kinds``: a store of what per-document loops did
+    (``autotune.oracle.repeats.TileWatcher``'s ``kinds``) to share with other traces.
     """
 
     started = time.perf_counter()
@@ -164,6 +166,7 @@ def trace(
                                 extra_modes,
                                 device_limit(tracker, limits),
                                 lambda: peaks.segments.get(peaks.segment),
+                                known_kinds,
                             )
                         )
                     for _ in range(steps):

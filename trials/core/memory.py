@@ -151,6 +151,11 @@ class DeviceMemoryTracker(TorchDispatchMode):
             self.current[category] += info.nbytes
             info.category = category
 
+    @property
+    def new_storages_on_host(self) -> bool:
+        """Whether a storage made now lives on the host (inside ``on_host()``, or in a phase in ``host_phases``)."""
+        return self._on_host > 0 or self.phase in self.host_phases
+
     def retag(self, tensors, category: str) -> None:
         for tensor in tensors:
             if tensor is not None:

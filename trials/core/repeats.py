@@ -59,10 +59,11 @@ class LoopWatcher:
     def repeat(self, signature: Hashable, times: int, like=None) -> list | None:
         raise NotImplementedError
 
-    def run_kind(self, run: Callable[[], object], kind: Hashable) -> None:
-        """One iteration of a ``for_each_kind`` loop: ``run()``, or an accounting for it where an iteration of
-        ``kind`` ran before and this one could not change what the watcher reports. Runs it unless overridden."""
-        run()
+    def run_kind(self, run: Callable[[], object], kind: Hashable, kept: bool = False):
+        """One iteration of a ``for_each_kind`` loop: ``run()``'s result, or an accounting for it where an iteration
+        of ``kind`` ran before and this one could not change what the watcher reports (``kept``: the loop keeps
+        each result; a stand-in of the same shapes is returned for it). Runs it unless overridden."""
+        return run()
 
 
 @contextlib.contextmanager
@@ -118,17 +119,22 @@ def for_each_tile(count: int, body: Callable[[int], object], uniform: int, keep_
     return results if keep_all else results.pop()
 
 
-def for_each_kind(count: int, body: Callable[[int], object], kind: Callable[[int], Hashable]) -> None:
-    """``body(i)`` for i in range(count), each iteration leaving the state as it found it (its result unused), and
-    ``kind(i)`` naming everything its ops depend on: two iterations of one kind run the same ops on the same
-    shapes. Without a watcher every iteration runs; a watcher may account for an iteration of a kind it has seen
-    (``LoopWatcher.run_kind``)."""
+def for_each_kind(count: int, body: Callable[[int], object], kind: Callable[[int], Hashable], keep_all: bool = False):
+    """``body(i)`` for i in range(count), each iteration leaving the state as it found it (its result unused; with
+    ``keep_all``, the state grown by its result alone, and every result returned in order), and ``kind(i)`` naming
+    everything its ops depend on: two iterations of one kind run the same ops on the same shapes. Without a watcher
+    every iteration runs; a watcher may account for an iteration of a kind it has seen (``LoopWatcher.run_kind``)."""
     watcher = _WATCHERS[-1] if _WATCHERS else None
+    results = []
     for index in range(count):
         if watcher is None:
-            body(index)
+            result = body(index)
         else:
-            watcher.run_kind(lambda index=index: body(index), kind(index))
+            result = watcher.run_kind(lambda index=index: body(index), kind(index), keep_all)
+        if keep_all:
+            results.append(result)
+        del result
+    return results if keep_all else None
 
 
 def kind_of(*parts) -> tuple:

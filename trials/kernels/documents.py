@@ -99,13 +99,6 @@ class Documents:
     def max_length(self) -> int:
         return max(self.lengths)
 
-    @property
-    def leading_run(self) -> int:
-        """How many documents, from the first, have the first one's length: the identical iterations of a loop
-        over the documents (``trials.core.repeats.for_each_tile``'s ``uniform``)."""
-        first = self.lengths[0]
-        return next((index for index, length in enumerate(self.lengths) if length != first), len(self.lengths))
-
     def spans(self):
         """(start, end) of each document."""
         offsets = self.offsets

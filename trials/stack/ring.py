@@ -56,7 +56,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from trials.core.repeats import for_each_kind, for_each_tile, kind_of
+from trials.core.repeats import for_each_kind, kind_of
 from trials.kernels.attention import (
     FLASH_KERNELS,
     attention_backward,
@@ -195,10 +195,7 @@ def ring_forward(query, key, value, scaling: float, kernel: str, ring: Ring, sof
         for_each_kind(
             len(per_document),
             lambda index: document(per_document[index], step),
-            lambda index: (
-                common,
-                tuple((q_rows, kv_rows, causal) for _, q_rows, _, kv_rows, causal in per_document[index]),
-            ),
+            lambda index: (common, _block_sizes(per_document[index])),
         )
         if pending is not None:
             (k, v), works = pending
@@ -255,8 +252,12 @@ def ring_backward(
             return tuple(kept)
 
         per_document = ring.document_blocks(step, length, local)
-        kept = for_each_tile(
-            len(per_document), lambda index: document(per_document[index]), _leading_run(local), keep_all=True
+        common = kind_of(grad_out, query, k, v, out, lse, dq, dk, scaling, kernel, softcap)
+        kept = for_each_kind(
+            len(per_document),
+            lambda index: document(per_document[index]),
+            lambda index: (common, _block_sizes(per_document[index])),
+            keep_all=True,
         )
         block_grads = []  # [first key row, key rows, dk or None, dv] of each block, added once its accumulators are here
         for blocks, grads in zip(per_document, kept):
@@ -296,9 +297,9 @@ def ring_backward(
     return dq.to(query.dtype), dk.to(key_dtype), dv.to(value_dtype)
 
 
-def _leading_run(documents: Documents | None) -> int:
-    """The identical iterations of a loop over the ring's documents (one, the whole sequence, without them)."""
-    return 1 if documents is None else documents.leading_run
+def _block_sizes(blocks: list[Block]) -> tuple:
+    """What a document's blocks' calls depend on (``for_each_kind``'s kind): each block's rows and causality."""
+    return tuple((q_rows, kv_rows, causal) for _, q_rows, _, kv_rows, causal in blocks)
 
 
 def _copied(like, dim: int, block_grads: list, index: int):
