@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from autotune.backends import Evaluation
-from autotune.backends.plan import PlanBackend
+from autotune.backends.plan import PlanBackend, step_counts
 from autotune.core.hardware import load_hardware
 from autotune.oracle import repeats as oracle_repeats
 from trials.core.memory import DeviceMemoryTracker
@@ -54,7 +54,10 @@ def _record(
         monkeypatch.delenv(oracle_repeats.EVERY_TILE_ENV, raising=False)
     model, on = load_model_config("tiny-llama"), load_hardware(hardware).with_memory_gib(memory_gib)
     evaluation = Evaluation(model, Techniques(**techniques), seq_len, world, on, documents=documents)
-    record = PlanBackend(stop_above=stop_above).evaluate(evaluation).to_dict()
+    backend = PlanBackend(stop_above=stop_above)
+    record = backend.evaluate(evaluation).to_dict()
+    if record["status"] == "ok":  # the step's counts themselves, phase by phase, not only the time they price to
+        record["counts"] = step_counts(backend.last_prediction)
     return record, sum(repeated)
 
 

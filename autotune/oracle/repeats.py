@@ -16,9 +16,10 @@ have, and does so only when none of the skipped iterations would have crossed a 
 peak then is where it stopped).
 
 A ``for_each_kind`` loop (packed documents of any lengths) names each iteration's kind: ``run_kind`` traces the
-first iteration of each kind in each phase, keeps its signature and the host bytes it rose by, and accounts for a
-later one of that kind (its increments added once) when its peak, from the live bytes then, stays at or below the
-current segment's peak, device and host; otherwise it runs.
+first iteration of each kind, keeps its signature and the host bytes it rose by (in ``KNOWN_KINDS``, shared by every
+trace of the process), and accounts for a later one of that kind (its increments added once, moved to the phase
+counted then) when its peak, from the live bytes then, stays at or below the current segment's peak, device and
+host; otherwise it runs.
 """
 
 from __future__ import annotations
@@ -107,30 +108,46 @@ class TileWatcher(LoopWatcher):
         return signature
 
     def run_kind(self, run: Callable[[], object], kind: Hashable, kept: bool = False):
-        """Accounts for an iteration of a kind seen in this phase (its increments replayed once; where the loop
-        keeps each result, a stand-in of the result's shapes made) when its peak, from the live bytes now, stays at
-        or below the current segment's peak, device and host: the peaks, the breakdowns at them, the limits and the
-        capacity then see nothing it would have changed. Else it runs, and a run that left the state as it found it
-        (or grown by its result alone) teaches the kind."""
+        """Accounts for an iteration of a kind seen before (its increments replayed once, moved to the phase the
+        counters count in now: a forward's documents stand for the recompute's; where the loop keeps each result,
+        a stand-in of the result's shapes made) when its peak, from the live bytes now, stays at or below the
+        current segment's peak, device and host: the peaks, the breakdowns at them, the limits and the capacity
+        then see nothing it would have changed. Else it runs, and a run that left the state as it found it (or
+        grown by its result alone) teaches the kind. A kept result's category follows the tracker's phase, so
+        there the phase is part of the kind."""
         tracker = self.tracker
         phases = tuple(counter.current_phase() for counter in self.counters)
-        key = (kind, kept, tracker.phase, tracker.new_storages_on_host, phases)
+        key = (kind, kept, tracker.phase if kept else None, tracker.new_storages_on_host, len(phases))
         known, peak = self._kinds.get(key), self.segment_peak()
         if known is not None and peak is not None:
-            signature, host_above, like = known
+            signature, host_above, like, learnt = known
             if (
                 tracker.device_bytes + signature[3] <= peak.device_bytes
                 and tracker.host_bytes + host_above <= peak.host_bytes
             ):
-                stand_ins = self.repeat(signature, 1, like)
-                if not kept:
+                signature = self._in_phases(signature, learnt, phases)
+                stand_ins = None if signature is None else self.repeat(signature, 1, like)
+                if signature is not None and not kept:
                     return None
                 if stand_ins is not None:
                     return stand_ins[0]
         result, signature, host_above = self._observe(run, kept)
         if signature is not None:
-            self._kinds[key] = (signature, host_above, _like(result) if kept else None)
+            self._kinds[key] = (signature, host_above, _like(result) if kept else None, phases)
         return result
+
+    def _in_phases(self, signature: tuple, learnt: tuple, phases: tuple) -> tuple | None:
+        """``signature`` with each counter's increments moved from the phase they were learnt in to ``phases``;
+        None where a counter's cannot be (``StepCounter.moved_to_phase``)."""
+        if learnt == phases:
+            return signature
+        increments = []
+        for counter, counted, was, now in zip(self.counters, signature[4], learnt, phases):
+            moved = counted if was == now else counter.moved_to_phase(counted, was, now)
+            if moved is None:
+                return None
+            increments.append(moved)
+        return (*signature[:4], tuple(increments))
 
     def _observe(self, run: Callable[[], object], kept: bool) -> tuple[object, Hashable | None, int]:
         """``run()``'s result, ``observe``'s signature of it, and the host bytes it rose above where it started."""

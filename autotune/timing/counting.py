@@ -354,6 +354,24 @@ class StepCounter(TorchDispatchMode):
         finally:
             self.counts = counts
 
+    @staticmethod
+    def moved_to_phase(increments, learnt: str, phase: str):
+        """A recording's ``increments`` made in phase ``learnt`` as the same ops would make them in ``phase`` (the
+        counts' and the attention calls' phase changed, nothing else), or None where not every increment is of
+        phase ``learnt``: the counts of the same ops do not depend on the phase they run in."""
+        moved = []
+        for (where, name), value in increments:
+            if where == _CALLS:
+                called_in, _, rest = name.partition("|")
+                if called_in != learnt:
+                    return None
+                moved.append(((_CALLS, f"{phase}|{rest}"), value))
+            elif where == learnt:
+                moved.append(((phase, name), value))
+            else:
+                return None
+        return tuple(moved)
+
     def replay(self, increments, times: int) -> None:
         """Add ``increments`` (a recording's, in its order) ``times`` more times: the counts the recorded ops would
         leave had they run ``times`` more times, to the bit."""

@@ -137,12 +137,13 @@ def for_each_kind(count: int, body: Callable[[int], object], kind: Callable[[int
     return results if keep_all else None
 
 
-def kind_of(*parts) -> tuple:
-    """What a loop body's ops depend on besides its own size, for ``for_each_kind``: each tensor it reads by its
-    shape, stride, dtype, device and whether it requires grad, every other argument as it is, and the grad mode and
-    autocast state the loop runs in."""
+def kind_of(loop: str, *parts) -> tuple:
+    """What a loop body's ops depend on besides its own size, for ``for_each_kind``: the loop's name (which body it
+    is: kinds of different loops never meet), each tensor it reads by its shape, stride, dtype, device and whether
+    it requires grad, every other argument as it is, and the grad mode and autocast state the loop runs in."""
     devices = {part.device.type for part in parts if isinstance(part, torch.Tensor)}
     return (
+        loop,
         torch.is_grad_enabled(),
         tuple(torch.is_autocast_enabled(device) for device in sorted(devices)),
         *(

@@ -384,14 +384,15 @@ def _packed(documents: Documents | None) -> bool:
     return documents is not None and len(documents.lengths) > 1
 
 
-def _for_each_document(documents: Documents, tokens: int, kernel: str, body, *context):
+def _for_each_document(loop: str, documents: Documents, tokens: int, kernel: str, body, *context):
     """``body(index, rows)`` for each document in order, ``rows`` the ``Tensor.narrow`` arguments of its tokens in
-    ``kernel``'s layout. ``context``: every tensor and argument ``body`` reads besides ``rows``; with the
-    document's length, the grad mode and autocast, it is the iteration's kind (what its ops depend on)."""
+    ``kernel``'s layout. ``loop``: which body it is; ``context``: every tensor and argument ``body`` reads besides
+    ``rows``. With the document's length, the grad mode and autocast, they are the iteration's kind (what its ops
+    depend on)."""
     if documents.total != tokens:
         raise ValueError(f"documents cover {documents.total} tokens, attention sees {tokens}")
     dim, spans, lengths = _seq_dim(kernel), documents.spans(), documents.lengths
-    common = kind_of(kernel, *context)
+    common = kind_of(loop, kernel, *context)
     for_each_kind(
         len(spans),
         lambda index: body(index, (dim, spans[index][0], lengths[index])),
@@ -414,7 +415,8 @@ def _per_document_forward(query, key, value, scaling, kernel, window, softcap, d
         lse.narrow(2, rows[1], rows[2]).copy_(residuals[0][..., : rows[2]])
 
     _for_each_document(
-        documents, key.shape[dim], kernel, document, query, key, value, out, lse, scaling, window, softcap
+        "per-document forward",
+        *(documents, key.shape[dim], kernel, document, query, key, value, out, lse, scaling, window, softcap),
     )
     return out, (lse,)
 
@@ -440,6 +442,7 @@ def _per_document_backward(grad_out, query, key, value, out, residuals, scaling,
             grad.narrow(*rows).copy_(part)
 
     _for_each_document(
+        "per-document backward",
         documents,
         key.shape[_seq_dim(kernel)],
         kernel,

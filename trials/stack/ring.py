@@ -191,7 +191,7 @@ def ring_forward(query, key, value, scaling: float, kernel: str, ring: Ring, sof
     for step in range(ring.degree):
         pending = ring.exchange(k, v) if step < ring.degree - 1 else None
         per_document = ring.document_blocks(step, length, local)
-        common = kind_of(query, k, v, out, lse, scaling, kernel, softcap, step == 0)
+        common = kind_of("ring forward", query, k, v, out, lse, scaling, kernel, softcap, step == 0)
         for_each_kind(
             len(per_document),
             lambda index: document(per_document[index], step),
@@ -252,7 +252,7 @@ def ring_backward(
             return tuple(kept)
 
         per_document = ring.document_blocks(step, length, local)
-        common = kind_of(grad_out, query, k, v, out, lse, dq, dk, scaling, kernel, softcap)
+        common = kind_of("ring backward", grad_out, query, k, v, out, lse, dq, dk, scaling, kernel, softcap)
         kept = for_each_kind(
             len(per_document),
             lambda index: document(per_document[index]),
