@@ -485,6 +485,17 @@ def _wheel(folder: Path, name: str, version: str, files: dict[str, str], require
     return wheel
 
 
+def _cuda_torch_wheel(folder: Path, pin: str) -> Path:
+    """A stand-in of PyPI's CUDA torch wheel at ``pin``: metadata version PIN, ``torch.__version__`` PIN+cu132,
+    CUDA 13.2, ``torch.cuda.is_available()`` true."""
+    torch_files = {
+        "torch/__init__.py": f'__version__ = "{pin}+cu132"\nfrom . import cuda, version\n',
+        "torch/version.py": 'cuda = "13.2"\n',
+        "torch/cuda/__init__.py": "def is_available():\n    return True\n",
+    }
+    return _wheel(folder, "torch", pin, torch_files)
+
+
 def test_the_torch_pin_setup_gpu_writes_lets_real_pip_install_a_package_that_requires_torch(tmp_path, monkeypatch):
     """Real pip in a fresh venv, offline from a wheel folder (``--wheels``) that holds a stand-in of PyPI's CUDA
     torch wheel (metadata version PIN, ``torch.__version__`` PIN+cu132, CUDA 13.2) and a package requiring
@@ -497,11 +508,7 @@ def test_the_torch_pin_setup_gpu_writes_lets_real_pip_install_a_package_that_req
     pin = node_setup.torch_pin()
     wheels = tmp_path / "wheels"
     wheels.mkdir()
-    torch_files = {
-        "torch/__init__.py": f'__version__ = "{pin}+cu132"\nfrom . import version\n',
-        "torch/version.py": 'cuda = "13.2"\n',
-    }
-    _wheel(wheels, "torch", pin, torch_files)
+    _cuda_torch_wheel(wheels, pin)
     low, _ = node_setup.torch_range()
     _wheel(wheels, "needs_torch", "1.0", {"needs_torch.py": ""}, requires=(f"torch>={low}",))
     venv = tmp_path / "venv"
@@ -529,12 +536,7 @@ def test_setup_gpu_sets_up_an_h100_node_from_the_real_index_and_names_each_kerne
     pin = node_setup.torch_pin()
     wheels = tmp_path / "wheels"
     wheels.mkdir()
-    torch_files = {
-        "torch/__init__.py": f'__version__ = "{pin}+cu132"\nfrom . import cuda, version\n',
-        "torch/version.py": 'cuda = "13.2"\n',
-        "torch/cuda/__init__.py": "def is_available():\n    return True\n",
-    }
-    stand_in = _wheel(wheels, "torch", pin, torch_files)
+    stand_in = _cuda_torch_wheel(wheels, pin)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = str(venv / "bin" / "python")

@@ -100,7 +100,8 @@ class TileWatcher(LoopWatcher):
         self.tracker, self.segment, self.counters, self.device_limit = tracker, segment, counters, device_limit
         self.segment_peak = segment_peak
         self.repeated = 0  # iterations accounted for without running (tests and benches read it)
-        # run_kind: (kind, phases) -> (signature, host bytes above)
+        # run_kind: (kind, kept, tracker phase if kept, host-ness, counters) -> (signature, host bytes above, the
+        # result's shapes if kept, the counters' phases it was learnt in)
         self._kinds: dict[Hashable, tuple] = {} if kinds is None else kinds
 
     def observe(self, run: Callable[[], object], kept: bool) -> Hashable | None:
@@ -203,8 +204,8 @@ class TileWatcher(LoopWatcher):
 
 class KindStore(dict):
     """What ``run_kind`` learnt of each kind, shared by every trace in this process: a kind's key holds everything
-    the iteration's ops depend on (shapes, strides, dtypes, devices, arguments, grad mode, phases, where new
-    storages live, the counters it increments), so what one trace learnt holds in another. Emptied when it grows
+    the iteration's ops depend on (shapes, strides, dtypes, devices, arguments, grad mode, where new storages live,
+    how many counters count them), so what one trace learnt holds in another. Emptied when it grows
     past ``MAX_KINDS`` keys (a long search's worker goes through many shapes)."""
 
     MAX_KINDS = 200_000

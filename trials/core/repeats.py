@@ -21,7 +21,7 @@ unused) and that differ from one another only in a size, so that all iterations 
 the same shapes: attention over packed documents of lengths in any order, one call per document. ``for_each_kind``
 is that loop; it names each iteration's kind (the size and everything else its ops depend on). A watcher may
 account for an iteration of a kind it has seen run, once it knows the iteration could not change anything it
-reports: its peak stands below the peaks already reached.
+reports: its peak stands at or below the peaks already reached.
 
 The watcher decides what "exactly the same" means; the memory oracle's (``autotune.oracle.repeats``) compares
 the live bytes before and after, the peak above them, the storages alive, and every count the time model takes,

@@ -372,7 +372,7 @@ def residuals_from_lse(kernel: str, lse, like) -> tuple:
 # sequence), within its window. A flash kernel with a varlen entry point runs a whole layer in one call instead.
 # The per-document calls are a ``for_each_kind`` loop: each call leaves memory as it found it (it writes its rows of
 # outputs made before the loop), and documents of one length run the same ops on the same shapes, in any order, so
-# the memory oracle traces one document of each length (per phase) and accounts for the rest
+# the memory oracle traces the first document of each length and accounts for the rest
 # (``trials.core.repeats``); on real tensors every document runs.
 
 
