@@ -208,7 +208,7 @@ class KindStore(dict):
     how many counters count them), so what one trace learnt holds in another. Emptied when it grows
     past ``MAX_KINDS`` keys (a long search's worker goes through many shapes)."""
 
-    MAX_KINDS = 200_000
+    MAX_KINDS = 20_000  # a few KB each (the increments of a document's ops): tens of MB at most
 
     def __setitem__(self, key, value):
         if len(self) >= self.MAX_KINDS:
