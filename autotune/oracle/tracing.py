@@ -155,7 +155,10 @@ def trace(
                     if (
                         timeline is None
                         and not explain
-                        and all(hasattr(m, "recording") and hasattr(m, "moved_to_phase") for m in extra_modes)
+                        and all(
+                            hasattr(m, "recording") and hasattr(m, "current_phase") and hasattr(m, "moved_to_phase")
+                            for m in extra_modes
+                        )
                     ):
                         # identical tiles are accounted for, not traced each (``autotune.oracle.repeats``); a
                         # timeline or an explanation wants every allocation, another mode every op

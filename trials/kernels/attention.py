@@ -416,7 +416,18 @@ def _per_document_forward(query, key, value, scaling, kernel, window, softcap, d
 
     _for_each_document(
         "per-document forward",
-        *(documents, key.shape[dim], kernel, document, query, key, value, out, lse, scaling, window, softcap),
+        documents,
+        key.shape[dim],
+        kernel,
+        document,
+        query,
+        key,
+        value,
+        out,
+        lse,
+        scaling,
+        window,
+        softcap,
     )
     return out, (lse,)
 
@@ -447,7 +458,16 @@ def _per_document_backward(grad_out, query, key, value, out, residuals, scaling,
         key.shape[_seq_dim(kernel)],
         kernel,
         document,
-        *(grad_out, query, key, value, out, lse, *grads, scaling, window, softcap),
+        grad_out,
+        query,
+        key,
+        value,
+        out,
+        lse,
+        *grads,
+        scaling,
+        window,
+        softcap,
     )
     return grads
 
