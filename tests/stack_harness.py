@@ -4,7 +4,8 @@
     python tests/stack_harness.py CASES.json OUT.json                            (one rank)
 
 CASES.json: {"seq_len": int, "cases": [{"name", "model", "techniques": {...}, "step": bool,
-"batch_exchanges": bool, "pretrained": {"dir", "via"}, "documents": [lengths], "hf_batch": bool}]}. Every rank builds,
+"batch_exchanges": bool, "pretrained": {"dir", "via"}, "documents": [lengths], "hf_batch": bool, "lora": {...}}]}.
+Every rank builds,
 for each (model, data-parallel size, pretrained folder), the plain single-process reference itself (cheap at these
 sizes): the loss and parameter gradients of ``dp`` replicas (sample r for replica r, DESIGN.md's data rule)
 averaged, plus the loss after one AdamW step. Then, per case: a fresh model with the techniques applied on the real
@@ -23,6 +24,10 @@ With ``"documents"`` (lengths summing to seq_len) the sequence packs those docum
 packed sequence's labelled tokens, and its gradient. With ``"hf_batch"`` the stack gets the sequence as a Hugging
 Face batch through the plugin (``trials.hf.batch``: ``input_ids``, unshifted ``labels`` and ``position_ids`` that
 restart at 0 at each document, the documents' only trace), the reference still the lengths run alone.
+
+With ``"lora"`` (``trials.models.lora.LoraSpec.to_json``'s form) both models carry peft's LoRA adapters, drawn alike
+(``seeded_model``); the reference is the plain model with them put in by peft itself, and the gradients compared are
+the adapters' (the base is frozen: a parameter with a gradient on one side only fails the case).
 
 Rank 0 writes OUT.json: {"world_size", "results": [{"name", "loss_rel", "grad_rel", "grad_rel_param",
 "grad_maxabs_rel", "step_loss_rel"?, "seconds"}]}, where
@@ -83,6 +88,28 @@ def counted_grad_norm(model, mesh) -> tuple[float, list[str]]:
         dist.all_reduce = real
 
 
+def seeded_model(model_config: dict, lora, plain: bool = False):
+    """``build_model``'s seeded model, with ``lora``'s adapters when it has any: built on meta, the adapters put in,
+    then materialised, so their values depend on the seed alone (as in a trial). The adapters: the stack's
+    (``trials.models.lora.apply_lora``), or with ``plain`` peft's own ``inject_adapter_in_model`` (which freezes the
+    rest itself): the reference."""
+    from trials.models.lora import apply_lora
+    from trials.models.model import build_model, materialize
+
+    if not lora.on:
+        return build_model(model_config)
+    model = build_model(model_config, device="meta")
+    if plain:
+        from peft import inject_adapter_in_model
+
+        inject_adapter_in_model(lora.peft_config(model.lm), model.lm)
+        model.lora = lora  # how ``init_weights`` draws the adapters
+    else:
+        apply_lora(model, lora)
+    materialize(model, "cpu")
+    return model
+
+
 def plain_pretrained(folder: str):
     """The plain ``transformers`` model of ``folder`` (fp32, torch SDPA), wrapped for the same loss sum."""
     from transformers import AutoModelForCausalLM
@@ -105,14 +132,16 @@ def stacked_pretrained(pretrained: dict, techniques, mesh):
     raise ValueError(f"unknown pretrained via {pretrained['via']!r}")
 
 
-def documents_reference(model_config: dict, seq_len: int, dp: int, lengths, pretrained_dir: str | None = None) -> dict:
+def documents_reference(
+    model_config: dict, seq_len: int, dp: int, lengths, pretrained_dir: str | None = None, lora=None
+) -> dict:
     """Plain model (``pretrained_dir``'s ``transformers`` model when given), one process, each document of each
     replica's sequence run alone: the replicas' mean loss and gradients, and the mean loss after one AdamW step."""
     from trials.kernels.documents import Documents
-    from trials.models.model import build_model
+    from trials.models.lora import FULL_TRAINING
     from trials.training.data import make_batch, synthetic_sample
 
-    model = plain_pretrained(pretrained_dir) if pretrained_dir else build_model(model_config)
+    model = plain_pretrained(pretrained_dir) if pretrained_dir else seeded_model(model_config, lora or FULL_TRAINING, plain=True)
     packed = Documents(tuple(lengths))
     valid = seq_len - len(packed.lengths)
     alone = []  # (replica, batch of one document)
@@ -139,21 +168,25 @@ def documents_reference(model_config: dict, seq_len: int, dp: int, lengths, pret
     return {"loss": loss, "grads": grads, "step_loss": step_loss}
 
 
-def reference(model_config: dict, seq_len: int, dp: int, pretrained_dir: str | None = None, documents=None) -> dict:
-    """Plain model, one process: dp replicas' mean gradients, mean loss, and mean loss after one AdamW step."""
+def reference(
+    model_config: dict, seq_len: int, dp: int, pretrained_dir: str | None = None, documents=None, lora=None
+) -> dict:
+    """Plain model (with ``lora``'s adapters, if any), one process: dp replicas' mean gradients, mean loss, and mean
+    loss after one AdamW step."""
     from trials.core.dist import Mesh
-    from trials.models.model import build_model
+    from trials.models.lora import FULL_TRAINING
     from trials.training.data import make_batch, synthetic_sample
     from trials.training.step import forward_backward
 
     if documents:
-        return documents_reference(model_config, seq_len, dp, documents, pretrained_dir)
+        return documents_reference(model_config, seq_len, dp, documents, pretrained_dir, lora)
     mesh = Mesh.single()
-    model = plain_pretrained(pretrained_dir) if pretrained_dir else build_model(model_config)
+    model = plain_pretrained(pretrained_dir) if pretrained_dir else seeded_model(model_config, lora or FULL_TRAINING, plain=True)
     batches = [make_batch(synthetic_sample(r, seq_len, model.config.vocab_size, 0), 0, 1, "cpu") for r in range(dp)]
     loss = sum(float(forward_backward(model, batch, mesh)) for batch in batches) / dp
     for param in model.parameters():
-        param.grad /= dp
+        if param.grad is not None:
+            param.grad /= dp
     grads = full_grads(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
     optimizer.step()
@@ -170,7 +203,7 @@ def run_case(case: dict, seq_len: int, refs: dict, meshes: dict) -> dict:
     from trials.core.dist import build_mesh
     from trials.kernels.documents import Documents
     from trials.models.config import load_model_config
-    from trials.models.model import build_model
+    from trials.models.lora import LoraSpec
     from trials.stack import apply
     from trials.stack.techniques import Techniques
     from trials.training.data import mesh_batch, synthetic_sample
@@ -192,15 +225,16 @@ def run_case(case: dict, seq_len: int, refs: dict, meshes: dict) -> dict:
     mesh = meshes[groups]
     pretrained = case.get("pretrained")
     lengths = tuple(case.get("documents") or ())
-    key = (case["model"], mesh.dp_size, pretrained["dir"] if pretrained else None, lengths)
+    lora = LoraSpec.from_json(case.get("lora"))
+    key = (case["model"], mesh.dp_size, pretrained["dir"] if pretrained else None, lengths, lora)
     if key not in refs:
-        refs[key] = reference(model_config, seq_len, mesh.dp_size, key[2], lengths)
+        refs[key] = reference(model_config, seq_len, mesh.dp_size, key[2], lengths, lora)
     ref = refs[key]
 
     if pretrained:
         model = stacked_pretrained(pretrained, techniques, mesh)
     else:
-        model = build_model(model_config)
+        model = seeded_model(model_config, lora)
         apply(model, techniques, mesh)
     if case.get("batch_exchanges"):  # untied Ulysses with one all-to-all per step instead of one per tensor
         for layer in model.lm.model.layers:

@@ -4,7 +4,7 @@
   softcaps, fused q/k/v, Gemma norms, experts) gives the loss and gradients of ``transformers``' own eager model.
 - Windows: ``Family.layer_windows`` is what the model's attention modules pass, layer by layer.
 - The stack: under Ulysses, head chunking, checkpointing, offload and every tile, each tiny family equals its plain
-  model on 1 and 2 ranks (``tests/stack_harness.py``).
+  model on 1 and 2 ranks (``tests/stack_harness.py``); with LoRA adapters too for a fused ``qkv_proj`` and experts.
 - Planning: ``autotune estimate`` runs on the ``config.json`` that ``transformers`` writes for each published shape.
 """
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.model_families import TINY_WINDOW, real_configs, save, tiny_configs
-from tests.test_stack import HARNESS, _check_exact, _launch
+from tests.test_stack import HARNESS, LORA, _check_exact, _launch
 
 pytestmark = pytest.mark.torch_release  # bin/test --oldest runs it on the oldest torch too
 
@@ -123,6 +123,10 @@ def _family_cases(paths: dict, degree: int) -> list[dict]:
             rows.append(
                 {"name": f"{name}/{label}", "model": paths[name], "techniques": {**u, **techniques}, "step": False}
             )
+    for name in ("tiny-phi3", "tiny-qwen3-moe"):  # LoRA on a fused qkv_proj (row blocks of B); experts frozen
+        for label, techniques in {"lora+head_chunk=1": {"head_chunk": 1}, "lora+full": FULL}.items():
+            row = {"name": f"{name}/{label}", "model": paths[name], "techniques": {**u, **techniques}, "step": False}
+            rows.append({**row, "lora": LORA})
     return rows
 
 

@@ -5,7 +5,8 @@ them) and tiny-qwen3 (q/k norms, 4 kv heads); each technique alone, pairs, the f
 (and all local heads). Every case must reproduce the plain single-process model: loss within rel 1e-5 and every
 parameter gradient within rel 1e-4 (||g - g_ref|| / ||g_ref|| per parameter), first-step gradients before the
 optimizer step; cases marked ``step`` also take one AdamW step (exercising optimizer offload) and compare the
-loss after it. Many cases run inside ONE launch per world size (``tests/stack_harness.py``): starting torchrun
+loss after it. LoRA (``_lora_cases``): peft's adapters on a frozen base, against the plain model with the same
+adapters, through head chunks, tiles, checkpointing and offload, FSDP, a ring and packed documents. Many cases run inside ONE launch per world size (``tests/stack_harness.py``): starting torchrun
 costs ~20 s.
 
 Memory (slow): world 2, 6K tokens, tiny-llama, the tracker's peak (``tests/stack_memory_harness.py``).
@@ -93,6 +94,7 @@ def _cases(degree: int) -> list[dict]:
                     "batch_exchanges": True,
                 }
             )
+    rows += _lora_cases(degree)
     if degree == 2:  # data parallel: two replicas of degree 1 (different samples), sharded and head-chunked
         rows.append(
             {
@@ -103,6 +105,45 @@ def _cases(degree: int) -> list[dict]:
             }
         )
         rows.append({"name": "tiny-qwen3/dp2+full", "model": "tiny-qwen3", "techniques": FULL, "step": True})
+    return rows
+
+
+LORA = {"rank": 4, "alpha": 8, "init_lora_weights": False}  # B drawn too: every adapter has a gradient at step 1
+
+
+def _lora_cases(degree: int) -> list[dict]:
+    """LoRA adapters (peft's) through the knobs: the reference is the plain model with the same adapters; only the
+    adapters have gradients (tiny-qwen3: its q/k norms frozen inside head-chunked attention too)."""
+    u = {"ulysses_degree": degree}
+    ckpt = {"activation_checkpointing": True}
+    cases = {
+        "tiny-llama/lora": ({}, LORA, True),
+        "tiny-qwen3/lora+head_chunk=1+checkpointing": ({"head_chunk": 1, **ckpt}, LORA, False),
+        "tiny-llama/lora+full": (FULL, LORA, True),
+        "tiny-qwen3/lora q,v+head_chunk=2+mlp+loss": (
+            {"head_chunk": 2, "mlp_tile_tokens": 96, "loss_tile_tokens": 80},
+            {**LORA, "alpha": 2, "targets": ["q_proj", "v_proj"]},
+            False,
+        ),
+    }
+    if degree == 2:  # a ring, data parallel under FSDP, packed documents
+        cases["tiny-llama/lora+ring=2+checkpointing"] = ({"ring_degree": 2, "ulysses_degree": 1, **ckpt}, LORA, False)
+        cases["tiny-llama/lora dp2+fsdp+mlp"] = ({"fsdp": True, "ulysses_degree": 1, "mlp_tile_tokens": 96}, LORA, True)
+    rows = []
+    for name, (techniques, lora, step) in cases.items():
+        model = name.split("/")[0]
+        rows.append({"name": name, "model": model, "techniques": {**u, **techniques}, "step": step, "lora": lora})
+    if degree > 1:
+        rows.append(
+            {
+                "name": "tiny-llama/lora+head_chunk=2 documents",
+                "model": "tiny-llama",
+                "techniques": {**u, "head_chunk": 2},
+                "step": False,
+                "lora": LORA,
+                "documents": [200, 120, SEQ - 320],
+            }
+        )
     return rows
 
 

@@ -133,10 +133,13 @@ def init_weights(model: TrainingModel, seed: int = 0) -> None:
     MoE (HF's own rule too): the experts' 3-D weights and the router's weight ~ N(0, initializer_range), the
     experts' biases 0; a 3-D weight's rows are its leading dims flattened ([E, out, in] -> [E * out, in]), so a
     dim-0 shard (whole experts) is a contiguous range of them and a block stays ``INIT_BLOCK_ROWS`` x ``in``.
+    LoRA adapters (``trials.models.lora``, ``model.lora``): A ~ N(0, 1/rank), B zero (peft's ``"gaussian"``), or
+    B ~ N(0, initializer_range) with ``init_lora_weights`` off.
     """
-    from trials.models import moe
+    from trials.models import lora, moe
 
     std = getattr(model.config, "initializer_range", None) or 0.02
+    adapters = getattr(model, "lora", lora.FULL_TRAINING)
     norm_init = family_of(model.config.model_type).norm_weight_init
     tracker = active_tracker()
     seen = set()
@@ -147,7 +150,12 @@ def init_weights(model: TrainingModel, seed: int = 0) -> None:
             seen.add(id(param))
             name = _canonical(f"{module_name}.{param_name}")
             local, start = _local_rows(param)
-            if isinstance(module, (nn.Linear, nn.Embedding)) and param_name == "weight":
+            role = lora.adapter_role(module_name)
+            if role == "A":
+                _fill_normal(local, start, param.shape, 1.0 / adapters.rank, _seed(seed, name), tracker)
+            elif role == "B" and adapters.init_lora_weights:
+                local.zero_()
+            elif isinstance(module, (nn.Linear, nn.Embedding)) and param_name == "weight":
                 _fill_normal(local, start, param.shape, std, _seed(seed, name), tracker)
             elif param_name == "bias":
                 local.zero_()

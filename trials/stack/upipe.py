@@ -60,6 +60,11 @@ adjoint, so the pre-rope tensor need not be kept), the optional norm (autograd o
 projection (explicit matmuls accumulating into d_hidden and into the weight-gradient rows of the chunk). So the
 attention's working set in forward *and* backward is one chunk's, ``~c/L`` of plain Ulysses'. The price is
 recomputing the q/k/v projections and re-exchanging q/k/v/out in backward.
+
+LoRA adapters (``trials.models.lora``). A q/k/v projection that carries peft's adapter adds
+``(hidden @ A^T) @ B[rows]^T * scaling`` to its chunk's rows: ``hidden @ A^T`` (``[b, s_l, r]``) is computed once per
+call, B is sliced by rows as the weight is. Backward accumulates ``d(hidden @ A^T)`` over the chunks and pushes it
+through A once at the end. A frozen parameter (the base weights under LoRA) gets no gradient and no GEMM.
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ import torch.nn.functional as F
 from trials.kernels.attention import attention_backward, attention_forward, head_layout
 from trials.kernels.documents import documents_of
 from trials.models.families import family_of
+from trials.models.lora import adapter_of
 from trials.stack.ring import Ring, ring_backward, ring_forward
 from trials.stack.ulysses import attention_modules
 
@@ -206,9 +212,10 @@ class UPipeAttention:
             None if self.q_norm is None else self.q_norm.weight,
             None if self.k_norm is None else self.k_norm.weight,
         )
+        adapters, scalings = self.adapters()
         ring = 1 if self.ring is None else self.ring.degree  # a ring holds 1/ring of the sequence per rank
         documents = documents_of(kwargs, hidden_states.shape[1] * self.plan.degree * ring)
-        out = _HeadChunkedAttention.apply(self, documents, hidden_states, cos, sin, *params)
+        out = _HeadChunkedAttention.apply(self, documents, scalings, hidden_states, cos, sin, *params, *adapters)
         return m.o_proj(out), None
 
     def projections(self):
@@ -224,6 +231,28 @@ class UPipeAttention:
             blocks.append(m.qkv_proj.weight[lo:hi])
             blocks.append(None if m.qkv_proj.bias is None else m.qkv_proj.bias[lo:hi])
         return tuple(blocks)
+
+    def adapters(self):
+        """((q A, q B, k A, k B, v A, v B), (q, k, v scalings)): each projection's LoRA adapter
+        (``trials.models.lora.adapter_of``), None where it has none; a fused ``qkv_proj``'s B in row blocks (views)
+        beside its one A."""
+        m = self.module
+        if not self.fused_qkv:
+            found = [adapter_of(proj) for proj in (m.q_proj, m.k_proj, m.v_proj)]
+        else:
+            adapter = adapter_of(m.qkv_proj)
+            if adapter is None:
+                found = [None] * 3
+            else:
+                d = self.plan.head_dim
+                bounds = (0, self.plan.q_heads * d, (self.plan.q_heads + self.plan.kv_heads) * d, None)
+                a, b, scaling = adapter
+                found = [(a, b[lo:hi], scaling) for lo, hi in zip(bounds, bounds[1:])]
+        tensors, scalings = [], []
+        for adapter in found:
+            tensors += [None, None] if adapter is None else list(adapter[:2])
+            scalings.append(None if adapter is None else adapter[2])
+        return tuple(tensors), tuple(scalings)
 
     # -- pieces shared by forward and backward ----------------------------------------------------------
     def core_forward(self, q_heads, k_heads, v_heads, documents):
@@ -267,12 +296,22 @@ class UPipeAttention:
     def k_post(self, projected, cos, sin, k_norm_weight):
         return _rope(self._norm(self.k_norm, k_norm_weight, projected), cos, sin)
 
-    def project(self, hidden, weight, bias, first_head: int, heads: int):
-        """hidden [b, s_l, h] -> [b, s_l, heads, d] for the contiguous heads [first_head, first_head + heads)."""
+    def project(self, hidden, weight, bias, first_head: int, heads: int, adapter=None):
+        """hidden [b, s_l, h] -> [b, s_l, heads, d] for the contiguous heads [first_head, first_head + heads);
+        ``adapter``: (hidden @ A^T, B, scaling) of a LoRA adapter (``low_rank``), its rows added as peft adds them."""
         d = self.plan.head_dim
         rows = slice(first_head * d, (first_head + heads) * d)
         out = F.linear(hidden, weight[rows], None if bias is None else bias[rows])
+        if adapter is not None:
+            low, b, scaling = adapter
+            out = out + F.linear(low, b[rows]) * scaling
         return out.view(*hidden.shape[:-1], heads, d)
+
+    @staticmethod
+    def low_rank(hidden, adapters, scalings):
+        """Per projection (q, k, v): (hidden @ A^T, B, scaling) of its adapter, or None."""
+        pairs = zip(adapters[0::2], adapters[1::2], scalings)
+        return [None if a is None else (F.linear(hidden, a), b, scaling) for a, b, scaling in pairs]
 
     def select_slots(self, chunk: Chunk, kv):
         """[b, s_l, kv_hi - kv_lo, d] -> [b, s_l, P*kc, d] (replicas where ranks share a kv head)."""
@@ -361,7 +400,7 @@ class _HeadChunkedAttention(torch.autograd.Function):
     """hidden [b, s_l, h] -> attention output before o_proj [b, s_l, H*d]; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, layer: UPipeAttention, documents, hidden, cos, sin, *params):
+    def forward(ctx, layer: UPipeAttention, documents, scalings, hidden, cos, sin, *params):
         # Mixed precision: under autocast, compute in its dtype with explicit casts (autocast itself is off
         # inside, and would be off in backward anyway); parameters and the gradients returned stay fp32.
         device_type = hidden.device.type
@@ -375,17 +414,19 @@ class _HeadChunkedAttention(torch.autograd.Function):
                 cos.to(compute),
                 sin.to(compute),
                 [None if p is None else p.to(compute) for p in params],
+                scalings,
             )
-        ctx.layer, ctx.documents = layer, documents
+        ctx.layer, ctx.documents, ctx.scalings = layer, documents, scalings
         ctx.residuals_per_chunk = len(residuals) // len(layer.plan.chunks)
         ctx.present = [p is not None for p in params]
         ctx.save_for_backward(hidden, cos, sin, out, *residuals, *(p for p in params if p is not None))
         return out
 
     @staticmethod
-    def _forward(layer: UPipeAttention, documents, hidden, cos, sin, params):
+    def _forward(layer: UPipeAttention, documents, hidden, cos, sin, params, scalings):
         plan = layer.plan
-        q_w, q_b, k_w, k_b, v_w, v_b, qn_w, kn_w = params
+        q_w, q_b, k_w, k_b, v_w, v_b, qn_w, kn_w = params[:8]
+        q_lr, k_lr, v_lr = layer.low_rank(hidden, params[8:], scalings)
         b, s_l, _ = hidden.shape
         width = plan.chunk * plan.degree  # global query heads per chunk
         out = hidden.new_empty(b, s_l, plan.q_heads * plan.head_dim)
@@ -395,12 +436,12 @@ class _HeadChunkedAttention(torch.autograd.Function):
             first = group[0]
             n_kv = first.kv_hi - first.kv_lo
             k = layer.select_slots(
-                first, layer.k_post(layer.project(hidden, k_w, k_b, first.kv_lo, n_kv), cos, sin, kn_w)
+                first, layer.k_post(layer.project(hidden, k_w, k_b, first.kv_lo, n_kv, k_lr), cos, sin, kn_w)
             )
-            v = layer.select_slots(first, layer.project(hidden, v_w, v_b, first.kv_lo, n_kv))  # [b, s_l, P*kc, d]
+            v = layer.select_slots(first, layer.project(hidden, v_w, v_b, first.kv_lo, n_kv, v_lr))  # [b, s_l, P*kc, d]
             for index, chunk in enumerate(group):
                 q = layer.q_post(
-                    layer.project(hidden, q_w, q_b, chunk.q_head, width), cos, sin, qn_w
+                    layer.project(hidden, q_w, q_b, chunk.q_head, width, q_lr), cos, sin, qn_w
                 )  # [b, s_l, c*P, d]
                 if index == 0:  # the group's k/v travel with its first chunk's queries
                     q_heads, k_heads, v_heads = layer.to_heads(q, k, v)
@@ -427,10 +468,12 @@ class _HeadChunkedAttention(torch.autograd.Function):
         residuals, present = rest[:n_res], iter(rest[n_res:])
         params = [next(present) if here else None for here in ctx.present]
         compute = ctx.compute_dtype
+        wanted = ctx.needs_input_grad[6:]  # a frozen parameter (LoRA's base weights): no gradient, no GEMM
         with torch.autocast(hidden.device.type, enabled=False):
             d_hidden, grads = _HeadChunkedAttention._backward(
                 ctx.layer,
                 ctx.documents,
+                ctx.scalings,
                 ctx.residuals_per_chunk,
                 grad_out.to(compute),
                 hidden.to(compute),
@@ -439,15 +482,16 @@ class _HeadChunkedAttention(torch.autograd.Function):
                 out,
                 residuals,
                 [None if p is None else p.to(compute) for p in params],
-                [None if p is None else torch.zeros_like(p) for p in params],
+                [None if p is None or not want else torch.zeros_like(p) for p, want in zip(params, wanted)],
                 hidden.dtype,
             )
-        return (None, None, d_hidden.to(hidden.dtype), None, None, *grads)
+        return (None, None, None, d_hidden.to(hidden.dtype), None, None, *grads)
 
     @staticmethod
     def _backward(
         layer: UPipeAttention,
         documents,
+        scalings,
         per_chunk: int,
         grad_out,
         hidden,
@@ -459,9 +503,11 @@ class _HeadChunkedAttention(torch.autograd.Function):
         grads,
         accumulate_dtype,
     ):
-        """Everything in the compute dtype except ``grads`` (zeros like the parameters), accumulated in place."""
+        """Everything in the compute dtype except ``grads`` (zeros like the parameters that want one, else None),
+        accumulated in place."""
         plan = layer.plan
-        q_w, q_b, k_w, k_b, v_w, v_b, qn_w, kn_w = params
+        q_w, q_b, k_w, k_b, v_w, v_b, qn_w, kn_w = params[:8]
+        q_lr, k_lr, v_lr = layer.low_rank(hidden, params[8:], scalings)
         b, s_l, h = hidden.shape
         d, width = plan.head_dim, plan.chunk * plan.degree
         out_heads = out.view(b, s_l, plan.q_heads, d)
@@ -472,7 +518,11 @@ class _HeadChunkedAttention(torch.autograd.Function):
         # where every gradient of the residual stream is bf16 and an fp32 copy would cost 2 bytes/token/h more)
         d_hidden = torch.zeros_like(hidden, dtype=accumulate_dtype)
         d_x2d = d_hidden.view(-1, h)
-        dq_w, dq_b, dk_w, dk_b, dv_w, dv_b, dqn_w, dkn_w = grads
+        dq_w, dq_b, dk_w, dk_b, dv_w, dv_b, dqn_w, dkn_w = grads[:8]
+        # per adapted projection: d(hidden @ A^T) [b * s_l, r], summed over its chunks (fp32: a few columns)
+        d_low = [None if lr is None else x2d.new_zeros(x2d.shape[0], lr[0].shape[-1], dtype=torch.float32)
+                 for lr in (q_lr, k_lr, v_lr)]  # fmt: skip
+        dq_lb, dk_lb, dv_lb = grads[9::2]
 
         def post_backward(norm_module, norm_weight, d_norm_weight, projected, d_post):
             """Through rope (explicit adjoint) and the optional per-head norm (autograd on a recomputed norm):
@@ -482,26 +532,30 @@ class _HeadChunkedAttention(torch.autograd.Function):
                 return d_normed
             with torch.enable_grad():
                 leaf = projected.detach().requires_grad_(True)
-                weight = norm_weight.detach().requires_grad_(True)
+                weight = norm_weight.detach().requires_grad_(d_norm_weight is not None)
                 normed = layer._norm(norm_module, weight, leaf)
+            if d_norm_weight is None:  # a frozen norm (LoRA)
+                return torch.autograd.grad(normed, [leaf], d_normed)[0]
             d_projected, d_weight = torch.autograd.grad(normed, [leaf, weight], d_normed)
             d_norm_weight += d_weight
             return d_projected
 
-        def linear_backward(d_proj, weight, d_weight, d_bias, first_head, heads):
-            """d_proj [b, s_l, heads, d] -> accumulate into d_hidden and the weight rows of those heads."""
+        def linear_backward(d_proj, weight, d_weight, d_bias, first_head, heads, adapter, d_b_lr, d_low_lr):
+            """d_proj [b, s_l, heads, d] -> accumulate into d_hidden, the weight rows of those heads (where the weight
+            wants a gradient), and an adapter's B rows and d(hidden @ A^T)."""
             rows = slice(first_head * d, (first_head + heads) * d)
             d2d = d_proj.reshape(-1, heads * d)
-            if d_x2d.dtype == d2d.dtype:
-                d_x2d.addmm_(d2d, weight[rows])
-            else:
-                d_x2d.add_(torch.mm(d2d, weight[rows]))
-            if d_weight.dtype == d2d.dtype:
-                d_weight[rows].addmm_(d2d.t(), x2d)
-            else:  # fp32 gradient of a bf16 computation
-                d_weight[rows] += torch.mm(d2d.t(), x2d)
+            _add_mm(d_x2d, d2d, weight[rows])
+            if d_weight is not None:
+                _add_mm(d_weight[rows], d2d.t(), x2d)
             if d_bias is not None:
                 d_bias[rows] += d2d.sum(0)
+            if adapter is not None:  # d B[rows] = scaling d^T (x A^T); d (x A^T) += scaling d B[rows]
+                low, b_lr, scaling = adapter
+                scaled = d2d * scaling
+                if d_b_lr is not None:
+                    _add_mm(d_b_lr[rows], scaled.t(), low.reshape(-1, low.shape[-1]))
+                _add_mm(d_low_lr, scaled, b_lr[rows])
 
         def slots_backward(chunk, d_slots, n_kv):
             """Gradient of ``select_slots``: [b, s_l, P*kc, d] -> [b, s_l, n_kv, d], replicas summed."""
@@ -514,14 +568,14 @@ class _HeadChunkedAttention(torch.autograd.Function):
             first = group[0]
             n_kv = first.kv_hi - first.kv_lo
             # recompute this group's k/v; the projection output is kept only where a norm needs it in backward
-            k_proj = layer.project(hidden, k_w, k_b, first.kv_lo, n_kv)
+            k_proj = layer.project(hidden, k_w, k_b, first.kv_lo, n_kv, k_lr)
             k = layer.select_slots(first, layer.k_post(k_proj, cos, sin, kn_w))
             if layer.k_norm is None:
                 k_proj = None
-            v = layer.select_slots(first, layer.project(hidden, v_w, v_b, first.kv_lo, n_kv))
+            v = layer.select_slots(first, layer.project(hidden, v_w, v_b, first.kv_lo, n_kv, v_lr))
             dk_heads = dv_heads = None
             for index, chunk in enumerate(group):
-                q_proj = layer.project(hidden, q_w, q_b, chunk.q_head, width)
+                q_proj = layer.project(hidden, q_w, q_b, chunk.q_head, width, q_lr)
                 q = layer.q_post(q_proj, cos, sin, qn_w)
                 if layer.q_norm is None:
                     q_proj = None
@@ -554,20 +608,37 @@ class _HeadChunkedAttention(torch.autograd.Function):
                 del dq_heads
                 dq_proj = post_backward(layer.q_norm, qn_w, dqn_w, q_proj, dq.reshape(b, s_l, width, d))
                 del dq, q_proj
-                linear_backward(dq_proj, q_w, dq_w, dq_b, chunk.q_head, width)
+                linear_backward(dq_proj, q_w, dq_w, dq_b, chunk.q_head, width, q_lr, dq_lb, d_low[0])
                 del dq_proj
             slot_shape = (b, s_l, plan.degree * plan.kv_slots_per_rank, d)
             dk = slots_backward(first, dk_local.reshape(slot_shape), n_kv)  # [b, s_l, n_kv, d]
             del dk_local
             dk_proj = post_backward(layer.k_norm, kn_w, dkn_w, k_proj, dk)
             del dk, k_proj
-            linear_backward(dk_proj, k_w, dk_w, dk_b, first.kv_lo, n_kv)
+            linear_backward(dk_proj, k_w, dk_w, dk_b, first.kv_lo, n_kv, k_lr, dk_lb, d_low[1])
             del dk_proj
             dv = slots_backward(first, dv_local.reshape(slot_shape), n_kv)
             del dv_local
-            linear_backward(dv, v_w, dv_w, dv_b, first.kv_lo, n_kv)
+            linear_backward(dv, v_w, dv_w, dv_b, first.kv_lo, n_kv, v_lr, dv_lb, d_low[2])
             del dv
+        # through each adapter's A: d hidden += d(x A^T) A, d A += d(x A^T)^T x
+        for d_lr, a, d_a in zip(d_low, params[8::2], grads[8::2]):
+            if d_lr is None:
+                continue
+            d_lr = d_lr.to(x2d.dtype)
+            _add_mm(d_x2d, d_lr, a)
+            if d_a is not None:
+                _add_mm(d_a, d_lr.t(), x2d)
         return d_hidden, grads
+
+
+def _add_mm(target, a, b) -> None:
+    """target += a @ b in place; a product in another dtype than ``target`` (a bf16 computation's fp32 gradient) is
+    made first and added."""
+    if target.dtype == a.dtype:
+        target.addmm_(a, b)
+    else:
+        target.add_(torch.mm(a, b))
 
 
 def apply_head_chunking(model, mesh, head_chunk: int, kernel: str = "sdpa") -> None:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from trials.core.memory import active_tracker
+from trials.models.lora import FULL_TRAINING, LoraSpec, apply_lora
 from trials.models.model import build_model, default_compute_dtype, materialize, set_compute_dtype
 from trials.stack import apply
 from trials.stack.fsdp import allreduce_grads
@@ -37,9 +38,11 @@ def build_training(
     lr: float = 1e-5,
     compute_dtype: torch.dtype | None = None,
     fused_optimizer: bool | None = None,
+    lora: LoraSpec = FULL_TRAINING,
     **adamw,
 ):
-    """Model from the preset (seeded), the technique stack applied, and its AdamW optimizer.
+    """Model from the preset (seeded), ``lora``'s adapters on it (``trials.models.lora``: the base then frozen), the
+    technique stack applied, and its AdamW optimizer over the trainable parameters.
 
     ``compute_dtype``: None = bf16 on CUDA, fp32 on CPU; fp32 master weights either way (see
     ``trials.models.model.set_compute_dtype``). ``tracker``: a ``DeviceMemoryTracker`` (default: the active one, if any),
@@ -47,7 +50,10 @@ def build_training(
     tracker = tracker if tracker is not None else active_tracker()
     compute_dtype = compute_dtype or default_compute_dtype(mesh.device)
     # sharded: built on meta, so each rank only ever allocates its shards (the host's, with optimizer offload)
-    model = build_model(model_config, seed=seed, device="meta" if techniques.fsdp else mesh.device)
+    model = build_model(model_config, seed=seed, device="meta" if techniques.fsdp or lora.on else mesh.device)
+    apply_lora(model, lora)
+    if not techniques.fsdp and lora.on:
+        materialize(model, mesh.device, seed)
     apply(model, techniques, mesh, param_dtype=None if compute_dtype == torch.float32 else compute_dtype)
     if techniques.fsdp:
         materialize(model, mesh.device, seed, params_device="cpu" if techniques.optimizer_offload else None)
@@ -64,7 +70,8 @@ def make_optimizer(model, techniques, mesh, lr: float = 1e-5, fused: bool | None
     weight_decay), torch's defaults otherwise."""
     if fused is None:
         fused = mesh.device.type == "cuda" and not techniques.optimizer_offload
-    return torch.optim.AdamW(model.parameters(), lr=lr, **adamw, **({"fused": True} if fused else {"foreach": False}))
+    trainable = [param for param in model.parameters() if param.requires_grad]  # LoRA: the adapters alone
+    return torch.optim.AdamW(trainable, lr=lr, **adamw, **({"fused": True} if fused else {"foreach": False}))
 
 
 def loss_scale(batch: Batch, mesh) -> float:
