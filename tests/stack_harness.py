@@ -141,7 +141,11 @@ def documents_reference(
     from trials.models.lora import FULL_TRAINING
     from trials.training.data import make_batch, synthetic_sample
 
-    model = plain_pretrained(pretrained_dir) if pretrained_dir else seeded_model(model_config, lora or FULL_TRAINING, plain=True)
+    model = (
+        plain_pretrained(pretrained_dir)
+        if pretrained_dir
+        else seeded_model(model_config, lora or FULL_TRAINING, plain=True)
+    )
     packed = Documents(tuple(lengths))
     valid = seq_len - len(packed.lengths)
     alone = []  # (replica, batch of one document)
@@ -181,7 +185,11 @@ def reference(
     if documents:
         return documents_reference(model_config, seq_len, dp, documents, pretrained_dir, lora)
     mesh = Mesh.single()
-    model = plain_pretrained(pretrained_dir) if pretrained_dir else seeded_model(model_config, lora or FULL_TRAINING, plain=True)
+    model = (
+        plain_pretrained(pretrained_dir)
+        if pretrained_dir
+        else seeded_model(model_config, lora or FULL_TRAINING, plain=True)
+    )
     batches = [make_batch(synthetic_sample(r, seq_len, model.config.vocab_size, 0), 0, 1, "cpu") for r in range(dp)]
     loss = sum(float(forward_backward(model, batch, mesh)) for batch in batches) / dp
     for param in model.parameters():

@@ -5,7 +5,6 @@ runs no GEMM for a frozen weight. Exactness through every knob against peft's pl
 from __future__ import annotations
 
 import pytest
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.model_families import tiny_configs
