@@ -4,6 +4,7 @@
     .venv/bin/python bench/oracle_fidelity.py --only tiny-mistral,tiny-gemma3,tiny-qwen3-moe \
         | tee bench/results/oracle_fidelity_families.txt
     .venv/bin/python bench/oracle_fidelity.py --only docs | tee bench/results/oracle_fidelity_documents.txt
+    .venv/bin/python bench/oracle_fidelity.py --only lora | tee bench/results/oracle_fidelity_lora.txt
 
 Real trials run through ``trials.trial.runner.run_trial`` (the local backend's code), several configs per torchrun
 launch (one launch per world size; a torchrun start costs ~20 s here), 1 warm-up + 1 measured step, no
@@ -40,6 +41,7 @@ class Config:
     layers: int | None = None  # override the preset's depth
     compute_dtype: str = "fp32"  # "bf16": the GPU precision scheme, run on CPU
     documents: tuple[int, ...] = ()  # packed documents' lengths (``DocumentsSpec``); empty: one per sequence
+    lora: dict | None = None  # LoRA adapters (``LoraSpec.to_json``'s form); None: full training
 
     @property
     def name(self) -> str:
@@ -67,6 +69,8 @@ class Config:
             parts.append(self.compute_dtype)
         if self.documents:
             parts.append("docs" + "/".join(str(n) for n in self.documents))
+        if self.lora:
+            parts.append(f"lora{self.lora['rank']}" + ("" if "targets" not in self.lora else "qv"))
         return " ".join(parts)
 
     def model_config(self) -> dict:
@@ -88,11 +92,15 @@ class Config:
             "seed": 0,
             "compute_dtype": self.compute_dtype,
             "documents": list(self.documents),
+            "lora": self.lora,
         }
 
 
-def _c(model, world, seq, layers=None, dtype="fp32", documents=(), **t):
-    return Config(model, world, seq, t, layers, dtype, tuple(documents))
+def _c(model, world, seq, layers=None, dtype="fp32", documents=(), lora=None, **t):
+    return Config(model, world, seq, t, layers, dtype, tuple(documents), lora)
+
+
+LORA = {"rank": 16}
 
 
 K = 1024
@@ -264,6 +272,28 @@ CONFIGS = [
         activation_checkpointing=True,
         documents=(2044, 1000),
     ),
+    # LoRA adapters on a frozen base (no base gradients or optimizer states; the stack's own backward passes)
+    _c("tiny-llama", 1, 4 * K, lora=LORA),
+    _c("tiny-llama", 1, 4 * K, lora=LORA, dtype="bf16", activation_checkpointing=True, mlp_tile_tokens=1024),
+    _c("tiny-qwen3", 1, 4 * K, layers=6, lora=LORA, head_chunk=2, activation_checkpointing=True, loss_tile_tokens=1024),
+    _c("tiny-llama", 1, 4 * K, lora={"rank": 8, "targets": ["q_proj", "v_proj"]}, fsdp=True, optimizer_offload=True),
+    _c("tiny-llama", 2, 4 * K, lora=LORA, fsdp=True, ulysses_degree=2, activation_checkpointing=True),
+    _c(
+        "tiny-qwen3",
+        2,
+        8 * K,
+        layers=6,
+        lora=LORA,
+        dtype="bf16",
+        fsdp=True,
+        ulysses_degree=2,
+        head_chunk=1,
+        activation_checkpointing=True,
+        activation_offload_layers=6,
+        mlp_tile_tokens=1024,
+        loss_tile_tokens=1024,
+    ),
+    _c("tiny-llama", 2, 4 * K, lora=LORA, fsdp=True, ring_degree=2, activation_checkpointing=True, documents=(1000,)),
 ]
 
 
@@ -358,6 +388,7 @@ def predict_config(config: Config):
     from autotune.core.hardware import load_hardware
     from autotune.oracle import predict
     from trials.kernels.documents import DocumentsSpec
+    from trials.models.lora import LoraSpec
     from trials.stack.techniques import Techniques
 
     evaluation = Evaluation(
@@ -367,6 +398,7 @@ def predict_config(config: Config):
         config.world,
         load_hardware("cpu"),
         documents=DocumentsSpec(config.documents),
+        lora=LoraSpec.from_json(config.lora),
     )
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[config.compute_dtype]
     return predict(evaluation, compute_dtype=dtype)

@@ -47,6 +47,7 @@ BACKED_BY = {
     "oracle_fidelity.txt": TRIALS,
     "oracle_fidelity_documents.txt": TRIALS,
     "oracle_fidelity_families.txt": TRIALS,
+    "oracle_fidelity_lora.txt": TRIALS,
     "oracle_fidelity_ring.txt": TRIALS,
     "packed_documents.txt": SELF,
     "packed_documents_ring.txt": SELF,

@@ -73,6 +73,7 @@ def make_files(root: Path) -> None:
             }
         )
     )
+    _make_lora_files(root)
 
 
 # (what is wrong, argv with {d} for the files folder, a fragment the one-line message must contain)
@@ -358,6 +359,61 @@ CASES += [
         "--rank 8: the job has 8 ranks",
     ),
 ]
+
+# LoRA adapters (``--lora-rank``, a config's ``lora``): refused where nothing runs them yet
+CASES += [
+    (
+        "--lora-alpha without --lora-rank",
+        ["estimate", "--config", "baseline", "--model", "tiny-llama", "--seq", "1K", "--lora-alpha", "32"],
+        "--lora-alpha and --lora-targets need --lora-rank",
+    ),
+    (
+        "--lora-targets not module names",
+        [
+            "estimate",
+            "--config",
+            "baseline",
+            "--model",
+            "tiny-llama",
+            "--seq",
+            "1K",
+            "--lora-rank",
+            "8",
+            "--lora-targets",
+            "q proj",
+        ],
+        "must be all-linear or module names separated by commas",
+    ),  # fmt: skip
+    (
+        "--lora-rank for another trainer",
+        [
+            "search",
+            "--model",
+            "tiny-llama",
+            "--target",
+            "4K",
+            "--trainer",
+            "arctic",
+            "--lora-rank",
+            "8",
+            "--out",
+            "{d}/out",
+        ],
+        "export does not carry LoRA adapters",
+    ),  # fmt: skip
+    ("a config's lora of a bad rank", ["estimate", "--config", "{d}/config-lora-rank.json"], "non-negative integer"),
+    ("run a LoRA config", ["run", "--config", "{d}/run-config-lora.json"], "this runner trains every weight only"),
+    ("export a LoRA search", ["export", "{d}/lora-search"], "no export carries LoRA adapters"),
+]
+
+
+def _make_lora_files(root: Path) -> None:
+    (root / "config-lora-rank.json").write_text(json.dumps(_config(lora={"rank": "16"})))
+    run = json.loads((root / "run-config.json").read_text())
+    (root / "run-config-lora.json").write_text(json.dumps({**run, "lora": {"rank": 8}}))
+    (root / "lora-search").mkdir(exist_ok=True)
+    front = json.loads((root / "finished-search" / "pareto.json").read_text())
+    (root / "lora-search" / "pareto.json").write_text(json.dumps({**front, "lora": {"rank": 8}}))
 
 
 def _make_run_files(root: Path) -> None:

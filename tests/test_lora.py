@@ -116,3 +116,46 @@ def test_a_lora_backward_runs_no_gemm_for_a_frozen_weight(techniques):
     weight_gradient_flops = 2 * SEQ * (layers * per_layer + h * vocab)
     saved = _step_flops(techniques, base_trainable=True) - _step_flops(techniques, base_trainable=False)
     assert saved == weight_gradient_flops
+
+
+def test_the_oracle_counts_optimizer_states_for_the_adapters_alone():
+    """A LoRA step's AdamW holds two fp32 moments per adapter parameter and a step count per adapter tensor: the
+    frozen base has none (and no gradient at the peak)."""
+    from autotune.backends import Evaluation
+    from autotune.backends.plan import PlanBackend
+    from autotune.core.hardware import load_hardware
+    from trials.models.config import load_model_config
+    from trials.models.model import build_model
+    from trials.stack.techniques import Techniques
+
+    config = load_model_config("tiny-llama")
+    lora = LoraSpec(rank=8)
+    adapters = [p for p in apply_lora(build_model(config, device="meta"), lora).parameters() if p.requires_grad]
+    evaluation = Evaluation(config, Techniques(), 2048, 1, load_hardware("cpu"), lora=lora)
+    record = PlanBackend().evaluate(evaluation)
+    assert record.status == "ok", record.error
+    assert record.breakdown["optimizer"] == 8 * sum(p.numel() for p in adapters) + 4 * len(adapters)
+    full = PlanBackend().evaluate(Evaluation(config, Techniques(), 2048, 1, load_hardware("cpu")))
+    assert full.breakdown["optimizer"] > 20 * record.breakdown["optimizer"]
+
+
+def test_a_lora_search_stores_its_adapters_and_a_resume_for_other_adapters_is_refused(tmp_path):
+    """``search --lora-rank``: best.json and pareto.json carry the adapters, ``estimate --config best.json`` predicts
+    the same step (the config travels), and the same folder refuses a search for full training."""
+    import json
+
+    from conftest import run_cli, tiny_plan_search
+
+    out = tmp_path / "search"
+    done = run_cli("search", *tiny_plan_search(), "--lora-rank", "8", "--trials", "6", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "LoRA rank 8 (alpha 16) on all linear layers" in done.stdout + done.stderr  # the header line
+    best = json.loads((out / "best.json").read_text())
+    assert best["lora"] == {"rank": 8, "alpha": None, "targets": ALL_LINEAR, "init_lora_weights": True}
+    assert json.loads((out / "pareto.json").read_text())["lora"] == best["lora"]
+    estimate = run_cli("estimate", "--config", str(out / "best.json"), "--json")
+    assert estimate.returncode == 0, estimate.stderr[-2000:]
+    assert json.loads(estimate.stdout)["peak_device_bytes"] == best["predicted"]["peak_device_bytes"]
+    again = run_cli("search", *tiny_plan_search(), "--trials", "6", "--out", str(out))
+    assert again.returncode == 2
+    assert "is for LoRA rank 8 (alpha 16) on all linear layers, not full training" in again.stderr

@@ -81,6 +81,8 @@ def test_oracle_matches_real_trials_one_rank():
                 ),
                 FSDP_OPTOFF_BYTES,
             ),
+            # LoRA adapters on a frozen base: no base gradients or states, the stack's backward passes skip them
+            (Config("tiny-llama", 1, 2 * K, {"head_chunk": 2, "activation_checkpointing": True}, lora={"rank": 16}), 0),
         ]
     )
 
@@ -109,6 +111,17 @@ def test_oracle_matches_real_trials_two_ranks():
                 0,
             ),
             (Config("tiny-qwen3", 2, 2 * K, {"ulysses_degree": 2}, compute_dtype="bf16"), 0),
+            (
+                Config(
+                    "tiny-qwen3",
+                    2,
+                    4 * K,
+                    {"fsdp": True, "ulysses_degree": 2, "head_chunk": 1, "mlp_tile_tokens": 1024},
+                    compute_dtype="bf16",
+                    lora={"rank": 16},
+                ),
+                0,
+            ),
         ]
     )
 

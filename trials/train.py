@@ -289,6 +289,17 @@ def options_problem(options: TrainOptions, model_config: dict) -> str | None:
     return None
 
 
+def lora_problem(config) -> str | None:
+    """Why this runner cannot train ``config``, a config with LoRA adapters (``trials.models.lora``): it trains
+    every weight. ``autotune estimate`` and ``autotune search`` predict adapter configs; None for full training."""
+    if not config.lora.on:
+        return None
+    return (
+        f"the config trains {config.lora.describe()}; this runner trains every weight only (autotune estimate and "
+        "search predict adapter configs)"
+    )
+
+
 def _creatable(path: Path) -> bool:
     """Whether the folder ``path`` exists and is writable, or can be made (its nearest existing parent is)."""
     path = path.absolute()
@@ -673,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
         options = parse_options(argv)
         config = load_config_file(options.config)
         model_config = load_model_config(config.model)
-        problem = options_problem(options, model_config)
+        problem = options_problem(options, model_config) or lora_problem(config)
         if problem is None and options.data is not None:  # the whole file checked before any rank builds a model
             data = read_token_data(options.data, model_config["vocab_size"])
             packed = packing(options, config, model_config, data)

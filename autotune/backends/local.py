@@ -221,6 +221,7 @@ class LocalBackend(Backend):
             copies=copies,
             timeline_rank=self.timeline_rank,
             documents=list(evaluation.documents.lengths),
+            lora=evaluation.lora.to_json(),
         )
         work = Path(tempfile.mkdtemp(prefix="autotune-trial-"))
         self.last_timeline = None
@@ -388,6 +389,7 @@ def _copy_evaluation(evaluation: Evaluation, copy: dict) -> Evaluation:
         evaluation.hardware,
         evaluation.nodes,
         evaluation.documents,
+        evaluation.lora,
     )
 
 

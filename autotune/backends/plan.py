@@ -50,6 +50,7 @@ def record_key(evaluation: Evaluation) -> str:
             evaluation.nodes,
             hw.runtime_overhead_bytes,
             evaluation.documents.to_json(),
+            evaluation.lora.to_json(),
         ],
         sort_keys=True,
         default=str,

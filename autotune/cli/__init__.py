@@ -1,7 +1,7 @@
 """The ``autotune`` command line (typer). Bad input exits 2 with one line on stderr, never a traceback.
 
 The top layer: it may import every other one. One module per command or group parses the options, calls the layer
-that does the work and prints: ``search``, ``estimate`` (estimate, trial), ``export``, ``verify``, ``run``,
+that does the work and prints: ``search``, ``estimate``, ``trial``, ``export``, ``verify``, ``run``,
 ``plots`` (plot, show), ``presets`` (models, hardware, calibrate); ``common`` holds the app and what they share,
 ``options`` every numeric option's range, ``interrupts`` Ctrl-C and SIGTERM. Heavy modules (torch, the oracle,
 the search) are imported inside the commands that need them, so ``autotune --help`` and ``autotune models``
@@ -21,7 +21,7 @@ from autotune.cli.common import OUT, CommandInterrupted, app
 # each command module registers its commands on ``app`` as it is imported, in the order ``autotune --help`` lists
 # them: the workflow's order, not the alphabet's
 # isort: off
-from autotune.cli import search, estimate, export, verify, run, plots, presets  # noqa: F401
+from autotune.cli import search, estimate, trial, export, verify, run, plots, presets  # noqa: F401
 
 # isort: on
 from autotune.cli.interrupts import interrupts_at_safe_points

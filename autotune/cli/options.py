@@ -56,6 +56,8 @@ RANGES: dict[str, Range] = {
     "--trial-timeout": SECONDS,
     "--memory-gib": Range(0, above_minimum=True, maximum=1e6, unit="GiB"),
     "--rank": Range(0),  # and below the job's world size, which the command checks once it knows it
+    "--lora-rank": Range(0),
+    "--lora-alpha": Range(0, above_minimum=True),
 }
 
 

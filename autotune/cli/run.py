@@ -105,7 +105,7 @@ def run(ctx: typer.Context):
     from autotune.backends.setup import check_local_node
     from autotune.outputs.exporters import trainer_launcher
     from trials.models.config import load_model_config
-    from trials.train import OptionsError, options_problem, packing, parse_options
+    from trials.train import OptionsError, lora_problem, options_problem, packing, parse_options
     from trials.training.config_file import load_config_file
 
     try:
@@ -126,6 +126,8 @@ def run(ctx: typer.Context):
             f"config {str(config)!r} is for {loaded.nodes} nodes: `autotune export --format slurm` (or --format "
             f"torchrun, run on every node) trains it there"
         )
+    if problem := lora_problem(loaded):
+        fail(f"config {str(config)!r}: {problem}")
     model_config = load_model_config(loaded.model)
     import torch
 

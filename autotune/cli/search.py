@@ -23,6 +23,7 @@ from autotune.cli.common import (
 )
 from autotune.cli.interrupts import interrupts_deferred
 from autotune.cli.options import ranged_option
+from autotune.core import lora as lora_options
 from autotune.core.documents import DOCUMENTS_HELP
 
 
@@ -64,6 +65,9 @@ def search(
     ),
     rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help=RDZV_HELP),
     documents: str = typer.Option("one", help=DOCUMENTS_HELP),
+    lora_rank: int | None = ranged_option("--lora-rank", None, lora_options.RANK_HELP),
+    lora_alpha: float | None = ranged_option("--lora-alpha", None, lora_options.ALPHA_HELP),
+    lora_targets: str | None = typer.Option(None, "--lora-targets", help=lora_options.TARGETS_HELP),
     polish: bool = typer.Option(
         True,
         envvar="AUTOTUNE_POLISH",
@@ -100,6 +104,7 @@ def search(
         rdzv_endpoint=rdzv_endpoint,
         trainer=trainer,
         documents=documents,
+        lora=lora_options.parse_lora(lora_rank, lora_alpha, lora_targets),
     )
     prepared = prepare_search(request)
     if prepared.follower is not None:
@@ -113,6 +118,7 @@ def search(
         f"autotune: {model} on {f'{nodes} nodes x ' if nodes > 1 else ''}{gpus}x {hw.name}, target "
         f"{format_tokens(job.target)}, backend {prepared.backend_name}"
         + (f", for {job.trainer.words}" if job.trainer.name != "autotune" else "")
+        + (f", {job.lora.describe()}" if job.lora.on else "")
         + f", out {job.out}"
     )
     note = job.trainer.prediction_note(job.space.frugal(job.model_config["num_hidden_layers"]), job.model_config)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from autotune.core.hardware import Hardware
 from trials.kernels.documents import ONE, DocumentsSpec
+from trials.models.lora import FULL_TRAINING, LoraSpec
 from trials.stack.techniques import Techniques
 
 
@@ -22,6 +23,7 @@ class Evaluation:
     hardware: Hardware
     nodes: int = 1
     documents: DocumentsSpec = ONE  # the documents packed into each sequence (``--documents``)
+    lora: LoraSpec = FULL_TRAINING  # the adapters trained on a frozen base (``--lora-rank``); rank 0: every weight
 
     @property
     def world_size(self) -> int:

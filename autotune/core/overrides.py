@@ -21,6 +21,7 @@ from autotune.core.sizes import parse_tokens, short_tokens
 from trials import model_config as model_configs  # looked up at call time: tests replace load_model_config
 from trials.kernels.documents import ONE, DocumentsSpec
 from trials.kernels.registry import KERNEL_NAMES
+from trials.models.lora import FULL_TRAINING, LoraSpec
 from trials.stack.techniques import BASELINE, Techniques
 from trials.training import config_file
 
@@ -51,12 +52,13 @@ class ConfigRun:
     notices: list[str] = field(default_factory=list)
     trainer: str | None = None  # the config file's: the trainer it was searched for
     documents: DocumentsSpec = ONE  # --documents over the config file's
+    lora: LoraSpec = FULL_TRAINING  # --lora-rank (and its options) over the config file's
 
     def evaluation(self, hardware, seq_len: int | None = None) -> Evaluation:
         """What the command evaluates on ``hardware``: at ``seq_len`` (default: the run's own, 0 when none)."""
         length = self.seq_len if seq_len is None else seq_len
         return Evaluation(
-            self.model_config, self.techniques, length or 0, self.gpus, hardware, self.nodes, self.documents
+            self.model_config, self.techniques, length or 0, self.gpus, hardware, self.nodes, self.documents, self.lora
         )
 
 
@@ -72,9 +74,11 @@ def resolve_config(
     other_model: bool = False,
     attention: str | None = None,
     documents: str | None = None,
+    lora: LoraSpec | None = None,
 ) -> ConfigRun:
     """``--config`` (a config file or ``baseline``) with the command line's options over it (None: not given);
-    ``attention`` replaces the techniques' attention kernel."""
+    ``attention`` replaces the techniques' attention kernel; ``lora`` (``autotune.core.lora.parse_lora``) the
+    config file's adapters."""
     seq_len = parse_tokens(seq, "--seq") if seq is not None else None
     packed = parse_documents(documents) if documents is not None else None
     if attention is not None and attention not in KERNEL_NAMES:
@@ -92,6 +96,7 @@ def resolve_config(
                 hardware=hardware if hardware is not None else defaults.hardware,
                 seq_len=seq_len,
                 documents=packed or ONE,
+                lora=lora or FULL_TRAINING,
             )
         )
     loaded = config_file.load_config_file(config)
@@ -112,6 +117,7 @@ def resolve_config(
             notices=notices,
             trainer=loaded.trainer,
             documents=_override("--documents", packed, loaded.documents, notices, describe_documents),
+            lora=_override("--lora-rank", lora, loaded.lora, notices, LoraSpec.describe),
         )
     )
 

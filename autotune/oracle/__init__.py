@@ -105,6 +105,7 @@ def _trace_to_full_depth(
     ``trials.trial.memory_timeline.TimelineRecorder`` for the first trace (the model, or its base copy)."""
     args = (evaluation.model_config, evaluation.techniques, evaluation.seq_len, evaluation.world_size)
     kwargs.setdefault("documents", evaluation.documents)
+    kwargs.setdefault("lora", evaluation.lora)
     kwargs.setdefault("known_kinds", KNOWN_KINDS)  # what per-document loops taught any trace of this process
     runs = model_runs(evaluation.techniques, evaluation.model_config)
     base, varied = plan_traces(runs)

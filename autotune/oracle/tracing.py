@@ -20,6 +20,7 @@ from trials.core.dist import Mesh, build_mesh, ensure_device_mesh
 from trials.core.memory import DeviceMemoryTracker, TrackerListener
 from trials.kernels.documents import ONE, DocumentsSpec
 from trials.models.config import copy_for_runs
+from trials.models.lora import FULL_TRAINING, LoraSpec
 from trials.stack.rules import ring_document_unit
 from trials.training.data import mesh_batch
 from trials.training.step import build_training, train_step
@@ -56,6 +57,7 @@ def trace(
     rank: int = 0,
     documents: DocumentsSpec = ONE,
     known_kinds: dict | None = None,
+    lora: LoraSpec = FULL_TRAINING,
 ) -> Trace:
     """Run ``steps`` training steps of the trial under FakeTensorMode on rank 0 of a fake world and return
     the tracked peak.
@@ -78,7 +80,8 @@ def trace(
     (rank 0 unless asked: the most loaded one).
     ``documents``: the documents packed into the sequence (their boundaries are host integers: the fake step
     runs each document's attention as the real one does). ``known_kinds``: a store of what per-document loops did
-    (``autotune.oracle.repeats.TileWatcher``'s ``kinds``) to share with other traces.
+    (``autotune.oracle.repeats.TileWatcher``'s ``kinds``) to share with other traces. ``lora``: the adapters trained
+    on the frozen model (``trials.models.lora``).
     """
 
     started = time.perf_counter()
@@ -131,6 +134,7 @@ def trace(
                     tracker,
                     compute_dtype=compute_dtype,
                     fused_optimizer=gpu_kernels and not techniques.optimizer_offload,
+                    lora=lora,
                 )
                 install_segment_hooks(model, tracker, peaks, runs)
                 if timeline is not None:

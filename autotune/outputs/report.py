@@ -215,6 +215,7 @@ def job_attr(job: search.SearchJob) -> dict:
         "nodes": job.nodes,
         "hardware": dataclasses.asdict(job.hardware),
         "documents": job.documents.to_json(),
+        "lora": job.lora.to_json(),
     }
 
 
@@ -253,6 +254,7 @@ def write_outputs(job: search.SearchJob, study) -> dict:
                 "host_capacity_bytes": job.hardware.host_memory_bytes_per_device,  # per rank; 0: not checked
                 "trainer": job.trainer.name,  # what every front config is: what that trainer runs
                 "documents": job.documents.to_json(),  # the documents packed into each sequence
+                "lora": job.lora.to_json(),  # the adapters trained on the frozen model (null: every weight)
                 "best_choice": choice,
                 "best": best_entry(best),  # what best.json holds, at the target
                 "front": front,
@@ -316,6 +318,7 @@ def write_outputs(job: search.SearchJob, study) -> dict:
         measured=measured,
         trainer=None if job.trainer.name == "autotune" else job.trainer.name,
         documents=job.documents,
+        lora=job.lora,
     )
     config.write(best_path)
     target_best_path(out, job.target).unlink(missing_ok=True)  # best.json holds this target's best now

@@ -60,6 +60,7 @@ from autotune.search.front import (
 from autotune.search.job import SearchJob
 from autotune.search.study import open_storage
 from trials.kernels.documents import DocumentsSpec
+from trials.models.lora import LoraSpec
 from trials.stack.techniques import Techniques
 
 RESULTS = ("ok", "oom")  # what a verified trial may end with and still count as a measurement (not a failure)
@@ -126,6 +127,7 @@ def open_folder(directory: Path, storage: str | None = None, study_name: str | N
             study_name=study_name,
             nodes=int(data.get("nodes", 1)),
             documents=DocumentsSpec.from_json(data.get("documents")),
+            lora=LoraSpec.from_json(data.get("lora")),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"the search job stored in {str(directory)!r} is unreadable ({exc!r})") from None
@@ -294,8 +296,9 @@ def measure(folder: Folder, point: Point | AtTarget, backend: Backend, hardware:
     ends (a config at the target under its own attribute: its trial's at the trial's length may be measured too)."""
     techniques = Techniques.from_dict(point.techniques, folder.job.model_config["num_hidden_layers"])
     seq_len = int(point.own["seq_len"])
+    job = folder.job
     evaluation = Evaluation(
-        folder.job.model_config, techniques, seq_len, folder.job.gpus, hardware, folder.job.nodes, folder.job.documents
+        job.model_config, techniques, seq_len, job.gpus, hardware, job.nodes, job.documents, job.lora
     )
     record = backend.evaluate(evaluation)
     elsewhere = seq_len != int(point.trial.user_attrs["record"]["seq_len"])

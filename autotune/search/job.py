@@ -11,6 +11,7 @@ from autotune.core.hardware import Hardware
 from autotune.core.trainers import AUTOTUNE, Trainer
 from autotune.search.space import SearchSpace
 from trials.kernels.documents import ONE, DocumentsSpec
+from trials.models.lora import FULL_TRAINING, LoraSpec
 
 
 @dataclass
@@ -35,6 +36,7 @@ class SearchJob:
     stats: dict = field(default_factory=dict)  # plan backend with workers: what the pool did (PooledBackend.stats)
     nodes: int = 1  # nodes of ``gpus`` devices each
     documents: DocumentsSpec = ONE  # the documents packed into each sequence: the front and best are for them
+    lora: LoraSpec = FULL_TRAINING  # the adapters trained on the frozen model: the front and best are for them
 
     @property
     def world_size(self) -> int:
@@ -63,7 +65,7 @@ class SearchJob:
         trainer = trainer or self.trainer
         hardware = self.hardware.holding(trainer.held_bytes(techniques, self.model_config))
         documents = trainer.documents_run(self.documents, techniques.attention)
-        return Evaluation(self.model_config, techniques, seq_len, self.gpus, hardware, self.nodes, documents)
+        return Evaluation(self.model_config, techniques, seq_len, self.gpus, hardware, self.nodes, documents, self.lora)
 
     def documents_for(self, techniques) -> DocumentsSpec:
         """The documents a config's attention runs over when the search's trainer runs it: the packed ones where

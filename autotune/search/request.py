@@ -26,6 +26,7 @@ from autotune.search.objective import open_study
 from autotune.search.space import load_space
 from autotune.search.study import open_storage
 from trials.kernels.documents import DocumentsSpec
+from trials.models.lora import FULL_TRAINING, LoraSpec
 
 
 @dataclass
@@ -52,6 +53,7 @@ class SearchRequest:
     rdzv_endpoint: str | None = None
     trainer: str = "autotune"  # search what that trainer runs (``autotune.core.trainers``)
     documents: str | None = None  # ``--documents`` (``autotune.core.documents``): None is one per sequence
+    lora: LoraSpec | None = None  # ``--lora-rank`` (``autotune.core.lora``): None is full training
 
 
 @dataclass
@@ -73,7 +75,10 @@ def prepare_search(request: SearchRequest) -> PreparedSearch:
 
     model_config = load_model_config(request.model)
     documents = parse_documents(request.documents)
+    lora = request.lora or FULL_TRAINING
     trainer = trainer_named(request.trainer)
+    if lora.on and trainer.name != "autotune":
+        raise UserError(f"--lora-rank: {trainer.words}'s export does not carry LoRA adapters; search without --trainer")
     backend_name = resolve_backend(request.backend, request.gpus)
     if request.backend == "auto" and request.nodes > 1 and request.rdzv_endpoint is None:
         backend_name = "plan"  # real trials over several nodes need the rendezvous
@@ -135,9 +140,11 @@ def prepare_search(request: SearchRequest) -> PreparedSearch:
         prefilter=prefilter,
         nodes=request.nodes,
         documents=documents,
+        lora=lora,
     )
     study = open_study(job, storage)
     check_same_documents(study, documents, out)
+    check_same_lora(study, lora, out)
     return PreparedSearch(backend_name, hw, group=group, job=job, study=study, warnings=warnings)
 
 
@@ -152,6 +159,19 @@ def check_same_documents(study, documents: DocumentsSpec, out: Path) -> None:
         raise UserError(
             f"the search in {str(out)!r} is for --documents {DocumentsSpec.from_json(stored).describe()}, not "
             f"{documents.describe()}: give another --out"
+        )
+
+
+def check_same_lora(study, lora: LoraSpec, out: Path) -> None:
+    """A study resumed in ``out`` holds records for the adapters it was searched for (or full training): other
+    ``--lora-*`` options there would mix fronts (UserError)."""
+    job = study.user_attrs.get("search_job")
+    if not isinstance(job, dict):
+        return
+    stored = LoraSpec.from_json(job.get("lora"))  # a study from before LoRA: full training
+    if stored != lora:
+        raise UserError(
+            f"the search in {str(out)!r} is for {stored.describe()}, not {lora.describe()}: give another --out"
         )
 
 

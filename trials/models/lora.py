@@ -66,12 +66,10 @@ class LoraSpec:
     def peft_config(self, model=None):
         """The ``peft.LoraConfig`` of these adapters (dropout 0, no bias). ``"all-linear"`` is resolved to the names
         of ``model``'s linear modules (``linear_module_names``) when it is given."""
-        from peft import LoraConfig
-
         targets = list(self.targets) if self.targets != ALL_LINEAR else ALL_LINEAR
         if targets == ALL_LINEAR and model is not None:
             targets = linear_module_names(model)
-        return LoraConfig(
+        return _peft().LoraConfig(
             r=self.rank,
             lora_alpha=self.alpha if self.alpha is not None else 2 * self.rank,
             target_modules=targets,
@@ -111,14 +109,26 @@ class LoraSpec:
 FULL_TRAINING = LoraSpec()
 
 
+def _peft():
+    """peft, imported outside any dispatch mode: its first import makes a few module-level tensors (its LoHa layers'),
+    which are no part of a training step; under a trial's memory tracker or the oracle's fake tensors they would count
+    once per process."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        import peft
+    return peft
+
+
 def apply_lora(model, spec: LoraSpec):
     """Give ``model`` (a ``TrainingModel``, on meta or materialised) peft's LoRA adapters on ``spec.targets``; every
     other parameter is frozen. Records ``spec`` as ``model.lora`` (``init_weights`` draws the adapters by it)."""
     if not spec.on:
         return model
-    from peft import inject_adapter_in_model
-
-    inject_adapter_in_model(spec.peft_config(model.lm), model.lm, adapter_name=ADAPTER_NAME)
+    # the adapters are made where the base weights are (meta before materialising): made elsewhere, peft moves them
+    # there by a tensor swap, which the memory oracle's fake tensors refuse
+    with torch.device(next(model.parameters()).device):
+        _peft().inject_adapter_in_model(spec.peft_config(model.lm), model.lm, adapter_name=ADAPTER_NAME)
     for name, param in model.named_parameters():
         param.requires_grad_(adapter_role(name) is not None)
     model.lora = spec

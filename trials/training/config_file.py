@@ -1,7 +1,8 @@
 """The config file ``autotune/config-v1``: which techniques, for which model, nodes and sequence length
 (``gpus`` per node, ``nodes`` of them: 1 when absent), and (``trainer``, optional) the trainer it was searched for;
 ``documents`` (optional; absent: "one") the documents packed into each sequence
-(``trials.kernels.documents.DocumentsSpec``: "one", a length, or a list of lengths).
+(``trials.kernels.documents.DocumentsSpec``: "one", a length, or a list of lengths); ``lora`` (optional; absent:
+full training) the LoRA adapters trained on the frozen model (``trials.models.lora.LoraSpec``: rank, alpha, targets).
 
 The hand-off from the tuner to training: ``best.json`` of a search, the input of ``autotune estimate/trial``
 and of ``python -m trials.train``. Unknown keys and values of the wrong type are refused (``ConfigError``) with
@@ -18,6 +19,7 @@ from typing import Any
 from trials.core.errors import ConfigError
 from trials.kernels.documents import ONE, DocumentsSpec
 from trials.models.config import load_model_config
+from trials.models.lora import FULL_TRAINING, LoraSpec
 from trials.stack.techniques import Techniques
 
 SCHEMA = "autotune/config-v1"
@@ -33,6 +35,7 @@ _KEYS = {
     "measured",
     "trainer",
     "documents",
+    "lora",
 }
 
 
@@ -51,6 +54,7 @@ class TrialConfig:
     nodes: int = 1  # the world is nodes x gpus
     trainer: str | None = None  # the trainer the config was searched for (absent: autotune's own, every knob)
     documents: DocumentsSpec = ONE  # the documents packed into each sequence (absent: one per sequence)
+    lora: LoraSpec = FULL_TRAINING  # the adapters trained on the frozen model (absent: every weight trains)
 
     def to_dict(self) -> dict[str, Any]:
         nodes = {"nodes": self.nodes} if self.nodes != 1 else {}  # one node: no ``nodes`` key (absent means 1)
@@ -66,6 +70,7 @@ class TrialConfig:
             "measured": self.measured,
             **({"trainer": self.trainer} if self.trainer else {}),
             **({"documents": self.documents.to_json()} if not self.documents.one else {}),
+            **({"lora": self.lora.to_json()} if self.lora.on else {}),
         }
 
     def write(self, path: str | Path) -> None:
@@ -100,6 +105,10 @@ def parse_config(data: Any, source: str = "config") -> TrialConfig:
         documents = DocumentsSpec.from_json(data.get("documents"))
     except ValueError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+    try:
+        lora = LoraSpec.from_json(data.get("lora"))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{source}: {exc}") from None
     return TrialConfig(
         model=model,
         techniques=Techniques.from_dict(data.get("techniques", {}), layers),
@@ -111,6 +120,7 @@ def parse_config(data: Any, source: str = "config") -> TrialConfig:
         measured=data.get("measured"),
         trainer=trainer,
         documents=documents,
+        lora=lora,
     )
 
 

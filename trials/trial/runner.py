@@ -30,6 +30,7 @@ from trials.core.memory import DeviceMemoryTracker
 from trials.kernels.documents import DocumentsSpec
 from trials.models import moe
 from trials.models.config import copy_for_runs
+from trials.models.lora import LoraSpec
 from trials.stack.rules import ring_document_unit
 from trials.stack.techniques import Techniques
 from trials.training.data import mesh_batch, synthetic_sample
@@ -246,7 +247,13 @@ def _run_model(
             peaks.read_allocator(cuda_peaks, tracker)
         with tracker:
             model, optimizer = build_training(
-                model_config, techniques, mesh, seed, tracker, compute_dtype=_compute_dtype(spec.compute_dtype)
+                model_config,
+                techniques,
+                mesh,
+                seed,
+                tracker,
+                compute_dtype=_compute_dtype(spec.compute_dtype),
+                lora=LoraSpec.from_json(spec.lora),
             )
             clock = None
             if recorder is not None:

@@ -39,6 +39,8 @@ class TrialSpec:
     timeline_rank: int | None = None
     # the documents packed into each sequence (``trials.kernels.documents.DocumentsSpec.lengths``; empty: one)
     documents: list[int] = field(default_factory=list)
+    # the LoRA adapters trained on the frozen model (``trials.models.lora.LoraSpec.to_json``; None: every weight)
+    lora: dict | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)  # the techniques too: a dataclass, as its own to_dict gives

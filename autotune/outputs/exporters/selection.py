@@ -28,6 +28,7 @@ from autotune.outputs.exporters.base import Exporter, ExportJob, Gap, Rendered
 from autotune.outputs.exporters.front import entry_config, entry_techniques, load_front
 from trials.kernels.documents import DocumentsSpec
 from trials.models.config import load_model_config
+from trials.models.lora import LoraSpec
 from trials.training.config_file import TrialConfig
 
 GIB = 2**30
@@ -178,6 +179,9 @@ def export(
 ) -> Export:
     """``autotune export``: the chosen front config (``choose``) in ``exporter``'s format, for ``path``."""
     front_doc = load_front(directory)
+    lora = LoraSpec.from_json(front_doc.get("lora"))
+    if lora.on:  # no exporter writes adapters yet: a full-training export of it would train another workload
+        raise UserError(f"the search in {str(directory)!r} is for {lora.describe()}; no export carries LoRA adapters")
     model_config = load_model_config(front_doc["model"])
     target = front_doc["target"] if target is None else target
     entry = choose(front_doc, exporter, target, allow_partial, model_config)

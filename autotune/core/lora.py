@@ -1,0 +1,33 @@
+"""``--lora-rank R [--lora-alpha A] [--lora-targets T]``: the LoRA adapters a workload trains, parsed once for every
+command that takes them (``estimate``, ``trial``, ``search``). Rank 0 is full training (the default); the adapters
+are the user's choice, not searched (``trials.models.lora``)."""
+
+from __future__ import annotations
+
+from autotune.core.errors import UserError
+from trials.models.lora import ALL_LINEAR, LoraSpec
+
+RANK_HELP = "train LoRA adapters of this rank on the frozen model (peft's LoRA; 0: every weight trains)"
+ALPHA_HELP = "LoRA's alpha: the adapters' output scales by alpha / rank (default: twice the rank)"
+TARGETS_HELP = f"the linear layers LoRA adapts: {ALL_LINEAR} (every one but the output head) or names, q_proj,v_proj"
+
+
+def parse_lora(rank: int | None, alpha: float | None = None, targets: str | None = None) -> LoraSpec | None:
+    """The adapters the options ask for; None where no ``--lora-*`` option was given (a config file's stand).
+    ``UserError`` (one line) for bad input."""
+    if rank is None:
+        if alpha is not None or targets is not None:
+            raise UserError("--lora-alpha and --lora-targets need --lora-rank")
+        return None
+    names = ALL_LINEAR if targets is None or targets.strip() == ALL_LINEAR else _names(targets)
+    try:
+        return LoraSpec(rank=rank, alpha=alpha, targets=names)
+    except ValueError as exc:
+        raise UserError(f"--lora-rank {rank}: {exc}") from None
+
+
+def _names(targets: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in targets.split(","))
+    if not all(name.isidentifier() for name in names):
+        raise UserError(f"--lora-targets {targets!r} must be {ALL_LINEAR} or module names separated by commas")
+    return names
