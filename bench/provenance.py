@@ -58,6 +58,7 @@ BACKED_BY = {
     "published_runs.txt": PUBLISHED,
     "reduced_depth.txt": TRIALS,
     "search_llama3-8b_4_nodes.txt": PLAN,
+    "search_llama3-8b_lora_1_gpu.txt": f"{PLAN}; {TIMED}",
     "search_quality.txt": PLAN,
     "search_qwen2.5-14b-like_2_nodes.txt": PLAN,
     "setup_gpu_rehearsal.txt": INSTALL,
