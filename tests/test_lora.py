@@ -150,6 +150,7 @@ def test_a_lora_search_stores_its_adapters_and_a_resume_for_other_adapters_is_re
     done = run_cli("search", *tiny_plan_search(), "--lora-rank", "8", "--trials", "6", "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "LoRA rank 8 (alpha 16) on all linear layers" in done.stdout + done.stderr  # the header line
+    assert "Pareto front (sequence length vs tokens/s), LoRA rank 8 (alpha 16)" in " ".join(done.stdout.split())
     best = json.loads((out / "best.json").read_text())
     assert best["lora"] == {"rank": 8, "alpha": None, "targets": ALL_LINEAR, "init_lora_weights": True}
     assert json.loads((out / "pareto.json").read_text())["lora"] == best["lora"]

@@ -208,9 +208,10 @@ def significant(value: float, digits: int = 4) -> str:
     return f"{value:,.{max(0, digits - 1 - math.floor(math.log10(abs(value))))}f}"
 
 
-def print_front(front: list[dict], target: int, hardware=None, best: dict | None = None) -> None:
+def print_front(front: list[dict], target: int, hardware=None, best: dict | None = None, lora=None) -> None:
     """The front as a table; with ``hardware``, a peak within its preset's uncertainty of capacity marked ``!``
-    (``Hardware.near_capacity``); with ``best`` (the front document's), the points of best.json's config marked."""
+    (``Hardware.near_capacity``); with ``best`` (the front document's), the points of best.json's config marked;
+    with ``lora`` (``LoraSpec``) that trains adapters, the title says so."""
     from autotune.outputs.plots import knob_label
 
     near = [e for e in front if hardware is not None and hardware.near_capacity(e["record"].get("peak_device_bytes"))]
@@ -223,7 +224,8 @@ def print_front(front: list[dict], target: int, hardware=None, best: dict | None
             f"; ! within the {hardware.name} preset's {hardware.oracle_margin:.0%} uncertainty of its "
             f"{hardware.device_memory_bytes / 2**30:.2f} GiB (autotune verify it on the node)"
         )
-    table = Table(title="Pareto front (sequence length vs tokens/s)", caption=caption)
+    trains = f", {lora.describe()}" if lora is not None and lora.on else ""
+    table = Table(title=f"Pareto front (sequence length vs tokens/s){trains}", caption=caption)
     from autotune.core.sizes import format_duration
 
     columns = ["trial", "seq_len", "tokens/s", "step", "peak GiB", "source", "config"]

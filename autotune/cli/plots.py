@@ -16,11 +16,14 @@ def plot(directory: Path = typer.Argument(...), output: Path | None = typer.Opti
 
     from autotune.outputs.exporters import load_front
     from autotune.outputs.plots import model_title, plot_pareto, where_title
+    from trials.models.lora import LoraSpec
 
     front_doc = load_front(directory)
     rows = pq.read_table(directory / "trials.parquet").to_pylist()
     path = output or directory / "pareto.png"
     where = where_title(front_doc["gpus"], front_doc["hardware"], front_doc.get("nodes", 1))
+    lora = LoraSpec.from_json(front_doc.get("lora"))
+    where += f", {lora.describe()}" if lora.on else ""
     title = f"{model_title(front_doc['model'])} on {where}"  # the search's own
     plot_pareto(rows, front_doc["front"], front_doc["target"], path, title=title, best=front_doc.get("best"))
     console.print(f"wrote {path}")
@@ -65,12 +68,14 @@ def show(directory: Path = typer.Argument(...)):
     """Print a search folder's Pareto front as a table."""
     from autotune.outputs.exporters import load_front
     from autotune.outputs.exporters.selection import search_hardware
+    from trials.models.lora import LoraSpec
 
     front_doc = load_front(directory)
     trainer = front_doc.get("trainer", "autotune")
     if trainer != "autotune":
         say(f"autotune: a search for --trainer {trainer}: every config is what {trainer} runs")
-    print_front(front_doc["front"], front_doc["target"], search_hardware(front_doc), front_doc.get("best"))
+    lora = LoraSpec.from_json(front_doc.get("lora"))
+    print_front(front_doc["front"], front_doc["target"], search_hardware(front_doc), front_doc.get("best"), lora)
     best = front_doc.get("best")
     if best:
         step = (best.get("record") or {}).get("step_time_s")

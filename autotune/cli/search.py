@@ -146,7 +146,7 @@ def search(
         if as_json:
             OUT.print(json.dumps({k: summary[k] for k in ("rows", "best", "message", "avoided")}))
         else:
-            print_front(summary["front"], job.target, job.hardware, summary["best"])
+            print_front(summary["front"], job.target, job.hardware, summary["best"], job.lora)
             if summary["best"]:
                 best = summary["best"]
                 record = best["measured"] or best["predicted"]
