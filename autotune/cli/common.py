@@ -224,7 +224,7 @@ def print_front(front: list[dict], target: int, hardware=None, best: dict | None
             f"; ! within the {hardware.name} preset's {hardware.oracle_margin:.0%} uncertainty of its "
             f"{hardware.device_memory_bytes / 2**30:.2f} GiB (autotune verify it on the node)"
         )
-    trains = f", {lora.describe()}" if lora is not None and lora.on else ""
+    trains = lora.aside if lora is not None else ""
     table = Table(title=f"Pareto front (sequence length vs tokens/s){trains}", caption=caption)
     from autotune.core.sizes import format_duration
 

@@ -162,8 +162,7 @@ def estimate(
     shown = record.to_dict()
     if max_seq and as_json:  # how the length was found (the length model, or the probes and why)
         shown["max_seq_search"] = how.to_dict()
-    trains = f", {run.lora.describe()}" if run.lora.on else ""
-    title = f"{run.model} on {where}{run.gpus}x {hw.name} (predicted, {run.documents.describe()}{trains})"
+    title = f"{run.model} on {where}{run.gpus}x {hw.name} (predicted, {run.documents.describe()}{run.lora.aside})"
     print_record(shown, as_json, title, hw)
     _say_trainer(run)
     if record.status == "error":

@@ -22,8 +22,7 @@ def plot(directory: Path = typer.Argument(...), output: Path | None = typer.Opti
     rows = pq.read_table(directory / "trials.parquet").to_pylist()
     path = output or directory / "pareto.png"
     where = where_title(front_doc["gpus"], front_doc["hardware"], front_doc.get("nodes", 1))
-    lora = LoraSpec.from_json(front_doc.get("lora"))
-    where += f", {lora.describe()}" if lora.on else ""
+    where += LoraSpec.from_json(front_doc.get("lora")).aside
     title = f"{model_title(front_doc['model'])} on {where}"  # the search's own
     plot_pareto(rows, front_doc["front"], front_doc["target"], path, title=title, best=front_doc.get("best"))
     console.print(f"wrote {path}")

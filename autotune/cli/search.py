@@ -118,7 +118,7 @@ def search(
         f"autotune: {model} on {f'{nodes} nodes x ' if nodes > 1 else ''}{gpus}x {hw.name}, target "
         f"{format_tokens(job.target)}, backend {prepared.backend_name}"
         + (f", for {job.trainer.words}" if job.trainer.name != "autotune" else "")
-        + (f", {job.lora.describe()}" if job.lora.on else "")
+        + job.lora.aside
         + f", out {job.out}"
     )
     note = job.trainer.prediction_note(job.space.frugal(job.model_config["num_hidden_layers"]), job.model_config)

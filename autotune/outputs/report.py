@@ -380,8 +380,7 @@ def _keep_best_of(previous_target: int | None, target: int, out: Path) -> Path |
 
 def _where(job) -> str:
     """The plots' "N x GPU" and, for adapters, what trains."""
-    trains = f", {job.lora.describe()}" if job.lora.on else ""
-    return where_title(job.gpus, job.hardware.name, job.nodes) + trains
+    return where_title(job.gpus, job.hardware.name, job.nodes) + job.lora.aside
 
 
 def plot_front_memory(

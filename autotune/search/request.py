@@ -143,14 +143,13 @@ def prepare_search(request: SearchRequest) -> PreparedSearch:
         lora=lora,
     )
     study = open_study(job, storage)
-    check_same_documents(study, documents, out)
-    check_same_lora(study, lora, out)
+    check_same_workload(study, documents, lora, out)
     return PreparedSearch(backend_name, hw, group=group, job=job, study=study, warnings=warnings)
 
 
-def check_same_documents(study, documents: DocumentsSpec, out: Path) -> None:
-    """A study resumed in ``out`` holds records for the documents it was searched for: another ``--documents``
-    there would mix fronts (UserError)."""
+def check_same_workload(study, documents: DocumentsSpec, lora: LoraSpec, out: Path) -> None:
+    """A study resumed in ``out`` holds records for the workload it was searched for, its documents and its adapters:
+    another ``--documents`` or other ``--lora-*`` options there would mix fronts (UserError)."""
     job = study.user_attrs.get("search_job")
     if not isinstance(job, dict):  # a new study: nothing recorded yet
         return
@@ -160,18 +159,10 @@ def check_same_documents(study, documents: DocumentsSpec, out: Path) -> None:
             f"the search in {str(out)!r} is for --documents {DocumentsSpec.from_json(stored).describe()}, not "
             f"{documents.describe()}: give another --out"
         )
-
-
-def check_same_lora(study, lora: LoraSpec, out: Path) -> None:
-    """A study resumed in ``out`` holds records for the adapters it was searched for (or full training): other
-    ``--lora-*`` options there would mix fronts (UserError)."""
-    job = study.user_attrs.get("search_job")
-    if not isinstance(job, dict):
-        return
-    stored = LoraSpec.from_json(job.get("lora"))  # a study from before LoRA: full training
-    if stored != lora:
+    trained = LoraSpec.from_json(job.get("lora"))  # a study from before adapters were recorded: full training
+    if trained != lora:
         raise UserError(
-            f"the search in {str(out)!r} is for {stored.describe()}, not {lora.describe()}: give another --out"
+            f"the search in {str(out)!r} is for {trained.describe()}, not {lora.describe()}: give another --out"
         )
 
 

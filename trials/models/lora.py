@@ -105,6 +105,12 @@ class LoraSpec:
         targets = "all linear layers" if self.targets == ALL_LINEAR else ", ".join(self.targets)
         return f"LoRA rank {self.rank} (alpha {self.rank * self.scaling:g}) on {targets}"
 
+    @property
+    def aside(self) -> str:
+        """``describe()`` as a title's aside (``", LoRA rank 16 ..."``); empty for full training, which titles leave
+        unsaid."""
+        return f", {self.describe()}" if self.on else ""
+
 
 FULL_TRAINING = LoraSpec()
 

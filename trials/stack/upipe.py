@@ -224,13 +224,20 @@ class UPipeAttention:
         m = self.module
         if not self.fused_qkv:
             return m.q_proj.weight, m.q_proj.bias, m.k_proj.weight, m.k_proj.bias, m.v_proj.weight, m.v_proj.bias
-        d = self.plan.head_dim
-        bounds = (0, self.plan.q_heads * d, (self.plan.q_heads + self.plan.kv_heads) * d, None)
         blocks = []
-        for lo, hi in zip(bounds, bounds[1:]):
-            blocks.append(m.qkv_proj.weight[lo:hi])
-            blocks.append(None if m.qkv_proj.bias is None else m.qkv_proj.bias[lo:hi])
+        for rows in self.fused_rows():
+            blocks.append(m.qkv_proj.weight[rows])
+            blocks.append(None if m.qkv_proj.bias is None else m.qkv_proj.bias[rows])
         return tuple(blocks)
+
+    def fused_rows(self) -> tuple[slice, slice, slice]:
+        """The q, k and v row blocks of a fused ``qkv_proj``'s output."""
+        d, q_heads, kv_heads = self.plan.head_dim, self.plan.q_heads, self.plan.kv_heads
+        return (
+            slice(0, q_heads * d),
+            slice(q_heads * d, (q_heads + kv_heads) * d),
+            slice((q_heads + kv_heads) * d, None),
+        )
 
     def adapters(self):
         """((q A, q B, k A, k B, v A, v B), (q, k, v scalings)): each projection's LoRA adapter
@@ -244,10 +251,8 @@ class UPipeAttention:
             if adapter is None:
                 found = [None] * 3
             else:
-                d = self.plan.head_dim
-                bounds = (0, self.plan.q_heads * d, (self.plan.q_heads + self.plan.kv_heads) * d, None)
                 a, b, scaling = adapter
-                found = [(a, b[lo:hi], scaling) for lo, hi in zip(bounds, bounds[1:])]
+                found = [(a, b[rows], scaling) for rows in self.fused_rows()]
         tensors, scalings = [], []
         for adapter in found:
             tensors += [None, None] if adapter is None else list(adapter[:2])
