@@ -150,8 +150,9 @@ PLAN_TECHNIQUES = {  # flash-attn: the kernel that runs windows on GPUs; Ulysses
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(real_configs()))
-def test_estimate_and_a_plan_search_run_on_each_published_shape(name, tmp_path):
-    from tests.conftest import run_cli
+def test_estimate_and_a_plan_search_run_on_each_published_shape(name, tmp_path, capsys):
+    # in-process (the CLI's own entry point): a fresh interpreter per command would import torch again for each
+    from autotune.cli import main
 
     path = save(real_configs()[name], tmp_path / name)
     config = tmp_path / "config.json"
@@ -169,15 +170,12 @@ def test_estimate_and_a_plan_search_run_on_each_published_shape(name, tmp_path):
             }
         )
     )
-    estimate = run_cli("estimate", "--config", str(config), "--json")
-    assert estimate.returncode == 0, estimate.stderr[-2000:]
-    record = json.loads(estimate.stdout)
+    assert main(["estimate", "--config", str(config), "--json"]) == 0, capsys.readouterr().err[-2000:]
+    record = json.loads(capsys.readouterr().out)
     assert record["status"] in ("ok", "oom") and record["tokens_per_s"] > 0, record
     out = tmp_path / "search"
-    search = run_cli(
-        "search", "--model", str(path), "--target", "64K", "--backend", "plan", "--trials", "2", "--out", str(out)
-    )
-    assert search.returncode == 0, search.stderr[-2000:]
+    search = ["search", "--model", str(path), *"--target 64K --backend plan --trials 2 --out".split(), str(out)]
+    assert main(search) == 0, capsys.readouterr().err[-2000:]
     front = json.loads((out / "pareto.json").read_text())
     assert front["front"], front
 
