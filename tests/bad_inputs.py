@@ -360,7 +360,7 @@ CASES += [
     ),
 ]
 
-# LoRA adapters (``--lora-rank``, a config's ``lora``): refused where nothing runs them yet
+# LoRA adapters (``--lora-rank``, a config's ``lora``): refused where nothing runs them
 CASES += [
     (
         "--lora-alpha without --lora-rank",
@@ -399,18 +399,24 @@ CASES += [
             "--out",
             "{d}/out",
         ],
-        "export does not carry LoRA adapters",
+        "ArcticTraining trains every weight only",
     ),  # fmt: skip
     ("a config's lora of a bad rank", ["estimate", "--config", "{d}/config-lora-rank.json"], "non-negative integer"),
-    ("run a LoRA config", ["run", "--config", "{d}/run-config-lora.json"], "this runner trains every weight only"),
-    ("export a LoRA search", ["export", "{d}/lora-search"], "no export carries LoRA adapters"),
+    (
+        "--export-merged of full training",
+        ["run", "--config", "{d}/run-config.json", "--export-merged", "{d}/merged"],
+        "--export-merged merges LoRA adapters",
+    ),
+    (
+        "export a LoRA search to DeepSpeed",
+        ["export", "{d}/lora-search", "--format", "deepspeed"],
+        "DeepSpeed trains every weight only",
+    ),
 ]
 
 
 def _make_lora_files(root: Path) -> None:
     (root / "config-lora-rank.json").write_text(json.dumps(_config(lora={"rank": "16"})))
-    run = json.loads((root / "run-config.json").read_text())
-    (root / "run-config-lora.json").write_text(json.dumps({**run, "lora": {"rank": 8}}))
     (root / "lora-search").mkdir(exist_ok=True)
     front = json.loads((root / "finished-search" / "pareto.json").read_text())
     (root / "lora-search" / "pareto.json").write_text(json.dumps({**front, "lora": {"rank": 8}}))

@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -59,11 +60,13 @@ from trials.core.memory import active_tracker
 from trials.kernels import attention
 from trials.kernels.documents import Documents
 from trials.models import moe
+from trials.models.lora import FULL_TRAINING, LoraSpec, adapter_role, apply_lora
 from trials.models.model import (
     TrainingModel,
     _canonical,
     _local_rows,
     default_compute_dtype,
+    init_weights,
     materialize,
     set_compute_dtype,
 )
@@ -73,6 +76,9 @@ from trials.training.data import Batch, rank_columns
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
+if TYPE_CHECKING:
+    from peft import LoraConfig
+
 IGNORE_INDEX = -100  # transformers' and trials' label that no loss is taken for
 
 
@@ -82,18 +88,21 @@ def apply(
     mesh: Mesh | None = None,
     compute_dtype: torch.dtype | None = None,
     timeout_s: float = MIN_COLLECTIVE_TIMEOUT_S,
+    lora: LoraSpec | LoraConfig = FULL_TRAINING,
 ) -> TrainingModel:
     """Apply ``techniques`` to a ``transformers`` causal LM (``PreTrainedModel``) in place; returns the
     ``TrainingModel`` that wraps it, with ``.mesh``. ``mesh``: default ``trials.core.dist.init_mesh`` of the Ulysses and
     ring degrees, its collectives' timeout ``timeout_s`` (above the longest step:
-    ``trials.core.dist.collective_timeout_s`` of the step time)."""
+    ``trials.core.dist.collective_timeout_s`` of the step time). ``lora``: LoRA adapters to train on the frozen model
+    (a ``LoraSpec``, a config's ``cfg.lora``, or the ``peft.LoraConfig`` a TRL script passes as ``peft_config``), put
+    in by peft before the stack, peft drawing their initial values as ``get_peft_model`` does."""
     mesh = mesh or init_mesh(techniques.ulysses_degree, timeout_s=timeout_s, ring_degree=techniques.ring_degree)
     attention.register()
     model.config.use_cache = False
     model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
     if moe.experts_options(model.config):
         model.set_experts_implementation(moe.EXPERTS_IMPLEMENTATION)
-    training = TrainingModel(model)
+    training = apply_lora(TrainingModel(model), lora)
     if not techniques.fsdp:  # FSDP2 moves the shards to the mesh's device itself
         training.to(mesh.device)
     return _stacked(training, techniques, mesh, compute_dtype, build=None)
@@ -106,14 +115,18 @@ def from_pretrained(
     compute_dtype: torch.dtype | None = None,
     load_weights: bool = True,
     timeout_s: float = MIN_COLLECTIVE_TIMEOUT_S,
+    lora: LoraSpec | LoraConfig = FULL_TRAINING,
+    seed: int = 0,
 ) -> TrainingModel:
     """Build the model of ``path`` (a folder with ``config.json`` and ``model.safetensors`` or a sharded
     ``model.safetensors.index.json``) with ``techniques`` applied, each rank holding and reading only its shards.
     ``load_weights=False``: the parameters' storage is left unset, for values that come from elsewhere (a training
-    checkpoint). ``mesh``: as ``apply``'s, ``timeout_s`` its collectives' timeout when this call starts it."""
+    checkpoint). ``mesh``: as ``apply``'s, ``timeout_s`` its collectives' timeout when this call starts it.
+    ``lora``: as ``apply``'s; the base weights are the folder's, the adapters drawn by ``seed`` (``init_weights``:
+    a rank draws its shards' rows only)."""
     mesh = mesh or init_mesh(techniques.ulysses_degree, timeout_s=timeout_s, ring_degree=techniques.ring_degree)
-    lm = _meta_model(path)
-    return _stacked(TrainingModel(lm), techniques, mesh, compute_dtype, build=Path(path), load=load_weights)
+    model = apply_lora(TrainingModel(_meta_model(path)), lora)
+    return _stacked(model, techniques, mesh, compute_dtype, build=Path(path), load=load_weights, seed=seed)
 
 
 def _meta_model(path: str | Path):
@@ -192,16 +205,17 @@ def _stored_problem(folder: Path, files: dict, lm) -> str | None:
 
 
 def _stacked(
-    model: TrainingModel, techniques, mesh, compute_dtype, build: Path | None, load: bool = True
+    model: TrainingModel, techniques, mesh, compute_dtype, build: Path | None, load: bool = True, seed: int = 0
 ) -> TrainingModel:
     """``trials.stack.apply`` with trials' precision; a meta model (``build``: its folder) is then materialised
-    and (``load``) loaded."""
+    and (``load``) loaded, its LoRA adapters drawn by ``seed``."""
     compute_dtype = compute_dtype or default_compute_dtype(mesh.device)
     stack.apply(model, techniques, mesh, param_dtype=None if compute_dtype == torch.float32 else compute_dtype)
     if build is not None:
         materialize(model, mesh.device, params_device="cpu" if techniques.optimizer_offload else None, init=False)
         if load:
             load_safetensors(model, build)
+            init_weights(model, seed, adapters_only=True)
     set_compute_dtype(model, compute_dtype)
     tracker = active_tracker()
     if tracker is not None:
@@ -278,8 +292,9 @@ def checkpoint_files(folder: Path) -> dict[str, Path]:
 @torch.no_grad()
 def load_safetensors(model: TrainingModel, folder: Path) -> None:
     """Copy the checkpoint's values into the model's parameters: for an FSDP2 shard only its rows are read (a
-    safetensors slice), on the host, then copied into the shard. Every parameter must be in the checkpoint (tied
-    weights once); tensors the model has no parameter for are refused, except rotary buffers, which are computed."""
+    safetensors slice), on the host, then copied into the shard. Every parameter but LoRA adapters must be in the
+    checkpoint (tied weights once; a LoRA layer's base weight under its plain name); tensors the model has no
+    parameter for are refused, except rotary buffers, which are computed."""
     from safetensors import safe_open
 
     files = checkpoint_files(Path(folder))
@@ -298,6 +313,8 @@ def load_safetensors(model: TrainingModel, folder: Path) -> None:
     with contextlib.ExitStack() as stack_of_files:
         for name, param in model.named_parameters(remove_duplicate=False):
             key = _canonical(name).removeprefix("lm.")
+            if adapter_role(name) is not None:  # LoRA adapters are no part of the base checkpoint: drawn
+                continue
             if id(param) in seen:  # a tied parameter's other name: loaded once, under its first name
                 loaded.add(layout.renamed(key))
                 continue

@@ -44,6 +44,13 @@ Where ``Trainer`` meets the stack:
   traced (``sync_each_batch``).
 - ``save_model`` writes a Hugging Face folder (``config.json`` + safetensors) that ``from_pretrained`` loads
   (``trials.training.checkpoint.export_hf``: each rank its shards, merged by rank 0).
+- **LoRA**: the adapters go in before the stack shards the model, so they are ``trials.hf.apply``'s:
+  ``hf.apply(model, cfg.techniques, lora=peft_config)`` (a ``peft.LoraConfig``, or ``cfg.lora``), after
+  ``transformers.set_seed(args.seed)`` as TRL's ``SFTTrainer`` seeds before ``get_peft_model``, so peft draws the same
+  adapters. A trainer given ``peft_config`` too (TRL's ``SFTTrainer`` argument, kept in a script) takes it as said
+  when it is the model's adapters and refuses another. Only the adapters train; checkpoints hold them and their
+  optimizer state (the base is the script's model again on resume), and ``save_model`` writes a peft adapter
+  folder (``PeftModel.from_pretrained``), as ``SFTTrainer`` with ``peft_config`` saves.
 
 What cannot run is refused when the trainer is made, before training, with one line naming the argument
 (``StackTrainerError``, a ``ConfigError``): see ``problem``, ``world_problem`` and ``launcher_problem``.
@@ -138,6 +145,29 @@ def problem(model, args) -> str | None:
     return world_problem(mesh, techniques, launched_processes())
 
 
+def adapters_problem(model, peft_config) -> str | None:
+    """Why ``peft_config`` (TRL's ``SFTTrainer`` argument) cannot go with ``model`` (None: it can): the adapters
+    are ``trials.hf.apply``'s (``lora=``), put in before the stack shards the model; the trainer checks that they are
+    these."""
+    if peft_config is None or peft_config is getattr(model, "lora_config", None):  # the config hf.apply put in
+        return None  # (peft resolves its "all-linear" to names in place)
+    from trials.models.lora import LoraSpec
+
+    try:
+        wanted = LoraSpec.of(peft_config)
+    except ValueError as exc:
+        return str(exc)
+    held = model.lora
+    if not held.on:
+        return (
+            "peft_config: the adapters go in before the stack shards the model: pass it to "
+            "trials.hf.apply(model, techniques, lora=peft_config)"
+        )
+    if (wanted.rank, wanted.scaling, wanted.targets) != (held.rank, held.scaling, held.targets):
+        return f"peft_config: {wanted.describe()}, the model's adapters (trials.hf.apply's lora) are {held.describe()}"
+    return None
+
+
 def launched_processes() -> int:
     """The processes of this run: torch.distributed's world once it is started, else the launcher's WORLD_SIZE."""
     if dist.is_available() and dist.is_initialized():
@@ -180,8 +210,8 @@ class StackTrainerMixin:
     ``trials.hf.apply``; see the module's docstring."""
 
     def __init__(self, model=None, args=None, *positional, **kwargs):
-        why = problem(model, args)  # before the trainer prepares anything (TRL's SFTTrainer its dataset)
-        if why is not None:
+        why = problem(model, args) or adapters_problem(model, kwargs.pop("peft_config", None))
+        if why is not None:  # before the trainer prepares anything (TRL's SFTTrainer its dataset)
             raise StackTrainerError(why)
         super().__init__(model, args, *positional, **kwargs)
         if not hasattr(self, "is_distributed_loading_by_transformers"):
@@ -255,7 +285,11 @@ class StackTrainerMixin:
         if _internal_call:
             return
         model = self.accelerator.unwrap_model(self.model)
-        checkpoint.export_hf(model, model.config, Path(output_dir or self.args.output_dir), model.mesh.device)
+        folder = Path(output_dir or self.args.output_dir)
+        if model.lora.on:
+            checkpoint.export_adapters(model, folder, model.mesh.device, model.config.name_or_path or None)
+        else:
+            checkpoint.export_hf(model, model.config, folder, model.mesh.device)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """The sharded model and optimizer as one DCP folder (each rank its shards; resharded on load at any world
@@ -263,7 +297,8 @@ class StackTrainerMixin:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        options = checkpoint.state_dict_options(self.model)
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=options)
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(Path(output_dir, STATE)))
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), Path(output_dir, SCHEDULER_FILE))
@@ -279,10 +314,17 @@ class StackTrainerMixin:
 
         if not Path(checkpoint_folder, STATE).is_dir():
             raise StackTrainerError(f"resume_from_checkpoint: {checkpoint_folder} has no {STATE} (the stack's state)")
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        options = checkpoint.state_dict_options(self.model)
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=options)
         state = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=str(Path(checkpoint_folder, STATE)))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=options,
+        )
         self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint_folder, SCHEDULER_FILE), weights_only=True))
 
 

@@ -2,7 +2,8 @@
 
     torchrun --standalone --nproc-per-node=N -m trials.train --config best.json --steps S \\
         [--init HF_FOLDER] [--data tokens.parquet] [--save CKPT --save-every K [--keep 3] [--resume]] \\
-        [--log-file log.jsonl] [--export-hf OUT_FOLDER] [--lr ... --schedule cosine --warmup-steps ...]
+        [--log-file log.jsonl] [--export-hf OUT_FOLDER] [--export-merged OUT_FOLDER] \\
+        [--lr ... --schedule cosine --warmup-steps ...]
 
 (``python -m trials.train ...`` for one rank; ``autotune run`` checks the options and launches this.)
 
@@ -17,6 +18,11 @@
   window ``consumed + m * dp + r``), wrapping around; ``consumed`` is kept in checkpoints.
 - Checkpoints (``trials.training.checkpoint``): every ``--save-every`` steps and at the end, atomically; ``--resume``
   continues from the newest complete one, on any world size; ``--steps`` is the run's total.
+- LoRA (a config whose ``lora`` trains adapters, ``trials.models.lora``): the base weights are ``--init``'s (or the
+  seeded draw), frozen; the adapters are drawn by ``--seed``; checkpoints hold the adapters and their optimizer
+  state (a resume reads the same base again: another ``--init`` is refused); ``--export-hf`` writes the adapters
+  as a folder ``peft.PeftModel.from_pretrained(base, folder)`` loads, ``--export-merged`` the model with them merged
+  into its weights, as a plain Hugging Face folder. Full training's ``--export-hf`` writes the whole model.
 - Log: rank 0 prints each step (a progress bar on a terminal), appends one JSON object per step to ``--log-file``
   and to TensorBoard with ``--tensorboard``; a final ``summary {json}`` line.
 Bad options and a ``--data`` file training cannot use (``trials.training.data.read_token_data``: empty, no documents,
@@ -89,6 +95,7 @@ class TrainOptions:
     keep: int | None = None
     resume: bool = False
     export_hf: str | None = None
+    export_merged: str | None = None
     lr: float = 1e-5
     min_lr: float = 0.0
     warmup_steps: int = 0
@@ -266,7 +273,11 @@ def options_problem(options: TrainOptions, model_config: dict) -> str | None:
     for failed, message in checks:
         if failed:
             return message
-    for flag, path in (("--save", options.save), ("--export-hf", options.export_hf)):
+    for flag, path in (
+        ("--save", options.save),
+        ("--export-hf", options.export_hf),
+        ("--export-merged", options.export_merged),
+    ):
         if path is not None and Path(path).exists() and not Path(path).is_dir():
             return f"{flag} {path!r} is a file, not a folder"
         if path is not None and not _creatable(Path(path)):
@@ -275,8 +286,9 @@ def options_problem(options: TrainOptions, model_config: dict) -> str | None:
         log = Path(options.log_file)
         if log.is_dir() or not (os.access(log, os.W_OK) if log.exists() else _creatable(log.parent)):
             return f"--log-file {options.log_file!r} cannot be written"
-    if options.export_hf is not None and _is_foreign_folder(Path(options.export_hf)):
-        return f"--export-hf {options.export_hf!r} holds other files; name a new folder or a previous export"
+    for flag, path in (("--export-hf", options.export_hf), ("--export-merged", options.export_merged)):
+        if path is not None and _is_foreign_folder(Path(path)):
+            return f"{flag} {path!r} holds other files; name a new folder or a previous export"
     if options.resume and checkpoint.newest(Path(options.save)) is None:
         return f"--resume: no complete checkpoint in {options.save!r} to resume from"
     if options.tensorboard is not None:
@@ -289,15 +301,29 @@ def options_problem(options: TrainOptions, model_config: dict) -> str | None:
     return None
 
 
-def lora_problem(config) -> str | None:
-    """Why this runner cannot train ``config``, a config with LoRA adapters (``trials.models.lora``): it trains
-    every weight. ``autotune estimate`` and ``autotune search`` predict adapter configs; None for full training."""
+def lora_problem(options: TrainOptions, config) -> str | None:
+    """Why the options cannot train ``config``'s adapters (one line), or None: ``--export-merged`` of full training
+    (there is nothing to merge), or a LoRA resume on another base than its checkpoint's (the checkpoint holds the
+    adapters alone: ``frozen_base``)."""
     if not config.lora.on:
+        if options.export_merged is not None:
+            return "--export-merged merges LoRA adapters; the config trains every weight (--export-hf writes it)"
         return None
-    return (
-        f"the config trains {config.lora.describe()}; this runner trains every weight only (autotune estimate and "
-        "search predict adapter configs)"
-    )
+    newest = checkpoint.newest(Path(options.save)) if options.resume and options.save is not None else None
+    if newest is not None:
+        saved = json.loads((newest / checkpoint.STATE_FILE).read_text()).get("frozen_base")
+        if saved is not None and saved != frozen_base(options):
+            return (
+                f"--resume: {newest} trained adapters on {saved}; this run's base is {frozen_base(options)} (the "
+                "checkpoint holds the adapters only: resume with the same --init)"
+            )
+    return None
+
+
+def frozen_base(options: TrainOptions) -> str:
+    """Where a LoRA run's frozen base weights come from: the ``--init`` folder (its absolute path), else the seeded
+    draw."""
+    return str(Path(options.init).absolute()) if options.init is not None else f"random weights of seed {options.seed}"
 
 
 def _creatable(path: Path) -> bool:
@@ -308,10 +334,12 @@ def _creatable(path: Path) -> bool:
 
 
 def _is_foreign_folder(folder: Path) -> bool:
-    """A non-empty folder that is not an earlier export (config.json + safetensors): replacing it would lose files."""
+    """A non-empty folder that is not an earlier export (config.json + safetensors, or a peft adapter folder):
+    replacing it would lose files."""
     if not folder.is_dir() or not any(folder.iterdir()):
         return False
-    return not ((folder / "config.json").is_file() and any(folder.glob("*.safetensors")))
+    configs = ("config.json", "adapter_config.json")
+    return not (any((folder / name).is_file() for name in configs) and any(folder.glob("*.safetensors")))
 
 
 def learning_rate_schedule(optimizer, options: TrainOptions):
@@ -500,11 +528,18 @@ def train(
                 due = options.save_every is not None and state.step % options.save_every == 0
                 if options.save is not None and (due or state.step == options.steps):
                     state.schedule, state.world_size = schedule.state_dict(), mesh.world_size
+                    state.frozen_base = frozen_base(options) if config.lora.on else None
                     saved = checkpoint.save(Path(options.save), model, optimizer, state, mesh.device, options.keep)
                     log.say(f"saved {saved}")
-            if options.export_hf is not None:
+            if options.export_hf is not None and config.lora.on:
+                checkpoint.export_adapters(model, Path(options.export_hf), mesh.device, options.init)
+                log.say(f"exported the adapters to {options.export_hf} (peft format: PeftModel.from_pretrained)")
+            elif options.export_hf is not None:
                 checkpoint.export_hf(model, model.config, Path(options.export_hf), mesh.device)
                 log.say(f"exported the model to {options.export_hf} (Hugging Face format)")
+            if options.export_merged is not None:
+                checkpoint.export_hf(model, model.config, Path(options.export_merged), mesh.device)
+                log.say(f"exported the model with its adapters merged to {options.export_merged} (Hugging Face format)")
         finally:
             log.close()
     summary = {
@@ -556,12 +591,18 @@ def _build(options: TrainOptions, config, mesh, tracker, load_weights: bool):
     techniques = config.techniques
     if options.init is None:
         model_config = load_model_config(config.model)
-        model, optimizer = build_training(model_config, techniques, mesh, options.seed, tracker, options.lr, **adamw)
+        model, optimizer = build_training(
+            model_config, techniques, mesh, options.seed, tracker, options.lr, lora=config.lora, **adamw
+        )
         return model, optimizer, None
     from trials import hf
 
     start = time.perf_counter()
-    model = hf.from_pretrained(options.init, techniques, mesh, load_weights=load_weights)
+    # a LoRA resume reads the base again (the checkpoint holds the adapters alone) and the adapters from it
+    load_weights = load_weights or config.lora.on
+    model = hf.from_pretrained(
+        options.init, techniques, mesh, load_weights=load_weights, lora=config.lora, seed=options.seed
+    )
     loading = None
     if load_weights:  # what reading the weights held, at most (CUDA: device memory only)
         held = (
@@ -661,7 +702,12 @@ def parser() -> argparse.ArgumentParser:
     add("--save-every", type=int, default=None, help="steps between checkpoints (and one at the end)")
     add("--keep", type=int, default=None, help="complete checkpoints kept (default: all)")
     add("--resume", action="store_true", help="continue from the newest complete checkpoint in --save")
-    add("--export-hf", default=None, help="at the end, write the model as a Hugging Face folder here")
+    add(
+        "--export-hf",
+        default=None,
+        help="at the end, write the model as a Hugging Face folder here (LoRA: the adapters, as a peft folder)",
+    )
+    add("--export-merged", default=None, help="LoRA: at the end, write the model, its adapters merged, here")
     add("--lr", type=float, default=defaults.lr, help="peak learning rate")
     add("--min-lr", type=float, default=defaults.min_lr, help="learning rate at the last step (cosine)")
     add("--warmup-steps", type=int, default=defaults.warmup_steps, help="linear warmup from 0")
@@ -684,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
         options = parse_options(argv)
         config = load_config_file(options.config)
         model_config = load_model_config(config.model)
-        problem = options_problem(options, model_config) or lora_problem(config)
+        problem = options_problem(options, model_config) or lora_problem(options, config)
         if problem is None and options.data is not None:  # the whole file checked before any rank builds a model
             data = read_token_data(options.data, model_config["vocab_size"])
             packed = packing(options, config, model_config, data)

@@ -126,8 +126,6 @@ def run(ctx: typer.Context):
             f"config {str(config)!r} is for {loaded.nodes} nodes: `autotune export --format slurm` (or --format "
             f"torchrun, run on every node) trains it there"
         )
-    if problem := lora_problem(loaded):
-        fail(f"config {str(config)!r}: {problem}")
     model_config = load_model_config(loaded.model)
     import torch
 
@@ -141,7 +139,7 @@ def run(ctx: typer.Context):
             fail(str(exc))
     elif options.pack:
         fail("--pack needs --data (the synthetic tokens are one document per window)")
-    problem = options_problem(options, model_config)
+    problem = options_problem(options, model_config) or lora_problem(options, loaded)
     if problem is not None:
         fail(problem)
     command = trainer_launcher(loaded.gpus).split() + ctx.args

@@ -19,6 +19,7 @@ from typing import Any
 from trials.kernels.documents import ONE, DocumentsSpec
 from trials.kernels.registry import FLASH_KERNELS, KERNELS
 from trials.models.config import parameter_count
+from trials.models.lora import FULL_TRAINING, LoraSpec
 from trials.stack.knobs import Knob
 from trials.stack.rules import ring_document_unit
 from trials.stack.techniques import Techniques, knobs
@@ -36,6 +37,7 @@ class ExportJob:
     techniques: Techniques
     nodes: int = 1  # nodes of ``gpus`` each
     documents: DocumentsSpec = ONE
+    lora: LoraSpec = FULL_TRAINING  # the adapters trained on the frozen model (``--lora-rank``)
 
     @property
     def layers(self) -> int:
@@ -155,6 +157,10 @@ class Trainer:
     # whether it pads each packed document up to a multiple of a ring's 2 x ring_degree chunks
     # (``trials.stack.rules.ring_document_unit``); where it does not, a ring runs only documents that already are
     pads_ring_documents: bool = False
+    # how the trainer is told LoRA adapters (``--lora-rank``) and trains them with every knob it runs, peft's LoRA
+    # layers on the frozen base as the oracle traces them; None: it trains every weight only (searched and exported
+    # for full training alone)
+    lora: str | None = None
 
     def __post_init__(self):
         declared, every = set(self.expresses), {k.name for k in knobs()}
@@ -312,6 +318,8 @@ AUTOTUNE = Trainer(
     packing="the config file's documents; the stack masks the documents a batch carries (Batch.documents: "
     "position ids restart at each, attention stays inside each)",
     pads_ring_documents=True,  # trials.training.data.pad_documents
+    lora="the config file's lora: trials.train freezes the --init weights, draws the adapters by --seed, checkpoints "
+    "them with their optimizer state, and --export-hf writes them as a peft folder (--export-merged: merged)",
 )
 
 DEEPSPEED = Trainer(
@@ -391,6 +399,8 @@ ACCELERATE = Trainer(
     },
     packing="position_ids that restart at 0 at each document (trials.hf.batch derives the documents from them; "
     "the .trainer.py's --sft --packing: TRL's SFTTrainer(packing=True))",
+    lora="the config's lora: trials.hf.from_pretrained(..., lora=config.lora) puts peft's LoRA layers in before the "
+    "stack; the .trainer.py's save_model writes a peft adapter folder (TRL's SFTTrainer takes it as its peft_config)",
 )
 
 ACCELERATE_DEEPSPEED = Trainer(

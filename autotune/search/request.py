@@ -20,7 +20,7 @@ from autotune.backends.setup import (
 from autotune.core.documents import parse_documents
 from autotune.core.errors import UserError
 from autotune.core.hardware import Hardware
-from autotune.core.trainers import trainer_named
+from autotune.core.trainers import TRAINERS, trainer_named
 from autotune.search.job import SearchJob
 from autotune.search.objective import open_study
 from autotune.search.space import load_space
@@ -77,8 +77,9 @@ def prepare_search(request: SearchRequest) -> PreparedSearch:
     documents = parse_documents(request.documents)
     lora = request.lora or FULL_TRAINING
     trainer = trainer_named(request.trainer)
-    if lora.on and trainer.name != "autotune":
-        raise UserError(f"--lora-rank: {trainer.words}'s export does not carry LoRA adapters; search without --trainer")
+    if lora.on and trainer.lora is None:
+        takes = ", ".join(t.name for t in TRAINERS.values() if t.lora is not None)
+        raise UserError(f"--lora-rank: {trainer.words} trains every weight only; --trainer {takes} train LoRA adapters")
     backend_name = resolve_backend(request.backend, request.gpus)
     if request.backend == "auto" and request.nodes > 1 and request.rdzv_endpoint is None:
         backend_name = "plan"  # real trials over several nodes need the rendezvous

@@ -78,6 +78,35 @@ class LoraSpec:
             init_lora_weights="gaussian" if self.init_lora_weights else False,
         )
 
+    @classmethod
+    def of(cls, value) -> LoraSpec:
+        """``value`` as a ``LoraSpec``: itself, or a ``peft.LoraConfig`` (what a TRL script passes as ``peft_config``),
+        read back; ``ValueError`` (one line) for what the stack cannot run exactly (dropout, a trained bias, DoRA,
+        rsLoRA, modules saved whole, a regular expression for the targets)."""
+        if isinstance(value, LoraSpec):
+            return value
+        if type(value).__name__ != "LoraConfig":
+            raise ValueError(f"lora: a LoraSpec or a peft.LoraConfig, not {type(value).__name__}")
+        refused = [
+            (value.lora_dropout, "lora_dropout must be 0"),
+            (value.bias != "none", 'bias must be "none"'),
+            (getattr(value, "use_dora", False), "use_dora is not supported"),
+            (getattr(value, "use_rslora", False), "use_rslora is not supported"),
+            (value.modules_to_save, "modules_to_save is not supported (the stack trains adapters only)"),
+            (getattr(value, "target_parameters", None), "target_parameters is not supported"),
+            (isinstance(value.target_modules, str) and value.target_modules != ALL_LINEAR, "target_modules: names"),
+        ]
+        for failed, why in refused:
+            if failed:
+                raise ValueError(f"peft_config: {why}")
+        targets = value.target_modules
+        return cls(
+            rank=value.r,
+            alpha=float(value.lora_alpha),
+            targets=targets if isinstance(targets, str) else tuple(sorted(targets)),
+            init_lora_weights=value.init_lora_weights is not False,
+        )
+
     def to_json(self) -> dict[str, Any] | None:
         """The config file's form: None for full training, else a mapping."""
         if not self.on:
@@ -126,18 +155,25 @@ def _peft():
     return peft
 
 
-def apply_lora(model, spec: LoraSpec):
+def apply_lora(model, spec, peft_config=None):
     """Give ``model`` (a ``TrainingModel``, on meta or materialised) peft's LoRA adapters on ``spec.targets``; every
-    other parameter is frozen. Records ``spec`` as ``model.lora`` (``init_weights`` draws the adapters by it)."""
+    other parameter is frozen. Records ``spec`` as ``model.lora`` (``init_weights`` draws the adapters by it) and the
+    ``peft.LoraConfig`` injected as ``model.lora_config``.
+    ``spec``: a ``LoraSpec`` or a ``peft.LoraConfig`` (``LoraSpec.of``), which is then the config peft injects (its
+    own initialisation on a materialised model, as ``get_peft_model`` draws it)."""
+    if not isinstance(spec, LoraSpec):
+        spec, peft_config = LoraSpec.of(spec), spec
     if not spec.on:
         return model
     # the adapters are made where the base weights are (meta before materialising): made elsewhere, peft moves them
     # there by a tensor swap, which the memory oracle's fake tensors refuse
     with torch.device(next(model.parameters()).device):
-        _peft().inject_adapter_in_model(spec.peft_config(model.lm), model.lm, adapter_name=ADAPTER_NAME)
+        config = peft_config or spec.peft_config(model.lm)
+        _peft().inject_adapter_in_model(config, model.lm, adapter_name=ADAPTER_NAME)
     for name, param in model.named_parameters():
         param.requires_grad_(adapter_role(name) is not None)
     model.lora = spec
+    model.lora_config = config  # what was injected: an export's adapter_config.json
     return model
 
 

@@ -16,6 +16,7 @@ from trials.core.memory import active_tracker
 from trials.kernels import attention
 from trials.kernels.documents import DOCUMENTS_KWARG
 from trials.models.families import family_of
+from trials.models.lora import FULL_TRAINING
 
 _CONFIG_ONLY_KEYS = ("_name", "_source")  # autotune's own keys, not transformers'
 
@@ -61,7 +62,9 @@ def build_model(
 # -- weights: built on meta, materialised after the stack ---------------------------------------------------
 
 INIT_BLOCK_ROWS = 4096  # rows of a parameter drawn from one seeded generator (any shard needs whole blocks only)
-_WRAPPER_NAMES = {"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod"}
+# wrappers a parameter's name passes through that the plain model lacks: checkpointing's, FSDP1's, compile's, and
+# peft's LoRA layer around the base linear (``q_proj.base_layer.weight`` is the checkpoint's ``q_proj.weight``)
+_WRAPPER_NAMES = {"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod", "base_layer"}
 
 
 def materialize(model: TrainingModel, device, seed: int = 0, params_device=None, init: bool = True) -> None:
@@ -125,7 +128,7 @@ def _rebuild_buffers(model, device) -> None:
 
 
 @torch.no_grad()
-def init_weights(model: TrainingModel, seed: int = 0) -> None:
+def init_weights(model: TrainingModel, seed: int = 0, adapters_only: bool = False) -> None:
     """HF's initialisation (``PreTrainedModel._init_weights``: Linear/Embedding weights ~ N(0, initializer_range),
     biases 0, norm weights 1 (0 where the family's norms scale by 1 + weight)) drawn so that the values depend only on (seed, parameter name, row): rows come in
     blocks of ``INIT_BLOCK_ROWS``, each from its own seeded generator on the host, so a rank holding a shard
@@ -134,12 +137,14 @@ def init_weights(model: TrainingModel, seed: int = 0) -> None:
     experts' biases 0; a 3-D weight's rows are its leading dims flattened ([E, out, in] -> [E * out, in]), so a
     dim-0 shard (whole experts) is a contiguous range of them and a block stays ``INIT_BLOCK_ROWS`` x ``in``.
     LoRA adapters (``trials.models.lora``, ``model.lora``): A ~ N(0, 1/rank), B zero (peft's ``"gaussian"``), or
-    B ~ N(0, initializer_range) with ``init_lora_weights`` off.
+    B ~ N(0, initializer_range) with ``init_lora_weights`` off. ``adapters_only``: draw the adapters alone (the base
+    weights come from a checkpoint: ``trials.hf.from_pretrained``). A LoRA model's base weights draw what the plain
+    model's do (their names are the plain model's: ``_canonical``).
     """
     from trials.models import lora, moe
 
     std = getattr(model.config, "initializer_range", None) or 0.02
-    adapters = getattr(model, "lora", lora.FULL_TRAINING)
+    adapters = model.lora
     norm_init = family_of(model.config.model_type).norm_weight_init
     tracker = active_tracker()
     seen = set()
@@ -151,6 +156,8 @@ def init_weights(model: TrainingModel, seed: int = 0) -> None:
             name = _canonical(f"{module_name}.{param_name}")
             local, start = _local_rows(param)
             role = lora.adapter_role(module_name)
+            if adapters_only and role is None:
+                continue
             if role == "A":
                 _fill_normal(local, start, param.shape, 1.0 / adapters.rank, _seed(seed, name), tracker)
             elif role == "B" and adapters.init_lora_weights:
@@ -174,7 +181,8 @@ def init_weights(model: TrainingModel, seed: int = 0) -> None:
 
 
 def _canonical(name: str) -> str:
-    """The parameter's name in the plain model (wrappers of checkpointing/FSDP/compile dropped)."""
+    """The parameter's name in the plain model (wrappers of checkpointing/FSDP/compile and peft's ``base_layer``
+    dropped)."""
     return ".".join(part for part in name.split(".") if part and part not in _WRAPPER_NAMES)
 
 
@@ -248,6 +256,7 @@ class TrainingModel(nn.Module):
         self.loss_fn = plain_loss
         self.autocast_dtype: torch.dtype | None = None  # set by ``set_compute_dtype``
         self.logit_softcap = family_of(lm.config.model_type).final_softcap(lm.config)
+        self.lora = FULL_TRAINING  # the LoRA adapters it trains (``trials.models.lora.apply_lora``); none: every weight
 
     @property
     def config(self):

@@ -10,6 +10,10 @@ A checkpoint is a folder ``step-NNNNNNNN`` under the run's ``--save`` folder:
   state, the training time so far;
 - ``rng-rank{R}.pt``: each rank's random number generator states.
 
+With LoRA adapters (``trials.models.lora``) a checkpoint holds the trainable adapters and their optimizer state
+only (DCP's ``ignore_frozen_params``): the frozen base is the run's ``--init`` folder (or its seeded draw), read
+again on resume, which ``TrainerState.frozen_base`` names so that a resume from another base is refused.
+
 It is written as ``step-NNNNNNNN.tmp`` and renamed once every rank has finished writing, so a folder without
 ``.tmp`` is always complete: a run killed while saving leaves the previous checkpoint as the newest one. A save that
 fails on any rank (disk full) removes its partial folder on every rank's word and raises ``CheckpointSaveError``.
@@ -17,6 +21,7 @@ fails on any rank (disk full) removes its partial folder on every rank's word an
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -48,6 +53,7 @@ class TrainerState:
     elapsed_s: float = 0.0  # training time so far, over every resumed run
     world_size: int = 1
     schedule: dict = field(default_factory=dict)  # the learning-rate scheduler's state_dict
+    frozen_base: str | None = None  # LoRA: where the frozen base weights come from (not in the checkpoint)
 
 
 def step_folder(save: Path, step: int) -> Path:
@@ -93,7 +99,7 @@ def save(save: Path, model, optimizer, state: TrainerState, device, keep: int | 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=state_dict_options(model))
 
     def write(partial: Path) -> None:
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(partial))
@@ -115,14 +121,26 @@ def load(checkpoint: Path, model, optimizer) -> TrainerState:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    options = state_dict_options(model)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=str(checkpoint))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options
+    )
     rng = Path(checkpoint) / f"rng-rank{_rank()}.pt"
     if rng.is_file():
         _set_rng_states(torch.load(rng, weights_only=False))
     return TrainerState(**json.loads((Path(checkpoint) / STATE_FILE).read_text()))
+
+
+def state_dict_options(model):
+    """DCP's state-dict options for ``model``: with frozen parameters (LoRA's base) the trainable ones alone, the
+    frozen ones neither saved nor expected on load."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = any(not param.requires_grad for param in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
 
 def remove_partial(save: Path) -> None:
@@ -138,14 +156,15 @@ def export_hf(model, hf_config, folder: Path, device) -> None:
     into whole tensors (what ``HuggingFaceStorageWriter``'s ``enable_consolidation`` runs, here as ``finish``, so the
     other ranks wait for it in short collectives rather than in one that a model of tens of GB outlasts); written
     beside ``folder`` and renamed into place when complete. Tensors are the fp32 master weights; a tied output head
-    is stored once, as ``transformers`` saves it."""
+    is stored once, as ``transformers`` saves it. A model with LoRA adapters is written with them merged into its
+    base weights (``W + scaling * B @ A``, what peft's ``merge_and_unload`` gives), each rank merging its own rows."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     weights = {}
-    for name, tensor in get_model_state_dict(model).items():
+    for name, tensor in _merged(get_model_state_dict(model), model).items():
         name = name.removeprefix("lm.")
         if name == "lm_head.weight" and getattr(hf_config, "tie_word_embeddings", False):
             continue
@@ -162,6 +181,66 @@ def export_hf(model, hf_config, folder: Path, device) -> None:
         hf_config.save_pretrained(partial)
 
     _write_atomically(Path(folder), write, finish, f"export the model to {folder}", device)
+
+
+def _merged(state: dict, model) -> dict:
+    """``state`` (a model state dict) with each LoRA layer's adapters merged into its base weight under the plain
+    model's names (``q_proj.base_layer.weight`` + ``q_proj.lora_A/B`` -> ``q_proj.weight``); ``state`` itself for a
+    model without adapters. An FSDP2 shard of the base weight and of B hold the same rows (both are sharded along
+    the output rows), so each rank merges its rows with the whole A (gathered: rank x in values)."""
+    from torch.distributed.tensor import DTensor
+
+    from trials.models.lora import ADAPTER_NAME
+
+    spec = model.lora
+    if not spec.on:
+        return state
+    merged = {}
+    for name, tensor in state.items():
+        prefix, part, rest = name.partition(".base_layer.")
+        if part and rest == "weight" and f"{prefix}.lora_A.{ADAPTER_NAME}.weight" in state:
+            down = state[f"{prefix}.lora_A.{ADAPTER_NAME}.weight"]
+            up = state[f"{prefix}.lora_B.{ADAPTER_NAME}.weight"]
+            down = down.full_tensor() if isinstance(down, DTensor) else down
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            rows = local + spec.scaling * ((up.to_local() if isinstance(up, DTensor) else up) @ down)
+            if isinstance(tensor, DTensor):
+                rows = DTensor.from_local(
+                    rows, tensor.device_mesh, tensor.placements, shape=tensor.shape, stride=tensor.stride()
+                )
+            merged[f"{prefix}.weight"] = rows
+        elif part:
+            merged[f"{prefix}.{rest}"] = tensor  # the base layer's bias
+        elif ".lora_A." not in name and ".lora_B." not in name:
+            merged[name] = tensor
+    return merged
+
+
+def export_adapters(model, folder: Path, device, base_model: str | None = None) -> None:
+    """Write the model's LoRA adapters as a peft folder (``adapter_config.json`` + ``adapter_model.safetensors``)
+    that ``peft.PeftModel.from_pretrained(base, folder)`` loads onto the base model, named as peft saves them
+    (``base_model.model.<module>.lora_A.weight``). The adapters are small: they are gathered whole on rank 0, which
+    writes them; ``base_model``: the base's folder, recorded as ``base_model_name_or_path``."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from trials.models.lora import ADAPTER_NAME
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    gathered = get_model_state_dict(model, options=options)  # rank 0's whole adapters; {} elsewhere
+    tensors = {
+        "base_model.model." + name.removeprefix("lm.").replace(f".{ADAPTER_NAME}.", "."): tensor.contiguous()
+        for name, tensor in gathered.items()
+    }
+    config = copy.copy(model.lora_config)  # the peft.LoraConfig put in (``apply_lora``)
+    config.base_model_name_or_path = str(base_model) if base_model is not None else None
+    config.task_type = "CAUSAL_LM"
+
+    def finish(partial: Path) -> None:
+        save_file(tensors, str(partial / "adapter_model.safetensors"), metadata={"format": "pt"})
+        config.save_pretrained(str(partial))
+
+    _write_atomically(Path(folder), lambda partial: None, finish, f"export the adapters to {folder}", device)
 
 
 def _write_atomically(final: Path, write, finish, failure: str, device) -> None:

@@ -175,7 +175,7 @@ def main(argv=None) -> int:
                         help="pack --data's documents into windows (default: if the config's documents are packed)")
     parser.add_argument("--no-pack", dest="pack", action="store_false", help="read --data as one stream of windows")
     parser.add_argument("--lr", type=float, default=1e-5)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic tokens")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic tokens and LoRA adapters")
     parser.add_argument("--config", default=None, help="another autotune config file (default: the one above)")
     parser.add_argument("--summary", default=None, help="write the JSON summary here (rank 0)")
     args = parser.parse_args(argv)
@@ -203,7 +203,7 @@ def main(argv=None) -> int:
         torch.cuda.reset_peak_memory_stats(mesh.device)
     losses = []
     with tracker if tracker is not None else contextlib.nullcontext():
-        model = hf.from_pretrained(args.model, techniques, mesh)
+        model = hf.from_pretrained(args.model, techniques, mesh, lora=config.lora, seed=args.seed)
         optimizer = make_optimizer(model, techniques, mesh, lr=args.lr)
         stream, ends, pads = (packed.tokens, packed.ends, packed.pads) if packed is not None else (None, None, None)
         source = TokenSource(seq_len, model.config.vocab_size, args.seed, stream=stream, ends=ends, pads=pads)

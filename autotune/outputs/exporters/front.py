@@ -7,6 +7,7 @@ from pathlib import Path
 
 from autotune.core.errors import UserError
 from trials.kernels.documents import DocumentsSpec
+from trials.models.lora import LoraSpec
 from trials.stack.techniques import Techniques
 from trials.training.config_file import TrialConfig
 
@@ -48,5 +49,6 @@ def entry_config(front_doc: dict, entry: dict) -> TrialConfig:
         seq_len=entry["seq_len"],
         techniques=entry_techniques(entry),
         documents=DocumentsSpec.from_json(front_doc.get("documents")),
+        lora=LoraSpec.from_json(front_doc.get("lora")),
         **sides,
     )

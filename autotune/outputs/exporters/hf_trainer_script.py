@@ -172,7 +172,8 @@ def main(argv=None) -> int:
     if tracker is None:
         torch.cuda.reset_peak_memory_stats(device)
     with tracker if tracker is not None else contextlib.nullcontext():
-        model = hf.from_pretrained(args.model, config.techniques, mesh)  # the stack: each rank reads its shards
+        # the stack (and the config's LoRA adapters, if any): each rank reads its shards
+        model = hf.from_pretrained(args.model, config.techniques, mesh, lora=config.lora)
         source = TokenSource(config.seq_len - 1, model.config.vocab_size, 0, args.data)  # windows of seq_len
         steps = args.steps * training_args.gradient_accumulation_steps * mesh.dp_size
         examples = Windows(source, steps)

@@ -23,7 +23,7 @@ from pathlib import Path
 from autotune.core.errors import UserError
 from autotune.core.record import ResultRecord
 from autotune.core.sizes import format_duration
-from autotune.core.trainers import trainer_named
+from autotune.core.trainers import TRAINERS, trainer_named
 from autotune.outputs.exporters.base import Exporter, ExportJob, Gap, Rendered
 from autotune.outputs.exporters.front import entry_config, entry_techniques, load_front
 from trials.kernels.documents import DocumentsSpec
@@ -64,6 +64,7 @@ def export_job(front_doc: dict, entry: dict, model_config: dict) -> ExportJob:
         techniques=entry_techniques(entry),
         nodes=front_doc.get("nodes", 1),
         documents=DocumentsSpec.from_json(front_doc.get("documents")),
+        lora=LoraSpec.from_json(front_doc.get("lora")),
     )
 
 
@@ -138,7 +139,7 @@ def re_estimate(
         exporter.trainer.held_bytes(job.techniques, job.model_config)
     )  # ZeRO-3's buffers count against capacity
     asked = Evaluation(
-        job.model_config, job.techniques, job.seq_len, job.gpus, held, job.nodes, documents=job.documents
+        job.model_config, job.techniques, job.seq_len, job.gpus, held, job.nodes, documents=job.documents, lora=job.lora
     )
     plan = make_backend("plan")
     trainer_job = dataclasses.replace(job, techniques=trainer_techniques_at(exporter.trainer, asked, job.seq_len))
@@ -180,8 +181,12 @@ def export(
     """``autotune export``: the chosen front config (``choose``) in ``exporter``'s format, for ``path``."""
     front_doc = load_front(directory)
     lora = LoraSpec.from_json(front_doc.get("lora"))
-    if lora.on:  # no exporter writes adapters yet: a full-training export of it would train another workload
-        raise UserError(f"the search in {str(directory)!r} is for {lora.describe()}; no export carries LoRA adapters")
+    if lora.on and exporter.trainer.lora is None:  # a full-training export of it would train another workload
+        takes = " and ".join(trainer.words for trainer in TRAINERS.values() if trainer.lora is not None)
+        raise UserError(
+            f"the search in {str(directory)!r} is for {lora.describe()}; {exporter.trainer.words} trains every weight "
+            f"only ({takes} train the adapters)"
+        )
     model_config = load_model_config(front_doc["model"])
     target = front_doc["target"] if target is None else target
     entry = choose(front_doc, exporter, target, allow_partial, model_config)
@@ -271,7 +276,10 @@ def export_entry(
         predicted=estimate.to_dict() if estimate else searched.predicted,
         measured=None if estimate else searched.measured,
         documents=searched.documents,
+        lora=searched.lora,
     )
+    if config.lora.on:
+        notes.append(f"{config.lora.describe()} on the frozen model: {exporter.trainer.lora}")
     packing = exporter.trainer.packing_note(searched.documents, config.techniques.attention)
     if packing and not unmasked:  # an unmasked one is said beside its re-estimate
         notes.append(packing)
