@@ -226,3 +226,34 @@ def test_a_lora_search_exports_its_adapters_to_the_trainers_that_train_them_and_
     line = capsys.readouterr().err.strip().splitlines()
     assert len(line) == 1 and "DeepSpeed trains every weight only" in line[0], line
     assert not (tmp_path / "ds.json").exists()
+
+
+@pytest.mark.slow
+def test_the_accelerate_exports_trainer_script_trains_the_adapters_and_saves_what_peft_loads(work, tmp_path):
+    """The ``accelerate`` export of a LoRA search, launched as it says on 2 CPU processes (Ulysses 2, FSDP2,
+    checkpointing): step 1's loss is ``transformers``' loss of the saved model (B starts at zero), and the final folder
+    is the trained adapters, which peft loads onto the saved model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from autotune.cli import main
+    from trials.training.data import synthetic_sample
+
+    search = lora_search(tmp_path, LORA)
+    assert main(["export", str(search), "--format", "accelerate", "-o", str(tmp_path / "run.yaml")]) == 0
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    done = subprocess.run(
+        [accelerate, "launch", "--config_file", tmp_path / "run.yaml", "--main_process_port", "0",
+         tmp_path / "run.trainer.py", "--model", work / "pretrained", "--output-dir", tmp_path / "out", "--steps", "2",
+         "--lr", "1e-2"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.split("summary ", 1)[1].splitlines()[0])
+    window = synthetic_sample(0, 1023, 4096, 0)  # the script's example 0: 1,024 tokens
+    assert summary["losses"]["1"] == pytest.approx(hf_loss(work / "pretrained", window), rel=1e-5)
+    base = AutoModelForCausalLM.from_pretrained(work / "pretrained", dtype=torch.float32)
+    plain = logits(base, window[:128])
+    adapted = PeftModel.from_pretrained(base, tmp_path / "out" / "final")
+    assert (logits(adapted, window[:128]) - plain).abs().max() > 1e-3  # the trained adapters, loaded

@@ -36,6 +36,11 @@ gradients) with ``.mesh`` set:
   each rank reads only its shards' rows of each tensor from the safetensors files. No rank ever holds the whole
   model; this is the path whose memory ``autotune estimate`` predicts.
 
+LoRA: ``lora=`` (a config's ``cfg.lora``, or the ``peft.LoraConfig`` a TRL script passes as ``peft_config``) puts
+peft's adapters in before the stack, every other weight frozen (``trials.models.lora``): ``apply`` lets peft draw
+them, as ``get_peft_model`` does; ``from_pretrained`` draws them by ``seed`` (A ~ N(0, 1/rank), B zero), each rank
+its shards' rows, and reads the base weights under their plain names.
+
 Without ``mesh`` both join the torchrun / accelerate job (``trials.core.dist.init_mesh``); ``timeout_s`` is then its
 collectives' timeout (default torch's 600 s), which must exceed the longest step or the NCCL watchdog aborts the run:
 ``timeout_s=collective_timeout_s(step_time_s)`` (``trials.core.dist``), as trials and the exported scripts pass it.

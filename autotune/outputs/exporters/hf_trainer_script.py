@@ -35,6 +35,8 @@ Packed documents run document-masked: --sft --packing cuts each window into the 
 one: whole windows) and TRL's SFTTrainer packs them (packing=True, best-fit decreasing, padding-free: its batches'
 position_ids restart at 0 at each document, from which the stack derives the documents; attention stays inside each).
 A transformers.Trainer batch with such position_ids runs the same way. Padded batches are not supported.
+A config with LoRA adapters ("lora") trains them alone on the frozen weights; OUT/final is then a peft adapter folder
+(PeftModel.from_pretrained(base, OUT/final) loads it).
 """
 
 import argparse
