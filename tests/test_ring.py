@@ -3,7 +3,8 @@
 Exactness: the stack harness (``tests/stack_harness.py``) on gloo ranks, each case against the plain single-process
 model (loss within rel 1e-5, every parameter gradient within rel 1e-4, fp32): ring 2 alone, with the other knobs
 and through the plugin ``trials.hf`` on 2 ranks; ring 4, Ulysses 2 x ring 2, head chunking, the full stack and GQA with fewer kv heads than ranks on 4
-(slow: four ranks on a shared 2-core host).
+(``four_rank_cases``: slow, four ranks on a shared 2-core host, so they run in the one 4-rank launch of
+``tests/test_ring_documents.py``).
 
 Without processes: the zigzag split gives every column to exactly one rank (chunks r and 2R-1-r), and the ring's
 block schedule, run for every rank and step, visits exactly the causal (query, key) pairs once each, with equal work
@@ -66,10 +67,11 @@ def test_ring_exact_two_ranks_with_head_chunks_the_full_stack_and_the_plugin(tmp
     _check_exact(_launch(HARNESS, 2, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=600), len(cases))
 
 
-@pytest.mark.slow
-def test_ring_exact_four_ranks(tmp_path):
-    # tiny-llama: 8 query, 2 kv heads: ring 4 sends the 2 kv heads, never 8; under Ulysses 2 each rank has 1 kv head
-    cases = [
+def four_rank_cases() -> list[dict]:
+    """Ring 4, Ulysses 2 x ring 2, head chunking, the full stack and data parallel on 4 ranks: they run in one launch
+    with the ring's packed documents (tests/test_ring_documents.py), four ranks costing the most to start.
+    tiny-llama: 8 query, 2 kv heads: ring 4 sends the 2 kv heads, never 8; under Ulysses 2 each rank has 1 kv head."""
+    return [
         _case("ring4", "tiny-llama", ring_degree=4),
         _case("ring4+head_chunk=1+checkpointing", "tiny-qwen3", ring_degree=4, head_chunk=1, **CKPT_OFFLOAD),
         _case("ulysses2xring2", "tiny-llama", ulysses_degree=2, ring_degree=2),
@@ -85,7 +87,6 @@ def test_ring_exact_four_ranks(tmp_path):
         ),
         _case("ring2 x dp2+full", "tiny-qwen3", step=True, ring_degree=2, **FULL),
     ]
-    _check_exact(_launch(HARNESS, 4, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=900), len(cases))
 
 
 # -- the split and the schedule (no processes) ----------------------------------------------------------------------

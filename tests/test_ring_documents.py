@@ -6,7 +6,8 @@ A ring of R splits each packed document into 2R chunks and ring rank r holds chu
 alone (its documents reference: loss within rel 1e-5, every parameter gradient within rel 1e-4, fp32). Three
 documents of unequal lengths, each a multiple of 2 x ring only (not of 2 x ring x Ulysses: Ulysses splits a ring
 rank's columns as a whole), boundaries off the Ulysses shards' edges. Ring 2 on 2 ranks in the fast suite; head
-chunks, the full stack, ring 4 and Ulysses 2 x ring 2 on 4 ranks slow.
+chunks, the full stack, ring 4 and Ulysses 2 x ring 2 on 4 ranks slow, in one launch with the ring's own 4-rank
+cases without documents (``tests.test_ring.four_rank_cases``).
 
 Without processes: the per-document split gives every column to one rank, positions restarting per document; the
 ring's block schedule over documents, run for every rank and step, visits exactly each document's causal (query,
@@ -19,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_ring import CKPT_OFFLOAD, FULL, TILES
+from tests.test_ring import CKPT_OFFLOAD, FULL, TILES, four_rank_cases
 from tests.test_stack import HARNESS, _check_exact, _launch
 from trials.core.errors import ConfigError
 from trials.kernels.documents import Documents, DocumentsSpec
@@ -64,7 +65,7 @@ def test_ring_over_documents_exact_two_ranks_with_head_chunks_the_full_stack_and
 
 
 @pytest.mark.slow
-def test_ring_over_documents_exact_four_ranks(tmp_path):
+def test_ring_with_and_without_documents_exact_four_ranks(tmp_path):
     cases = [
         _case("ulysses2xring2", "tiny-llama", ulysses_degree=2, ring_degree=2),
         _case(
@@ -86,7 +87,8 @@ def test_ring_over_documents_exact_four_ranks(tmp_path):
         ),
         {**_case("ring4+tiles", "tiny-llama", ring_degree=4, **TILES), "documents": [48, 8, 200]},
     ]
-    # one launch: each case's mesh (Ulysses 2 x ring 2, ring 4) is built on the same 4 ranks
+    # one launch, with the ring's own 4-rank cases (tests/test_ring.py): each case's mesh is built on the same 4 ranks
+    cases += four_rank_cases()
     _check_exact(_launch(HARNESS, 4, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=900), len(cases))
 
 
