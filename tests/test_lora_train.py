@@ -234,6 +234,7 @@ def test_the_accelerate_exports_trainer_script_trains_the_adapters_and_saves_wha
     checkpointing): step 1's loss is ``transformers``' loss of the saved model (B starts at zero), and the final folder
     is the trained adapters, which peft loads onto the saved model."""
     from peft import PeftModel
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from autotune.cli import main
@@ -242,15 +243,24 @@ def test_the_accelerate_exports_trainer_script_trains_the_adapters_and_saves_wha
     search = lora_search(tmp_path, LORA)
     assert main(["export", str(search), "--format", "accelerate", "-o", str(tmp_path / "run.yaml")]) == 0
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    done = subprocess.run(
-        [accelerate, "launch", "--config_file", tmp_path / "run.yaml", "--main_process_port", "0",
-         tmp_path / "run.trainer.py", "--model", work / "pretrained", "--output-dir", tmp_path / "out", "--steps", "2",
-         "--lr", "1e-2"],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.split("summary ", 1)[1].splitlines()[0])
+
+    def launch(out: str, *more) -> dict:
+        done = subprocess.run(
+            [accelerate, "launch", "--config_file", tmp_path / "run.yaml", "--main_process_port", "0",
+             tmp_path / "run.trainer.py", "--model", work / "pretrained", "--output-dir", tmp_path / out,
+             "--steps", "3", "--lr", "1e-2", *more],
+            capture_output=True, text=True, timeout=600, cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.split("summary ", 1)[1].splitlines()[0])
+
+    summary = launch("out", "--save-steps", "2")
+    # resumed from step 2's checkpoint (the adapters and their optimizer state): step 3's loss and the adapters again
+    resumed = launch("again", "--resume", tmp_path / "out" / "checkpoint-2")
+    assert resumed["losses"]["3"] == pytest.approx(summary["losses"]["3"], rel=1e-6)
+    ours, again = (load_file(tmp_path / out / "final" / "adapter_model.safetensors") for out in ("out", "again"))
+    assert ours.keys() == again.keys() and all(torch.allclose(ours[k], again[k], atol=1e-6) for k in ours)
     window = synthetic_sample(0, 1023, 4096, 0)  # the script's example 0: 1,024 tokens
     assert summary["losses"]["1"] == pytest.approx(hf_loss(work / "pretrained", window), rel=1e-5)
     base = AutoModelForCausalLM.from_pretrained(work / "pretrained", dtype=torch.float32)
