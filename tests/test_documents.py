@@ -5,7 +5,8 @@ Every case packs uneven documents (one of a single token, boundaries off the Uly
 reproduce the plain single-process model run on each document separately (``tests/stack_harness.py``'s documents
 reference): loss within rel 1e-5 and every parameter gradient within rel 1e-4, as the stack tests. Whole layers,
 Ulysses, head chunks, checkpointing and offload, the tiles, FSDP; windowed families (a document longer than the
-window, others shorter); 1, 2 and 4 ranks, only 2 in the fast suite.
+window, others shorter); 1, 2 and 4 ranks, only 2 in the fast suite; the 4-rank cases (``_cases(4)``) run in the
+stack's 4-rank launch (``tests/test_stack.py``).
 """
 
 from __future__ import annotations
@@ -72,12 +73,6 @@ def test_documents_exact_one_rank(tmp_path):
 def test_documents_exact_two_ranks(tmp_path):
     cases = _cases(2)
     _check_exact(_launch(HARNESS, 2, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=600), len(cases))
-
-
-@pytest.mark.slow
-def test_documents_exact_four_ranks(tmp_path):
-    cases = _cases(4)
-    _check_exact(_launch(HARNESS, 4, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=900), len(cases))
 
 
 FAMILY_SEQ = 256

@@ -1,13 +1,14 @@
 """The technique stack is exact and composable, and every knob moves memory the way theory says (issue 3).
 
-Exactness matrix: world sizes 1, 2, 4 (4 is slow-marked); tiny-llama (GQA: 2 kv heads, so degree 4 replicates
-them) and tiny-qwen3 (q/k norms, 4 kv heads); each technique alone, pairs, the full stack; head_chunk 1 and 2
-(and all local heads). Every case must reproduce the plain single-process model: loss within rel 1e-5 and every
-parameter gradient within rel 1e-4 (||g - g_ref|| / ||g_ref|| per parameter), first-step gradients before the
-optimizer step; cases marked ``step`` also take one AdamW step (exercising optimizer offload) and compare the
-loss after it. LoRA (``_lora_cases``): peft's adapters on a frozen base, against the plain model with the same
-adapters, through head chunks, tiles, checkpointing and offload, FSDP, a ring and packed documents. Many cases run inside ONE launch per world size (``tests/stack_harness.py``): starting torchrun
-costs ~20 s.
+Exactness matrix: world sizes 1, 2, 4 (4 is slow-marked, and packed documents' 4-rank cases run in its launch);
+tiny-llama (GQA: 2 kv heads, so degree 4 replicates them) and tiny-qwen3 (q/k norms, 4 kv heads); each technique
+alone, pairs, the full stack; head_chunk 1 and 2 (and all local heads). Every case must reproduce the plain
+single-process model: loss within rel 1e-5 and every parameter gradient within rel 1e-4 (||g - g_ref|| / ||g_ref||
+per parameter), first-step gradients before the optimizer step; cases marked ``step`` also take one AdamW step
+(exercising optimizer offload) and compare the loss after it. LoRA (``_lora_cases``): peft's adapters on a frozen
+base, against the plain model with the same adapters, through head chunks, tiles, checkpointing and offload, FSDP, a
+ring and packed documents. Many cases run inside ONE launch per world size (``tests/stack_harness.py``): starting
+torchrun costs ~20 s.
 
 Memory (slow): world 2, 6K tokens, tiny-llama, the tracker's peak (``tests/stack_memory_harness.py``).
 """
@@ -214,8 +215,11 @@ def test_exact_two_ranks(tmp_path):
 
 @pytest.mark.slow
 def test_exact_four_ranks_with_replicated_kv_heads(tmp_path):
-    # tiny-llama: 2 kv heads < degree 4, so every kv head is replicated on 2 ranks; 2 local heads per rank
-    cases = _cases(4)
+    # tiny-llama: 2 kv heads < degree 4, so every kv head is replicated on 2 ranks; 2 local heads per rank. Packed
+    # documents' 4-rank cases (tests/test_documents.py) join this launch: four ranks cost the most to start
+    from tests.test_documents import _cases as document_cases
+
+    cases = _cases(4) + document_cases(4)
     _check_exact(_launch(HARNESS, 4, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=900), len(cases))
 
 
