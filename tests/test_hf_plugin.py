@@ -66,20 +66,21 @@ def test_exact_one_rank(pretrained, tmp_path):
 
 
 def test_exact_two_ranks(pretrained, tmp_path):
-    cases = _plugin_cases(2, pretrained)
+    cases = _plugin_cases(2, pretrained) + _packed_cases(pretrained)  # one launch: starting two ranks costs the most
     _check_exact(_launch(HARNESS, 2, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=900), len(cases))
 
 
 PACKED_LENGTHS = [100, 1, 236, 175]  # uneven, one of a single token; on 2 ranks a boundary falls inside each shard
 
 
-def test_packed_documents_through_the_plugin_two_ranks(pretrained, tmp_path):
-    """A ``transformers`` model stacked by ``trials.hf.apply`` (Ulysses 2, head chunks, checkpointing) given a Hugging
-    Face batch whose ``position_ids`` restart at 0 at each document (``trials.hf.batch``) trains as the plain model
-    run on each document alone: loss and gradients, and (tiny-llama, with FSDP) the loss after one step."""
+def _packed_cases(pretrained: dict[str, str]) -> list[dict]:
+    """Packed documents through the plugin, on 2 ranks (in ``test_exact_two_ranks``' launch): a ``transformers`` model
+    stacked by ``trials.hf.apply`` (Ulysses 2, head chunks, checkpointing) given a Hugging Face batch whose
+    ``position_ids`` restart at 0 at each document (``trials.hf.batch``) trains as the plain model run on each
+    document alone: loss and gradients, and (tiny-llama, with FSDP) the loss after one step."""
     techniques = {"ulysses_degree": 2, "head_chunk": 1, "activation_checkpointing": True}
     full = {"fsdp": True, "activation_offload_layers": 1, "mlp_tile_tokens": 96, "loss_tile_tokens": 80}
-    cases = [
+    return [
         {
             "name": f"{model}/hf.apply/documents/ulysses2+head_chunk=1+checkpointing" + ("+fsdp+tiles" if step else ""),
             "model": model,
@@ -92,7 +93,6 @@ def test_packed_documents_through_the_plugin_two_ranks(pretrained, tmp_path):
         for model in MODELS
         for step in ((False, True) if model == "tiny-llama" else (False,))
     ]
-    _check_exact(_launch(HARNESS, 2, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=900), len(cases))
 
 
 # -- a plain transformers loop, in this process ---------------------------------------------------------------------
