@@ -82,6 +82,7 @@ def test_autotune_run_trains_adapters_resumes_them_exactly_and_writes_what_peft_
                             "--export-hf", work / "adapters", "--export-merged", work / "merged")  # fmt: skip
     assert straight.returncode == 0, straight.stderr[-3000:]
     assert "exported the adapters to" in straight.stdout
+    assert "training LoRA rank 4 (alpha 8) on all linear layers: 36,352 of 1,790,592 parameters" in straight.stdout
     uninterrupted = log_of(work / "straight.jsonl")
     tokens = first_window(work / "document.parquet")
     assert uninterrupted[0]["loss"] == pytest.approx(hf_loss(work / "pretrained", tokens), rel=1e-5)

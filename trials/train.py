@@ -484,6 +484,13 @@ def train(
                     f"{loading['peak_bytes'] / 2**30:.3f} GiB (its shards and buffers: "
                     f"{loading['shard_bytes'] / 2**30:.3f} GiB)"
                 )
+            if config.lora.on:  # the global sizes (a DTensor's numel is the whole parameter's)
+                trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+                every = sum(p.numel() for p in model.parameters())
+                log.say(
+                    f"training {config.lora.describe()}: {trainable:,} of {every:,} parameters "
+                    f"({trainable / every:.2%}), the rest frozen"
+                )
             if resume_from is not None:
                 log.say(
                     f"resumed from {resume_from} (step {state.step}, saved on {state.world_size} ranks, "

@@ -399,8 +399,8 @@ ACCELERATE = Trainer(
     },
     packing="position_ids that restart at 0 at each document (trials.hf.batch derives the documents from them; "
     "the .trainer.py's --sft --packing: TRL's SFTTrainer(packing=True))",
-    lora="the config's lora: trials.hf.from_pretrained(..., lora=config.lora) puts peft's LoRA layers in before the "
-    "stack; the .trainer.py's save_model writes a peft adapter folder (TRL's SFTTrainer takes it as its peft_config)",
+    lora="the config's lora: trials.hf.from_pretrained(..., lora=config.lora) in .train.py and .trainer.py puts "
+    "peft's LoRA layers in before the stack, the base frozen; the .trainer.py's save_model writes a peft adapter folder",
 )
 
 ACCELERATE_DEEPSPEED = Trainer(
