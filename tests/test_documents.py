@@ -6,7 +6,8 @@ reproduce the plain single-process model run on each document separately (``test
 reference): loss within rel 1e-5 and every parameter gradient within rel 1e-4, as the stack tests. Whole layers,
 Ulysses, head chunks, checkpointing and offload, the tiles, FSDP; windowed families (a document longer than the
 window, others shorter); 1, 2 and 4 ranks, only 2 in the fast suite; the 4-rank cases (``_cases(4)``) run in the
-stack's 4-rank launch (``tests/test_stack.py``).
+stack's 4-rank launch (``tests/test_stack.py``), the windowed families' 2-rank ones (``windowed_cases``) in the
+families' (``tests/test_families.py``).
 """
 
 from __future__ import annotations
@@ -80,10 +81,9 @@ FAMILY_LENGTHS = [40, 150, 66]  # one document longer than the window (TINY_WIND
 WINDOWED = ("tiny-mistral", "tiny-gemma3", "tiny-gemma2")
 
 
-@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2])
-def test_documents_exact_in_windowed_families(world, tmp_path):
+def windowed_cases(world: int, paths: dict[str, str]) -> list[dict]:
+    """The windowed families' packed documents on ``world`` ranks (``paths``: each family's saved ``config.json``)."""
     assert max(FAMILY_LENGTHS) > TINY_WINDOW > min(FAMILY_LENGTHS)
-    paths = {name: str(save(config, tmp_path / name)) for name, config in tiny_configs().items() if name in WINDOWED}
     u = {"ulysses_degree": world}
     cases = []
     for name in WINDOWED:
@@ -100,7 +100,15 @@ def test_documents_exact_in_windowed_families(world, tmp_path):
                     "documents": FAMILY_LENGTHS,
                 }
             )
-    report = _launch(HARNESS, world, {"seq_len": FAMILY_SEQ, "cases": cases}, tmp_path, timeout=900)
+    return cases
+
+
+@pytest.mark.slow
+def test_documents_exact_in_windowed_families(tmp_path):
+    """One rank; on 2 (the fast suite) they run in the families' 2-rank launch (``tests/test_families.py``)."""
+    paths = {name: str(save(config, tmp_path / name)) for name, config in tiny_configs().items() if name in WINDOWED}
+    cases = windowed_cases(1, paths)
+    report = _launch(HARNESS, 1, {"seq_len": FAMILY_SEQ, "cases": cases}, tmp_path, timeout=900)
     _check_exact(report, len(cases))
 
 

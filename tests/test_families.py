@@ -5,6 +5,7 @@
 - Windows: ``Family.layer_windows`` is what the model's attention modules pass, layer by layer.
 - The stack: under Ulysses, head chunking, checkpointing, offload and every tile, each tiny family equals its plain
   model on 1 and 2 ranks (``tests/stack_harness.py``); with LoRA adapters too for a fused ``qkv_proj`` and experts.
+  The 2-rank launch also runs the windowed families' packed documents (``tests/test_documents.py``).
 - Planning: ``autotune estimate`` runs on the ``config.json`` that ``transformers`` writes for each published shape.
 """
 
@@ -133,6 +134,11 @@ def _family_cases(paths: dict, degree: int) -> list[dict]:
 @pytest.mark.parametrize("world", [1, 2])
 def test_every_family_is_exact_under_the_stack(world, tiny_paths, tmp_path):
     cases = _family_cases(tiny_paths, world)
+    if world == 2:  # the windowed families' packed documents (tests/test_documents.py) share the 2-rank launch
+        from tests.test_documents import FAMILY_SEQ, windowed_cases
+
+        assert FAMILY_SEQ == SEQ
+        cases += windowed_cases(2, tiny_paths)
     report = _launch(HARNESS, world, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=900)
     _check_exact(report, len(cases))
 
