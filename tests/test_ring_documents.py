@@ -6,8 +6,8 @@ A ring of R splits each packed document into 2R chunks and ring rank r holds chu
 alone (its documents reference: loss within rel 1e-5, every parameter gradient within rel 1e-4, fp32). Three
 documents of unequal lengths, each a multiple of 2 x ring only (not of 2 x ring x Ulysses: Ulysses splits a ring
 rank's columns as a whole), boundaries off the Ulysses shards' edges. Ring 2 on 2 ranks in the fast suite; head
-chunks, the full stack, ring 4 and Ulysses 2 x ring 2 on 4 ranks slow, in one launch with the ring's own 4-rank
-cases without documents (``tests.test_ring.four_rank_cases``).
+chunks, the full stack, ring 4 and Ulysses 2 x ring 2 on 4 ranks slow. Each launch runs the ring's own cases of
+its world size and suite too, without documents (``tests/test_ring.py``): starting ranks costs more than the cases.
 
 Without processes: the per-document split gives every column to one rank, positions restarting per document; the
 ring's block schedule over documents, run for every rank and step, visits exactly each document's causal (query,
@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_ring import CKPT_OFFLOAD, FULL, TILES, four_rank_cases
+from tests.test_ring import CKPT_OFFLOAD, FULL, TILES, four_rank_cases, two_rank_cases, two_rank_slow_cases
 from tests.test_stack import HARNESS, _check_exact, _launch
 from trials.core.errors import ConfigError
 from trials.kernels.documents import Documents, DocumentsSpec
@@ -45,21 +45,23 @@ def _case(name: str, model: str, step: bool = False, **techniques) -> dict:
     }
 
 
-def test_ring_over_documents_exact_two_ranks(tmp_path):
+def test_ring_with_and_without_documents_exact_two_ranks(tmp_path):
     cases = [
         _case("ring2", "tiny-llama", ring_degree=2),
         _case("ring2+checkpointing+offload+tiles", "tiny-qwen3", ring_degree=2, **CKPT_OFFLOAD, **TILES),
+        *two_rank_cases(),  # the ring's own (tests/test_ring.py), in the same launch
     ]
     _check_exact(_launch(HARNESS, 2, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=600), len(cases))
 
 
 @pytest.mark.slow
-def test_ring_over_documents_exact_two_ranks_with_head_chunks_the_full_stack_and_the_plugins_batch(tmp_path):
+def test_ring_with_and_without_documents_exact_two_ranks_with_head_chunks_the_full_stack_and_the_plugin(tmp_path):
     cases = [
         _case("ring2+head_chunk=1", "tiny-llama", ring_degree=2, head_chunk=1),
         _case("ring2+full+head_chunk=2", "tiny-qwen3", step=True, ring_degree=2, head_chunk=2, **FULL),
         # the plugin's seam: a Hugging Face batch, the documents only in its position_ids (trials.hf.batch)
         {**_case("ring2 (trials.hf.batch)", "tiny-llama", ring_degree=2), "hf_batch": True},
+        *two_rank_slow_cases(tmp_path),  # the ring's own (tests/test_ring.py), in the same launch
     ]
     _check_exact(_launch(HARNESS, 2, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=600), len(cases))
 
