@@ -113,7 +113,7 @@ def test_a_hung_two_rank_trial_leaves_no_rank_behind(tiny_llama, monkeypatch):
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    record = LocalBackend(steps=1, timeout_s=40).evaluate(evaluation(tiny_llama, gpus=2))
+    record = LocalBackend(steps=1, timeout_s=20).evaluate(evaluation(tiny_llama, gpus=2))  # ranks start in seconds
     done.set()
     watcher.join()
     assert record.status == "timeout", record.error
