@@ -201,8 +201,9 @@ def _merged(state: dict, model) -> dict:
         if part and rest == "weight" and f"{prefix}.lora_A.{ADAPTER_NAME}.weight" in state:
             down = state[f"{prefix}.lora_A.{ADAPTER_NAME}.weight"]
             up = state[f"{prefix}.lora_B.{ADAPTER_NAME}.weight"]
-            down = down.full_tensor() if isinstance(down, DTensor) else down
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            if isinstance(down, DTensor):  # gathered on the mesh's device: offloaded shards live on the host
+                down = down.to(down.device_mesh.device_type).full_tensor().to(local.device)
             rows = local + spec.scaling * ((up.to_local() if isinstance(up, DTensor) else up) @ down)
             if isinstance(tensor, DTensor):
                 rows = DTensor.from_local(
