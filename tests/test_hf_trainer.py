@@ -26,7 +26,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, run_cli
+from conftest import ROOT
 
 from trials.models.config import load_model_config
 from trials.stack.techniques import Techniques
@@ -43,23 +43,48 @@ KNOBS = dict(
 )
 SEQ_LEN = 2048
 RING = dict(fsdp=True, ring_degree=2)  # a ring over the 2 processes, no Ulysses
+DOCUMENT_LENGTH = 1000  # each window of SEQ_LEN cut into documents of 1000, 1000 and 48 tokens; TRL packs them back
 RING_SEQ_LEN = 512  # short: the ring's run shows that the script starts and trains a ring, at little cost
 PYTHONPATH = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])  # the checkout first
 LR = "1e-3"  # large enough that each step's loss moves: the logged losses after step 1 check the gradients too
 
-# the plain one-process Trainer on the script's data (example i: synthetic tokens of window i, SEQ_LEN of them)
-PLAIN_TRAINER = """
+# the plain one-process references, all in one interpreter (a fresh one costs more than these runs): for each job
+# of argv[1] (JSON) its logged losses by step, as JSON. "trainer": the plain Trainer on the script's data (example i:
+# synthetic tokens of window i, seq_len of them); "packed_sft": the plain SFTTrainer packing the same windows cut
+# into documents of `length` (TRL's packing: best-fit decreasing, padding-free), the plain model attending per
+# document through transformers' own reading of position_ids that restart at 0 (torch SDPA with the block-diagonal
+# mask it builds from them when a batch has no attention_mask)
+PLAIN = """
 import json, sys, torch
-from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+import datasets
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+from trl import SFTConfig, SFTTrainer
+from trials.kernels.documents import Documents
 from trials.training.data import synthetic_sample
-folder, seq_len, steps, lr = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-data = [synthetic_sample(i, seq_len - 1, model.config.vocab_size, 0) for i in range(steps)]
-args = TrainingArguments(output_dir=sys.argv[5], max_steps=steps, per_device_train_batch_size=1, learning_rate=lr,
-    logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, train_sampling_strategy="sequential")
-trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": t, "labels": t} for t in data])
-trainer.train()
-print(json.dumps({e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}))
+
+def trainer(folder, seq_len, steps, lr, out):
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    data = [synthetic_sample(i, seq_len - 1, model.config.vocab_size, 0) for i in range(steps)]
+    args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=1, learning_rate=lr,
+        logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, train_sampling_strategy="sequential")
+    return Trainer(model=model, args=args, train_dataset=[{"input_ids": t, "labels": t} for t in data])
+
+def packed_sft(folder, seq_len, steps, lr, out, length):
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    windows = [synthetic_sample(i, seq_len - 1, model.config.vocab_size, 0).tolist() for i in range(steps)]
+    spans = Documents.packed(seq_len, [length]).spans()
+    rows = datasets.Dataset.from_list([{"input_ids": w[a:b]} for w in windows for a, b in spans])
+    args = SFTConfig(output_dir=out, max_steps=steps, per_device_train_batch_size=1, learning_rate=lr,
+        logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, train_sampling_strategy="sequential",
+        packing=True, padding_free=True, max_length=seq_len)
+    return SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=AutoTokenizer.from_pretrained(folder))
+
+said = {}
+for name, (kind, *args) in json.loads(sys.argv[1]).items():
+    run = {"trainer": trainer, "packed_sft": packed_sft}[kind](*args)
+    run.train()
+    said[name] = {e["step"]: e["loss"] for e in run.state.log_history if "loss" in e}
+print(json.dumps(said))
 """
 
 
@@ -124,10 +149,32 @@ def exported(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def plain(exported) -> dict:
+    """The plain one-process references' logged losses by step (PLAIN, one process): "sp" (the Trainer, SEQ_LEN, 3
+    steps), "ring" (the Trainer, RING_SEQ_LEN, 2 steps), "packed" (the packing SFTTrainer, SEQ_LEN, documents of
+    DOCUMENT_LENGTH, 1 step)."""
+    root = exported
+    jobs = {
+        "sp": ["trainer", str(root / "model"), SEQ_LEN, 3, float(LR), str(root / "plain")],
+        "ring": ["trainer", str(root / "model"), RING_SEQ_LEN, 2, float(LR), str(root / "plain-ring")],
+        "packed": ["packed_sft", str(root / "model"), SEQ_LEN, 1, float(LR), str(root / "plain-packed"),
+                   DOCUMENT_LENGTH],
+    }  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", PLAIN, json.dumps(jobs)],
+        capture_output=True, text=True, timeout=600, cwd=root, env={**os.environ, "PYTHONPATH": PYTHONPATH},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.slow
-def test_trainer_trains_resumes_and_saves_like_the_plain_trainer_in_the_estimated_memory(exported, capsys):
+def test_trainer_trains_resumes_and_saves_like_the_plain_trainer_in_the_estimated_memory(exported, plain, capsys):
     import torch
     from transformers import AutoModelForCausalLM
+
+    from autotune.cli import main
 
     capsys.readouterr()
     root = exported
@@ -136,23 +183,16 @@ def test_trainer_trains_resumes_and_saves_like_the_plain_trainer_in_the_estimate
                    "--lr", LR, "--save-steps", 2, "--summary", root / "a.json", cwd=root)  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]
     summary = json.loads((root / "a.json").read_text())
-    plain = subprocess.run(
-        [sys.executable, "-c", PLAIN_TRAINER, root / "model", str(SEQ_LEN), "3", LR, root / "plain"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": PYTHONPATH},
-    )
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    plain_losses = json.loads(plain.stdout.strip().splitlines()[-1])
+    plain_losses = plain["sp"]
     assert summary["world_size"] == 2 and list(summary["losses"]) == ["1", "2", "3"]
     for step, loss in plain_losses.items():
         assert summary["losses"][step] == pytest.approx(loss, rel=1e-5), (summary["losses"], plain_losses)
 
-    estimate = run_cli("estimate", "--model", str(root / "model" / "config.json"), "--seq", str(SEQ_LEN),
-                       "--config", str(root / "sp.autotune.json"), "--gpus", "2", "--hardware", "cpu", "--json")  # fmt: skip
-    assert estimate.returncode == 0, estimate.stderr
-    predicted = json.loads(estimate.stdout)["peak_device_bytes"]
+    capsys.readouterr()
+    estimate = main(["estimate", "--model", str(root / "model" / "config.json"), "--seq", str(SEQ_LEN),
+                     "--config", str(root / "sp.autotune.json"), "--gpus", "2", "--hardware", "cpu", "--json"])  # fmt: skip
+    assert estimate == 0
+    predicted = json.loads(capsys.readouterr().out)["peak_device_bytes"]
     measured = [rank["peak_device_bytes"] for rank in summary["ranks"]]
     assert len(measured) == 2
     for peak in measured:
@@ -206,53 +246,22 @@ def test_trainer_trains_resumes_and_saves_like_the_plain_trainer_in_the_estimate
 
 
 @pytest.mark.slow
-def test_a_ring_config_trains_like_the_plain_trainer(exported):
+def test_a_ring_config_trains_like_the_plain_trainer(exported, plain):
     """The ring export's script (ring_degree 2 over the 2 processes, no Ulysses) joins a mesh with its ring and logs
     the plain one-process Trainer's losses on the same data."""
     root = exported
     run = launch(root / "ring.trainer.py", root / "ring.yaml", "--model", root / "model", "--output-dir", root / "ring",
                  "--steps", 2, "--lr", LR, "--summary", root / "ring-sum.json", cwd=root)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    plain = subprocess.run(
-        [sys.executable, "-c", PLAIN_TRAINER, root / "model", str(RING_SEQ_LEN), "2", LR, root / "plain-ring"],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": PYTHONPATH},
-    )  # fmt: skip
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    plain_losses = json.loads(plain.stdout.strip().splitlines()[-1])
+    plain_losses = plain["ring"]
     summary = json.loads((root / "ring-sum.json").read_text())
     assert summary["world_size"] == 2 and list(summary["losses"]) == list(plain_losses) == ["1", "2"]
     for step, loss in plain_losses.items():
         assert summary["losses"][step] == pytest.approx(loss, rel=1e-5), (summary["losses"], plain_losses)
 
 
-DOCUMENT_LENGTH = 1000  # each window of SEQ_LEN cut into documents of 1000, 1000 and 48 tokens; TRL packs them back
-
-# the plain one-process SFTTrainer packing the same documents (TRL's packing: best-fit decreasing, padding-free), the
-# plain model attending per document through transformers' own reading of position_ids that restart at 0 (torch SDPA
-# with the block-diagonal mask it builds from them when a batch has no attention_mask)
-PLAIN_PACKED_SFT = """
-import json, sys, torch
-import datasets
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from trl import SFTConfig, SFTTrainer
-from trials.kernels.documents import Documents
-from trials.training.data import synthetic_sample
-folder, seq_len, steps, lr, length = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[6])
-model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
-windows = [synthetic_sample(i, seq_len - 1, model.config.vocab_size, 0).tolist() for i in range(steps)]
-spans = Documents.packed(seq_len, [length]).spans()
-rows = datasets.Dataset.from_list([{"input_ids": w[a:b]} for w in windows for a, b in spans])
-args = SFTConfig(output_dir=sys.argv[5], max_steps=steps, per_device_train_batch_size=1, learning_rate=lr,
-    logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, train_sampling_strategy="sequential",
-    packing=True, padding_free=True, max_length=seq_len)
-trainer = SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=AutoTokenizer.from_pretrained(folder))
-trainer.train()
-print(json.dumps({e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}))
-"""
-
-
 @pytest.mark.slow
-def test_sft_packing_masks_documents_and_logs_the_plain_sft_trainers_first_loss(exported):
+def test_sft_packing_masks_documents_and_logs_the_plain_sft_trainers_first_loss(exported, plain):
     """TRL's ``SFTTrainer(packing=True)`` through the export's script (``--sft --packing``, 2 processes, KNOBS): its
     batches' position_ids restart at each document, the stack masks the documents, and the first logged loss is the
     plain one-process SFTTrainer's on the same packed documents."""
@@ -264,13 +273,7 @@ def test_sft_packing_masks_documents_and_logs_the_plain_sft_trainers_first_loss(
                  "--steps", 1, "--lr", LR, "--sft", "--packing", "--config", root / "packed.json",
                  "--summary", root / "packed-sum.json", cwd=root)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    plain = subprocess.run(
-        [sys.executable, "-c", PLAIN_PACKED_SFT, root / "model", str(SEQ_LEN), "1", LR, root / "plain-packed",
-         str(DOCUMENT_LENGTH)],
-        capture_output=True, text=True, timeout=600, cwd=root, env={**os.environ, "PYTHONPATH": PYTHONPATH},
-    )  # fmt: skip
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    plain_losses = json.loads(plain.stdout.strip().splitlines()[-1])
+    plain_losses = plain["packed"]
     losses = json.loads((root / "packed-sum.json").read_text())["losses"]
     assert list(losses) == list(plain_losses) == ["1"]
     assert losses["1"] == pytest.approx(plain_losses["1"], rel=1e-5), (losses, plain_losses)
