@@ -131,6 +131,21 @@ def run_judge(*args: str) -> list[dict]:
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
 
+def here(*args: str) -> subprocess.CompletedProcess:
+    """``autotune ARGS`` in this process (``autotune.cli.main``, the console script's entry point, whose code is the
+    exit status): its exit code, stdout and stderr. A fresh interpreter (``run_cli``) imports torch again, seconds
+    per command; a test whose claim is the process itself (signals, exit codes, what a rank leaves) runs one."""
+    import contextlib
+    import io
+
+    from autotune.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(["autotune", *args], code, out.getvalue(), err.getvalue())
+
+
 def run_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """``autotune ARGS`` as a user runs it (a fresh process), capturing stdout and stderr."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}

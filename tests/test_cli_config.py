@@ -1,7 +1,10 @@
 """What a user sees of ``--config`` (issue 35): the config file supplies model, GPUs, nodes, hardware and length to
 every command that takes it; an option overrides it and says so in one line; a ``--model`` of another architecture
 is refused naming both, unless ``--other-model``. And of a search folder: each target's best is kept; and of
-``autotune models``: parameter counts in a unit that fits. The installed ``autotune``, run as a user runs it."""
+``autotune models``: parameter counts in a unit that fits. The trial, ``models`` and the search beside its model
+folder run as the installed ``autotune`` as a user runs it; the estimates, the other searches and the refusals run
+in-process (``conftest.here``: the console script's own entry point, ``autotune.cli.main``), as
+a fresh interpreter each would import torch again."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, tiny_plan_search
+from conftest import ROOT, here, tiny_plan_search
 
 from autotune.core.sizes import format_count
 
@@ -71,7 +74,7 @@ def configs(tmp_path_factory) -> dict[str, str]:
 
 
 def test_an_option_over_the_config_says_so_in_one_line(configs):
-    done = autotune("estimate", "--config", configs["small"], "--gpus", "4", "--seq", "1K", "--json")
+    done = here("estimate", "--config", configs["small"], "--gpus", "4", "--seq", "1K", "--json")
     assert_exit(done, 0)
     lines = stderr_lines(done)
     assert "autotune: --gpus 4 overrides the config's 2" in lines, done.stderr[-3000:]
@@ -79,7 +82,7 @@ def test_an_option_over_the_config_says_so_in_one_line(configs):
     record = json.loads(done.stdout)
     assert record["seq_len"] == 1024 and "x4" in record["device"], record
     # what the config file says is taken as it is, without a word: no override
-    same = autotune("estimate", "--config", configs["small"], "--model", "tiny-llama", "--gpus", "2", "--json")
+    same = here("estimate", "--config", configs["small"], "--model", "tiny-llama", "--gpus", "2", "--json")
     assert_exit(same, 0)
     assert not [line for line in stderr_lines(same) if "overrides" in line], same.stderr[-3000:]
     assert json.loads(same.stdout)["seq_len"] == 512  # the config's length: --seq is optional with a config file
@@ -89,16 +92,16 @@ def test_attention_names_the_kernel_over_the_config_and_the_baseline(configs):
     """A windowed model on a GPU preset: the baseline's sdpa runs windows on the CPU only, and ``--attention`` names a
     kernel that runs them; over a config file's kernel it says so in one line."""
     baseline = ["estimate", "--config", "baseline", "--model", "tiny-mistral", "--seq", "8K", "--gpus", "1", "--json"]
-    refused = autotune(*baseline)
+    refused = here(*baseline)
     assert_exit(refused, 2)
     assert "attention 'sdpa' runs sliding windows" in stderr_lines(refused)[0]
-    done = autotune(*baseline, "--attention", "flash")
+    done = here(*baseline, "--attention", "flash")
     assert_exit(done, 0)
     assert json.loads(done.stdout)["status"] == "ok"
-    over = autotune("estimate", "--config", configs["llama3-8b"], "--attention", "flash3", "--json")
+    over = here("estimate", "--config", configs["llama3-8b"], "--attention", "flash3", "--json")
     assert_exit(over, 0)
     assert "autotune: --attention flash3 overrides the config's flash" in stderr_lines(over), over.stderr[-3000:]
-    unknown = autotune(*baseline, "--attention", "flash9")
+    unknown = here(*baseline, "--attention", "flash9")
     assert_exit(unknown, 2)
     assert stderr_lines(unknown) == ["autotune: error: --attention 'flash9' must be one of sdpa, flash, flash3, flash4"]
 
@@ -112,7 +115,7 @@ def test_attention_names_the_kernel_over_the_config_and_the_baseline(configs):
     ],
 )
 def test_a_model_of_another_architecture_is_refused_naming_both(configs, command, model, config):
-    done = autotune(command, "--model", model, "--config", configs[config])
+    done = here(command, "--model", model, "--config", configs[config])
     assert_exit(done, 2)
     lines = stderr_lines(done)
     assert len(lines) == 1 and done.stdout == "", done.stderr
@@ -122,14 +125,14 @@ def test_a_model_of_another_architecture_is_refused_naming_both(configs, command
 
 
 def test_other_model_runs_the_configs_techniques_on_that_model(configs):
-    done = autotune("estimate", "--model", "tiny-qwen3", "--config", configs["small"], "--other-model", "--json")
+    done = here("estimate", "--model", "tiny-qwen3", "--config", configs["small"], "--other-model", "--json")
     assert_exit(done, 0)
     notice = [line for line in stderr_lines(done) if "--other-model" in line]
     assert len(notice) == 1 and "tiny-llama" in notice[0] and "tiny-qwen3" in notice[0], done.stderr[-3000:]
     record = json.loads(done.stdout)
     assert record["status"] == "ok" and record["seq_len"] == 512 and "x2" in record["device"], record
     # the model is tiny-qwen3: its parameters, as the baseline on tiny-qwen3 holds them (no knob here shards them)
-    own = autotune(
+    own = here(
         "estimate",
         "--model",
         "tiny-qwen3",
@@ -180,7 +183,7 @@ def test_a_search_for_another_target_keeps_each_targets_best(tmp_path):
     out = tmp_path / "out"
 
     def search(target: str) -> dict:
-        done = autotune(
+        done = here(
             "search",
             *tiny_plan_search(target),
             "--trials",
