@@ -24,10 +24,14 @@ from trials.stack.techniques import Techniques
 K = 1024
 
 
-def test_an_arctic_search_holds_only_what_arctic_runs_and_every_front_config_exports(tmp_path):
+def test_an_arctic_search_holds_only_what_arctic_runs_and_every_front_config_exports(tmp_path, capsys):
+    # the search and the export in-process (the CLI's own entry point): a fresh interpreter each would import torch
+    # again; ArcticTraining's loader runs in its own
+    from autotune.cli import main
+
     out = tmp_path / "s"
-    done = run_cli("search", *tiny_plan_search("4K"), "--trainer", "arctic", "--trials", "6", "--out", str(out))
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = main(["search", *tiny_plan_search("4K"), "--trainer", "arctic", "--trials", "6", "--out", str(out)])
+    assert done == 0, capsys.readouterr().err[-2000:]
     front_doc = json.loads((out / "pareto.json").read_text())
     assert front_doc["trainer"] == "arctic"
     assert json.loads((out / "best.json").read_text())["trainer"] == "arctic"
@@ -38,8 +42,8 @@ def test_an_arctic_search_holds_only_what_arctic_runs_and_every_front_config_exp
         job = ExportJob("tiny-llama", model_config, 2, entry["seq_len"], techniques)
         assert arctic.gaps(job) == [], entry["trial"]  # what the front shows is what ArcticTraining runs
         assert techniques.head_chunk is None and techniques.norm_tile_tokens == 0
-    exported = run_cli("export", str(out), "--format", "arctic", "-o", str(tmp_path / "recipe.yaml"))
-    assert exported.returncode == 0, exported.stderr
+    exported = main(["export", str(out), "--format", "arctic", "-o", str(tmp_path / "recipe.yaml")])
+    assert exported == 0, capsys.readouterr().err
     assert "PARTIAL" not in (tmp_path / "recipe.yaml").read_text()
     # ArcticTraining's own loader takes the recipe (tests/trainer_judges.py), the model folder being tiny-llama's
     model_dir = tmp_path / "model"
