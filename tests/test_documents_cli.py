@@ -1,5 +1,6 @@
 """Documents as part of the workload (issue 50): ``--documents`` parsed once, carried by the config file, the
-search's outputs and the plan backend's evaluation; the time model prices each document's own causal triangle."""
+search's outputs and the plan backend's evaluation; the time model prices each document's own causal triangle. The
+commands run in-process (``conftest.here``: ``autotune.cli.main``, whose code is the exit status)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import tiny_plan_search
-from test_cli_config import assert_exit, autotune
+from conftest import here, tiny_plan_search
+from test_cli_config import assert_exit
 
 from autotune.backends import Evaluation
 from autotune.backends.plan import PlanBackend, step_counts
@@ -80,11 +81,11 @@ def test_the_time_model_prices_each_documents_triangle():
 @pytest.mark.slow
 def test_a_search_records_its_documents_and_refuses_others_in_its_folder(tmp_path):
     out = tmp_path / "out"
-    done = autotune("search", *tiny_plan_search("4K"), "--trials", "4", "--out", str(out), "--documents", "1K")
+    done = here("search", *tiny_plan_search("4K"), "--trials", "4", "--out", str(out), "--documents", "1K")
     assert_exit(done, 0)
     assert json.loads((out / "pareto.json").read_text())["documents"] == K
     assert json.loads((out / "best.json").read_text())["documents"] == K
-    again = autotune("search", *tiny_plan_search("4K"), "--trials", "4", "--out", str(out))
+    again = here("search", *tiny_plan_search("4K"), "--trials", "4", "--out", str(out))
     assert_exit(again, 2)
     assert "give another --out" in again.stderr
 
@@ -120,7 +121,7 @@ def test_estimate_of_a_packed_config_for_a_trainer_that_attends_across_says_so(t
     for trainer, says in (("deepspeed", True), (None, False)):
         path = tmp_path / f"{trainer}.json"
         path.write_text(json.dumps({**config.to_dict(), **({"trainer": trainer} if trainer else {})}))
-        done = autotune("estimate", "--config", str(path), "--json")
+        done = here("estimate", "--config", str(path), "--json")
         assert_exit(done, 0)
         lines = [line for line in done.stderr.splitlines() if "PACKED DOCUMENTS NOT MASKED" in line]
         assert len(lines) == says, done.stderr
@@ -184,7 +185,7 @@ def test_an_estimate_prices_a_rings_documents_padded_to_its_chunks(tmp_path):
     )
     records = {}
     for documents in ("1002", "1004"):
-        done = autotune("estimate", "--config", str(config), "--documents", documents, "--json", "--memory-gib", "4")
+        done = here("estimate", "--config", str(config), "--documents", documents, "--json", "--memory-gib", "4")
         assert_exit(done, 0)
         records[documents] = json.loads(done.stdout)
         said = "ring_degree 2 runs each packed document padded to a multiple of 4 tokens (0.20% of the tokens are pads)"
@@ -200,7 +201,7 @@ def test_a_search_for_a_trainer_that_attends_across_documents_prices_whole_windo
 
     def front(*extra: str) -> list:
         out = tmp_path / "-".join(extra)
-        done = autotune(
+        done = here(
             "search", *tiny_plan_search("4K"), "--trials", "4", "--out", str(out), "--trainer", "deepspeed", *extra
         )
         assert_exit(done, 0)
