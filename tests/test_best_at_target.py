@@ -9,7 +9,7 @@ import json
 
 import optuna
 import pytest
-from conftest import run_cli
+from conftest import here
 
 from autotune.backends import Backend
 from autotune.backends.plan import PlanBackend
@@ -192,7 +192,7 @@ def test_a_search_writes_the_fastest_config_at_the_target(model, tmp_path):
     and ``show`` name the same config."""
     model = _mistral_config(tmp_path) if model == "mistral-config" else model
     out = tmp_path / "out"
-    done = run_cli(
+    done = here(  # in-process: a fresh interpreter per command would import torch again
         "search", "--model", model, "--target", "1K", "--backend", "plan", "--trials", "6", "--out", str(out)
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -212,7 +212,7 @@ def test_a_search_writes_the_fastest_config_at_the_target(model, tmp_path):
     assert f"best for 1,024 (1K): trial {doc['best']['trial']} at 1,024 (1K), " in done.stdout
     step = format_duration(best["predicted"]["step_time_s"])  # how long a step of it takes, on the best line
     assert f"tokens/s, {step} a step -> " in done.stdout and f"│ {step}" in done.stdout  # and in the front table
-    exported = run_cli("export", str(out), "--format", "autotune")
+    exported = here("export", str(out), "--format", "autotune")
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert (json.loads(exported.stdout)["seq_len"], json.loads(exported.stdout)["techniques"]) == (
         best["seq_len"],
