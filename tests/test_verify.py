@@ -9,7 +9,7 @@ import sqlite3
 import optuna
 import pyarrow.parquet as pq
 import pytest
-from conftest import ROOT, run_cli
+from conftest import ROOT, here, run_cli
 
 from autotune.backends import Backend
 from autotune.cli import main
@@ -58,7 +58,9 @@ def _row_key(row: dict):
 @pytest.fixture(scope="module")
 def verified(tmp_path_factory):
     out = tmp_path_factory.mktemp("verify") / "out"
-    searched = run_cli(*SEARCH, "--out", str(out), "--json")
+    # the search in-process (a fresh interpreter would import torch again); the first verify as a user runs it, whose
+    # exit status test_exit_codes.py counts on
+    searched = here(*SEARCH, "--out", str(out), "--json")
     assert searched.returncode in (0, 1), searched.stderr[-3000:]
     before = {
         "front": json.loads((out / "pareto.json").read_text())["front"],
@@ -138,7 +140,7 @@ def test_front_and_best_carry_the_measured_records(verified, capsys):
 def test_a_second_run_skips_what_was_measured(verified):
     out, _, result, _ = verified
     before = pq.read_table(out / "trials.parquet").to_pylist()
-    again = run_cli("verify", str(out), "--top", "2", "--json")
+    again = here("verify", str(out), "--top", "2", "--json")  # in-process: its trials run as processes of their own
     assert again.returncode == 0, again.stderr[-3000:]
     second = json.loads(again.stdout)
     assert second["verified"] and not any(o["ran"] for o in second["verified"])
@@ -156,7 +158,7 @@ def test_verify_for_other_documents_measures_them_and_keeps_the_search_records(v
     files = {name: (out / name).read_bytes() for name in ("pareto.json", "best.json", "trials.parquet")}
     study = verify.open_folder(out).study
     stored = measurements(study)
-    done = run_cli("verify", str(out), "--top", "1", "--documents", "512", "--json")
+    done = here("verify", str(out), "--top", "1", "--documents", "512", "--json")  # in-process, its trials not
     assert done.returncode == 0, done.stderr[-3000:]
     said = [line for line in done.stderr.splitlines() if "--documents" in line]
     assert said == [
