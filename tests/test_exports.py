@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import ROOT, run_cli, run_judge
+from conftest import ROOT, here, run_cli, run_judge
 
 from autotune.cli import main
 from autotune.core.trainers import TRAINERS, ExportJob, Trainer, exactly
@@ -313,7 +313,7 @@ def test_accelerate_launch_trains_the_export_like_the_plain_model_in_the_estimat
     is the one ``autotune estimate`` predicts for the exported config."""
     knobs, seq_len = PLUGIN_RUN
     summary, plain_loss, config = _launch_accelerate_export(tmp_path, capsys, knobs, seq_len, gpus=2, steps=3)
-    estimate = run_cli(
+    estimate = here(  # in-process: a fresh interpreter would import torch again
         "estimate",
         "--model",
         str(tmp_path / "model" / "config.json"),
