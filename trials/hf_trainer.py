@@ -294,12 +294,7 @@ class StackTrainerMixin:
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """The sharded model and optimizer as one DCP folder (each rank its shards; resharded on load at any world
         size), and the schedule's state."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        options = checkpoint.state_dict_options(self.model)
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=options)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(Path(output_dir, STATE)))
+        checkpoint.save_model_and_optimizer(Path(output_dir, STATE), self.model, self.optimizer)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), Path(output_dir, SCHEDULER_FILE))
 
@@ -309,22 +304,9 @@ class StackTrainerMixin:
     def _load_optimizer_and_scheduler(self, checkpoint_folder: str | None) -> None:
         if checkpoint_folder is None:
             return
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
         if not Path(checkpoint_folder, STATE).is_dir():
             raise StackTrainerError(f"resume_from_checkpoint: {checkpoint_folder} has no {STATE} (the stack's state)")
-        options = checkpoint.state_dict_options(self.model)
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=options)
-        state = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(state, checkpoint_id=str(Path(checkpoint_folder, STATE)))
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-            options=options,
-        )
+        checkpoint.load_model_and_optimizer(Path(checkpoint_folder, STATE), self.model, self.optimizer)
         self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint_folder, SCHEDULER_FILE), weights_only=True))
 
 

@@ -96,13 +96,9 @@ def save(save: Path, model, optimizer, state: TrainerState, device, keep: int | 
     """Write the checkpoint of ``state.step`` under ``save`` (every rank calls it), then remove all but the newest
     ``keep`` complete ones. Returns the checkpoint's folder; ``CheckpointSaveError`` (on every rank) when any rank
     could not write its part."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=state_dict_options(model))
 
     def write(partial: Path) -> None:
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(partial))
+        save_model_and_optimizer(partial, model, optimizer)
         torch.save(_rng_states(), partial / f"rng-rank{_rank()}.pt")
         if _rank() == 0:
             _write_durably(partial / STATE_FILE, json.dumps(asdict(state), indent=1))
@@ -118,20 +114,36 @@ def save(save: Path, model, optimizer, state: TrainerState, device, keep: int | 
 def load(checkpoint: Path, model, optimizer) -> TrainerState:
     """Load ``checkpoint`` into ``model`` and ``optimizer`` (built for this run's world size: DCP reshards) and
     this rank's RNG states (where the checkpoint's world had this rank); returns the trainer state."""
+    load_model_and_optimizer(checkpoint, model, optimizer)
+    rng = Path(checkpoint) / f"rng-rank{_rank()}.pt"
+    if rng.is_file():
+        _set_rng_states(torch.load(rng, weights_only=False))
+    return TrainerState(**json.loads((Path(checkpoint) / STATE_FILE).read_text()))
+
+
+def save_model_and_optimizer(folder: Path, model, optimizer) -> None:
+    """``{"model": ..., "optimizer": ...}`` as one DCP folder (every rank writes its shards; fully qualified names,
+    so any world size reads it back), the frozen parameters left out (``state_dict_options``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=state_dict_options(model))
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder))
+
+
+def load_model_and_optimizer(folder: Path, model, optimizer) -> None:
+    """Read a folder of ``save_model_and_optimizer`` into ``model`` and ``optimizer`` (built for this run's world
+    size: DCP reshards)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     options = state_dict_options(model)
     model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=str(checkpoint))
+    dcp.load(state, checkpoint_id=str(folder))
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options
     )
-    rng = Path(checkpoint) / f"rng-rank{_rank()}.pt"
-    if rng.is_file():
-        _set_rng_states(torch.load(rng, weights_only=False))
-    return TrainerState(**json.loads((Path(checkpoint) / STATE_FILE).read_text()))
 
 
 def state_dict_options(model):
