@@ -144,19 +144,19 @@ def test_a_lora_search_stores_its_adapters_and_a_resume_for_other_adapters_is_re
     the same step (the config travels), and the same folder refuses a search for full training."""
     import json
 
-    from conftest import run_cli, tiny_plan_search
+    from conftest import here, tiny_plan_search
 
-    out = tmp_path / "search"
-    done = run_cli("search", *tiny_plan_search(), "--lora-rank", "8", "--trials", "6", "--out", str(out))
+    out = tmp_path / "search"  # each command in this process (conftest.here): the claim is not the process
+    done = here("search", *tiny_plan_search(), "--lora-rank", "8", "--trials", "6", "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "LoRA rank 8 (alpha 16) on all linear layers" in done.stdout + done.stderr  # the header line
     assert "Pareto front (sequence length vs tokens/s), LoRA rank 8 (alpha 16)" in " ".join(done.stdout.split())
     best = json.loads((out / "best.json").read_text())
     assert best["lora"] == {"rank": 8, "alpha": None, "targets": ALL_LINEAR, "init_lora_weights": True}
     assert json.loads((out / "pareto.json").read_text())["lora"] == best["lora"]
-    estimate = run_cli("estimate", "--config", str(out / "best.json"), "--json")
+    estimate = here("estimate", "--config", str(out / "best.json"), "--json")
     assert estimate.returncode == 0, estimate.stderr[-2000:]
     assert json.loads(estimate.stdout)["peak_device_bytes"] == best["predicted"]["peak_device_bytes"]
-    again = run_cli("search", *tiny_plan_search(), "--trials", "6", "--out", str(out))
+    again = here("search", *tiny_plan_search(), "--trials", "6", "--out", str(out))
     assert again.returncode == 2
     assert "is for LoRA rank 8 (alpha 16) on all linear layers, not full training" in again.stderr
