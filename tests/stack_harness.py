@@ -27,7 +27,9 @@ restart at 0 at each document, the documents' only trace), the reference still t
 
 With ``"lora"`` (``trials.models.lora.LoraSpec.to_json``'s form) both models carry peft's LoRA adapters, drawn alike
 (``seeded_model``); the reference is the plain model with them put in by peft itself, and the gradients compared are
-the adapters' (the base is frozen: a parameter with a gradient on one side only fails the case).
+the adapters' and, with ``trainable``, those of the modules trained whole (peft's trained copies, ``modules_to_save``,
+against the stack's modules themselves); the base is frozen: a parameter with a gradient on one side only fails the
+case.
 
 Rank 0 writes OUT.json: {"world_size", "results": [{"name", "loss_rel", "grad_rel", "grad_rel_param",
 "grad_maxabs_rel", "step_loss_rel"?, "seconds"}]}, where
@@ -64,7 +66,9 @@ def full_grads(model) -> dict[str, torch.Tensor]:
             continue
         if hasattr(grad, "full_tensor"):
             grad = grad.full_tensor()
-        grads[name.replace("_checkpoint_wrapped_module.", "")] = grad.detach().float().clone()
+        # the plain model's name: peft trains a module of ``modules_to_save`` as a copy, the stack the module itself
+        name = name.replace("_checkpoint_wrapped_module.", "").replace(".modules_to_save.default.", ".")
+        grads[name] = grad.detach().float().clone()
     return grads
 
 

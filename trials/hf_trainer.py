@@ -163,7 +163,8 @@ def adapters_problem(model, peft_config) -> str | None:
             "peft_config: the adapters go in before the stack shards the model: pass it to "
             "trials.hf.apply(model, techniques, lora=peft_config)"
         )
-    if (wanted.rank, wanted.scaling, wanted.targets) != (held.rank, held.scaling, held.targets):
+    compared = ("rank", "scaling", "targets", "trainable")
+    if any(getattr(wanted, name) != getattr(held, name) for name in compared):
         return f"peft_config: {wanted.describe()}, the model's adapters (trials.hf.apply's lora) are {held.describe()}"
     return None
 

@@ -55,6 +55,7 @@ from trials.core.errors import ConfigError
 from trials.core.memory import DeviceMemoryTracker
 from trials.kernels.documents import Documents, DocumentsSpec
 from trials.models.config import load_model_config
+from trials.models.model import lora_mismatch
 from trials.stack.rules import ring_document_unit
 from trials.training import checkpoint
 from trials.training.config_file import load_config_file
@@ -301,14 +302,18 @@ def options_problem(options: TrainOptions, model_config: dict) -> str | None:
     return None
 
 
-def lora_problem(options: TrainOptions, config) -> str | None:
-    """Why the options cannot train ``config``'s adapters (one line), or None: ``--export-merged`` of full training
-    (there is nothing to merge), or a LoRA resume on another base than its checkpoint's (the checkpoint holds the
-    adapters alone: ``frozen_base``)."""
+def lora_problem(options: TrainOptions, config, model_config: dict) -> str | None:
+    """Why the options cannot train ``config``'s adapters on ``model_config``'s model (one line), or None:
+    ``--export-merged`` of full training (there is nothing to merge), adapters that do not fit the model
+    (``lora_mismatch``), or a LoRA resume on another base than its checkpoint's (the checkpoint holds the adapters
+    alone: ``frozen_base``)."""
     if not config.lora.on:
         if options.export_merged is not None:
             return "--export-merged merges LoRA adapters; the config trains every weight (--export-hf writes it)"
         return None
+    mismatch = lora_mismatch(model_config, config.lora)
+    if mismatch:
+        return mismatch
     newest = checkpoint.newest(Path(options.save)) if options.resume and options.save is not None else None
     if newest is not None:
         saved = json.loads((newest / checkpoint.STATE_FILE).read_text()).get("frozen_base")
@@ -737,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
         options = parse_options(argv)
         config = load_config_file(options.config)
         model_config = load_model_config(config.model)
-        problem = options_problem(options, model_config) or lora_problem(options, config)
+        problem = options_problem(options, model_config) or lora_problem(options, config, model_config)
         if problem is None and options.data is not None:  # the whole file checked before any rank builds a model
             data = read_token_data(options.data, model_config["vocab_size"])
             packed = packing(options, config, model_config, data)

@@ -75,6 +75,7 @@ def estimate(
     lora_rank: int | None = ranged_option("--lora-rank", None, lora_options.RANK_HELP),
     lora_alpha: float | None = ranged_option("--lora-alpha", None, lora_options.ALPHA_HELP),
     lora_targets: str | None = typer.Option(None, "--lora-targets", help=lora_options.TARGETS_HELP),
+    lora_trainable: str | None = typer.Option(None, "--lora-trainable", help=lora_options.TRAINABLE_HELP),
     max_seq: bool = typer.Option(False, "--max-seq", help="bisect for the longest sequence that fits"),
     probes_only: bool = typer.Option(
         False, "--probes-only", hidden=True, help="--max-seq by grid probes alone, without the length model"
@@ -107,7 +108,7 @@ def estimate(
         other_model=other_model,
         attention=attention,
         documents=documents,
-        lora=lora_options.parse_lora(lora_rank, lora_alpha, lora_targets),
+        lora=lora_options.parse_lora(lora_rank, lora_alpha, lora_targets, lora_trainable),
     )
     hw = load_hardware(run.hardware).with_memory_gib(memory_gib).for_nodes(run.nodes)
     check_node_size(hw, run.gpus, run.nodes)

@@ -139,7 +139,7 @@ def run(ctx: typer.Context):
             fail(str(exc))
     elif options.pack:
         fail("--pack needs --data (the synthetic tokens are one document per window)")
-    problem = options_problem(options, model_config) or lora_problem(options, loaded)
+    problem = options_problem(options, model_config) or lora_problem(options, loaded, model_config)
     if problem is not None:
         fail(problem)
     command = trainer_launcher(loaded.gpus).split() + ctx.args

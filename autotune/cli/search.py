@@ -68,6 +68,7 @@ def search(
     lora_rank: int | None = ranged_option("--lora-rank", None, lora_options.RANK_HELP),
     lora_alpha: float | None = ranged_option("--lora-alpha", None, lora_options.ALPHA_HELP),
     lora_targets: str | None = typer.Option(None, "--lora-targets", help=lora_options.TARGETS_HELP),
+    lora_trainable: str | None = typer.Option(None, "--lora-trainable", help=lora_options.TRAINABLE_HELP),
     polish: bool = typer.Option(
         True,
         envvar="AUTOTUNE_POLISH",
@@ -104,7 +105,7 @@ def search(
         rdzv_endpoint=rdzv_endpoint,
         trainer=trainer,
         documents=documents,
-        lora=lora_options.parse_lora(lora_rank, lora_alpha, lora_targets),
+        lora=lora_options.parse_lora(lora_rank, lora_alpha, lora_targets, lora_trainable),
     )
     prepared = prepare_search(request)
     if prepared.follower is not None:

@@ -38,6 +38,7 @@ def trial(
     lora_rank: int | None = ranged_option("--lora-rank", None, lora_options.RANK_HELP),
     lora_alpha: float | None = ranged_option("--lora-alpha", None, lora_options.ALPHA_HELP),
     lora_targets: str | None = typer.Option(None, "--lora-targets", help=lora_options.TARGETS_HELP),
+    lora_trainable: str | None = typer.Option(None, "--lora-trainable", help=lora_options.TRAINABLE_HELP),
     steps: int = ranged_option("--steps", 2, "measured steps after one warm-up"),
     depth: str = typer.Option("full", help="full | reduced (run the 3/4-layer copies, extend to full depth)"),
     memory_gib: float | None = ranged_option("--memory-gib", None, "per-rank capacity on CPU (GiB)"),
@@ -73,7 +74,7 @@ def trial(
         other_model=other_model,
         attention=attention,
         documents=documents,
-        lora=lora_options.parse_lora(lora_rank, lora_alpha, lora_targets),
+        lora=lora_options.parse_lora(lora_rank, lora_alpha, lora_targets, lora_trainable),
     )
     if run.seq_len is None:
         fail(f"--seq is required: {'--config baseline' if config == 'baseline' else 'the config file'} has no seq_len")

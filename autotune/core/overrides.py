@@ -22,6 +22,7 @@ from trials import model_config as model_configs  # looked up at call time: test
 from trials.kernels.documents import ONE, DocumentsSpec
 from trials.kernels.registry import KERNEL_NAMES
 from trials.models.lora import FULL_TRAINING, LoraSpec
+from trials.models.model import lora_mismatch
 from trials.stack.techniques import BASELINE, Techniques
 from trials.training import config_file
 
@@ -86,7 +87,7 @@ def resolve_config(
     if config == "baseline":
         if model is None:
             raise UserError("--model is required with --config baseline (a config file names its own model)")
-        return _noting_whole_documents(
+        return _checked(
             ConfigRun(
                 model=model,
                 model_config=model_configs.load_model_config(model),
@@ -105,7 +106,7 @@ def resolve_config(
     techniques = replace(techniques, attention=_override("--attention", attention, techniques.attention, notices))
     if gpus is None and loaded.gpus < 1:
         raise UserError(f"config {config!r} has gpus {loaded.gpus}: it must be at least 1")
-    return _noting_whole_documents(
+    return _checked(
         ConfigRun(
             model=chosen,
             model_config=chosen_config,
@@ -120,6 +121,15 @@ def resolve_config(
             lora=_override("--lora-rank", lora, loaded.lora, notices, LoraSpec.describe),
         )
     )
+
+
+def _checked(run: ConfigRun) -> ConfigRun:
+    """``run`` with its adapters checked against its model (``UserError`` naming what matches nothing) and its
+    documents noted (``_noting_whole_documents``)."""
+    problem = lora_mismatch(run.model_config, run.lora)
+    if problem:
+        raise UserError(problem)
+    return _noting_whole_documents(run)
 
 
 def _noting_whole_documents(run: ConfigRun) -> ConfigRun:

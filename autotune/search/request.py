@@ -27,6 +27,7 @@ from autotune.search.space import load_space
 from autotune.search.study import open_storage
 from trials.kernels.documents import DocumentsSpec
 from trials.models.lora import FULL_TRAINING, LoraSpec
+from trials.models.model import lora_mismatch
 
 
 @dataclass
@@ -80,6 +81,9 @@ def prepare_search(request: SearchRequest) -> PreparedSearch:
     if lora.on and trainer.lora is None:
         takes = ", ".join(t.name for t in TRAINERS.values() if t.lora is not None)
         raise UserError(f"--lora-rank: {trainer.words} trains every weight only; --trainer {takes} train LoRA adapters")
+    problem = lora_mismatch(model_config, lora)
+    if problem:
+        raise UserError(problem)
     backend_name = resolve_backend(request.backend, request.gpus)
     if request.backend == "auto" and request.nodes > 1 and request.rdzv_endpoint is None:
         backend_name = "plan"  # real trials over several nodes need the rendezvous

@@ -16,7 +16,7 @@ from trials.core.memory import active_tracker
 from trials.kernels import attention
 from trials.kernels.documents import DOCUMENTS_KWARG
 from trials.models.families import family_of
-from trials.models.lora import FULL_TRAINING
+from trials.models.lora import FULL_TRAINING, LoraSpec, apply_lora
 
 _CONFIG_ONLY_KEYS = ("_name", "_source")  # autotune's own keys, not transformers'
 
@@ -64,7 +64,8 @@ def build_model(
 INIT_BLOCK_ROWS = 4096  # rows of a parameter drawn from one seeded generator (any shard needs whole blocks only)
 # wrappers a parameter's name passes through that the plain model lacks: checkpointing's, FSDP1's, compile's, and
 # peft's LoRA layer around the base linear (``q_proj.base_layer.weight`` is the checkpoint's ``q_proj.weight``)
-_WRAPPER_NAMES = {"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod", "base_layer"}
+_WRAPPER_NAMES = {"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod", "base_layer", "original_module"}
+_TRAINED_COPY = ".modules_to_save.default."  # peft's copy of a module it trains whole (``modules_to_save``)
 
 
 def materialize(model: TrainingModel, device, seed: int = 0, params_device=None, init: bool = True) -> None:
@@ -181,8 +182,9 @@ def init_weights(model: TrainingModel, seed: int = 0, adapters_only: bool = Fals
 
 
 def _canonical(name: str) -> str:
-    """The parameter's name in the plain model (wrappers of checkpointing/FSDP/compile and peft's ``base_layer``
-    dropped)."""
+    """The parameter's name in the plain model (wrappers of checkpointing/FSDP/compile and peft's ``base_layer``,
+    ``original_module`` and trained copies dropped: a copy starts as its original)."""
+    name = name.replace(_TRAINED_COPY, ".")
     return ".".join(part for part in name.split(".") if part and part not in _WRAPPER_NAMES)
 
 
@@ -313,3 +315,17 @@ def set_compute_dtype(model: TrainingModel, compute_dtype: torch.dtype) -> None:
 
     low = compute_dtype is not None and compute_dtype != torch.float32
     model.autocast_dtype = compute_dtype if low and not is_sharded(model) else None
+
+
+def lora_mismatch(model_config: dict, spec: LoraSpec) -> str | None:
+    """Why ``spec``'s adapters cannot go on ``model_config``'s model (None: they can): a target or a trainable name
+    that matches no module, an adapted module trained whole, a shared embedding. Checked on the model built on meta
+    (no memory), so a command refuses bad names before it traces or launches anything."""
+    if not spec.on:
+        return None
+    try:
+        apply_lora(build_model(model_config, device="meta"), spec)
+    except ValueError as exc:  # peft's NoMatchingPeftModuleError is one
+        message = str(exc).splitlines()[0]
+        return message if message.startswith("lora:") else f"lora: {message}"
+    return None
