@@ -365,8 +365,59 @@ CASES += [
     (
         "--lora-alpha without --lora-rank",
         ["estimate", "--config", "baseline", "--model", "tiny-llama", "--seq", "1K", "--lora-alpha", "32"],
-        "--lora-alpha and --lora-targets need --lora-rank",
+        "--lora-alpha, --lora-targets and --lora-trainable need --lora-rank",
     ),
+    (
+        "--lora-targets naming no module",
+        [
+            "estimate",
+            "--config",
+            "baseline",
+            "--model",
+            "tiny-llama",
+            "--seq",
+            "1K",
+            "--lora-rank",
+            "8",
+            "--lora-targets",
+            "q_prj",
+        ],
+        "lora: Target modules {'q_prj'} not found in the base model",
+    ),  # fmt: skip
+    (
+        "--lora-trainable naming no module",
+        [
+            "search",
+            "--model",
+            "tiny-llama",
+            "--target",
+            "4K",
+            "--lora-rank",
+            "8",
+            "--lora-trainable",
+            "embed,norm",
+            "--out",
+            "{d}/out",
+        ],
+        "lora: no module of the model is named 'embed'",
+    ),  # fmt: skip
+    (
+        "--lora-trainable of a tied embedding",
+        [
+            "estimate",
+            "--config",
+            "baseline",
+            "--model",
+            "tiny-gemma3",
+            "--seq",
+            "1K",
+            "--lora-rank",
+            "8",
+            "--lora-trainable",
+            "embed_tokens",
+        ],
+        "the input embedding shares its weight with the output head",
+    ),  # fmt: skip
     (
         "--lora-targets not module names",
         [
