@@ -11,7 +11,7 @@ import time
 import optuna
 import pyarrow.parquet as pq
 import pytest
-from conftest import ROOT, run_cli, tiny_plan_search
+from conftest import ROOT, here, run_cli, tiny_plan_search
 
 from autotune import search
 from autotune.backends import Backend
@@ -43,7 +43,7 @@ def finished(study):
 
 def test_plan_search_reports_ooms_as_constraint_violations(tmp_path):
     out = tmp_path / "s"
-    result = run_cli("search", *TINY, "--trials", "16", "--out", str(out), "--json")
+    result = here("search", *TINY, "--trials", "16", "--out", str(out), "--json")  # in this process: conftest.here
     assert result.returncode in (0, 1), result.stderr[-3000:]
     summary = json.loads(result.stdout)
     rows = pq.read_table(out / "trials.parquet").to_pylist()
@@ -148,7 +148,8 @@ def test_kill_9_then_resume_loses_nothing(tmp_path):
     proc.wait()
     before = {t.number: (t.params, t.values) for t in finished(load_study(out))}
     assert len(before) >= 5
-    result = run_cli("search", *TINY, "--trials", "14", "--out", str(out), "--json")
+    # the resume in this process (conftest.here): the claim is the killed process's study, not the resuming one
+    result = here("search", *TINY, "--trials", "14", "--out", str(out), "--json")
     assert result.returncode in (0, 1), result.stderr[-3000:]
     study = load_study(out)
     after = {t.number: (t.params, t.values) for t in finished(study)}
