@@ -43,7 +43,7 @@ def finished(study):
 
 def test_plan_search_reports_ooms_as_constraint_violations(tmp_path):
     out = tmp_path / "s"
-    result = here("search", *TINY, "--trials", "16", "--out", str(out), "--json")  # in this process: conftest.here
+    result = run_cli("search", *TINY, "--trials", "16", "--out", str(out), "--json")
     assert result.returncode in (0, 1), result.stderr[-3000:]
     summary = json.loads(result.stdout)
     rows = pq.read_table(out / "trials.parquet").to_pylist()
