@@ -11,7 +11,7 @@ import time
 import optuna
 import pyarrow.parquet as pq
 import pytest
-from conftest import ROOT, here, run_cli, tiny_plan_search
+from conftest import ROOT, here, tiny_plan_search
 
 from autotune import search
 from autotune.backends import Backend
@@ -43,7 +43,7 @@ def finished(study):
 
 def test_plan_search_reports_ooms_as_constraint_violations(tmp_path):
     out = tmp_path / "s"
-    result = run_cli("search", *TINY, "--trials", "16", "--out", str(out), "--json")
+    result = here("search", *TINY, "--trials", "16", "--out", str(out), "--json")  # in this process: conftest.here
     assert result.returncode in (0, 1), result.stderr[-3000:]
     summary = json.loads(result.stdout)
     rows = pq.read_table(out / "trials.parquet").to_pylist()
