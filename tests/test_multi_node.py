@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, here
 
 from autotune.backends import Evaluation
 from autotune.backends.plan import PlanBackend
@@ -466,27 +466,23 @@ def _two_agents(config: str, env=None, timeout: float = 600) -> list[tuple[int, 
     return results
 
 
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory) -> dict:
+    """The plain model's one-rank trial (tiny-llama, 1K, one step): the record whose loss every multi-node trial
+    here must give. In-process (``conftest.here``): the reference is the trial's record, not its process, and its
+    rank runs as a process of its own."""
+    config = _config(tmp_path_factory.mktemp("one-rank") / "one.json", {"attention": "sdpa"}, 1)
+    done = here("trial", "--model", "tiny-llama", "--seq", "1K", "--config", config, "--steps", "1", "--timeout", "300",
+                "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
 @pytest.mark.slow
-def test_a_trial_over_two_agents_gives_the_loss_of_one_rank(tmp_path):
+def test_a_trial_over_two_agents_gives_the_loss_of_one_rank(tmp_path, one_rank):
     """2 nodes x 2 ranks (FSDP over all 4, Ulysses over all 4, checkpointing) through torchrun's c10d rendezvous:
     exactly the plain model's first-step loss on one rank; both agents print the same merged record."""
-    one = _cli(
-        "trial",
-        "--model",
-        "tiny-llama",
-        "--seq",
-        "1K",
-        "--config",
-        _config(tmp_path / "one.json", {"attention": "sdpa"}, 1),
-        "--steps",
-        "1",
-        "--timeout",
-        "300",
-        "--json",
-    )
-    out, err = one.communicate(timeout=600)
-    assert one.returncode == 0, err
-    reference = json.loads(out)
+    reference = one_rank
     config = _config(
         tmp_path / "four.json",
         {"fsdp": True, "ulysses_degree": 4, "activation_checkpointing": True, "attention": "sdpa"},
@@ -514,7 +510,7 @@ def test_a_rank_failing_on_either_node_is_the_root_cause_on_both(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_sbatch_script_trains_on_two_nodes_under_srun(tmp_path):
+def test_the_sbatch_script_trains_on_two_nodes_under_srun(tmp_path, one_rank):
     """The exported script under stand-ins of ``scontrol`` and ``srun`` that start its per-node task twice on this
     machine: two torchrun agents rendezvous on the first "node" and train; the loss is the one-rank trial's."""
     script, bin_dir = _sbatch_under_stand_ins(
@@ -543,24 +539,8 @@ def test_the_sbatch_script_trains_on_two_nodes_under_srun(tmp_path):
     logs = "".join(log.read_text() for log in node_logs)
     assert done.returncode == 0, done.stderr + logs[-3000:]
     summary = [json.loads(line.split(" ", 1)[1]) for line in logs.splitlines() if line.startswith("summary {")]
-    one = _cli(
-        "trial",
-        "--model",
-        "tiny-llama",
-        "--seq",
-        "1K",
-        "--config",
-        _config(tmp_path / "one.json", {"attention": "sdpa"}, 1),
-        "--steps",
-        "1",
-        "--timeout",
-        "300",
-        "--json",
-    )
-    out, err = one.communicate(timeout=600)
-    assert one.returncode == 0, err
     assert len(summary) == 1 and summary[0]["world_size"] == 2, logs[-3000:]  # rank 0 of the one job
-    assert summary[0]["first_loss"] == pytest.approx(json.loads(out)["loss"], rel=1e-5), summary[0]
+    assert summary[0]["first_loss"] == pytest.approx(one_rank["loss"], rel=1e-5), summary[0]
 
 
 def test_the_bench_says_why_a_layout_cannot_run_instead_of_searching_it():
