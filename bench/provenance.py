@@ -36,6 +36,7 @@ BACKED_BY = {
     "gpu_check_cpu.txt": TRIALS,
     "gpu_check_cpu_rehearsal.txt": TRIALS,
     "lengths_file_speed.txt": f"{PLAN}; {TIMED}",
+    "lora_fronts.txt": f"{PLAN}; {TIMED}",
     "lora_reach.txt": PLAN,
     "main_job.txt": f"{PLAN}; {TIMED}",
     "max_seq_speed.txt": f"{PLAN}; {TIMED}",
