@@ -65,12 +65,15 @@ class Config:
             parts.append(f"mlp{t['mlp_tile_tokens']}")
         if t.get("loss_tile_tokens"):
             parts.append(f"loss{t['loss_tile_tokens']}")
+        if t.get("norm_tile_tokens"):
+            parts.append(f"norm{t['norm_tile_tokens']}")
         if self.compute_dtype != "fp32":
             parts.append(self.compute_dtype)
         if self.documents:
             parts.append("docs" + "/".join(str(n) for n in self.documents))
         if self.lora:
             parts.append(f"lora{self.lora['rank']}" + ("" if "targets" not in self.lora else "qv"))
+            parts[-1] += "+whole" if self.lora.get("trainable") else ""
         return " ".join(parts)
 
     def model_config(self) -> dict:
@@ -101,6 +104,7 @@ def _c(model, world, seq, layers=None, dtype="fp32", documents=(), lora=None, **
 
 
 LORA = {"rank": 16}
+LORA_WHOLE = {"rank": 16, "trainable": ["embed_tokens", "norm"]}
 
 
 K = 1024
@@ -294,6 +298,18 @@ CONFIGS = [
         loss_tile_tokens=1024,
     ),
     _c("tiny-llama", 2, 4 * K, lora=LORA, fsdp=True, ring_degree=2, activation_checkpointing=True, documents=(1000,)),
+    # the embedding and the norms trained whole beside them (LongLoRA's recipe: their gradients and AdamW states)
+    _c("tiny-llama", 1, 4 * K, lora=LORA_WHOLE),
+    _c(
+        "tiny-llama",
+        2,
+        4 * K,
+        lora=LORA_WHOLE,
+        fsdp=True,
+        ulysses_degree=2,
+        activation_checkpointing=True,
+        norm_tile_tokens=1024,
+    ),  # fmt: skip
 ]
 
 
