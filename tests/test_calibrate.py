@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 import yaml
-from conftest import ROOT
+from conftest import ROOT, here
 
 from autotune.core.errors import UserError
 from autotune.core.hardware import hardware_names, load_hardware, preset_path
@@ -60,41 +60,15 @@ def test_a_user_preset_is_found_by_name_listed_and_used_by_every_command(config_
     assert hw.source == "user" and hw.calibrated["device"] == "test cpu"
     assert "measured by `autotune calibrate`" in hw.rate_provenance()
     assert "my-node" in hardware_names() and load_hardware(str(path)).source == "file"
-    listed = subprocess.run(
-        [sys.executable, "-m", "autotune.cli", "hardware"],
-        capture_output=True,
-        text=True,
-        env=_env(config_dir),
-        cwd=ROOT,
-        timeout=120,
-    )
+    # the commands in-process (conftest.here): AUTOTUNE_CONFIG_DIR is this process's (the config_dir fixture)
+    listed = here("hardware")
     assert listed.returncode == 0 and "my-node" in listed.stdout and "measured 2026-11-23" in listed.stdout
 
     def estimate(hardware):
-        return subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "autotune.cli",
-                "estimate",
-                "--model",
-                "tiny-llama",
-                "--seq",
-                "1K",
-                "--gpus",
-                "1",
-                "--config",
-                "baseline",
-                "--hardware",
-                hardware,
-                "--json",
-            ],
-            capture_output=True,
-            text=True,
-            env=_env(config_dir),
-            cwd=ROOT,
-            timeout=300,
-        )
+        return here(
+            "estimate", "--model", "tiny-llama", "--seq", "1K", "--gpus", "1", "--config", "baseline", "--hardware",
+            hardware, "--json",
+        )  # fmt: skip
 
     measured, assumed = estimate("my-node"), estimate("h100-sxm")
     assert measured.returncode == 0 and assumed.returncode == 0, (measured.stderr[-2000:], assumed.stderr[-2000:])
@@ -392,14 +366,7 @@ def test_check_from_the_command_line(config_dir, monkeypatch, capsys):
     )
 
     def run(*args):
-        return subprocess.run(
-            [sys.executable, "-m", "autotune.cli", "calibrate", "--check", *args],
-            capture_output=True,
-            text=True,
-            env=_env(config_dir),
-            cwd=ROOT,
-            timeout=300,
-        )
+        return here("calibrate", "--check", *args)  # bad input's one line: in-process, as conftest.here runs it
 
     # nothing measured to compare with, a destination given, a GPU preset without a GPU: one line each, exit 2
     assumed, destination = run("--hardware", "h100-sxm"), run("--hardware", "my-node", "--name", "x")
