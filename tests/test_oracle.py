@@ -118,7 +118,7 @@ def test_oracle_matches_real_trials_two_ranks():
                     4 * K,
                     {"fsdp": True, "ulysses_degree": 2, "head_chunk": 1, "mlp_tile_tokens": 1024},
                     compute_dtype="bf16",
-                    lora={"rank": 16},
+                    lora={"rank": 16, "trainable": ["embed_tokens", "norm"]},  # q/k norms in the chunked attention
                 ),
                 0,
             ),
