@@ -7,16 +7,19 @@ index), with weights of their own (not the seeded ones trials draw), so a tensor
   plugin's model in ``trials.training.step.train_step``: the same loss, gradients and loss after two steps.
 - The stack tests' matrix (``tests/test_stack.py``'s cases: every knob alone, pairs, the full stack, data
   parallel) through ``tests/stack_harness.py`` on 1 and 2 ranks, the model loaded by ``trials.hf.from_pretrained``
-  (and a few by ``trials.hf.apply``), against the plain ``transformers`` model of the same folder.
+  (and a few by ``trials.hf.apply``), against the plain ``transformers`` model of the same folder. These cases
+  (``_plugin_cases``, ``_packed_cases``) run in ``tests/test_stack.py``'s launches of the same world size
+  (``test_exact_one_rank``, ``test_exact_two_ranks``): starting ranks costs more than the cases.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
-from test_stack import GRAD_RTOL, HARNESS, LOSS_RTOL, SEQ, _cases, _check_exact, _launch
+from test_stack import GRAD_RTOL, LOSS_RTOL, SEQ, _cases
 
 from trials.models.config import load_model_config
 
@@ -26,12 +29,10 @@ MODELS = ("tiny-llama", "tiny-qwen3")
 APPLY_CASES = ("full", "fsdp", "head_chunk=1+checkpointing", "dp2+full")  # also run through ``trials.hf.apply``
 
 
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory) -> dict[str, str]:
+def save_models(root: Path) -> dict[str, str]:
     """{preset: folder}: each tiny preset as ``transformers`` saves a model of it, with its own random weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    root = tmp_path_factory.mktemp("pretrained")
     folders = {}
     for index, name in enumerate(MODELS):
         values = {k: v for k, v in load_model_config(name).items() if not k.startswith("_")}
@@ -43,6 +44,11 @@ def pretrained(tmp_path_factory) -> dict[str, str]:
         folders[name] = str(folder)
     assert (root / "tiny-qwen3" / "model.safetensors.index.json").is_file()
     return folders
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> dict[str, str]:
+    return save_models(tmp_path_factory.mktemp("pretrained"))
 
 
 def _plugin_cases(degree: int, pretrained: dict[str, str]) -> list[dict]:
@@ -60,24 +66,14 @@ def _plugin_cases(degree: int, pretrained: dict[str, str]) -> list[dict]:
     return rows
 
 
-def test_exact_one_rank(pretrained, tmp_path):
-    cases = _plugin_cases(1, pretrained)
-    _check_exact(_launch(HARNESS, 1, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=600), len(cases))
-
-
-def test_exact_two_ranks(pretrained, tmp_path):
-    cases = _plugin_cases(2, pretrained) + _packed_cases(pretrained)  # one launch: starting two ranks costs the most
-    _check_exact(_launch(HARNESS, 2, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=900), len(cases))
-
-
 PACKED_LENGTHS = [100, 1, 236, 175]  # uneven, one of a single token; on 2 ranks a boundary falls inside each shard
 
 
 def _packed_cases(pretrained: dict[str, str]) -> list[dict]:
-    """Packed documents through the plugin, on 2 ranks (in ``test_exact_two_ranks``' launch): a ``transformers`` model
-    stacked by ``trials.hf.apply`` (Ulysses 2, head chunks, checkpointing) given a Hugging Face batch whose
-    ``position_ids`` restart at 0 at each document (``trials.hf.batch``) trains as the plain model run on each
-    document alone: loss and gradients, and (tiny-llama, with FSDP) the loss after one step."""
+    """Packed documents through the plugin, on 2 ranks (in ``tests/test_stack.py::test_exact_two_ranks``' launch): a
+    ``transformers`` model stacked by ``trials.hf.apply`` (Ulysses 2, head chunks, checkpointing) given a Hugging Face
+    batch whose ``position_ids`` restart at 0 at each document (``trials.hf.batch``) trains as the plain model run on
+    each document alone: loss and gradients, and (tiny-llama, with FSDP) the loss after one step."""
     techniques = {"ulysses_degree": 2, "head_chunk": 1, "activation_checkpointing": True}
     full = {"fsdp": True, "activation_offload_layers": 1, "mlp_tile_tokens": 96, "loss_tile_tokens": 80}
     return [

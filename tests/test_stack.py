@@ -8,7 +8,8 @@ per parameter), first-step gradients before the optimizer step; cases marked ``s
 (exercising optimizer offload) and compare the loss after it. LoRA (``_lora_cases``): peft's adapters on a frozen
 base, against the plain model with the same adapters, through head chunks, tiles, checkpointing and offload, FSDP, a
 ring and packed documents. Many cases run inside ONE launch per world size (``tests/stack_harness.py``): starting
-torchrun costs ~20 s.
+torchrun costs ~20 s. The plugin's cases (``tests/test_hf_plugin.py``: these cases through ``trials.hf``, the model
+saved by ``transformers``) join the 1- and 2-rank launches.
 
 Memory (slow): world 2, 6K tokens, tiny-llama, the tracker's peak (``tests/stack_memory_harness.py``).
 """
@@ -204,13 +205,21 @@ def _check_exact(report: dict, expected: int) -> None:
 
 
 def test_exact_one_rank(tmp_path):
-    cases = _cases(1)
-    _check_exact(_launch(HARNESS, 1, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=600), len(cases))
+    # the plugin's cases (tests/test_hf_plugin.py: these cases, the model saved by transformers) join this launch
+    from test_hf_plugin import _plugin_cases, save_models
+
+    cases = _cases(1) + _plugin_cases(1, save_models(tmp_path / "pretrained"))
+    _check_exact(_launch(HARNESS, 1, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=900), len(cases))
 
 
 def test_exact_two_ranks(tmp_path):
-    cases = _cases(2)
-    _check_exact(_launch(HARNESS, 2, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=600), len(cases))
+    # the plugin's cases and its packed documents (tests/test_hf_plugin.py) join this launch: starting ranks costs
+    # more than the cases
+    from test_hf_plugin import _packed_cases, _plugin_cases, save_models
+
+    pretrained = save_models(tmp_path / "pretrained")
+    cases = _cases(2) + _plugin_cases(2, pretrained) + _packed_cases(pretrained)
+    _check_exact(_launch(HARNESS, 2, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=900), len(cases))
 
 
 @pytest.mark.slow
