@@ -20,12 +20,18 @@ def test_a_lora_spec_reads_back_what_it_writes_and_refuses_bad_values():
     assert LoraSpec.from_json(None) == FULL_TRAINING and FULL_TRAINING.to_json() is None
     assert LoraSpec(rank=8).scaling == 2.0 and LoraSpec(rank=8).targets == ALL_LINEAR  # alpha: twice the rank
     assert LoraSpec(rank=16).describe() == "LoRA rank 16 (alpha 32) on all linear layers"
+    whole = LoraSpec(rank=8, alpha=16.0, trainable=["embed_tokens", "norm"])  # LongLoRA's modules trained whole
+    assert whole.trainable == ("embed_tokens", "norm") and LoraSpec.from_json(whole.to_json()) == whole
+    assert whole.peft_config().modules_to_save == ["embed_tokens", "norm"] and LoraSpec.of(whole.peft_config()) == whole
+    assert whole.describe().endswith("on all linear layers, embed_tokens and norm trained whole")
     for bad, said in (
         ({"rank": -1}, "non-negative"),
         ({"rank": 4, "alpha": 0}, "alpha must be positive"),
         ({"rank": 4, "targets": "attention"}, "targets must be"),
         ({"rank": 4, "targets": []}, "module names"),
         ({"rank": 4, "dropout": 0.1}, "unknown lora key 'dropout'"),
+        ({"rank": 0, "trainable": ["norm"]}, "need a LoRA rank"),
+        ({"rank": 4, "trainable": [""]}, "must be module names"),
         ("16", "must be a mapping"),
     ):
         with pytest.raises(ValueError, match=said):

@@ -111,17 +111,22 @@ def _cases(degree: int) -> list[dict]:
 
 
 LORA = {"rank": 4, "alpha": 8, "init_lora_weights": False}  # B drawn too: every adapter has a gradient at step 1
+WHOLE = {**LORA, "trainable": ["embed_tokens", "norm"]}  # LongLoRA's: the embedding and every norm trained whole too
 
 
 def _lora_cases(degree: int) -> list[dict]:
     """LoRA adapters (peft's) through the knobs: the reference is the plain model with the same adapters; only the
-    adapters have gradients (tiny-qwen3: its q/k norms frozen inside head-chunked attention too)."""
+    adapters have gradients (tiny-qwen3: its q/k norms frozen inside head-chunked attention too). With ``WHOLE`` the
+    embedding and the norms train too, peft's ``modules_to_save`` in the reference (trained copies), the modules
+    themselves in the stack (tiny-qwen3: its q/k norms trained inside head-chunked attention)."""
     u = {"ulysses_degree": degree}
     ckpt = {"activation_checkpointing": True}
     cases = {
         "tiny-llama/lora": ({}, LORA, True),
         "tiny-qwen3/lora+head_chunk=1+checkpointing": ({"head_chunk": 1, **ckpt}, LORA, False),
+        "tiny-qwen3/lora+whole+head_chunk=1+checkpointing": ({"head_chunk": 1, **ckpt}, WHOLE, True),
         "tiny-llama/lora+full": (FULL, LORA, True),
+        "tiny-llama/lora+whole+full": (FULL, WHOLE, True),
         "tiny-qwen3/lora q,v+head_chunk=2+mlp+loss": (
             {"head_chunk": 2, "mlp_tile_tokens": 96, "loss_tile_tokens": 80},
             {**LORA, "alpha": 2, "targets": ["q_proj", "v_proj"]},
@@ -129,8 +134,16 @@ def _lora_cases(degree: int) -> list[dict]:
         ),
     }
     if degree == 2:  # a ring, data parallel under FSDP, packed documents
-        cases["tiny-llama/lora+ring=2+checkpointing"] = ({"ring_degree": 2, "ulysses_degree": 1, **ckpt}, LORA, False)
-        cases["tiny-llama/lora dp2+fsdp+mlp"] = ({"fsdp": True, "ulysses_degree": 1, "mlp_tile_tokens": 96}, LORA, True)
+        cases["tiny-llama/lora+whole+ring=2+checkpointing"] = (
+            {"ring_degree": 2, "ulysses_degree": 1, **ckpt},
+            WHOLE,
+            False,
+        )
+        cases["tiny-llama/lora+whole dp2+fsdp+mlp"] = (
+            {"fsdp": True, "ulysses_degree": 1, "mlp_tile_tokens": 96},
+            WHOLE,
+            True,
+        )
     rows = []
     for name, (techniques, lora, step) in cases.items():
         model = name.split("/")[0]

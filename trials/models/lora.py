@@ -128,7 +128,10 @@ class LoraSpec:
             return None
         data = asdict(self)
         data["targets"] = self.targets if self.targets == ALL_LINEAR else list(self.targets)
-        data["trainable"] = list(self.trainable)
+        if self.trainable:
+            data["trainable"] = list(self.trainable)
+        else:  # adapters alone: written as before modules could train whole
+            del data["trainable"]
         return data
 
     @classmethod
