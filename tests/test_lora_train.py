@@ -238,9 +238,8 @@ def test_a_lora_search_exports_its_adapters_to_the_trainers_that_train_them_and_
     for format, output in (("autotune", "best.json"), ("accelerate", "run.yaml")):
         assert main(["export", str(search), "--format", format, "-o", str(tmp_path / output)]) == 0
     said = capsys.readouterr()
-    assert (
-        "LoRA rank 4 (alpha 8) on all linear layers on the frozen model: the config file's lora" in said.out + said.err
-    )
+    trained = "LoRA rank 4 (alpha 8) on all linear layers, embed_tokens and norm trained whole on the frozen model"
+    assert trained + ": the config file's lora" in said.out + said.err
     assert load_config_file(str(tmp_path / "best.json")).lora == LoraSpec.from_json(LORA)
     script = (tmp_path / "run.trainer.py").read_text()
     assert '"lora"' in script and "lora=config.lora" in script  # the config it embeds, and the adapters put in
