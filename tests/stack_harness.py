@@ -4,7 +4,8 @@
     python tests/stack_harness.py CASES.json OUT.json                            (one rank)
 
 CASES.json: {"seq_len": int, "cases": [{"name", "model", "techniques": {...}, "step": bool,
-"batch_exchanges": bool, "pretrained": {"dir", "via"}, "documents": [lengths], "hf_batch": bool, "lora": {...}}]}.
+"batch_exchanges": bool, "pretrained": {"dir", "via"}, "documents": [lengths], "hf_batch": bool, "lora": {...},
+"seq_len": int}]} (a case's own ``seq_len`` over the spec's: tables of other lengths share a launch).
 Every rank builds,
 for each (model, data-parallel size, pretrained folder), the plain single-process reference itself (cheap at these
 sizes): the loss and parameter gradients of ``dp`` replicas (sample r for replica r, DESIGN.md's data rule)
@@ -238,7 +239,7 @@ def run_case(case: dict, seq_len: int, refs: dict, meshes: dict) -> dict:
     pretrained = case.get("pretrained")
     lengths = tuple(case.get("documents") or ())
     lora = LoraSpec.from_json(case.get("lora"))
-    key = (case["model"], mesh.dp_size, pretrained["dir"] if pretrained else None, lengths, lora)
+    key = (case["model"], mesh.dp_size, pretrained["dir"] if pretrained else None, lengths, lora, seq_len)
     if key not in refs:
         refs[key] = reference(model_config, seq_len, mesh.dp_size, key[2], lengths, lora)
     ref = refs[key]
@@ -310,7 +311,7 @@ def main(argv: list[str]) -> int:
 
             meshes[(world, 1)] = init_mesh(world, timeout_s=300)
         for case in spec["cases"]:
-            results.append(run_case(case, spec["seq_len"], refs, meshes))
+            results.append(run_case(case, case.get("seq_len", spec["seq_len"]), refs, meshes))
             if rank == 0:
                 print(json.dumps(results[-1]), flush=True)
     except Exception as exc:

@@ -4,8 +4,8 @@ Exactness: the stack harness (``tests/stack_harness.py``) on gloo ranks, each ca
 model (loss within rel 1e-5, every parameter gradient within rel 1e-4, fp32): ring 2 alone, with the other knobs
 and through the plugin ``trials.hf`` on 2 ranks; ring 4, Ulysses 2 x ring 2, head chunking, the full stack and GQA with fewer kv heads than ranks on 4
 (slow: four ranks on a shared 2-core host). The cases (``two_rank_cases``, ``two_rank_slow_cases``,
-``four_rank_cases``) run in the launches of ``tests/test_ring_documents.py``, one per world size and suite: starting
-ranks costs more than the cases.
+``four_rank_cases``) run in the launches of ``tests/test_ring_documents.py`` (its 4-rank table in
+``tests/test_stack.py``'s 4-rank launch), one per world size and suite: starting ranks costs more than the cases.
 
 Without processes: the zigzag split gives every column to exactly one rank (chunks r and 2R-1-r), and the ring's
 block schedule, run for every rank and step, visits exactly the causal (query, key) pairs once each, with equal work
@@ -47,7 +47,8 @@ def _saved_model(folder, name: str) -> str:
 
 def two_rank_cases() -> list[dict]:
     """Ring 2 alone and with checkpointing, offload and tiles (the fast suite); they run in the 2-rank launch of the
-    ring's packed documents (tests/test_ring_documents.py), as do ``two_rank_slow_cases`` and ``four_rank_cases``."""
+    ring's packed documents (tests/test_ring_documents.py), as do ``two_rank_slow_cases``; ``four_rank_cases`` run in
+    tests/test_stack.py's 4-rank launch."""
     return [
         _case("ring2", "tiny-llama", ring_degree=2),
         _case("ring2+checkpointing+offload+tiles", "tiny-qwen3", ring_degree=2, **CKPT_OFFLOAD, **TILES),

@@ -6,8 +6,9 @@ A ring of R splits each packed document into 2R chunks and ring rank r holds chu
 alone (its documents reference: loss within rel 1e-5, every parameter gradient within rel 1e-4, fp32). Three
 documents of unequal lengths, each a multiple of 2 x ring only (not of 2 x ring x Ulysses: Ulysses splits a ring
 rank's columns as a whole), boundaries off the Ulysses shards' edges. Ring 2 on 2 ranks in the fast suite; head
-chunks, the full stack, ring 4 and Ulysses 2 x ring 2 on 4 ranks slow. Each launch runs the ring's own cases of
-its world size and suite too, without documents (``tests/test_ring.py``): starting ranks costs more than the cases.
+chunks, the full stack, ring 4 and Ulysses 2 x ring 2 on 4 ranks slow (``four_rank_ring_cases``, in
+``tests/test_stack.py``'s 4-rank launch at this file's length). Each launch runs the ring's own cases of its world
+size and suite too, without documents (``tests/test_ring.py``): starting ranks costs more than the cases.
 
 Without processes: the per-document split gives every column to one rank, positions restarting per document; the
 ring's block schedule over documents, run for every rank and step, visits exactly each document's causal (query,
@@ -66,8 +67,10 @@ def test_ring_with_and_without_documents_exact_two_ranks_with_head_chunks_the_fu
     _check_exact(_launch(HARNESS, 2, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=600), len(cases))
 
 
-@pytest.mark.slow
-def test_ring_with_and_without_documents_exact_four_ranks(tmp_path):
+def four_rank_ring_cases() -> list[dict]:
+    """Ulysses 2 x ring 2 and a ring of 4, with and without documents, at this file's length: they run in
+    ``tests/test_stack.py``'s 4-rank launch (``test_exact_four_ranks_with_replicated_kv_heads``), with the ring's own
+    4-rank cases (tests/test_ring.py); four ranks cost the most to start."""
     cases = [
         _case("ulysses2xring2", "tiny-llama", ulysses_degree=2, ring_degree=2),
         _case(
@@ -89,9 +92,8 @@ def test_ring_with_and_without_documents_exact_four_ranks(tmp_path):
         ),
         {**_case("ring4+tiles", "tiny-llama", ring_degree=4, **TILES), "documents": [48, 8, 200]},
     ]
-    # one launch, with the ring's own 4-rank cases (tests/test_ring.py): each case's mesh is built on the same 4 ranks
-    cases += four_rank_cases()
-    _check_exact(_launch(HARNESS, 4, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=900), len(cases))
+    # each case's mesh is built on the same 4 ranks
+    return [{**case, "seq_len": SEQ} for case in cases + four_rank_cases()]
 
 
 # -- the split and the schedule (no processes) ----------------------------------------------------------------------

@@ -238,10 +238,12 @@ def test_exact_two_ranks(tmp_path):
 @pytest.mark.slow
 def test_exact_four_ranks_with_replicated_kv_heads(tmp_path):
     # tiny-llama: 2 kv heads < degree 4, so every kv head is replicated on 2 ranks; 2 local heads per rank. Packed
-    # documents' 4-rank cases (tests/test_documents.py) join this launch: four ranks cost the most to start
+    # documents' 4-rank cases (tests/test_documents.py) and the ring's (tests/test_ring_documents.py, at their own
+    # length) join this launch: four ranks cost the most to start
     from tests.test_documents import _cases as document_cases
+    from tests.test_ring_documents import four_rank_ring_cases
 
-    cases = _cases(4) + document_cases(4)
+    cases = _cases(4) + document_cases(4) + four_rank_ring_cases()
     _check_exact(_launch(HARNESS, 4, {"seq_len": SEQ, "cases": cases}, tmp_path, timeout=900), len(cases))
 
 
