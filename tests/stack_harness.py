@@ -60,6 +60,8 @@ LR = 1e-2
 
 
 def full_grads(model) -> dict[str, torch.Tensor]:
+    from trials.models.lora import TRAINED_COPY
+
     grads = {}
     for name, param in model.named_parameters():
         grad = param.grad
@@ -68,7 +70,7 @@ def full_grads(model) -> dict[str, torch.Tensor]:
         if hasattr(grad, "full_tensor"):
             grad = grad.full_tensor()
         # the plain model's name: peft trains a module of ``modules_to_save`` as a copy, the stack the module itself
-        name = name.replace("_checkpoint_wrapped_module.", "").replace(".modules_to_save.default.", ".")
+        name = name.replace("_checkpoint_wrapped_module.", "").replace(TRAINED_COPY, ".")
         grads[name] = grad.detach().float().clone()
     return grads
 

@@ -25,17 +25,18 @@ def parse_lora(
         if alpha is not None or targets is not None or trainable is not None:
             raise UserError("--lora-alpha, --lora-targets and --lora-trainable need --lora-rank")
         return None
-    names = ALL_LINEAR if targets is None or targets.strip() == ALL_LINEAR else _names("--lora-targets", targets)
-    whole = _names("--lora-trainable", trainable) if trainable is not None else ()
+    names = ALL_LINEAR
+    if targets is not None and targets.strip() != ALL_LINEAR:
+        names = _names("--lora-targets", targets, f"{ALL_LINEAR} or module names")
+    whole = _names("--lora-trainable", trainable, "module names") if trainable is not None else ()
     try:
         return LoraSpec(rank=rank, alpha=alpha, targets=names, trainable=whole)
     except ValueError as exc:
         raise UserError(f"--lora-rank {rank}: {exc}") from None
 
 
-def _names(option: str, value: str) -> tuple[str, ...]:
+def _names(option: str, value: str, allowed: str) -> tuple[str, ...]:
     names = tuple(name.strip() for name in value.split(","))
     if not all(name.isidentifier() for name in names):
-        allowed = f"{ALL_LINEAR} or module names" if option == "--lora-targets" else "module names"
         raise UserError(f"{option} {value!r} must be {allowed} separated by commas")
     return names

@@ -29,6 +29,7 @@ import torch
 
 ALL_LINEAR = "all-linear"  # peft's word: every linear layer but the output head
 ADAPTER_NAME = "default"  # peft's adapter name
+TRAINED_COPY = f".modules_to_save.{ADAPTER_NAME}."  # in the name of peft's copy of a module it trains whole
 
 
 @dataclass(frozen=True)

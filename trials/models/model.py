@@ -16,7 +16,7 @@ from trials.core.memory import active_tracker
 from trials.kernels import attention
 from trials.kernels.documents import DOCUMENTS_KWARG
 from trials.models.families import family_of
-from trials.models.lora import FULL_TRAINING, LoraSpec, apply_lora
+from trials.models.lora import FULL_TRAINING, TRAINED_COPY, LoraSpec, apply_lora
 
 _CONFIG_ONLY_KEYS = ("_name", "_source")  # autotune's own keys, not transformers'
 
@@ -65,7 +65,6 @@ INIT_BLOCK_ROWS = 4096  # rows of a parameter drawn from one seeded generator (a
 # wrappers a parameter's name passes through that the plain model lacks: checkpointing's, FSDP1's, compile's, and
 # peft's LoRA layer around the base linear (``q_proj.base_layer.weight`` is the checkpoint's ``q_proj.weight``)
 _WRAPPER_NAMES = {"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod", "base_layer", "original_module"}
-_TRAINED_COPY = ".modules_to_save.default."  # peft's copy of a module it trains whole (``modules_to_save``)
 
 
 def materialize(model: TrainingModel, device, seed: int = 0, params_device=None, init: bool = True) -> None:
@@ -184,7 +183,7 @@ def init_weights(model: TrainingModel, seed: int = 0, adapters_only: bool = Fals
 def _canonical(name: str) -> str:
     """The parameter's name in the plain model (wrappers of checkpointing/FSDP/compile and peft's ``base_layer``,
     ``original_module`` and trained copies dropped: a copy starts as its original)."""
-    name = name.replace(_TRAINED_COPY, ".")
+    name = name.replace(TRAINED_COPY, ".")
     return ".".join(part for part in name.split(".") if part and part not in _WRAPPER_NAMES)
 
 
