@@ -131,7 +131,7 @@ class LoraSpec:
         data["targets"] = self.targets if self.targets == ALL_LINEAR else list(self.targets)
         if self.trainable:
             data["trainable"] = list(self.trainable)
-        else:  # adapters alone: written as before modules could train whole
+        else:  # adapters alone: no key (from_json reads its absence so)
             del data["trainable"]
         return data
 
